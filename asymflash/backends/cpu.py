@@ -1,0 +1,147 @@
+"""CPU backend: tiled attention in torch, O(seqlen) extra memory.
+
+The same algorithm as the GPU kernels, written with torch ops on tiles: an online softmax
+over key blocks for the forward, and a backward that recomputes each tile's probabilities
+from the saved lse. No (seqlen_q, seqlen_k) matrix is ever formed, only (BLOCK_Q, BLOCK_K)
+tiles per head, so long sequences fit. All arithmetic is fp32; the loop order is fixed, so
+the backward is deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.masks import allowed, key_range
+from ..core.params import AttnParams, SeqInfo
+
+NAME = "cpu"
+BLOCK_Q = 256
+BLOCK_K = 512
+
+
+def unsupported(q, k, v, seq, params, sink):
+    return None if q.device.type == "cpu" else f"tensors are on {q.device}, not the CPU"
+
+
+unsupported_backward = unsupported
+
+
+def _sequences(seq: SeqInfo):
+    """(q_start, seqlen_q, k_start, seqlen_k) for each sequence, from host copies."""
+    cu_q, cu_k = seq.cu_seqlens_q.tolist(), seq.cu_seqlens_k.tolist()
+    used = seq.seqused_k.tolist() if seq.seqused_k is not None else None
+    for b in range(seq.batch):
+        sk = used[b] if used is not None else cu_k[b + 1] - cu_k[b]
+        yield cu_q[b], cu_q[b + 1] - cu_q[b], cu_k[b], sk
+
+
+def _tiles(seq: SeqInfo, params: AttnParams):
+    """Every (sequence, query tile, key tile) that holds at least one allowed pair."""
+    for q0, sq, k0, sk in _sequences(seq):
+        for qs in range(0, sq, BLOCK_Q):
+            qe = min(sq, qs + BLOCK_Q)
+            k_lo, k_hi = key_range(qs, qe, sq, sk, params.mask)
+            k_lo = max(k_lo, 0)
+            keys = [(ks, min(ks + BLOCK_K, k_hi)) for ks in range(k_lo, k_hi, BLOCK_K)]
+            yield (q0, sq, k0, sk), (qs, qe), keys
+
+
+def _scores(qt, kt, params: AttnParams, tile_ok):
+    """Scaled (and capped) scores of one tile, shape (hkv, group, n_q, n_k); also tanh."""
+    s = torch.einsum("nhgd,khd->hgnk", qt, kt) * params.softmax_scale
+    t = None
+    if params.softcap > 0:
+        t = torch.tanh(s / params.softcap)
+        s = params.softcap * t
+    return s.masked_fill(~tile_ok, float("-inf")), t
+
+
+def _grouped(x, hkv):
+    """(n, hq, d) -> (n, hkv, group, d) in fp32: q heads of one kv head side by side."""
+    return x.float().view(x.shape[0], hkv, x.shape[1] // hkv, x.shape[2])
+
+
+def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink):
+    total_q, hq, _ = q.shape
+    hkv, dv = k.shape[1], v.shape[2]
+    out = torch.zeros(total_q, hq, dv, dtype=q.dtype)
+    lse = torch.full((hq, total_q), float("-inf"), dtype=torch.float32)
+    sink_g = None if sink is None else sink.float().view(hkv, hq // hkv, 1)
+    for (q0, sq, k0, sk), (qs, qe), keys in _tiles(seq, params):
+        qt = _grouped(q[q0 + qs:q0 + qe], hkv)
+        n = qe - qs
+        m = torch.full((hkv, hq // hkv, n), float("-inf"))
+        denom = torch.zeros(hkv, hq // hkv, n)
+        acc = torch.zeros(hkv, hq // hkv, n, dv)
+        for ks, ke in keys:
+            ok = allowed(sq, sk, params.mask, q_range=(qs, qe), k_range=(ks, ke))
+            s, _ = _scores(qt, k[k0 + ks:k0 + ke].float(), params, ok)
+            m_new = torch.maximum(m, s.amax(-1))
+            base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(s - base.unsqueeze(-1))
+            rescale = torch.exp(m - base)
+            denom = denom * rescale + p.sum(-1)
+            acc = acc * rescale.unsqueeze(-1) + torch.einsum(
+                "hgnk,khd->hgnd", p, v[k0 + ks:k0 + ke].float())
+            m = m_new
+        if sink_g is not None:
+            m_new = torch.maximum(m, sink_g)
+            rescale = torch.exp(m - m_new)
+            denom = denom * rescale + torch.exp(sink_g - m_new)
+            acc = acc * rescale.unsqueeze(-1)
+            m = m_new
+        base = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+        o = acc / safe.unsqueeze(-1)
+        out[q0 + qs:q0 + qe] = o.permute(2, 0, 1, 3).reshape(n, hq, dv).to(q.dtype)
+        lse[:, q0 + qs:q0 + qe] = (base + torch.log(denom)).reshape(hq, n)
+    return out, lse
+
+
+def row_terms(dout, out, dlse):
+    """D = rowsum(dO * O) - dlse, (hq, total_q) fp32: the softmax-Jacobian term per row.
+
+    A gradient flowing into lse adds p * dlse to dS, which is the same as lowering D by dlse.
+    """
+    d = (dout.float() * out.float()).sum(-1).transpose(0, 1)
+    return d if dlse is None else d - dlse.float()
+
+
+def sink_grad(sink, lse, d_rows):
+    """d loss / d sink[h] = -sum over rows of P_sink * D (the sink carries no value)."""
+    if sink is None:
+        return torch.zeros(lse.shape[0], dtype=torch.float32, device=lse.device)
+    p_sink = torch.exp(sink.float().unsqueeze(1) - lse)
+    return -(p_sink * d_rows).sum(1)
+
+
+def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, sink):
+    hq, hkv = q.shape[1], k.shape[1]
+    g = hq // hkv
+    d_rows = row_terms(dout, out, dlse)
+    dq = torch.zeros(q.shape, dtype=torch.float32)
+    dk = torch.zeros(k.shape, dtype=torch.float32)
+    dv = torch.zeros(v.shape, dtype=torch.float32)
+    for (q0, sq, k0, sk), (qs, qe), keys in _tiles(seq, params):
+        rows = slice(q0 + qs, q0 + qe)
+        n = qe - qs
+        qt, dot = _grouped(q[rows], hkv), _grouped(dout[rows], hkv)
+        lse_t = lse[:, rows].view(hkv, g, n, 1)
+        lse_t = torch.where(torch.isinf(lse_t), torch.full_like(lse_t, float("inf")), lse_t)
+        d_t = d_rows[:, rows].reshape(hkv, g, n, 1)
+        dq_t = torch.zeros(n, hkv, g, q.shape[2])
+        for ks, ke in keys:
+            kt, vt = k[k0 + ks:k0 + ke].float(), v[k0 + ks:k0 + ke].float()
+            ok = allowed(sq, sk, params.mask, q_range=(qs, qe), k_range=(ks, ke))
+            s, t = _scores(qt, kt, params, ok)
+            p = torch.exp(s - lse_t)
+            dv[k0 + ks:k0 + ke] += torch.einsum("hgnk,nhgd->khd", p, dot)
+            ds = p * (torch.einsum("nhgd,khd->hgnk", dot, vt) - d_t)
+            if t is not None:  # d/ds of softcap * tanh(s / softcap)
+                ds = ds * (1 - t * t)
+            dq_t += torch.einsum("hgnk,khd->nhgd", ds, kt)
+            dk[k0 + ks:k0 + ke] += torch.einsum("hgnk,nhgd->khd", ds, qt)
+        dq[rows] = dq_t.reshape(n, hq, q.shape[2])
+    scale = params.softmax_scale
+    dsink = sink_grad(sink, lse, d_rows)
+    return ((dq * scale).to(q.dtype), (dk * scale).to(k.dtype), dv.to(v.dtype), dsink)

@@ -1,0 +1,74 @@
+"""The normalised description of one attention call, shared by every backend.
+
+The public API accepts dense BSHD tensors or packed varlen tensors; `interface.py` validates
+them and turns both into the same packed form, so each backend implements one calling
+convention:
+
+    q: (total_q, nheads_q, head_dim)       k: (total_k, nheads_kv, head_dim)
+    v: (total_k, nheads_kv, head_dim_v)    out: (total_q, nheads_q, head_dim_v)
+    lse: (nheads_q, total_q) fp32, natural log
+
+Sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and the first
+seqlen_k(b) = seqused_k[b] (or cu_seqlens_k[b+1] - cu_seqlens_k[b]) rows from cu_seqlens_k[b] of
+k and v. Dense inputs become cu_seqlens = arange(batch + 1) * seqlen with `uniform=True`, so a
+backend may specialise on equal lengths without inspecting the tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """Which keys a query may see (semantics: `core.masks.allowed`).
+
+    Masks are aligned to the bottom-right corner: query i of a sequence with seqlen_q queries
+    and seqlen_k keys sits at key position i + seqlen_k - seqlen_q. `window_left` and
+    `window_right` are -1 for unbounded; causal is stored as window_right = 0.
+    """
+
+    window_left: int = -1
+    window_right: int = -1
+
+    @property
+    def causal(self) -> bool:
+        return self.window_right == 0
+
+    @property
+    def is_local(self) -> bool:
+        return self.window_left >= 0 or self.window_right >= 0
+
+
+@dataclass(frozen=True)
+class AttnParams:
+    """Scalars of one call; hashable so kernels can use it in a compile key."""
+
+    softmax_scale: float
+    mask: MaskSpec = MaskSpec()
+    softcap: float = 0.0  # 0 disables; else s = softcap * tanh(s / softcap)
+    deterministic: bool = False
+
+
+@dataclass
+class SeqInfo:
+    """Where each sequence lives in the packed tensors."""
+
+    cu_seqlens_q: torch.Tensor  # int32 (batch + 1,)
+    cu_seqlens_k: torch.Tensor  # int32 (batch + 1,)
+    max_seqlen_q: int
+    max_seqlen_k: int
+    seqused_k: Optional[torch.Tensor] = None  # int32 (batch,) or None
+    uniform: bool = False  # all sequences have max_seqlen_q queries and max_seqlen_k keys
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
+
+    @classmethod
+    def dense(cls, batch: int, seqlen_q: int, seqlen_k: int, device) -> "SeqInfo":
+        ar = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        return cls(ar * seqlen_q, ar * seqlen_k, seqlen_q, seqlen_k, None, True)

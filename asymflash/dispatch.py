@@ -1,0 +1,122 @@
+"""One table: which backend computes a call.
+
+A backend is a module with
+    NAME: str
+    unsupported(q, k, v, seq, params, sink) -> str | None      (forward; None = can do it)
+    forward(q, k, v, seq, params, sink) -> (out, lse)
+and, if it has a backward,
+    unsupported_backward(q, k, v, seq, params, sink) -> str | None
+    backward(dout, q, k, v, out, lse, dlse, seq, params, sink) -> (dq, dk, dv, dsink)
+All backends compute the same semantics (reference.py + core/), so any forward may be paired
+with any backward. Calls go to the first backend of the device's list that can implement
+them; one that cannot is skipped, never run to give a wrong answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import os
+import warnings
+
+import torch
+
+# name -> module path; imported lazily so a CPU box never imports GPU-only code paths.
+_MODULES = {
+    "cpu": "asymflash.backends.cpu",
+    "portable": "asymflash.backends.portable",
+    "sm90": "asymflash.backends.sm90.fwd",
+}
+
+# The Gluon fast paths are enabled only on the Triton versions they were tested on: Gluon's
+# API moves between releases and a silent miscompile is worse than the portable kernel.
+SM90_TESTED_TRITON = ("3.6.",)
+
+_forced: contextvars.ContextVar = contextvars.ContextVar("asymflash_backend", default=None)
+_warned: set = set()
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _sm90_allowed() -> bool:
+    import triton
+
+    if triton.__version__.startswith(SM90_TESTED_TRITON):
+        return True
+    if "sm90" not in _warned:
+        _warned.add("sm90")
+        warnings.warn(
+            f"asymflash: the sm90 Gluon kernels were tested on triton {SM90_TESTED_TRITON}, "
+            f"found {triton.__version__}: using the portable Triton kernels instead.",
+            stacklevel=3,
+        )
+    return False
+
+
+def backend_names(device) -> list:
+    """The backends that may apply on `device`, fastest first."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return ["cpu", "portable"] if interpreting() else ["cpu"]
+    if device.type != "cuda":
+        return []
+    names = []
+    if torch.cuda.get_device_capability(device) == (9, 0) and _sm90_allowed():
+        names.append("sm90")
+    names.append("portable")
+    return names
+
+
+def get_backend(name: str):
+    if name not in _MODULES:
+        raise ValueError(f"unknown asymflash backend {name!r}; known: {sorted(_MODULES)}")
+    return importlib.import_module(_MODULES[name])
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Force `name` for calls inside the block (tests, benchmarks).
+
+    A forced backend that cannot implement a call raises NotImplementedError with its reason.
+    """
+    get_backend(name)
+    token = _forced.set(name)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def _pick(q, k, v, seq, params, sink, direction: str):
+    check = "unsupported" if direction == "forward" else "unsupported_backward"
+    forced = _forced.get()
+    # A forced forward-only backend (sm90 today) leaves the backward to the usual table.
+    if forced and hasattr(get_backend(forced), direction):
+        names = [forced]
+    else:
+        names = backend_names(q.device)
+    reasons = []
+    for name in names:
+        mod = get_backend(name)
+        if not hasattr(mod, direction):
+            reasons.append(f"{name}: no {direction}")
+            continue
+        why = getattr(mod, check)(q, k, v, seq, params, sink)
+        if why is None:
+            return mod
+        reasons.append(f"{name}: {why}")
+    raise NotImplementedError(
+        f"asymflash: no backend can run this {direction} on {q.device}: " + "; ".join(reasons)
+    )
+
+
+def pick_forward(q, k, v, seq, params, sink):
+    return _pick(q, k, v, seq, params, sink, "forward")
+
+
+def pick_backward(q, k, v, seq, params, sink):
+    return _pick(q, k, v, seq, params, sink, "backward")

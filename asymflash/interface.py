@@ -1,0 +1,192 @@
+"""Public entry points: validation, packing, torch.library custom ops and autograd.
+
+Dense BSHD calls are packed into the varlen form of `core.params` (a free reshape), so one
+pair of custom ops, `asymflash::fwd` and `asymflash::bwd`, serves every call. The ops have
+fake implementations, so models using asymflash compile under torch.compile(fullgraph=True).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import dispatch
+from . import validation as check
+from .core.masks import normalize_window
+from .core.params import AttnParams, MaskSpec, SeqInfo
+
+
+def _params(scale, window_left, window_right, softcap, deterministic=False) -> AttnParams:
+    return AttnParams(scale, MaskSpec(window_left, window_right), softcap, deterministic)
+
+
+def _seq(cu_q, cu_k, seqused_k, max_q, max_k, uniform) -> SeqInfo:
+    return SeqInfo(cu_q, cu_k, max_q, max_k, seqused_k, uniform)
+
+
+@torch.library.custom_op("asymflash::fwd", mutates_args=())
+def _fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    seqused_k: Optional[Tensor], sink: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+    softmax_scale: float, window_left: int, window_right: int, softcap: float, uniform: bool,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor]:
+    total_q, nheads_q = q.shape[0], q.shape[1]
+    if total_q == 0:
+        return (q.new_empty(0, nheads_q, v.shape[-1]),
+                torch.empty(nheads_q, 0, dtype=torch.float32, device=q.device))
+    seq = _seq(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, uniform)
+    params = _params(softmax_scale, window_left, window_right, softcap)
+    backend = dispatch.pick_forward(q, k, v, seq, params, sink)
+    return backend.forward(q, k, v, seq, params, sink)
+
+
+@_fwd_op.register_fake
+def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, sink, max_seqlen_q,
+              max_seqlen_k, softmax_scale, window_left, window_right, softcap, uniform,
+              deterministic):
+    return (q.new_empty(q.shape[0], q.shape[1], v.shape[-1]),
+            q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32))
+
+
+@torch.library.custom_op("asymflash::bwd", mutates_args=())
+def _bwd_op(
+    dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+    lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_k: Optional[Tensor],
+    sink: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+    window_left: int, window_right: int, softcap: float, uniform: bool, deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    nheads_q = q.shape[1]
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        dsink = torch.zeros(nheads_q, dtype=torch.float32, device=q.device)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dsink
+    seq = _seq(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, uniform)
+    params = _params(softmax_scale, window_left, window_right, softcap, deterministic)
+    backend = dispatch.pick_backward(q, k, v, seq, params, sink)
+    return backend.backward(dout, q, k, v, out, lse, dlse, seq, params, sink)
+
+
+@_bwd_op.register_fake
+def _bwd_fake(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, sink,
+              max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
+              uniform, deterministic):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty(q.shape[1], dtype=torch.float32))
+
+
+_FWD_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "sink",
+             "max_seqlen_q", "max_seqlen_k", "softmax_scale", "window_left", "window_right",
+             "softcap", "uniform", "deterministic")
+
+
+def _setup_context(ctx, inputs, output):
+    named = dict(zip(_FWD_ARGS, inputs))
+    ctx.save_for_backward(named["q"], named["k"], named["v"], output[0], output[1],
+                          named["cu_seqlens_q"], named["cu_seqlens_k"], named["seqused_k"],
+                          named["sink"])
+    ctx.scalars = tuple(named[n] for n in _FWD_ARGS[7:])
+    ctx.has_sink = named["sink"] is not None
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, seqused_k, sink = ctx.saved_tensors
+    dq, dk, dv, dsink = _bwd_op(
+        dout.contiguous(), dlse, q, k, v, out, lse, cu_q, cu_k, seqused_k, sink,
+        *ctx.scalars,
+    )
+    dsink = dsink if ctx.has_sink else None
+    return (dq, dk, dv) + (None,) * 3 + (dsink,) + (None,) * 8
+
+torch.library.register_autograd("asymflash::fwd", _backward, setup_context=_setup_context)
+
+
+def _call(q, k, v, seq: SeqInfo, scale, causal, window_size, softcap, sink, deterministic):
+    mask = normalize_window(causal, window_size)
+    if sink is not None:  # kernels read fp32 logits; autograd casts the gradient back
+        sink = sink.float().contiguous()
+    return torch.ops.asymflash.fwd(
+        q, k, v, seq.cu_seqlens_q, seq.cu_seqlens_k, seq.seqused_k, sink,
+        seq.max_seqlen_q, seq.max_seqlen_k, float(scale), mask.window_left,
+        mask.window_right, float(softcap), seq.uniform, bool(deterministic),
+    )
+
+
+def _check_common(q, k, v, softmax_scale, window_size, softcap, learnable_sink):
+    check.check_scalars(softmax_scale, window_size, softcap)
+    check.check_sink(learnable_sink, q, q.shape[-2])
+    return 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+
+
+def flash_attn_func(
+    q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float] = None,
+    causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
+    learnable_sink: Optional[Tensor] = None, deterministic: bool = False,
+    return_lse: bool = False,
+):
+    """Exact attention on (batch, seqlen, nheads, headdim) tensors, flash-attn compatible.
+
+    q: (batch, seqlen_q, nheads_q, d); k: (batch, seqlen_k, nheads_kv, d);
+    v: (batch, seqlen_k, nheads_kv, dv). fp16 or bf16 (fp32 too on the CPU). nheads_q must be
+    a multiple of nheads_kv (GQA/MQA); d and dv multiples of 8 up to 256.
+    softmax_scale defaults to 1/sqrt(d). causal and window_size=(left, right) masks are
+    aligned to the bottom-right corner when seqlen_q != seqlen_k; -1 means unbounded.
+    softcap > 0 applies s = softcap * tanh(s / softcap). learnable_sink: (nheads_q,) logits
+    added to each row's softmax denominator (differentiable). deterministic=True makes the
+    backward bitwise reproducible. Returns out (batch, seqlen_q, nheads_q, dv), or
+    (out, lse) with lse fp32 (batch, nheads_q, seqlen_q) in natural log if return_lse.
+    A query with nothing to attend to gets out = 0 and lse = -inf.
+    """
+    check.check_tensors(q, k, v, 4, "(batch, seqlen, nheads, headdim)")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"asymflash: k has batch {k.shape[0]}; must equal q's batch "
+                         f"{q.shape[0]}")
+    scale = _check_common(q, k, v, softmax_scale, window_size, softcap, learnable_sink)
+    batch, seqlen_q, nheads_q, _ = q.shape
+    seqlen_k = k.shape[1]
+    seq = SeqInfo.dense(batch, seqlen_q, seqlen_k, q.device)
+    out, lse = _call(q.reshape(batch * seqlen_q, nheads_q, q.shape[-1]),
+                     k.reshape(batch * seqlen_k, k.shape[2], k.shape[3]),
+                     v.reshape(batch * seqlen_k, v.shape[2], v.shape[3]),
+                     seq, scale, causal, window_size, softcap, learnable_sink, deterministic)
+    out = out.view(batch, seqlen_q, nheads_q, v.shape[-1])
+    if not return_lse:
+        return out
+    return out, lse.view(nheads_q, batch, seqlen_q).transpose(0, 1)
+
+
+def flash_attn_varlen_func(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: Optional[float] = None,
+    causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
+    learnable_sink: Optional[Tensor] = None, deterministic: bool = False,
+    return_lse: bool = False, seqused_k: Optional[Tensor] = None,
+):
+    """Exact attention on packed sequences: q (total_q, nheads_q, d), k/v (total_k, ...).
+
+    Sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:
+    cu_seqlens_k[b+1] of k/v (int32, length batch + 1, non-decreasing); max_seqlen_q/k must be
+    at least the longest sequence. seqused_k (int32, (batch,)) optionally uses only the first
+    seqused_k[b] keys of each sequence. Other arguments as flash_attn_func; lse is
+    (nheads_q, total_q).
+    """
+    check.check_tensors(q, k, v, 3, "(total_tokens, nheads, headdim)")
+    check.check_int_vector(cu_seqlens_q, "cu_seqlens_q", None, q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch < 0:
+        raise ValueError("asymflash: cu_seqlens_q is empty; expected batch + 1 >= 1 offsets")
+    check.check_int_vector(cu_seqlens_k, "cu_seqlens_k", batch + 1, q.device)
+    check.check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q,
+                           "max_seqlen_q")
+    check.check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k,
+                           "max_seqlen_k")
+    if seqused_k is not None:
+        check.check_int_vector(seqused_k, "seqused_k", batch, q.device)
+        check.check_seqused(seqused_k, cu_seqlens_k)
+    scale = _check_common(q, k, v, softmax_scale, window_size, softcap, learnable_sink)
+    seq = SeqInfo(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, False)
+    out, lse = _call(q, k, v, seq, scale, causal, window_size, softcap, learnable_sink,
+                     deterministic)
+    return (out, lse) if return_lse else out

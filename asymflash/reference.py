@@ -1,0 +1,77 @@
+"""The plain-math definition of asymflash's attention: every feature, scores materialised.
+
+Used by the tests, the demo and the benchmark as the ground truth. Slow and memory-hungry
+(O(seqlen_q * seqlen_k) per head) by design: it is written to be obviously right.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .core.masks import allowed, normalize_window
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    learnable_sink: Optional[torch.Tensor] = None,
+    upcast: bool = True,
+    compute_dtype: torch.dtype = torch.float32,
+):
+    """Attention on BSHD tensors; returns (out, lse).
+
+    q: (batch, seqlen_q, nheads_q, d), k: (batch, seqlen_k, nheads_kv, d),
+    v: (batch, seqlen_k, nheads_kv, dv); nheads_q a multiple of nheads_kv (GQA/MQA).
+    s = softmax_scale * q.k (default scale 1/sqrt(d)); with softcap > 0,
+    s = softcap * tanh(s / softcap); masked keys (causal / local window, bottom-right aligned)
+    get -inf; a learnable sink adds exp(sink[h]) to the softmax denominator of head h (the
+    sink logit is in the same units as s and carries no value). Rows with nothing to attend to
+    give out = 0 and lse = -inf.
+
+    upcast=True computes in `compute_dtype` (fp32, or fp64 for tests of the reference itself)
+    and returns out in that dtype; upcast=False computes the matmuls in the input dtype with
+    the softmax in fp32, the same-dtype baseline of the FlashAttention tolerance rule.
+    lse is (batch, nheads_q, seqlen_q) in fp32 (natural log) — or compute_dtype when upcast.
+    """
+    batch, seqlen_q, nheads_q, d = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    work = compute_dtype if upcast else q.dtype
+    qf, kf, vf = (t.to(work) for t in (q, k, v))
+    group = nheads_q // nheads_kv
+    kf = kf.repeat_interleave(group, dim=2)
+    vf = vf.repeat_interleave(group, dim=2)
+
+    scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf)
+    stat = compute_dtype if upcast else torch.float32
+    scores = scores.to(stat) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    ok = allowed(seqlen_q, seqlen_k, normalize_window(causal, window_size), q.device)
+    scores = scores.masked_fill(~ok, float("-inf"))
+
+    row_max = scores.amax(dim=-1, keepdim=True) if seqlen_k > 0 else torch.full(
+        (batch, nheads_q, seqlen_q, 1), float("-inf"), dtype=stat, device=q.device)
+    if learnable_sink is not None:
+        sink = learnable_sink.to(stat).view(1, nheads_q, 1, 1)
+        row_max = torch.maximum(row_max, sink)
+    # A row with no allowed key has max -inf: shift by 0 instead so exp gives 0, not NaN.
+    safe_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    p = torch.exp(scores - safe_max)
+    denom = p.sum(dim=-1, keepdim=True)
+    if learnable_sink is not None:
+        denom = denom + torch.exp(sink - safe_max)
+    lse = (safe_max + torch.log(denom)).squeeze(-1)
+    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+    out = torch.einsum("bhqk,bkhd->bqhd", p.to(work), vf)
+    if not upcast:
+        lse = lse.float()
+    return out, lse
