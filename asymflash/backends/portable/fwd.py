@@ -1,0 +1,77 @@
+"""Portable forward kernel: one program = one block of BLOCK_M queries of one q head.
+
+FlashAttention-2's loop: stream K/V blocks, keep the running row max m and sum l in fp32,
+rescale the accumulator when m grows, normalise once at the end. Only the key blocks the
+mask allows are visited (causal and local skip the rest).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import dot, key_block_range, load_rows, log2_scores, seq_bounds, store_rows, tile_valid
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q, K, V, O, LSE, SINK, CU_Q, CU_K, USED_K,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_lse_h, nheads_q, group, num_m_blocks,
+    softmax_scale, softcap, window_left, window_right,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_USED_K: tl.constexpr,
+    LEFT: tl.constexpr, RIGHT: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    # Highest query blocks first: under a causal mask they see the most keys (longest first).
+    m_block = num_m_blocks - 1 - tl.program_id(1)
+    b = pid_bh // nheads_q
+    h = pid_bh % nheads_q
+    q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_Q, CU_K, USED_K, b, HAS_USED_K)
+    if m_block * BLOCK_M >= seqlen_q:
+        return
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = load_rows(Q + h * stride_qh, q_start, rows, seqlen_q, stride_qt, offs_d, D)
+    k_base = K + (h // group) * stride_kh
+    v_base = V + (h // group) * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    lo, hi = key_block_range(m_block * BLOCK_M, (m_block + 1) * BLOCK_M, seqlen_q, seqlen_k,
+                             window_left, window_right, LEFT, RIGHT, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k = load_rows(k_base, k_start, cols, seqlen_k, stride_kt, offs_d, D)
+        s, _ = log2_scores(dot(q, tl.trans(k), None), softmax_scale, softcap, SOFTCAP)
+        ok = tile_valid(rows, cols, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no allowed key yet has max -inf: shift by 0 so exp2 gives 0.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_rows(v_base, k_start, cols, seqlen_k, stride_vt, offs_dv, DV)
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    if HAS_SINK:  # the sink joins the denominator only: one more logit with no value row
+        sink = tl.load(SINK + h) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    empty = l_i == 0.0
+    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    store_rows(O + h * stride_oh, q_start, rows, seqlen_q, stride_ot, offs_dv, DV,
+               acc.to(O.dtype.element_ty))
+    lse_ptrs = LSE + h.to(tl.int64) * stride_lse_h + q_start + rows
+    tl.store(lse_ptrs, lse, mask=rows < seqlen_q)
