@@ -1,0 +1,95 @@
+"""Every backend against the reference: forward, lse and gradients, over a grid of features.
+
+On a CPU machine this runs the tiled CPU backend and the portable Triton kernels under the
+interpreter (small shapes); on a GPU machine the same grid runs on the CUDA backends.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asymflash import flash_attn_func
+from asymflash.dispatch import backend_names, use_backend
+from helpers import assert_fa_close, assert_lse_close, make_qkv, reference_pair
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = backend_names(DEVICE)
+
+# (batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, d, dv, causal, window, softcap, sink, dtype)
+CASES = [
+    (1, 1, 1, 1, 1, 64, 64, False, (-1, -1), 0.0, False, torch.bfloat16),
+    (2, 17, 17, 2, 2, 32, 32, True, (-1, -1), 0.0, False, torch.bfloat16),
+    (1, 113, 203, 2, 1, 64, 64, True, (-1, -1), 0.0, False, torch.bfloat16),
+    (1, 203, 113, 2, 2, 128, 128, True, (-1, -1), 0.0, False, torch.float16),
+    (2, 17, 113, 8, 1, 32, 32, False, (-1, -1), 0.0, False, torch.bfloat16),
+    (1, 113, 113, 4, 2, 96, 96, False, (16, 4), 0.0, False, torch.bfloat16),
+    (1, 64, 80, 2, 2, 192, 128, False, (-1, -1), 0.0, False, torch.bfloat16),
+    (1, 33, 47, 2, 2, 256, 256, True, (-1, -1), 0.0, False, torch.bfloat16),
+    (1, 50, 70, 2, 1, 64, 64, False, (-1, -1), 2.0, False, torch.bfloat16),
+    (1, 41, 41, 2, 2, 64, 64, True, (-1, -1), 0.0, True, torch.bfloat16),
+    (2, 17, 33, 4, 2, 32, 32, False, (5, 0), 5.0, True, torch.float16),
+    (1, 70, 20, 2, 1, 48, 48, False, (8, -1), 0.0, False, torch.bfloat16),
+    (1, 29, 29, 2, 2, 40, 24, False, (-1, 3), 0.0, True, torch.bfloat16),
+]
+
+
+def _id(case):
+    b, sq, sk, hq, hkv, d, dv, causal, win, cap, sink, dt = case
+    return (f"b{b}-q{sq}-k{sk}-h{hq}/{hkv}-d{d}/{dv}-{'causal' if causal else 'full'}"
+            f"-w{win[0]}_{win[1]}-cap{cap:g}-{'sink' if sink else 'nosink'}-{str(dt)[6:]}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_matches_reference(backend, case):
+    batch, sq, sk, hq, hkv, d, dv, causal, window, softcap, has_sink, dtype = case
+    q, k, v = make_qkv(batch, sq, sk, hq, hkv, d, dv, dtype, DEVICE)
+    sink = torch.randn(hq, device=DEVICE, requires_grad=True) if has_sink else None
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    with use_backend(backend):
+        out, lse = flash_attn_func(q, k, v, learnable_sink=sink, return_lse=True, **kw)
+    dout = torch.randn_like(out)
+    with use_backend(backend):
+        grads = torch.autograd.grad(out, [q, k, v] + ([sink] if has_sink else []), dout)
+    ref32, ref_low = reference_pair(q, k, v, dout, sink=sink, **kw)
+
+    assert out.shape == (batch, sq, hq, dv) and out.dtype == dtype
+    assert_fa_close("out", out, ref32[0], ref_low[0], atol=1e-3)
+    assert_lse_close(lse, ref32[1])
+    for name, g, r32, rlow in zip(("dq", "dk", "dv", "dsink"), grads, ref32[2:], ref_low[2:]):
+        assert g.shape == r32.shape
+        # dsink sums P_sink * rowsum(dO * O) over every row, with O rounded to the input dtype
+        # (as every FlashAttention backward does), so its atol grows with its magnitude.
+        atol = 2e-3 if name != "dsink" else 1e-2 * max(1.0, r32.abs().max().item())
+        assert_fa_close(name, g, r32, rlow, atol=atol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_without_keys_give_zero_and_minus_inf(backend):
+    # seqlen_q > seqlen_k under a causal mask: the first rows see no key at all.
+    q, k, v = make_qkv(1, 40, 8, 2, 2, 32, 32, torch.bfloat16, DEVICE)
+    with use_backend(backend):
+        out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+        out.backward(torch.randn_like(out))
+    assert torch.all(out[0, :32] == 0) and torch.all(lse[0, :, :32] == float("-inf"))
+    assert torch.isfinite(lse[0, :, 32:]).all()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+        assert torch.all(q.grad[0, :32] == 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lse_gradient(backend):
+    """A loss that uses lse gets the lse's gradient too (not silently dropped)."""
+    q, k, v = make_qkv(1, 23, 31, 2, 1, 32, 32, torch.float16, DEVICE)
+    with use_backend(backend):
+        out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+        grads = torch.autograd.grad((out.float() ** 2).sum() + lse.sum(), [q, k, v])
+    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    from asymflash.reference import attention_ref
+
+    r_out, r_lse = attention_ref(*leaves, causal=True)
+    r_grads = torch.autograd.grad((r_out ** 2).sum() + r_lse.sum(), leaves)
+    for g, r in zip(grads, r_grads):
+        assert (g.float() - r).abs().max().item() < 2e-2 * max(1.0, r.abs().max().item())
