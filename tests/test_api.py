@@ -1,0 +1,191 @@
+"""The public API's contract: validation, no input mutation, empty inputs, determinism,
+torch.compile. Runs on the default backend of the machine (CPU here, CUDA on the GPU box)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asymflash import flash_attn_func, flash_attn_varlen_func
+from asymflash.dispatch import backend_names, use_backend
+from asymflash.reference import attention_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def qkv(b=2, sq=17, sk=17, hq=4, hkv=2, d=32, dv=None, dtype=torch.bfloat16):
+    return (torch.randn(b, sq, hq, d, dtype=dtype, device=DEVICE),
+            torch.randn(b, sk, hkv, d, dtype=dtype, device=DEVICE),
+            torch.randn(b, sk, hkv, dv or d, dtype=dtype, device=DEVICE))
+
+
+def cu(*lens):
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=DEVICE)
+
+
+BAD_DENSE = [
+    # (what to change, exception, words the message must contain)
+    (lambda q, k, v: dict(q=q.float()) if DEVICE == "cuda" else dict(q=q.double()),
+     TypeError, "dtype"),
+    (lambda q, k, v: dict(k=k.half()), TypeError, "k has dtype"),
+    (lambda q, k, v: dict(q=q[0]), ValueError, "q has shape"),
+    (lambda q, k, v: dict(q=q.tolist()), TypeError, "q is a list"),
+    (lambda q, k, v: dict(k=k[:, :, :1].expand(-1, -1, 3, -1).contiguous(),
+                          v=v[:, :, :1].expand(-1, -1, 3, -1).contiguous()),
+     ValueError, "multiple of nheads_kv"),
+    (lambda q, k, v: dict(q=q[..., :12], k=k[..., :12]), ValueError, "multiple of 8"),
+    (lambda q, k, v: dict(q=torch.randn(2, 17, 4, 264, dtype=q.dtype, device=q.device),
+                          k=torch.randn(2, 17, 2, 264, dtype=q.dtype, device=q.device)),
+     ValueError, "head_dim"),
+    (lambda q, k, v: dict(k=k[..., :16]), ValueError, "k has head_dim"),
+    (lambda q, k, v: dict(v=v[:, :5]), ValueError, "v has shape"),
+    (lambda q, k, v: dict(k=k[:1], v=v[:1]), ValueError, "batch"),
+    (lambda q, k, v: dict(q=q.transpose(1, 3).contiguous().transpose(1, 3)), ValueError,
+     "stride"),
+    (lambda q, k, v: dict(window_size=(-2, 0)), ValueError, "window_size"),
+    (lambda q, k, v: dict(window_size=(3,)), ValueError, "window_size"),
+    (lambda q, k, v: dict(softcap=-1.0), ValueError, "softcap"),
+    (lambda q, k, v: dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
+    (lambda q, k, v: dict(learnable_sink=torch.zeros(3, device=q.device)), ValueError,
+     "learnable_sink"),
+    (lambda q, k, v: dict(learnable_sink=[0.0] * 4), TypeError, "learnable_sink"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(BAD_DENSE)))
+def test_bad_dense_input_is_refused_with_a_clear_message(i):
+    change, exc, words = BAD_DENSE[i]
+    q, k, v = qkv()
+    args = dict(q=q, k=k, v=v)
+    args.update(change(q, k, v))
+    with pytest.raises(exc, match=words):
+        flash_attn_func(**args)
+
+
+def test_different_devices_are_refused():
+    if DEVICE != "cuda":
+        pytest.skip("needs a second device")
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="k is on cpu"):
+        flash_attn_func(q, k.cpu(), v)
+
+
+BAD_VARLEN = [
+    (dict(cu_seqlens_q=cu(5, 6).long()), TypeError, "cu_seqlens_q has dtype"),
+    (dict(cu_seqlens_k=cu(5)), ValueError, "cu_seqlens_k has shape"),
+    (dict(cu_seqlens_q=torch.tensor([0, 6, 5], dtype=torch.int32, device=DEVICE)),
+     ValueError, "non-decreasing"),
+    (dict(cu_seqlens_k=cu(5, 20)), ValueError, "beyond the tensor"),
+    (dict(max_seqlen_q=5), ValueError, "max_seqlen_q is 5"),
+    (dict(max_seqlen_k=-1), ValueError, "max_seqlen_k"),
+    (dict(seqused_k=torch.tensor([3, 9], dtype=torch.int32, device=DEVICE)), ValueError,
+     "seqused_k"),
+    (dict(seqused_k=torch.tensor([3], dtype=torch.int32, device=DEVICE)), ValueError,
+     "seqused_k has shape"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(BAD_VARLEN)))
+def test_bad_varlen_input_is_refused(i):
+    change, exc, words = BAD_VARLEN[i]
+    q = torch.randn(11, 2, 16, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(13, 2, 16, dtype=torch.bfloat16, device=DEVICE)
+    args = dict(q=q, k=k, v=k.clone(), cu_seqlens_q=cu(5, 6), cu_seqlens_k=cu(5, 8),
+                max_seqlen_q=6, max_seqlen_k=8)
+    args.update(change)
+    with pytest.raises(exc, match=words):
+        flash_attn_varlen_func(**args)
+
+
+def test_inputs_are_not_modified():
+    q, k, v = qkv()
+    sink = torch.randn(4, device=DEVICE)
+    for t in (q, k, v, sink):
+        t.requires_grad_(True)
+    copies = [t.detach().clone() for t in (q, k, v, sink)]
+    out = flash_attn_func(q, k, v, causal=True, learnable_sink=sink, softcap=4.0)
+    out.sum().backward()
+    for t, c in zip((q, k, v, sink), copies):
+        assert torch.equal(t.detach(), c)
+
+
+@pytest.mark.parametrize("shape", [(0, 17, 17), (2, 0, 17), (2, 17, 0), (2, 0, 0)])
+def test_empty_inputs(shape):
+    b, sq, sk = shape
+    q, k, v = qkv(b, sq, sk)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    assert out.shape == (b, sq, 4, 32) and lse.shape == (b, 4, sq)
+    if sq and b:  # queries but no keys: zero output, -inf lse, never NaN
+        assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and torch.all(t.grad == 0)
+
+
+def test_no_keys_with_sink_gives_sink_lse():
+    q, k, v = qkv(1, 5, 0)
+    sink = torch.randn(4, device=DEVICE)
+    out, lse = flash_attn_func(q, k, v, learnable_sink=sink, return_lse=True)
+    assert torch.all(out == 0)
+    torch.testing.assert_close(lse[0], sink.view(4, 1).expand(4, 5))
+
+
+@pytest.mark.parametrize("backend", backend_names(DEVICE))
+def test_deterministic_backward_is_bitwise_reproducible(backend):
+    q, k, v = qkv(1, 37, 45, 2, 1, 32)
+    sink = torch.randn(2, device=DEVICE)
+    dout = torch.randn(1, 37, 2, 32, dtype=q.dtype, device=DEVICE)
+    first = None
+    for _ in range(20):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sink)]
+        with use_backend(backend):
+            out = flash_attn_func(*leaves[:3], causal=True, learnable_sink=leaves[3],
+                                  deterministic=True)
+            grads = torch.autograd.grad(out, leaves, dout)
+        if first is None:
+            first = grads
+        for g, f in zip(grads, first):
+            assert torch.equal(g, f)
+
+
+def test_torch_compile_fullgraph():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 3 * 64, dtype=torch.bfloat16, device=DEVICE)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = self.proj(x).view(b, s, 3, 4, 16).unbind(2)
+            return flash_attn_func(q, k, v, causal=True).reshape(b, s, 64)
+
+    torch._dynamo.reset()
+    model = Block()
+    x = torch.randn(2, 24, 64, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    compiled = torch.compile(model, fullgraph=True)
+    out = compiled(x)
+    out.sum().backward()
+    grad_compiled = x.grad.clone()
+    x.grad = None
+    eager = model(x)
+    eager.sum().backward()
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(grad_compiled, x.grad)
+    # and the attention inside matches the reference
+    q, k, v = model.proj(x).view(2, 24, 3, 4, 16).unbind(2)
+    ref, _ = attention_ref(q, k, v, causal=True)
+    assert (eager.float() - ref.reshape(2, 24, 64)).abs().max() < 2e-2
+
+
+def test_fp32_on_cpu():
+    if DEVICE != "cpu":
+        pytest.skip("fp32 is a CPU-path feature")
+    q, k, v = qkv(dtype=torch.float32)
+    out = flash_attn_func(q, k, v, causal=True)
+    ref, _ = attention_ref(q, k, v, causal=True)
+    assert (out - ref).abs().max() < 1e-5
