@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.masks import allowed, key_range
+from ..core.masks import allowed, key_range, tile_is_full
 from ..core.params import AttnParams, SeqInfo
 
 NAME = "cpu"
@@ -46,14 +46,17 @@ def _tiles(seq: SeqInfo, params: AttnParams):
             yield (q0, sq, k0, sk), (qs, qe), keys
 
 
-def _scores(qt, kt, params: AttnParams, tile_ok):
-    """Scaled (and capped) scores of one tile, shape (hkv, group, n_q, n_k); also tanh."""
+def _scores(qt, kt, params: AttnParams, sq, sk, q_span, k_span):
+    """Scaled (and capped, masked) scores of one tile, (hkv, group, n_q, n_k); also tanh."""
     s = torch.einsum("nhgd,khd->hgnk", qt, kt) * params.softmax_scale
     t = None
     if params.softcap > 0:
         t = torch.tanh(s / params.softcap)
         s = params.softcap * t
-    return s.masked_fill(~tile_ok, float("-inf")), t
+    if not tile_is_full(*q_span, *k_span, sq, sk, params.mask):
+        ok = allowed(sq, sk, params.mask, q_range=q_span, k_range=k_span)
+        s = s.masked_fill(~ok, float("-inf"))
+    return s, t
 
 
 def _grouped(x, hkv):
@@ -67,6 +70,7 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink):
     out = torch.zeros(total_q, hq, dv, dtype=q.dtype)
     lse = torch.full((hq, total_q), float("-inf"), dtype=torch.float32)
     sink_g = None if sink is None else sink.float().view(hkv, hq // hkv, 1)
+    k, v = k.float(), v.float()  # once, not per tile: O(seqlen) memory
     for (q0, sq, k0, sk), (qs, qe), keys in _tiles(seq, params):
         qt = _grouped(q[q0 + qs:q0 + qe], hkv)
         n = qe - qs
@@ -74,15 +78,14 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink):
         denom = torch.zeros(hkv, hq // hkv, n)
         acc = torch.zeros(hkv, hq // hkv, n, dv)
         for ks, ke in keys:
-            ok = allowed(sq, sk, params.mask, q_range=(qs, qe), k_range=(ks, ke))
-            s, _ = _scores(qt, k[k0 + ks:k0 + ke].float(), params, ok)
+            s, _ = _scores(qt, k[k0 + ks:k0 + ke], params, sq, sk, (qs, qe), (ks, ke))
             m_new = torch.maximum(m, s.amax(-1))
             base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             p = torch.exp(s - base.unsqueeze(-1))
             rescale = torch.exp(m - base)
             denom = denom * rescale + p.sum(-1)
             acc = acc * rescale.unsqueeze(-1) + torch.einsum(
-                "hgnk,khd->hgnd", p, v[k0 + ks:k0 + ke].float())
+                "hgnk,khd->hgnd", p, v[k0 + ks:k0 + ke])
             m = m_new
         if sink_g is not None:
             m_new = torch.maximum(m, sink_g)
@@ -119,6 +122,7 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
     hq, hkv = q.shape[1], k.shape[1]
     g = hq // hkv
     d_rows = row_terms(dout, out, dlse)
+    k, v = k.float(), v.float()
     dq = torch.zeros(q.shape, dtype=torch.float32)
     dk = torch.zeros(k.shape, dtype=torch.float32)
     dv = torch.zeros(v.shape, dtype=torch.float32)
@@ -131,9 +135,8 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
         d_t = d_rows[:, rows].reshape(hkv, g, n, 1)
         dq_t = torch.zeros(n, hkv, g, q.shape[2])
         for ks, ke in keys:
-            kt, vt = k[k0 + ks:k0 + ke].float(), v[k0 + ks:k0 + ke].float()
-            ok = allowed(sq, sk, params.mask, q_range=(qs, qe), k_range=(ks, ke))
-            s, t = _scores(qt, kt, params, ok)
+            kt, vt = k[k0 + ks:k0 + ke], v[k0 + ks:k0 + ke]
+            s, t = _scores(qt, kt, params, sq, sk, (qs, qe), (ks, ke))
             p = torch.exp(s - lse_t)
             dv[k0 + ks:k0 + ke] += torch.einsum("hgnk,nhgd->khd", p, dot)
             ds = p * (torch.einsum("nhgd,khd->hgnk", dot, vt) - d_t)
@@ -144,4 +147,4 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
         dq[rows] = dq_t.reshape(n, hq, q.shape[2])
     scale = params.softmax_scale
     dsink = sink_grad(sink, lse, d_rows)
-    return ((dq * scale).to(q.dtype), (dk * scale).to(k.dtype), dv.to(v.dtype), dsink)
+    return (dq * scale).to(q.dtype), (dk * scale).to(q.dtype), dv.to(q.dtype), dsink

@@ -63,3 +63,14 @@ def query_range(k_lo: int, k_hi: int, seqlen_q: int, seqlen_k: int, mask: MaskSp
     if mask.window_left >= 0:
         q_hi = min(q_hi, k_hi - 1 - shift + mask.window_left + 1)
     return q_lo, q_hi
+
+
+def tile_is_full(q_lo: int, q_hi: int, k_lo: int, k_hi: int, seqlen_q: int, seqlen_k: int,
+                 mask: MaskSpec) -> bool:
+    """True when every pair of the tile is allowed, so it needs no masking at all."""
+    shift = seqlen_k - seqlen_q
+    if mask.window_right >= 0 and k_hi - 1 > q_lo + shift + mask.window_right:
+        return False
+    if mask.window_left >= 0 and k_lo < q_hi - 1 + shift - mask.window_left:
+        return False
+    return True
