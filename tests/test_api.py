@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from asymflash import flash_attn_func, flash_attn_varlen_func
-from asymflash.dispatch import backend_names, use_backend
+from asymflash.dispatch import backend_names
 from asymflash.reference import attention_ref
+from helpers import forced
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -143,7 +144,7 @@ def test_deterministic_backward_is_bitwise_reproducible(backend):
     first = None
     for _ in range(20):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sink)]
-        with use_backend(backend):
+        with forced(backend):
             out = flash_attn_func(*leaves[:3], causal=True, learnable_sink=leaves[3],
                                   deterministic=True)
             grads = torch.autograd.grad(out, leaves, dout)

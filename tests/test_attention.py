@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from asymflash import flash_attn_func
-from asymflash.dispatch import backend_names, use_backend
-from helpers import assert_fa_close, assert_lse_close, make_qkv, reference_pair
+from asymflash.dispatch import backend_names
+from helpers import forced, assert_fa_close, assert_lse_close, make_qkv, reference_pair
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = backend_names(DEVICE)
@@ -47,10 +47,10 @@ def test_matches_reference(backend, case):
     q, k, v = make_qkv(batch, sq, sk, hq, hkv, d, dv, dtype, DEVICE)
     sink = torch.randn(hq, device=DEVICE, requires_grad=True) if has_sink else None
     kw = dict(causal=causal, window_size=window, softcap=softcap)
-    with use_backend(backend):
+    with forced(backend):
         out, lse = flash_attn_func(q, k, v, learnable_sink=sink, return_lse=True, **kw)
     dout = torch.randn_like(out)
-    with use_backend(backend):
+    with forced(backend):
         grads = torch.autograd.grad(out, [q, k, v] + ([sink] if has_sink else []), dout)
     ref32, ref_low = reference_pair(q, k, v, dout, sink=sink, **kw)
 
@@ -69,7 +69,7 @@ def test_matches_reference(backend, case):
 def test_rows_without_keys_give_zero_and_minus_inf(backend):
     # seqlen_q > seqlen_k under a causal mask: the first rows see no key at all.
     q, k, v = make_qkv(1, 40, 8, 2, 2, 32, 32, torch.bfloat16, DEVICE)
-    with use_backend(backend):
+    with forced(backend):
         out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
         out.backward(torch.randn_like(out))
     assert torch.all(out[0, :32] == 0) and torch.all(lse[0, :, :32] == float("-inf"))
@@ -83,7 +83,7 @@ def test_rows_without_keys_give_zero_and_minus_inf(backend):
 def test_lse_gradient(backend):
     """A loss that uses lse gets the lse's gradient too (not silently dropped)."""
     q, k, v = make_qkv(1, 23, 31, 2, 1, 32, 32, torch.float16, DEVICE)
-    with use_backend(backend):
+    with forced(backend):
         out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
         grads = torch.autograd.grad((out.float() ** 2).sum() + lse.sum(), [q, k, v])
     leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]

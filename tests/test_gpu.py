@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from asymflash import flash_attn_func
-from asymflash.dispatch import backend_names, use_backend
+from asymflash.dispatch import backend_names
 from asymflash.reference import attention_ref
-from helpers import assert_fa_close, assert_lse_close, make_qkv, reference_pair
+from helpers import forced, assert_fa_close, assert_lse_close, make_qkv, reference_pair
 
 pytestmark = pytest.mark.gpu
 BACKENDS = backend_names("cuda") if torch.cuda.is_available() else []
@@ -42,7 +42,7 @@ def test_realistic_sizes(backend, case):
     q, k, v = make_qkv(batch, sq, sk, hq, hkv, d, dv, dtype, "cuda")
     sink = torch.randn(hq, device="cuda", requires_grad=True) if has_sink else None
     kw = dict(causal=causal, window_size=window, softcap=softcap)
-    with use_backend(backend):
+    with forced(backend):
         out, lse = flash_attn_func(q, k, v, learnable_sink=sink, return_lse=True, **kw)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, [q, k, v] + ([sink] if has_sink else []), dout)
@@ -68,7 +68,7 @@ def _check_last_rows(q, k, v, out, lse, rows, causal, dq=None, dout=None):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_long_sequence_128k(backend):
     q, k, v = make_qkv(1, 131072, 131072, 4, 2, 128, 128, torch.bfloat16, "cuda")
-    with use_backend(backend):
+    with forced(backend):
         out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
         dout = torch.randn_like(out)
         dq, dk, dv = torch.autograd.grad(out, [q, k, v], dout)
@@ -83,7 +83,7 @@ def test_more_than_2_pow_31_elements(backend):
     batch, seqlen, nheads, d = 8200, 256, 8, 128
     assert batch * seqlen * nheads * d > 2 ** 31
     q, k, v = make_qkv(batch, seqlen, seqlen, nheads, nheads, d, d, torch.bfloat16, "cuda")
-    with use_backend(backend):
+    with forced(backend):
         out = flash_attn_func(q, k, v, causal=True)
         dout = torch.randn_like(out)
         dq, dk, dv = torch.autograd.grad(out, [q, k, v], dout)

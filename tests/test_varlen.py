@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from asymflash import flash_attn_varlen_func
-from asymflash.dispatch import backend_names, use_backend
+from asymflash.dispatch import backend_names
 from asymflash.reference import attention_ref
+from helpers import forced
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = backend_names(DEVICE)
@@ -58,7 +59,7 @@ def test_varlen_matches_reference(backend, causal, window, softcap, with_sink, w
     sink = torch.randn(hq, device=DEVICE, requires_grad=True) if with_sink else None
     seqused = torch.tensor(used_k, dtype=torch.int32, device=DEVICE) if with_used else None
     kw = dict(causal=causal, window_size=window, softcap=softcap)
-    with use_backend(backend):
+    with forced(backend):
         out, lse = flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), max(lens_q),
                                           max(lens_k), learnable_sink=sink, return_lse=True,
                                           seqused_k=seqused, **kw)
@@ -86,7 +87,7 @@ def test_varlen_equals_dense(backend):
     q = torch.randn(3, 33, 2, 64, dtype=torch.float16, device=DEVICE)
     k = torch.randn(3, 21, 2, 64, dtype=torch.float16, device=DEVICE)
     v = torch.randn(3, 21, 2, 64, dtype=torch.float16, device=DEVICE)
-    with use_backend(backend):
+    with forced(backend):
         dense = flash_attn_func(q, k, v, causal=True)
         packed = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
                                         _cu([33] * 3), _cu([21] * 3), 33, 21, causal=True)

@@ -1,0 +1,615 @@
+"""Warp-specialised FlashAttention forward for Hopper (sm_90a), written in Gluon.
+
+One CTA owns 128 query rows of one (sequence, head) and runs three roles
+(`gl.warp_specialize`):
+
+* load (1 warp): TMA-loads the two 64-row Q tiles once, then streams K and V blocks into
+  separate `STAGES`-deep shared-memory rings. Each ring slot has a "ready" mbarrier (TMA
+  transaction count) and an "empty" mbarrier that both consumers arrive on.
+* two consumer warpgroups (the default partition and one 4-warp worker run the same code on
+  their own 64-row Q tile): S = Q·Kᵀ with async wgmma, online softmax in exp2 units (log2(e)
+  folded into the scale), P cast to 16 bit and kept in registers as the A operand of P·V.
+  FA3's intra-warpgroup overlap: S_j is issued before P_{j-1}·V_{j-1}, and the softmax of
+  S_j runs while that P·V is still in flight.
+
+Masks are bottom-right aligned (see `core/params.py`). The key-block range of a CTA is split
+into a peeled first block (always masked, which also covers empty rows and empty key
+sequences), a masked prefix (sliding-window left edge), an unmasked middle and a masked
+suffix (causal diagonal / right window / ragged end), so the common blocks pay no mask.
+
+FA4 tricks, off by default, chosen per call through `FwdConfig`:
+* `exp2_emu_every = k`: every k-th exponential runs as a cubic polynomial on the FMA pipe
+  instead of MUFU (2^x = 2^floor(x) · p(frac(x)), the integer part added to the exponent
+  bits). Pays where MUFU binds (d=64 bf16); at d=128 emulating everything lost 644 -> 465.
+* `rescale_threshold = t > 0`: the running max used for P only moves when a row's max grows
+  by more than t (log2 units), and O is rescaled only when some row of the warpgroup moved.
+  Exact: the final normalisation uses the same stale max for O and for the row sum.
+
+Lengths, head counts, window sizes and scales are runtime arguments; a kernel is compiled
+once per (dtype, head dims, config, feature switches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from asymflash.core.params import AttnParams, SeqInfo
+
+try:  # Gluon is optional: a CPU-only or older triton must still import this module.
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _GLUON_ERROR: str | None = None
+except Exception as exc:  # noqa: BLE001 - any import failure means: no fast path
+    _GLUON_ERROR = f"triton.experimental.gluon (Hopper) not importable: {exc!r}"
+
+# The Gluon API changes between releases; only the versions this kernel was verified on run it.
+TESTED_TRITON_VERSIONS = ("3.6.0",)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)  # tensor shapes must be powers of two in Gluon 3.6
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+BLOCK_M_WG = 64  # query rows per consumer warpgroup (the wgmma M)
+BLOCK_M = 2 * BLOCK_M_WG  # query rows per CTA
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Tile shape, pipeline depth and FA4 switches of one compiled kernel."""
+
+    block_n: int = 128  # keys per block
+    stages: int = 2  # depth of each of the K and V rings
+    consumer_regs: int = 240  # setmaxnreg for each consumer warpgroup
+    loader_regs: int = 24  # setmaxnreg for the TMA warp (padded to a warpgroup)
+    exp2_emu_every: int = 0  # 0: every exp2 on MUFU; k in (2, 4, 8): 1 in k on the FMA pipe
+    rescale_threshold: float = 0.0  # 0: rescale O every block; > 0: FA4 conditional rescale
+    lpt: bool = False  # longest-first tile order (causal/local: later query tiles work more)
+
+
+# Tuning table. Measured on the H200 (2026-11-29, bf16, model dim 2048, batch 16384/seqlen,
+# TFLOP/s fwd, torch SDPA cuDNN 9.19 in the same process; scripts/sm90-probe.py):
+#   d=64:  BN=128, 4 stages (148 KB smem): 438 vs 426 with 3 stages, 386 with BN=64 (cuDNN 459)
+#   d=128: BN=128, 2 stages (160 KB; 3 do not fit): 640 non-causal / 589 causal at 16k (cuDNN
+#          618 / 574)
+#   d=256: BN=64 keeps S at 32 registers next to a 128-register O; 2 stages + Q = 192 KB:
+#          682 / 660 at 16k (cuDNN 694 / 608)
+#   FA4 switches, 16k non-causal, all slower here, so off: d=64 emu8 396-391, emu4 401-394,
+#   rescale8 401-402 (base 426-436); d=128 emu8 597, emu4 557, rescale8 619 (base 640).
+_DEFAULT_CONFIGS = {
+    64: FwdConfig(block_n=128, stages=4),
+    128: FwdConfig(block_n=128, stages=2),
+    256: FwdConfig(block_n=64, stages=2),
+}
+
+
+def select_config(head_dim: int, head_dim_v: int, params: AttnParams,
+                  override: FwdConfig | None = None) -> FwdConfig:
+    """Heuristic config; `override` wins when given."""
+    if override is not None:
+        return override
+    cfg = _DEFAULT_CONFIGS[head_dim]
+    return replace(cfg, lpt=params.mask.is_local)
+
+
+# ----------------------------------------------------------------------------------------------
+# Gluon kernel
+# ----------------------------------------------------------------------------------------------
+
+if _GLUON_ERROR is None:
+
+    @gluon.constexpr_function
+    def _emu_asm(every):
+        """PTX for `every` packed elements: the first every-1 on MUFU, the last on FMA.
+
+        Cubic for 2^f on [0, 1) with p(0)=1 and p(1)=2 pinned (continuous across integer
+        steps); max relative error 1.03e-4, far below the bf16/fp16 rounding P receives
+        before P·V. Coefficients of f, f^2, f^3: 0.6954244, 0.22630768, 0.07826797.
+        """
+        every = int(every)
+        lines = ["{", ".reg .f32 ef, ej, ep;", ".reg .b32 ei, eb;"]
+        for i in range(every - 1):
+            lines.append(f"ex2.approx.ftz.f32 ${i}, ${every + i};")
+        x, y = f"${2 * every - 1}", f"${every - 1}"
+        lines += [
+            # Clamp so that 2^floor(x) stays a normal number; -inf becomes exactly 0 below.
+            f"max.ftz.f32 ef, {x}, 0fC2FE0000;",
+            "cvt.rmi.ftz.f32.f32 ej, ef;",
+            "sub.ftz.f32 ef, ef, ej;",
+            "fma.rn.ftz.f32 ep, ef, 0f3DA04AF5, 0f3E67BD33;",
+            "fma.rn.ftz.f32 ep, ep, ef, 0f3F320755;",
+            "fma.rn.ftz.f32 ep, ep, ef, 0f3F800000;",
+            "cvt.rzi.s32.f32 ei, ej;",
+            "shl.b32 ei, ei, 23;",
+            "mov.b32 eb, ep;",
+            "add.s32 eb, eb, ei;",
+            f"mov.b32 {y}, eb;",
+            "}",
+        ]
+        return "\n".join(lines)
+
+    @gluon.constexpr_function
+    def _emu_constraints(every):
+        return ",".join(["=r"] * every + ["r"] * every)
+
+    @gluon.jit
+    def _exp2(x, EMU_EVERY: gl.constexpr):
+        """2^x; with EMU_EVERY=k one element in k is computed on the FMA pipe."""
+        if EMU_EVERY == 0:
+            return gl.exp2(x)
+        else:
+            return gl.inline_asm_elementwise(_emu_asm(EMU_EVERY), _emu_constraints(EMU_EVERY),
+                                             [x], dtype=gl.float32, is_pure=True,
+                                             pack=EMU_EVERY)
+
+    @gluon.jit
+    def _tanh(x):
+        # tanh.approx has ~5e-4 relative error, i.e. 0.025 in a logit capped at 50: use the
+        # exact-ish identity tanh(x) = 1 - 2 / (2^(2x·log2 e) + 1) (ex2 + rcp, MUFU twice).
+        e = gl.exp2(x * (2.0 * 1.4426950408889634))
+        return 1.0 - 2.0 / (e + 1.0)
+
+    # ------------------------------------------------------------------------------------------
+    # load role
+    # ------------------------------------------------------------------------------------------
+    @gluon.jit
+    def _load_role(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+                   v_ready, v_empty, q_row, q_col, kv_row, k_col, v_col, n_lo, n_hi,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        for wg in gl.static_range(2):
+            mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row + wg * 64, q_col], q_bar.index(wg),
+                                            q_smem.index(wg))
+        for i in range(n_hi - n_lo):
+            slot = i % STAGES
+            # Fresh mbarriers count as having completed the phase before phase 0, so the first
+            # pass through the ring does not wait.
+            phase = ((i // STAGES) & 1) ^ 1
+            row = kv_row + (n_lo + i) * BLOCK_N
+            mbarrier.wait(k_empty.index(slot), phase)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row, k_col], k_ready.index(slot),
+                                            k_smem.index(slot))
+            mbarrier.wait(v_empty.index(slot), phase)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [row, v_col], v_ready.index(slot),
+                                            v_smem.index(slot))
+
+    # ------------------------------------------------------------------------------------------
+    # softmax role (runs inside each consumer warpgroup)
+    # ------------------------------------------------------------------------------------------
+    @gluon.jit
+    def _scores(s, n, rows, shift, seqlen_k, window_left, window_right, softcap_pre,
+                MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+        """Raw Q·Kᵀ block -> logits before the (log2-folded) scale, masked keys at -inf."""
+        if SOFTCAP:
+            s = _tanh(s * softcap_pre)
+        if MASKED:
+            cols = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            c2 = gl.expand_dims(cols, 0)
+            r2 = gl.expand_dims(rows, 1)
+            ok = c2 < seqlen_k
+            if HAS_RIGHT:
+                ok = ok & (c2 <= r2 + shift + window_right)
+            if HAS_LEFT:
+                ok = ok & (c2 >= r2 + shift - window_left)
+            s = gl.where(ok, s, -float("inf"))
+        return s
+
+    @gluon.jit
+    def _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY: gl.constexpr,
+                        RESCALE_THRESHOLD: gl.constexpr):
+        """One block of the online softmax in log2 units.
+
+        Returns P (fp32, unnormalised), the new running max/sum and the factor O must be
+        multiplied by. m_i is in scaled log2 units; -inf while a row has seen no key.
+        """
+        m_blk = gl.max(s, 1) * qk_scale
+        m_cand = gl.maximum(m_i, m_blk)
+        if RESCALE_THRESHOLD > 0:
+            # Stale max: P may reach 2^threshold, harmless in fp32 and in bf16/fp16 P.
+            m_new = gl.where(m_cand > m_i + RESCALE_THRESHOLD, m_cand, m_i)
+        else:
+            m_new = m_cand
+        # Rows without any allowed key so far keep m = -inf; subtract 0 there instead of
+        # -inf so that exp2(-inf - -inf) never produces NaN (p and alpha come out 0 / 1).
+        m_sub = gl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_sub)
+        # s * qk_scale - m folds into one FFMA per element before the exponential.
+        p = _exp2(s * qk_scale - gl.expand_dims(m_sub, 1), EMU_EVERY)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, m_new, l_i, alpha
+
+    # ------------------------------------------------------------------------------------------
+    # mma role: one pipelined step of a consumer warpgroup
+    # ------------------------------------------------------------------------------------------
+    @gluon.jit
+    def _step(i, n, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p_op, m_i, l_i,
+              rows, shift, seqlen_k, window_left, window_right, qk_scale, softcap_pre,
+              MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+              SOFTCAP: gl.constexpr, EMU_EVERY: gl.constexpr,
+              RESCALE_THRESHOLD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+        """Ring position i holds key block n; P_{i-1} (p_op) still has to meet V_{i-1}."""
+        slot = i % STAGES
+        prev = (i - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
+        s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
+        s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
+        o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        # wgmma groups retire in order: with one group left in flight, S_i is complete.
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        s = _scores(s, n, rows, shift, seqlen_k, window_left, window_right, softcap_pre, MASKED,
+                    HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
+        p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
+        # p_op is a register operand of the P·V in flight: keep it alive until that group retires.
+        acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+        if RESCALE_THRESHOLD > 0:
+            # Skip the O multiply when no row of the warpgroup moved its max (warpgroup-uniform).
+            if gl.min(alpha_o, 0) < 1.0:
+                acc = acc * gl.expand_dims(alpha_o, 1)
+        else:
+            acc = acc * gl.expand_dims(alpha_o, 1)
+        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+        return acc, p_op, m_i, l_i
+
+    @gluon.jit
+    def _consumer_loop(lo, hi, n_lo, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc,
+                       p_op, m_i, l_i, rows, shift, seqlen_k, window_left, window_right, qk_scale,
+                       softcap_pre, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
+                       HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, EMU_EVERY: gl.constexpr,
+                       RESCALE_THRESHOLD: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                       p_layout: gl.constexpr):
+        for n in range(lo, hi):
+            acc, p_op, m_i, l_i = _step(
+                n - n_lo, n, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p_op,
+                m_i, l_i, rows, shift, seqlen_k, window_left, window_right, qk_scale,
+                softcap_pre, MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD,
+                BLOCK_N, STAGES, s_layout, o_layout, p_layout)
+        return acc, p_op, m_i, l_i
+
+    # ------------------------------------------------------------------------------------------
+    # consumer warpgroup: peeled first block, three loops, last P·V, epilogue
+    # ------------------------------------------------------------------------------------------
+    @gluon.jit
+    def _consumer_role(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                       out_ptr, lse_ptr, sink_ptr, q_start, m0, seqlen_q, seqlen_k, total_q, head,
+                       n_heads, n_lo, n_a, n_b, n_hi, window_left, window_right, qk_scale,
+                       softcap_pre, WG: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                       HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr,
+                       EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr):
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM_V, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        shift = seqlen_k - seqlen_q
+        rows = m0 + WG * 64 + gl.arange(0, 64, layout=row_layout)
+        m_i = gl.full([64], -float("inf"), gl.float32, row_layout)
+        l_i = gl.zeros([64], gl.float32, row_layout)
+        acc = gl.zeros([64, HEAD_DIM_V], gl.float32, o_layout)
+
+        mbarrier.wait(q_bar.index(WG), 0)
+        q = q_smem.index(WG)
+
+        # Peeled first block: no P·V to overlap with yet, and always masked.
+        mbarrier.wait(k_ready.index(0), 0)
+        s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)),
+                              gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                              is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        mbarrier.arrive(k_empty.index(0), count=1)
+        s = _scores(s, n_lo, rows, shift, seqlen_k, window_left, window_right, softcap_pre, True,
+                    HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
+        p, m_i, l_i, _alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
+        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+
+        acc, p_op, m_i, l_i = _consumer_loop(
+            n_lo + 1, n_a, n_lo, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+            acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
+            window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
+            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
+        acc, p_op, m_i, l_i = _consumer_loop(
+            n_a, n_b, n_lo, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+            acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
+            window_right, qk_scale, softcap_pre, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
+            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
+        acc, p_op, m_i, l_i = _consumer_loop(
+            n_b, n_hi, n_lo, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+            acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
+            window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
+            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
+
+        # Last P·V.
+        last = n_hi - 1 - n_lo
+        slot = last % STAGES
+        mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
+        o_tok = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+        mbarrier.arrive(v_empty.index(slot), count=1)
+
+        # Epilogue. The sink is one more logit in the denominator with no value row.
+        if HAS_SINK:
+            sink = gl.load(sink_ptr + head) * 1.4426950408889634
+            m_fin = gl.maximum(m_i, sink)
+            m_sub = gl.where(m_fin == -float("inf"), 0.0, m_fin)
+            o_scale = gl.exp2(m_i - m_sub)
+            l_i = l_i * o_scale + gl.exp2(sink - m_sub)
+            m_i = m_fin
+        else:
+            o_scale = gl.full([64], 1.0, gl.float32, row_layout)
+        has_mass = l_i > 0.0
+        inv_l = gl.where(has_mass, o_scale / gl.where(has_mass, l_i, 1.0), 0.0)
+        lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))) * 0.6931471805599453,
+                       -float("inf"))
+        valid = rows < seqlen_q
+        lse_off = head.to(gl.int64) * total_q + q_start + rows
+        gl.store(lse_ptr + lse_off, lse, mask=valid)
+
+        out = (acc * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1))
+        o_rows = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
+        o_cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
+        row_off = ((q_start + o_rows).to(gl.int64) * n_heads + head) * HEAD_DIM_V
+        offs = gl.expand_dims(row_off, 1) + gl.expand_dims(o_cols, 0)
+        gl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty),
+                 mask=gl.expand_dims(o_rows < seqlen_q, 1))
+
+    # ------------------------------------------------------------------------------------------
+    # kernel: tile schedule, block ranges, shared memory, role launch
+    # ------------------------------------------------------------------------------------------
+    @gluon.jit
+    def _attn_fwd_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+                         used_k_ptr, sink_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_batch,
+                         num_m_blocks, group, qk_scale, softcap_pre, window_left, window_right,
+                         HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, UNIFORM: gl.constexpr,
+                         HAS_SEQUSED: gl.constexpr, HAS_LEFT: gl.constexpr,
+                         HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr,
+                         LPT: gl.constexpr, EMU_EVERY: gl.constexpr,
+                         RESCALE_THRESHOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                         LOADER_REGS: gl.constexpr):
+        pid = gl.program_id(0)
+        n_hb = n_heads * n_batch
+        if LPT:
+            # Later query tiles see more keys under a causal/local mask: start them first and
+            # spread each wave over all heads and sequences.
+            m_blk = num_m_blocks - 1 - pid // n_hb
+            hb = pid % n_hb
+        else:
+            # Neighbouring CTAs share a head, so its K/V stays hot in L2.
+            m_blk = pid % num_m_blocks
+            hb = pid // num_m_blocks
+        head = hb % n_heads
+        batch = hb // n_heads
+        if UNIFORM:
+            q_start = batch * seqlen_q
+            k_start = batch * seqlen_k
+        else:
+            q_start = gl.load(cu_q_ptr + batch)
+            seqlen_q = gl.load(cu_q_ptr + batch + 1) - q_start
+            k_start = gl.load(cu_k_ptr + batch)
+            seqlen_k = gl.load(cu_k_ptr + batch + 1) - k_start
+        if HAS_SEQUSED:
+            seqlen_k = gl.load(used_k_ptr + batch)
+        m0 = m_blk * 128
+        if m0 < seqlen_q:
+            shift = seqlen_k - seqlen_q
+            row_last = gl.minimum(m0 + 127, seqlen_q - 1)
+            # Key blocks the tile visits: [n_lo, n_hi), at least one so that rows without
+            # keys still produce out = 0, lse = -inf through the masked peeled block.
+            n_hi = (seqlen_k + BLOCK_N - 1) // BLOCK_N
+            n_lo = 0
+            if HAS_RIGHT:
+                n_hi = gl.minimum(n_hi, (gl.maximum(row_last + shift + window_right + 1, 0)
+                                         + BLOCK_N - 1) // BLOCK_N)
+            if HAS_LEFT:
+                n_lo = gl.maximum(m0 + shift - window_left, 0) // BLOCK_N
+            n_hi = gl.maximum(n_hi, n_lo + 1)
+            # Blocks [n_a, n_b) are allowed for every row of the tile: no mask there.
+            n_a = n_lo + 1
+            if HAS_LEFT:
+                n_a = gl.maximum(n_a, (gl.maximum(row_last + shift - window_left, 0)
+                                       + BLOCK_N - 1) // BLOCK_N)
+            n_a = gl.minimum(n_a, n_hi)
+            n_b = seqlen_k // BLOCK_N
+            if HAS_RIGHT:
+                n_b = gl.minimum(n_b, gl.maximum(m0 + shift + window_right + 1, 0) // BLOCK_N)
+            n_b = gl.minimum(gl.maximum(n_b, n_a), n_hi)
+
+            q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 64, HEAD_DIM], q_desc.layout)
+            k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
+                                               k_desc.layout)
+            v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM_V],
+                                               v_desc.layout)
+            q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for wg in gl.static_range(2):
+                mbarrier.init(q_bar.index(wg), count=1)
+            for st in gl.static_range(STAGES):
+                mbarrier.init(k_ready.index(st), count=1)
+                mbarrier.init(v_ready.index(st), count=1)
+                # Both consumer warpgroups must release a slot before it is refilled.
+                mbarrier.init(k_empty.index(st), count=2)
+                mbarrier.init(v_empty.index(st), count=2)
+            fence_async_shared()
+
+            kv_head = head // group
+            # Argument tuples are written inline: a tuple assigned to a variable inside a
+            # kernel turns its constexpr entries into runtime values.
+            gl.warp_specialize([
+                (_consumer_role, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                                  v_empty, out_ptr, lse_ptr, sink_ptr, q_start, m0, seqlen_q,
+                                  seqlen_k, total_q, head, n_heads, n_lo, n_a, n_b, n_hi,
+                                  window_left, window_right, qk_scale, softcap_pre, 0, HEAD_DIM_V,
+                                  BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK,
+                                  EMU_EVERY, RESCALE_THRESHOLD)),
+                (_consumer_role, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                                  v_empty, out_ptr, lse_ptr, sink_ptr, q_start, m0, seqlen_q,
+                                  seqlen_k, total_q, head, n_heads, n_lo, n_a, n_b, n_hi,
+                                  window_left, window_right, qk_scale, softcap_pre, 1, HEAD_DIM_V,
+                                  BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK,
+                                  EMU_EVERY, RESCALE_THRESHOLD)),
+                (_load_role, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
+                              k_empty, v_ready, v_empty, q_start + m0, head * HEAD_DIM, k_start,
+                              kv_head * HEAD_DIM, kv_head * HEAD_DIM_V, n_lo, n_hi, BLOCK_N,
+                              STAGES)),
+            ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------
+_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_SIG_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _smem_layout(block, dtype):
+    return gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[dtype]))
+
+
+def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, has_left,
+                has_right, softcap, has_sink):
+    return {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim_v, "BLOCK_N": cfg.block_n,
+                "STAGES": cfg.stages, "UNIFORM": uniform, "HAS_SEQUSED": has_seqused, "HAS_LEFT": has_left,
+                "HAS_RIGHT": has_right, "SOFTCAP": softcap, "HAS_SINK": has_sink, "LPT": cfg.lpt,
+                "EMU_EVERY": cfg.exp2_emu_every, "RESCALE_THRESHOLD": float(cfg.rescale_threshold),
+                "CONSUMER_REGS": cfg.consumer_regs, "LOADER_REGS": cfg.loader_regs}
+
+
+def _launch_options(cfg: FwdConfig):
+    # 4 warps per consumer warpgroup (the default partition is one of them); the loader is
+    # padded to a warpgroup. maxnreg sets the register pool from which the default partition
+    # gets what the workers leave: 168 * 384 threads = 64512 <= 64K registers.
+    return {"num_warps": 4, "maxnreg": 168}
+
+
+def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
+                       cfg: FwdConfig | None = None, arch=90, **features):
+    """Compile the kernel without a GPU (CI check); returns triton's CompiledKernel."""
+    if _GLUON_ERROR is not None:
+        raise RuntimeError(_GLUON_ERROR)
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    cfg = cfg or _DEFAULT_CONFIGS[head_dim]
+    feats = {"uniform": True, "has_seqused": False, "has_left": False, "has_right": False,
+                 "softcap": False, "has_sink": False}
+    feats.update(features)
+    ty = _SIG_DTYPES[dtype]
+
+    def desc(block):
+        return f"tensordesc<{ty}[{block[0]}, {block[1]}],{_smem_layout(block, dtype)!r}>"
+
+    signature = {
+        "q_desc": desc([64, head_dim]), "k_desc": desc([cfg.block_n, head_dim]),
+        "v_desc": desc([cfg.block_n, head_dim_v]), "out_ptr": f"*{ty}", "lse_ptr": "*fp32",
+        "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "used_k_ptr": "*i32", "sink_ptr": "*fp32",
+        "seqlen_q": "i32", "seqlen_k": "i32", "total_q": "i32", "n_heads": "i32", "n_batch": "i32",
+        "num_m_blocks": "i32", "group": "i32", "qk_scale": "fp32", "softcap_pre": "fp32",
+        "window_left": "i32", "window_right": "i32"}
+    constexprs = _constexprs(head_dim, head_dim_v, cfg, **feats)
+    for name in constexprs:
+        signature[name] = "constexpr"
+    src = GluonASTSource(_attn_fwd_kernel, signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=_launch_options(cfg))
+
+
+def unsupported(q, k, v, seq: SeqInfo, params: AttnParams, sink) -> str | None:
+    """None when this kernel computes the call exactly, else why not (for the dispatcher)."""
+    if _GLUON_ERROR is not None:
+        return _GLUON_ERROR
+    if triton.__version__ not in TESTED_TRITON_VERSIONS:
+        return f"sm90 Gluon forward tested on triton {TESTED_TRITON_VERSIONS}, found {triton.__version__}"
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        return "sm90 forward needs CUDA tensors"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "sm90 forward needs an sm_90 (Hopper) GPU"
+    if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"sm90 forward supports bf16/fp16 q, k, v of one dtype, got {q.dtype}/{k.dtype}/{v.dtype}"
+    d, dv = q.shape[-1], v.shape[-1]
+    if d not in SUPPORTED_HEAD_DIMS or dv != d:
+        return f"sm90 forward supports head_dim == head_dim_v in {SUPPORTED_HEAD_DIMS}, got {d}/{dv}"
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        return "sm90 forward needs contiguous q, k, v"
+    if any(t.data_ptr() % 16 for t in (q, k, v)):
+        return "sm90 forward needs 16-byte aligned q, k, v (TMA)"
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % hkv != 0:
+        return f"nheads_q {hq} is not a multiple of nheads_kv {hkv}"
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return "empty q or k"
+    if seq.max_seqlen_q == 0:
+        return "no query rows"
+    if max(q.shape[0], k.shape[0]) >= 2**31 - 2 * BLOCK_M:
+        return "sequence rows exceed int32 TMA coordinates"
+    if sink is not None and (sink.dtype != torch.float32 or sink.numel() != hq):
+        return "sink must be fp32 of shape (nheads_q,)"
+    return None
+
+
+_DESC_CACHE: dict = {}
+
+
+def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | None = None):
+    """out (total_q, Hq, Dv) in q.dtype and lse (Hq, total_q) fp32 (natural log)."""
+    total_q, hq, d = q.shape
+    total_k, hkv, _ = k.shape
+    dv = v.shape[-1]
+    cfg = select_config(d, dv, params, cfg)
+    out = torch.empty((total_q, hq, dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
+
+    # 2-D views (rows, heads*dim): a head is a column offset, so one descriptor serves all
+    # heads and sequences; rows past a sequence end are masked (keys) or not stored (queries).
+    q_desc = TensorDescriptor.from_tensor(q.view(total_q, hq * d), [64, d],
+                                          _smem_layout([64, d], q.dtype))
+    k_desc = TensorDescriptor.from_tensor(k.view(total_k, hkv * d), [cfg.block_n, d],
+                                          _smem_layout([cfg.block_n, d], q.dtype))
+    v_desc = TensorDescriptor.from_tensor(v.view(total_k, hkv * dv), [cfg.block_n, dv],
+                                          _smem_layout([cfg.block_n, dv], q.dtype))
+
+    wl, wr = params.mask.window_left, params.mask.window_right
+    softcap = params.softcap > 0
+    if softcap:
+        softcap_pre = params.softmax_scale / params.softcap
+        qk_scale = params.softcap * LOG2E
+    else:
+        softcap_pre = 1.0
+        qk_scale = params.softmax_scale * LOG2E
+    batch = seq.batch
+    num_m_blocks = triton.cdiv(seq.max_seqlen_q, BLOCK_M)
+    has_seqused = seq.seqused_k is not None
+    dummy_i32 = seq.cu_seqlens_q
+    consts = _constexprs(d, dv, cfg, uniform=bool(seq.uniform and not has_seqused),
+                         has_seqused=has_seqused, has_left=wl >= 0, has_right=wr >= 0,
+                         softcap=softcap, has_sink=sink is not None)
+    grid = (num_m_blocks * hq * batch, )
+    _attn_fwd_kernel[grid](
+        q_desc, k_desc, v_desc, out, lse, seq.cu_seqlens_q, seq.cu_seqlens_k,
+        seq.seqused_k if has_seqused else dummy_i32, sink if sink is not None else lse,
+        seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, batch, num_m_blocks, hq // hkv,
+        qk_scale, softcap_pre, wl, wr, **consts, **_launch_options(cfg))
+    return out, lse

@@ -1,0 +1,159 @@
+"""The sm90 Gluon forward against a plain fp32 torch attention, on a Hopper GPU.
+
+Tolerance (the FA rule): error vs the fp32 reference <= 2 x the error of the same reference
+computed with the inputs' dtype (P rounded before P·V, output rounded) + a small atol.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
+
+pytestmark = pytest.mark.gpu
+
+
+def _on_sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def ref_attention(q, k, v, seq: SeqInfo, params: AttnParams, sink=None, low_precision=False,
+                  q_rows=None):
+    """Plain attention, one sequence at a time; fp32 unless `low_precision`.
+
+    Returns out (total_q, Hq, Dv) fp32 and lse (Hq, total_q) fp32. `q_rows`, a (start, end)
+    pair of packed row indices inside one sequence, limits the work for long sequences (rows
+    outside it are left at 0 / -inf).
+    """
+    total_q, hq, _ = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    out = torch.zeros(total_q, hq, dv, dtype=torch.float32, device=q.device)
+    lse = torch.full((hq, total_q), -math.inf, dtype=torch.float32, device=q.device)
+    cu_q, cu_k = seq.cu_seqlens_q.tolist(), seq.cu_seqlens_k.tolist()
+    used = seq.seqused_k.tolist() if seq.seqused_k is not None else None
+    wl, wr = params.mask.window_left, params.mask.window_right
+    for b in range(seq.batch):
+        qs, qe, ks = cu_q[b], cu_q[b + 1], cu_k[b]
+        sq = qe - qs
+        sk = used[b] if used is not None else cu_k[b + 1] - ks
+        r0, r1 = (qs, qe) if q_rows is None else (max(q_rows[0], qs), min(q_rows[1], qe))
+        if r1 <= r0:
+            continue
+        qb = q[r0:r1].float()
+        kb = k[ks:ks + sk].float().repeat_interleave(hq // hkv, dim=1)
+        vb = v[ks:ks + sk].float().repeat_interleave(hq // hkv, dim=1)
+        s = torch.einsum("ihd,jhd->hij", qb, kb) * params.softmax_scale
+        if params.softcap > 0:
+            s = params.softcap * torch.tanh(s / params.softcap)
+        i = torch.arange(r0 - qs, r1 - qs, device=q.device)[:, None] + (sk - sq)
+        j = torch.arange(sk, device=q.device)[None, :]
+        ok = torch.ones_like(i + j, dtype=torch.bool)
+        if wr >= 0:
+            ok &= j <= i + wr
+        if wl >= 0:
+            ok &= j >= i - wl
+        s = s.masked_fill(~ok, -math.inf)
+        logits = s
+        if sink is not None:
+            col = sink.float()[:, None, None].expand(hq, r1 - r0, 1)
+            logits = torch.cat([s, col], dim=-1)
+        lse_b = torch.logsumexp(logits, dim=-1)
+        safe = torch.where(torch.isinf(lse_b), torch.zeros_like(lse_b), lse_b)
+        p = torch.exp(s - safe[..., None])
+        if low_precision:
+            p = p.to(q.dtype).float()
+        o = torch.einsum("hij,jhd->ihd", p, vb)
+        if low_precision:
+            o = o.to(q.dtype).float()
+        out[r0:r1] = o
+        lse[:, r0:r1] = lse_b
+    return out, lse
+
+
+def check_forward(fwd_mod, q, k, v, seq, params, sink=None, q_rows=None, cfg=None):
+    """Runs the kernel and returns (out_err, lse_err, out_tol); raises on NaN."""
+    why = fwd_mod.unsupported(q, k, v, seq, params, sink)
+    assert why is None, why
+    out, lse = fwd_mod.forward(q, k, v, seq, params, sink, cfg=cfg)
+    torch.cuda.synchronize()
+    ref_o, ref_l = ref_attention(q, k, v, seq, params, sink, q_rows=q_rows)
+    low_o, _ = ref_attention(q, k, v, seq, params, sink, low_precision=True, q_rows=q_rows)
+    if q_rows is not None:
+        out, lse = out[q_rows[0]:q_rows[1]], lse[:, q_rows[0]:q_rows[1]]
+        ref_o, low_o = ref_o[q_rows[0]:q_rows[1]], low_o[q_rows[0]:q_rows[1]]
+        ref_l = ref_l[:, q_rows[0]:q_rows[1]]
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    out_err = (out.float() - ref_o).abs().max().item()
+    finite = torch.isfinite(ref_l)
+    assert torch.equal(finite, torch.isfinite(lse)), "lse -inf pattern differs"
+    lse_err = (lse[finite] - ref_l[finite]).abs().max().item() if finite.any() else 0.0
+    tol = 2 * (low_o - ref_o).abs().max().item() + 2e-3
+    return out_err, lse_err, tol
+
+
+def make_inputs(batch, sq, sk, hq, hkv, d, dv, dtype, varlen=False, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if varlen:
+        lens_q = torch.randint(1, sq + 1, (batch,), generator=g, device="cuda")
+        lens_k = torch.randint(1, sk + 1, (batch,), generator=g, device="cuda")
+        lens_k[0] = 0 if batch > 2 else lens_k[0]  # an empty key sequence
+        zero = torch.zeros(1, dtype=torch.int32, device="cuda")
+        cu_q = torch.cat([zero, lens_q.cumsum(0).int()])
+        cu_k = torch.cat([zero, lens_k.cumsum(0).int()])
+        seq = SeqInfo(cu_q, cu_k, int(lens_q.max()), int(lens_k.max()), None, False)
+        tq, tk = int(cu_q[-1]), max(int(cu_k[-1]), 1)
+    else:
+        seq = SeqInfo.dense(batch, sq, sk, "cuda")
+        tq, tk = batch * sq, batch * sk
+    q = torch.randn(tq, hq, d, generator=g, device="cuda").to(dtype)
+    k = torch.randn(tk, hkv, d, generator=g, device="cuda").to(dtype)
+    v = torch.randn(tk, hkv, dv, generator=g, device="cuda").to(dtype)
+    return q, k, v, seq
+
+
+CASES = [
+    # (batch, sq, sk, hq, hkv, d, dtype, window, softcap, sink, varlen)
+    (2, 1024, 1024, 4, 4, 128, torch.bfloat16, (-1, -1), 0.0, False, False),
+    (2, 1024, 1024, 4, 4, 128, torch.bfloat16, (-1, 0), 0.0, False, False),
+    (2, 1000, 1000, 4, 2, 128, torch.float16, (-1, 0), 0.0, False, False),
+    (1, 300, 700, 4, 1, 64, torch.bfloat16, (-1, 0), 0.0, False, False),
+    (1, 700, 300, 4, 4, 64, torch.bfloat16, (-1, 0), 0.0, False, False),
+    (2, 777, 777, 2, 2, 256, torch.bfloat16, (-1, -1), 0.0, False, False),
+    (2, 512, 512, 2, 2, 256, torch.float16, (-1, 0), 0.0, False, False),
+    (2, 640, 900, 4, 2, 128, torch.bfloat16, (100, 50), 0.0, False, False),
+    (2, 640, 640, 4, 4, 64, torch.bfloat16, (-1, -1), 30.0, True, False),
+    (5, 300, 400, 4, 2, 128, torch.bfloat16, (-1, 0), 0.0, True, True),
+    (5, 300, 400, 4, 4, 64, torch.float16, (-1, -1), 0.0, False, True),
+]
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+def test_sm90_forward_matches_reference(case):
+    from asymflash.backends.sm90 import fwd
+
+    batch, sq, sk, hq, hkv, d, dtype, window, softcap, use_sink, varlen = case
+    q, k, v, seq = make_inputs(batch, sq, sk, hq, hkv, d, d, dtype, varlen=varlen)
+    params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(*window), softcap=softcap)
+    sink = torch.randn(hq, device="cuda") if use_sink else None
+    out_err, lse_err, tol = check_forward(fwd, q, k, v, seq, params, sink)
+    assert out_err <= tol, (out_err, tol)
+    assert lse_err <= 1e-3, lse_err
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("emu,thr", [(4, 0.0), (2, 8.0)])
+def test_sm90_forward_fa4_switches(emu, thr):
+    from dataclasses import replace
+
+    from asymflash.backends.sm90 import fwd
+
+    q, k, v, seq = make_inputs(2, 1024, 1024, 4, 4, 64, 64, torch.bfloat16)
+    params = AttnParams(softmax_scale=0.125, mask=MaskSpec(-1, 0))
+    cfg = replace(fwd.select_config(64, 64, params), exp2_emu_every=emu, rescale_threshold=thr)
+    out_err, lse_err, tol = check_forward(fwd, q, k, v, seq, params, None, cfg=cfg)
+    assert out_err <= tol, (out_err, tol)
+    assert lse_err <= 1e-3, lse_err
