@@ -11,7 +11,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 'cudnn', torch.backends.cudnn.version())" | tee -a "$out/gpu.txt"
 status=0
 if [ "$mode" != bench ]; then
-  python3 -m pytest -q -x -p no:cacheprovider --durations=15 tests 2>&1 | tee "$out/tests.log"
+  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --durations=15 -rfs tests \
+    2>&1 | tee "$out/tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "$mode" != tests ]; then
