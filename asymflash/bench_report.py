@@ -1,0 +1,342 @@
+"""The reporting part of `asymflash bench`: markdown tables, the JSON record, PNG charts."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import math
+import platform
+import re
+import subprocess
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from .bench_core import MODES, OK, Case, Result
+
+# --------------------------------------------------------------------------------------------
+# Grouping results
+
+
+def provider_order(results: list) -> list:
+    """Provider names in first-seen order (the runner's order: peers, then asymflash)."""
+    return list(OrderedDict.fromkeys(r.provider for r in results))
+
+
+def cases_in_order(results: list) -> list:
+    return list(OrderedDict.fromkeys(r.case for r in results))
+
+
+def modes_in_order(results: list) -> list:
+    seen = {r.mode for r in results}
+    return [m for m in MODES if m in seen]
+
+
+def index(results: list) -> dict:
+    return {(r.case, r.mode, r.provider): r for r in results}
+
+
+@dataclasses.dataclass
+class Ratio:
+    """asymflash's best over the best peer in one cell (only checked, timed results count)."""
+
+    value: float | None
+    asymflash: str | None
+    peer: str | None
+
+
+def ratio(cell_results: list, asymflash_names: set) -> Ratio:
+    ok = [r for r in cell_results if r.status == OK and r.tflops is not None]
+    ours = max((r for r in ok if r.provider in asymflash_names), key=lambda r: r.tflops,
+               default=None)
+    peer = max((r for r in ok if r.provider not in asymflash_names), key=lambda r: r.tflops,
+               default=None)
+    value = ours.tflops / peer.tflops if ours and peer and peer.tflops > 0 else None
+    return Ratio(value, ours.provider if ours else None, peer.provider if peer else None)
+
+
+# --------------------------------------------------------------------------------------------
+# Markdown
+
+
+def cell_text(r: Result | None) -> str:
+    if r is None:
+        return "-"
+    if r.status == OK:
+        return f"{r.tflops:.0f}" if r.tflops >= 10 else f"{r.tflops:.3g}"
+    return r.status
+
+
+def _ratio_text(rt: Ratio) -> str:
+    if rt.value is None:
+        return "-"
+    return f"{rt.value:.2f} vs {rt.peer}"
+
+
+def _row_head(case: Case, varying: dict) -> list:
+    cells = [str(case.hdim), str(int(case.causal)), str(case.seqlen_q)]
+    return cells + [str(getattr(case, name)) for name in varying]
+
+
+def _extra_columns(cases: list) -> dict:
+    """Columns beyond hdim/causal/seqlen: batch and heads always, the rest when they vary."""
+    extra = {"batch": "batch", "nheads": "nheads"}
+    if any(c.seqlen_k != c.seqlen_q for c in cases):
+        extra["seqlen_k"] = "seqlen_k"
+    if any(c.nheads_kv != c.nheads for c in cases):
+        extra["nheads_kv"] = "kv heads"
+    if any(c.hdim_v != c.hdim for c in cases):
+        extra["hdim_v"] = "hdim_v"
+    if len({c.dtype for c in cases}) > 1:
+        extra["dtype"] = "dtype"
+    return extra
+
+
+def markdown_table(results: list, mode: str, asymflash_names: set) -> str:
+    """One row per case, one column per provider (TFLOP/s or status), then the ratio."""
+    providers = provider_order(results)
+    cases = cases_in_order(results)
+    by_key = index(results)
+    extra = _extra_columns(cases)
+    head = ["hdim", "causal", "seqlen", *extra.values(), *providers, "asymflash / best peer"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for case in cases:
+        cells = [by_key.get((case, mode, p)) for p in providers]
+        rt = ratio([c for c in cells if c is not None], asymflash_names)
+        row = _row_head(case, extra) + [cell_text(c) for c in cells] + [_ratio_text(rt)]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _where(cells: list, total: int) -> str:
+    if len(cells) == total:
+        return "all cells"
+    shown = ", ".join(f"{r.case.label} {r.mode}" for r in cells[:3])
+    return shown + (f" and {len(cells) - 3} more" if len(cells) > 3 else "")
+
+
+def problem_notes(results: list) -> list:
+    """Each distinct (provider, status, reason) once, with the cells it covers."""
+    groups: OrderedDict = OrderedDict()
+    for r in results:
+        if r.status != OK:
+            groups.setdefault((r.provider, r.status, r.reason), []).append(r)
+    notes = []
+    for (provider, status, reason), cells in groups.items():
+        total = sum(1 for x in results if x.provider == provider)
+        notes.append(f"- {provider}: {status} ({reason or 'no reason given'}) -- "
+                     f"{_where(cells, total)}")
+    return notes
+
+
+def markdown_report(results: list, asymflash_names: set, title: str = "") -> str:
+    parts = [f"## {title}"] if title else []
+    for mode in modes_in_order(results):
+        parts.append(f"### {mode} (TFLOP/s)")
+        parts.append(markdown_table([r for r in results if r.mode == mode], mode,
+                                    asymflash_names))
+    notes = problem_notes(results)
+    if notes:
+        parts.append("Cells not measured (n/a: cannot run; error: raised; "
+                     "WRONG: disagrees with the fp32 reference, not timed):")
+        parts.append("\n".join(notes))
+    return "\n\n".join(parts) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Environment and JSON
+
+
+def _dist_versions(modules: tuple) -> dict:
+    """Installed distributions that provide the given top-level modules, with versions."""
+    owners = importlib.metadata.packages_distributions()
+    found = {}
+    for module in modules:
+        for dist in owners.get(module, []):
+            try:
+                found[dist] = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                pass
+    return found
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             check=False, text=True, timeout=5, cwd=Path(__file__).parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def collect_env(device: str, command: str) -> dict:
+    cuda = device.startswith("cuda") and torch.cuda.is_available()
+    triton_version = None
+    with contextlib.suppress(ImportError):
+        import triton
+
+        triton_version = triton.__version__
+    env = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": command,
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "capability": ".".join(map(str, torch.cuda.get_device_capability(device)))
+        if cuda else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "asymflash_commit": _git_commit(),
+        "flash_attn": _dist_versions(("flash_attn", "flash_attn_interface", "flash_attn_3")),
+    }
+    return env
+
+
+def device_slug(name: str) -> str:
+    """'NVIDIA H200' -> 'h200', for result folder names."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-")
+    return slug or "unknown"
+
+
+def _finite(x):
+    """JSON has no inf/NaN; a wrong-shape or NaN error is kept as text instead."""
+    return x if x is None or math.isfinite(x) else str(x)
+
+
+def result_record(r: Result, flops: float) -> dict:
+    rec = dataclasses.asdict(r.case)
+    rec.update(mode=r.mode, provider=r.provider, status=r.status, ms=r.ms, tflops=r.tflops,
+               flops=flops, reason=r.reason,
+               errors={k: {"max_abs_err": _finite(e), "bound": _finite(b)}
+                       for k, (e, b) in r.errors.items()})
+    return rec
+
+
+def json_record(results: list, env: dict, providers: list, unavailable: dict,
+                asymflash_names: set, extra: dict) -> dict:
+    from .bench_core import attention_flops
+
+    ratios = []
+    by_key = index(results)
+    names = provider_order(results)
+    for case in cases_in_order(results):
+        for mode in modes_in_order(results):
+            cells = [by_key[k] for k in ((case, mode, p) for p in names) if k in by_key]
+            rt = ratio(cells, asymflash_names)
+            ratios.append({**dataclasses.asdict(case), "mode": mode, "ratio": rt.value,
+                           "asymflash": rt.asymflash, "best_peer": rt.peer})
+    return {
+        "env": env,
+        **extra,
+        "providers": [{"name": p.name, "description": p.description,
+                       "asymflash": p.is_asymflash, "unavailable": unavailable.get(p.name)}
+                      for p in providers],
+        "results": [result_record(r, attention_flops(r.case, r.mode)) for r in results],
+        "ratios": ratios,
+    }
+
+
+def write_json(path: Path, record: dict) -> None:
+    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# Charts
+
+
+# Fixed colours per provider so the same peer looks the same in every chart of a run.
+_PALETTE = ("#4C72B0", "#DD8452", "#55A868", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C",
+            "#CCB974", "#64B5CD", "#C44E52", "#2F4F4F", "#B8860B")
+_MODE_TITLE = {"fwd": "Forward", "bwd": "Backward", "fwdbwd": "Forward + backward"}
+
+
+def chart_groups(results: list) -> dict:
+    """(mode, hdim, causal) -> results: one chart each, seqlen on the x axis."""
+    groups: OrderedDict = OrderedDict()
+    for r in results:
+        groups.setdefault((r.mode, r.case.hdim, r.case.causal), []).append(r)
+    return groups
+
+
+def _bar_label(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.2g}"
+
+
+def _seqlen_label(s: int) -> str:
+    return f"{s // 1024}k" if s >= 1024 and s % 1024 == 0 else str(s)
+
+
+def _draw_bars(ax, results: list, providers: list, colours: dict, top: float) -> list:
+    """One group of bars per sequence length; returns the sequence lengths in x order."""
+    seqlens = sorted({r.case.seqlen_q for r in results})
+    by_key = {(r.case.seqlen_q, r.provider): r for r in results}
+    width = 0.8 / max(1, len(providers))
+    for i, provider in enumerate(providers):
+        for j, s in enumerate(seqlens):
+            x = j + (i - (len(providers) - 1) / 2) * width
+            r = by_key.get((s, provider))
+            if r is not None and r.status == OK:
+                ax.bar(x, r.tflops, width, color=colours[provider])
+                ax.text(x, r.tflops + top * 0.01, _bar_label(r.tflops), ha="center",
+                        va="bottom", fontsize=6, rotation=90 if len(providers) > 4 else 0)
+            elif r is not None:  # the empty slot says why, instead of looking like zero
+                ax.text(x, top * 0.01, r.status, ha="center", va="bottom", fontsize=5,
+                        rotation=90, color="#aa0000")
+    return seqlens
+
+
+def plot_chart(path: Path, results: list, mode: str, hdim: int, causal: bool,
+               device_name: str, colours: dict) -> None:
+    """Grouped bars per sequence length, one colour per provider, TFLOP/s on each bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    # A provider with nothing measured in this chart would be a row of empty slots; it is
+    # named in a footnote instead (the table and the JSON say why, cell by cell).
+    names = provider_order(results)
+    providers = [p for p in names if any(r.provider == p and r.status == OK for r in results)]
+    absent = [p for p in names if p not in providers]
+    n_seqlens = len({r.case.seqlen_q for r in results})
+    fig, ax = plt.subplots(figsize=(min(14.0, max(7.0, 0.3 * n_seqlens * len(providers))), 4.5))
+    top = max((r.tflops for r in results if r.status == OK), default=1.0)
+    seqlens = _draw_bars(ax, results, providers, colours, top)
+
+    ax.set_xticks(range(len(seqlens)))
+    ax.set_xticklabels([_seqlen_label(s) for s in seqlens])
+    ax.set_xlabel("Sequence length")
+    ax.set_ylabel("Speed (TFLOP/s)")
+    ax.set_ylim(0, top * 1.35)  # headroom for the labels and the legend
+    ax.set_title(f"{_MODE_TITLE[mode]}, head dim {hdim}, "
+                 f"{'causal' if causal else 'non-causal'} ({device_name}, "
+                 f"{results[0].case.dtype})")
+    handles = [Patch(color=colours[p], label=p) for p in providers]
+    ax.legend(handles=handles, fontsize=7, ncol=min(6, max(1, len(providers))),
+              loc="upper left", frameon=False)
+    ax.spines[["top", "right"]].set_visible(False)
+    if absent:
+        fig.text(0.01, 0.01, "not measured: " + ", ".join(absent), fontsize=7, color="#555555")
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
+def write_charts(out_dir: Path, results: list, device_name: str) -> list:
+    names = provider_order(results)
+    colours = {p: _PALETTE[i % len(_PALETTE)] for i, p in enumerate(names)}
+    paths = []
+    for (mode, hdim, causal), group in chart_groups(results).items():
+        path = out_dir / f"{mode}_hdim{hdim}_causal{int(causal)}.png"
+        plot_chart(path, group, mode, hdim, causal, device_name, colours)
+        paths.append(path)
+    return paths
