@@ -19,16 +19,20 @@ torch SDPA math) instead of failing. Exit status: 0, or 1 when an asymflash cell
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import shlex
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from . import bench_providers, bench_report
-from .bench_core import DTYPES, MODES, WRONG, Case, Runner, Timer, cpu_timer, cuda_timer, probe
+from .bench_core import (DTYPES, MODES, WRONG, Case, Provider, Result, Runner, Timer, cpu_timer,
+                         cuda_timer, probe)
 
 MODEL_DIM = 2048
 TOKENS = 16384
@@ -124,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=25, help="warm-up per cell, ms (default 25)")
     p.add_argument("--rep", type=int, default=100, help="timed time per cell, ms (default 100)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG charts")
+    p.add_argument("--flex-seqlens", default="all",
+                   help="seqlens at which FlexAttention runs (each shape compiles anew), "
+                        "e.g. 4k,16k; default all")
+    p.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
+                   help="combine the results.json of earlier runs into one report in --out")
     p.add_argument("--list-providers", action="store_true",
                    help="list the providers and whether they can run here, then exit")
     return p
@@ -214,10 +223,19 @@ class Run:
 
 
 def run(cases: Sequence[Case], providers: list, modes: Sequence[str], device: str,
-        timer: Timer, reference_fn: Callable, progress: Callable | None = None) -> Run:
+        timer: Timer, reference_fn: Callable, progress: Callable | None = None,
+        after_case: Callable | None = None) -> Run:
+    """after_case(partial Run) is called after each shape: a run stopped by a time limit
+    still leaves every finished shape on disk."""
     progress = progress or (lambda desc: None)
     runner = Runner(providers, modes, timer, device, reference_fn, progress)
-    return Run(runner.run(cases), runner, list(cases), device)
+    done = Run([], runner, [], device)
+    for case in cases:
+        done.results.extend(runner.run_case(case))
+        done.cases.append(case)
+        if after_case is not None:
+            after_case(done)
+    return done
 
 
 def write_outputs(out_dir: Path, result: Run, env: dict, extra: dict,
@@ -234,6 +252,40 @@ def write_outputs(out_dir: Path, result: Run, env: dict, extra: dict,
     if plots and result.results:
         bench_report.write_charts(out_dir, result.results, env["device"])
     return markdown
+
+
+def _result_from_record(rec: dict) -> Result:
+    case = Case(**{f.name: rec[f.name] for f in dataclasses.fields(Case)})
+    errors = {k: (e["max_abs_err"], e["bound"]) for k, e in rec.get("errors", {}).items()}
+    return Result(case, rec["mode"], rec["provider"], rec["status"], rec["ms"], rec["tflops"],
+                  rec.get("reason", ""), errors)
+
+
+def merge(dirs: list, out_dir: Path | None, plots: bool = True) -> int:
+    """One report from several runs (e.g. one process per head dim on the GPU machine).
+
+    Peers must have been measured side by side within each run; merging only concatenates
+    cells, it never mixes numbers of different runs within one cell.
+    """
+    results, providers, unavailable, envs, commands = [], {}, {}, [], []
+    for d in dirs:
+        record = json.loads((Path(d) / "results.json").read_text())
+        results += [_result_from_record(r) for r in record["results"]]
+        for p in record["providers"]:
+            providers.setdefault(p["name"], Provider(p["name"], None, is_asymflash=p["asymflash"],
+                                                     description=p["description"]))
+            if p.get("unavailable"):
+                unavailable[p["name"]] = p["unavailable"]
+        envs.append(record["env"])
+        commands.append(record["env"].get("command", ""))
+    env = dict(envs[0], command=" ; ".join(commands), merged_from=[str(d) for d in dirs])
+    out_dir = out_dir or _default_out(env)
+    runner = SimpleNamespace(providers=list(providers.values()), unavailable=unavailable)
+    cases = list(dict.fromkeys(r.case for r in results))
+    markdown = write_outputs(out_dir, Run(results, runner, cases, env["device"]), env,
+                             {"merged_from": env["merged_from"]}, plots=plots)
+    print(markdown)
+    return 0
 
 
 def _default_out(env: dict) -> Path:
@@ -258,8 +310,12 @@ def main(argv: list | None = None) -> int:
         print("asymflash bench: CUDA is not available. Running a small CPU comparison "
               "instead (asymflash CPU path vs torch SDPA math: correctness and time); the "
               "GPU grid needs a CUDA device.", file=sys.stderr)
+    if args.merge:
+        return merge(args.merge, args.out, plots=not args.no_plots)
     device = "cuda" if cuda else "cpu"
-    providers = bench_providers.gpu_providers(device) if cuda else bench_providers.cpu_providers()
+    flex_seqlens = None if args.flex_seqlens == "all" else set(_list(_size)(args.flex_seqlens))
+    providers = (bench_providers.gpu_providers(device, flex_seqlens) if cuda
+                 else bench_providers.cpu_providers())
     timer = cuda_timer(args.warmup, args.rep) if cuda else cpu_timer()
     try:
         providers = bench_providers.select(providers, args.providers)
@@ -272,11 +328,6 @@ def main(argv: list | None = None) -> int:
     command = "python -m asymflash bench " + " ".join(shlex.quote(a) for a in argv)
     env = bench_report.collect_env(device, command.strip())
     progress = Progress(len(cases) * len(providers) * len(args.mode))
-    try:
-        result = run(cases, providers, args.mode, device, timer, default_reference(), progress)
-    finally:
-        progress.close()
-
     out_dir = args.out or _default_out(env)
     extra = {"argv": argv, "modes": list(args.mode),
              "timer": f"do_bench median, warmup {args.warmup} ms, rep {args.rep} ms"
@@ -285,6 +336,15 @@ def main(argv: list | None = None) -> int:
                       "asymflash.reference.attention_ref in fp32, chunked over queries; "
                       "pass if max|x - ref| <= 2 * max|plain - ref| + 2^-10 * max|ref|, "
                       "plain = attention_ref(upcast=False) in the input dtype"}
+
+    def checkpoint(partial: Run) -> None:
+        write_outputs(out_dir, partial, env, dict(extra, partial=True), plots=False)
+
+    try:
+        result = run(cases, providers, args.mode, device, timer, default_reference(), progress,
+                     after_case=checkpoint if cuda else None)
+    finally:
+        progress.close()
     markdown = write_outputs(out_dir, result, env, extra, plots=not args.no_plots)
     print(markdown)
     print(f"asymflash bench: wrote {out_dir}/results.md, results.json"

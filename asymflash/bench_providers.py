@@ -169,8 +169,15 @@ def _causal_block_mask(sq: int, sk: int, device: str):
     return create_block_mask(causal, B=None, H=None, Q_LEN=sq, KV_LEN=sk, device=device)
 
 
-def flex_provider() -> Provider:
+def flex_provider(seqlens=None) -> Provider:
+    """seqlens: the query lengths Flex runs at (None = all). Each new shape costs a fresh
+    torch.compile (seconds to tens of seconds), which a full grid cannot afford everywhere;
+    the cells left out are listed n/a with this reason, never dropped."""
+
     def make_fwd(q, k, v, causal):
+        if seqlens is not None and q.shape[1] not in seqlens:
+            raise NotImplementedError(
+                f"not run at seqlen {q.shape[1]} (each shape recompiles; --flex-seqlens all)")
         flex = _compiled_flex()
         qt, kt, vt = _bhsd(q, k, v)
         kwargs = {}
@@ -226,13 +233,13 @@ def flash_attn2_provider() -> Provider:
 # The default line-ups
 
 
-def gpu_providers(device: str = "cuda") -> list:
+def gpu_providers(device: str = "cuda", flex_seqlens=None) -> list:
     peers = [
         sdpa_provider("FA2", "FLASH_ATTENTION", "torch SDPA, FLASH_ATTENTION backend (FA2)"),
         sdpa_provider("cuDNN", "CUDNN_ATTENTION", "torch SDPA, CUDNN_ATTENTION backend"),
         sdpa_provider("SDPA-efficient", "EFFICIENT_ATTENTION",
                       "torch SDPA, EFFICIENT_ATTENTION backend (xformers-style)"),
-        flex_provider(),
+        flex_provider(flex_seqlens),
         fa4_provider(),
         fa3_provider(),
         flash_attn2_provider(),
