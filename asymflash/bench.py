@@ -1,7 +1,7 @@
 """`python -m asymflash bench`: asymflash against its peers, side by side, in one process.
 
-The protocol is the project's BENCHMARK.md (shared/): the FlashAttention papers' grid (bf16, model dim 2048,
-nheads = 2048 / hdim, batch = 16384 / seqlen), every cell checked against the fp32
+The protocol is the project's BENCHMARK.md (shared/): the FlashAttention papers' grid (bf16,
+model dim 2048, nheads = 2048 / hdim, batch = 16384 / seqlen), every cell checked against the fp32
 reference before it is timed, median CUDA-event times, FLOPs 4*b*h*sq*sk*d (halved when
 causal), backward timed alone as 2.5x the forward FLOPs.
 
@@ -31,8 +31,19 @@ from types import SimpleNamespace
 import torch
 
 from . import bench_providers, bench_report
-from .bench_core import (DTYPES, MODES, WRONG, Case, Provider, Result, Runner, Timer, cpu_timer,
-                         cuda_timer, probe)
+from .bench_core import (
+    DTYPES,
+    MODES,
+    WRONG,
+    Case,
+    Provider,
+    Result,
+    Runner,
+    Timer,
+    cpu_timer,
+    cuda_timer,
+    probe,
+)
 
 MODEL_DIM = 2048
 TOKENS = 16384

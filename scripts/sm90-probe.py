@@ -88,7 +88,8 @@ def correctness(t):
             oe = le = tol = -1.0
             ok = False
             print(repr(exc)[:200])
-        rows.append({"case": f"switch emu{emu} thr{thr}", "out_err": oe, "lse_err": le, "tol": tol, "ok": ok})
+        rows.append({"case": f"switch emu{emu} thr{thr}", "out_err": oe, "lse_err": le,
+                     "tol": tol, "ok": ok})
         print(f"{'PASS' if ok else 'FAIL'} switches emu={emu} thr={thr} out_err={oe:.2e} "
               f"tol={tol:.2e} lse_err={le:.2e}", flush=True)
     return rows
@@ -114,8 +115,9 @@ def bench_cell(t, d, causal, seqlen, variants):
             if oe > tol or oe0 > tol0 or le > 1e-3:
                 res[name] = f"WRONG({oe:.1e}/{tol:.1e})"
                 continue
-            ms = triton.testing.do_bench(lambda c=cfg: fwd.forward(q, k, v, seq, params, None, cfg=c),
-                                         return_mode="median")
+            ms = triton.testing.do_bench(
+                lambda c=cfg: fwd.forward(q, k, v, seq, params, None, cfg=c),
+                return_mode="median")
             res[name] = round(flops / ms * 1e-9, 1)
         except Exception as exc:  # noqa: BLE001 - report, go on
             traceback.print_exc(limit=3)
@@ -123,7 +125,8 @@ def bench_cell(t, d, causal, seqlen, variants):
     qb = q.view(batch, seqlen, hq, d).transpose(1, 2)
     kb = k.view(batch, seqlen, hq, d).transpose(1, 2)
     vb = v.view(batch, seqlen, hq, d).transpose(1, 2)
-    for name, backend in [("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)]:
+    for name, backend in [("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("fa2", SDPBackend.FLASH_ATTENTION)]:
         try:
             with sdpa_kernel(backend):
                 ms = triton.testing.do_bench(lambda: sdpa(qb, kb, vb, is_causal=bool(causal)),

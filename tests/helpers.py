@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from asymflash.dispatch import use_backend
-
 from asymflash.reference import attention_ref
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import forced
 
 from asymflash import flash_attn_func, flash_attn_varlen_func
 from asymflash.dispatch import backend_names
 from asymflash.reference import attention_ref
-from helpers import forced
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

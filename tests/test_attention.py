@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_fa_close, assert_lse_close, forced, make_qkv, reference_pair
 
 from asymflash import flash_attn_func
 from asymflash.dispatch import backend_names
-from helpers import forced, assert_fa_close, assert_lse_close, make_qkv, reference_pair
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = backend_names(DEVICE)

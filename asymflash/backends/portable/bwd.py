@@ -12,13 +12,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (dot, key_block_range, load_rows, log2_scores, query_block_range, seq_bounds,
-                     store_rows, tile_valid)
+from .common import (
+    dot,
+    key_block_range,
+    load_rows,
+    log2_scores,
+    query_block_range,
+    seq_bounds,
+    store_rows,
+    tile_valid,
+)
 
 
 @triton.jit
 def bwd_preprocess_kernel(
-    O, DO, DLSE, DELTA, total_q, stride_ot, stride_oh, stride_dot, stride_doh,
+    Out, DO, DLSE, DELTA, total_q, stride_ot, stride_oh, stride_dot, stride_doh,
     stride_delta_h, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
     HAS_DLSE: tl.constexpr,
 ):
@@ -26,7 +34,7 @@ def bwd_preprocess_kernel(
     h = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_DV)
-    o = load_rows(O + h * stride_oh, 0, rows, total_q, stride_ot, cols, DV)
+    o = load_rows(Out + h * stride_oh, 0, rows, total_q, stride_ot, cols, DV)
     do = load_rows(DO + h * stride_doh, 0, rows, total_q, stride_dot, cols, DV)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     offs = h.to(tl.int64) * stride_delta_h + rows

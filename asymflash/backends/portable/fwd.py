@@ -15,7 +15,7 @@ from .common import dot, key_block_range, load_rows, log2_scores, seq_bounds, st
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, SINK, CU_Q, CU_K, USED_K,
+    Q, K, V, Out, LSE, SINK, CU_Q, CU_K, USED_K,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_lse_h, nheads_q, group, num_m_blocks,
     softmax_scale, softcap, window_left, window_right,
@@ -70,8 +70,9 @@ def attn_fwd_kernel(
         m_i = m_new
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    store_rows(O + h * stride_oh, q_start, rows, seqlen_q, stride_ot, offs_dv, DV,
-               acc.to(O.dtype.element_ty))
+    log2_l = tl.log2(tl.where(empty, 1.0, l_i))
+    lse = tl.where(empty, float("-inf"), (m_i + log2_l) * 0.6931471805599453)
+    store_rows(Out + h * stride_oh, q_start, rows, seqlen_q, stride_ot, offs_dv, DV,
+               acc.to(Out.dtype.element_ty))
     lse_ptrs = LSE + h.to(tl.int64) * stride_lse_h + q_start + rows
     tl.store(lse_ptrs, lse, mask=rows < seqlen_q)

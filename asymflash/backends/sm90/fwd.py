@@ -492,10 +492,11 @@ def _smem_layout(block, dtype):
 def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, has_left,
                 has_right, softcap, has_sink):
     return {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim_v, "BLOCK_N": cfg.block_n,
-                "STAGES": cfg.stages, "UNIFORM": uniform, "HAS_SEQUSED": has_seqused, "HAS_LEFT": has_left,
-                "HAS_RIGHT": has_right, "SOFTCAP": softcap, "HAS_SINK": has_sink, "LPT": cfg.lpt,
-                "EMU_EVERY": cfg.exp2_emu_every, "RESCALE_THRESHOLD": float(cfg.rescale_threshold),
-                "CONSUMER_REGS": cfg.consumer_regs, "LOADER_REGS": cfg.loader_regs}
+            "STAGES": cfg.stages, "UNIFORM": uniform, "HAS_SEQUSED": has_seqused,
+            "HAS_LEFT": has_left, "HAS_RIGHT": has_right, "SOFTCAP": softcap,
+            "HAS_SINK": has_sink, "LPT": cfg.lpt, "EMU_EVERY": cfg.exp2_emu_every,
+            "RESCALE_THRESHOLD": float(cfg.rescale_threshold),
+            "CONSUMER_REGS": cfg.consumer_regs, "LOADER_REGS": cfg.loader_regs}
 
 
 def _launch_options(cfg: FwdConfig):
@@ -542,16 +543,19 @@ def unsupported(q, k, v, seq: SeqInfo, params: AttnParams, sink) -> str | None:
     if _GLUON_ERROR is not None:
         return _GLUON_ERROR
     if triton.__version__ not in TESTED_TRITON_VERSIONS:
-        return f"sm90 Gluon forward tested on triton {TESTED_TRITON_VERSIONS}, found {triton.__version__}"
+        return (f"sm90 Gluon forward tested on triton {TESTED_TRITON_VERSIONS}, "
+                f"found {triton.__version__}")
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return "sm90 forward needs CUDA tensors"
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return "sm90 forward needs an sm_90 (Hopper) GPU"
     if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"sm90 forward supports bf16/fp16 q, k, v of one dtype, got {q.dtype}/{k.dtype}/{v.dtype}"
+        return (f"sm90 forward supports bf16/fp16 q, k, v of one dtype, "
+                f"got {q.dtype}/{k.dtype}/{v.dtype}")
     d, dv = q.shape[-1], v.shape[-1]
     if d not in SUPPORTED_HEAD_DIMS or dv != d:
-        return f"sm90 forward supports head_dim == head_dim_v in {SUPPORTED_HEAD_DIMS}, got {d}/{dv}"
+        return (f"sm90 forward supports head_dim == head_dim_v in {SUPPORTED_HEAD_DIMS}, "
+                f"got {d}/{dv}")
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         return "sm90 forward needs contiguous q, k, v"
     if any(t.data_ptr() % 16 for t in (q, k, v)):
