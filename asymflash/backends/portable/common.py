@@ -103,6 +103,21 @@ def log2_scores(qk, softmax_scale, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def online_softmax_step(s, m_i, l_i):
+    """Fold one block of log2-unit scores into the running row max and sum.
+
+    Returns p = exp2(s - new max), alpha (the factor the running sum and the output
+    accumulator are rescaled by), the new max and the new sum.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no allowed key yet has max -inf: shift by 0 so exp2 gives 0.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def load_rows(base, row0, rows, n_rows, stride_row, cols, n_cols):
     """Load a (rows, cols) tile of a (token, [head,] dim) tensor; rows past n_rows read 0."""
     ptrs = base + (row0 + rows)[:, None].to(tl.int64) * stride_row + cols[None, :]

@@ -10,7 +10,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import dot, key_block_range, load_rows, log2_scores, seq_bounds, store_rows, tile_valid
+from .common import (
+    dot,
+    key_block_range,
+    load_rows,
+    log2_scores,
+    online_softmax_step,
+    seq_bounds,
+    store_rows,
+    tile_valid,
+)
 
 
 @triton.jit
@@ -51,15 +60,9 @@ def attn_fwd_kernel(
         s, _ = log2_scores(dot(q, tl.trans(k), None), softmax_scale, softcap, SOFTCAP)
         ok = tile_valid(rows, cols, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT)
         s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no allowed key yet has max -inf: shift by 0 so exp2 gives 0.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
         v = load_rows(v_base, k_start, cols, seqlen_k, stride_vt, offs_dv, DV)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
 
     if HAS_SINK:  # the sink joins the denominator only: one more logit with no value row
         sink = tl.load(SINK + h) * 1.4426950408889634
