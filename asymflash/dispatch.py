@@ -29,6 +29,16 @@ _MODULES = {
     "sm90": "asymflash.backends.sm90.fwd",
 }
 
+# flash_attn_with_kvcache and paged varlen read K/V through a cache, a calling convention of
+# its own (`kvcache.CacheSpec`), so their backends are listed apart; each module has
+#     unsupported_decode(q, cache, params, sink) -> str | None
+#     decode(q, cache, params, sink, num_splits) -> (out, lse)
+# and is tried in backend_names' order; a backend with no entry here is skipped.
+_DECODE_MODULES = {
+    "cpu": "asymflash.kvcache",  # gathers the cache, then the cpu backend's forward
+    "portable": "asymflash.backends.portable.decode",
+}
+
 # The Gluon fast paths are enabled only on the Triton versions they were tested on: Gluon's
 # API moves between releases and a silent miscompile is worse than the portable kernel.
 SM90_TESTED_TRITON = ("3.6.",)
@@ -120,3 +130,22 @@ def pick_forward(q, k, v, seq, params, sink):
 
 def pick_backward(q, k, v, seq, params, sink):
     return _pick(q, k, v, seq, params, sink, "backward")
+
+
+def pick_decode(q, cache, params, sink):
+    forced = _forced.get()
+    # As for forward-only backends: a forced backend without a decode leaves it to the table.
+    names = [forced] if forced in _DECODE_MODULES else backend_names(q.device)
+    reasons = []
+    for name in names:
+        if name not in _DECODE_MODULES:
+            reasons.append(f"{name}: no decode")
+            continue
+        mod = importlib.import_module(_DECODE_MODULES[name])
+        why = mod.unsupported_decode(q, cache, params, sink)
+        if why is None:
+            return mod
+        reasons.append(f"{name}: {why}")
+    raise NotImplementedError(
+        f"asymflash: no backend can run this decode on {q.device}: " + "; ".join(reasons)
+    )

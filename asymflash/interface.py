@@ -158,11 +158,12 @@ def flash_attn_func(
 
 
 def flash_attn_varlen_func(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: Optional[float] = None,
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int, max_seqlen_k: int | None, softmax_scale: Optional[float] = None,
     causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
     learnable_sink: Optional[Tensor] = None, deterministic: bool = False,
     return_lse: bool = False, seqused_k: Optional[Tensor] = None,
+    page_table: Tensor | None = None,
 ):
     """Exact attention on packed sequences: q (total_q, nheads_q, d), k/v (total_k, ...).
 
@@ -171,7 +172,22 @@ def flash_attn_varlen_func(
     at least the longest sequence. seqused_k (int32, (batch,)) optionally uses only the first
     seqused_k[b] keys of each sequence. Other arguments as flash_attn_func; lse is
     (nheads_q, total_q).
+
+    Paged KV (prefill over a cache): with page_table int32 (batch, max_pages), k and v are
+    the paged caches (num_pages, page_size, nheads_kv, d / dv), page_size a multiple of 16,
+    and key j of sequence b is row j % page_size of page page_table[b, j // page_size]. The
+    key lengths come from seqused_k, else from cu_seqlens_k's differences (cu_seqlens_k and
+    max_seqlen_k may then be None). This form is forward only: it runs under no_grad.
     """
+    if page_table is not None:
+        from .kvcache import paged_varlen
+
+        return paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            seqused_k, page_table, softmax_scale, causal, window_size, softcap,
+                            learnable_sink, return_lse)
+    if cu_seqlens_k is None:
+        raise ValueError("asymflash: cu_seqlens_k is None; it is required unless page_table "
+                         "is given")
     check.check_tensors(q, k, v, 3, "(total_tokens, nheads, headdim)")
     check.check_int_vector(cu_seqlens_q, "cu_seqlens_q", None, q.device)
     batch = cu_seqlens_q.shape[0] - 1

@@ -22,36 +22,48 @@ def allowed_dtypes(device: torch.device):
     return base + (torch.float32,) if device.type == "cpu" else base
 
 
-def check_tensors(q, k, v, rank: int, layout: str):
-    for name, t in (("q", q), ("k", k), ("v", v)):
+def check_tensors(q, k, v, rank: int, layout: str, names=("q", "k", "v"), q_rank=None,
+                  q_layout=None):
+    """dtype, device, shape and head-dim rules shared by q and the k/v pair.
+
+    `names` are the argument names used in messages (k_cache, v_cache for a KV cache);
+    q_rank/q_layout describe q when its rank differs from k/v's (varlen q over a paged cache).
+    """
+    q_name, k_name, v_name = names
+    for name, t, want, how in ((q_name, q, q_rank or rank, q_layout or layout),
+                               (k_name, k, rank, layout), (v_name, v, rank, layout)):
         if not isinstance(t, torch.Tensor):
             _fail(TypeError, name, f"is a {type(t).__name__}", "expected a torch.Tensor")
-        if t.dim() != rank:
-            _fail(ValueError, name, f"has shape {tuple(t.shape)}", f"expected {rank} dims {layout}")
-    for name, t in (("k", k), ("v", v)):
+        if t.dim() != want:
+            _fail(ValueError, name, f"has shape {tuple(t.shape)}", f"expected {want} dims {how}")
+    for name, t in ((k_name, k), (v_name, v)):
         if t.device != q.device:
-            _fail(ValueError, name, f"is on {t.device}", f"q is on {q.device}: use one device")
+            _fail(ValueError, name, f"is on {t.device}",
+                  f"{q_name} is on {q.device}: use one device")
     ok = allowed_dtypes(q.device)
     if q.dtype not in ok:
-        _fail(TypeError, "q", f"has dtype {q.dtype}", f"allowed on {q.device.type}: {ok}")
-    for name, t in (("k", k), ("v", v)):
+        _fail(TypeError, q_name, f"has dtype {q.dtype}", f"allowed on {q.device.type}: {ok}")
+    for name, t in ((k_name, k), (v_name, v)):
         if t.dtype != q.dtype:
-            _fail(TypeError, name, f"has dtype {t.dtype}", f"must match q's dtype {q.dtype}")
+            _fail(TypeError, name, f"has dtype {t.dtype}", f"must match {q_name}'s dtype {q.dtype}")
         if t.shape[:-1] != k.shape[:-1]:
             _fail(ValueError, name, f"has shape {tuple(t.shape)}",
-                  f"k and v must agree except in the last dim (k: {tuple(k.shape)})")
-    for name, t in (("q", q), ("k", k), ("v", v)):
+                  f"{k_name} and {v_name} must agree except in the last dim "
+                  f"({k_name}: {tuple(k.shape)})")
+    for name, t in ((q_name, q), (k_name, k), (v_name, v)):
         if t.shape[-1] > 0 and t.stride(-1) != 1:
             _fail(ValueError, name, f"has last-dim stride {t.stride(-1)}",
                   "the head dim must be contiguous (stride 1): call .contiguous()")
     nheads_q, nheads_kv = q.shape[-2], k.shape[-2]
     if nheads_kv == 0 or nheads_q % nheads_kv != 0:
-        _fail(ValueError, "nheads", f"q has {nheads_q} heads and k/v have {nheads_kv}",
+        _fail(ValueError, "nheads",
+              f"{q_name} has {nheads_q} heads and {k_name}/{v_name} have {nheads_kv}",
               "nheads_q must be a positive multiple of nheads_kv")
     d, dv = q.shape[-1], v.shape[-1]
     if k.shape[-1] != d:
-        _fail(ValueError, "k", f"has head_dim {k.shape[-1]}", f"must equal q's head_dim {d}")
-    for name, hd in (("q", d), ("v", dv)):
+        _fail(ValueError, k_name, f"has head_dim {k.shape[-1]}",
+              f"must equal {q_name}'s head_dim {d}")
+    for name, hd in ((q_name, d), (v_name, dv)):
         if hd <= 0 or hd % 8 != 0 or hd > MAX_HEAD_DIM:
             _fail(ValueError, f"{name} head_dim", f"is {hd}",
                   f"allowed: a multiple of 8 from 8 to {MAX_HEAD_DIM}")
@@ -128,3 +140,86 @@ def check_seqused(seqused, cu_k):
         if u < 0 or u > cu[b + 1] - cu[b]:
             _fail(ValueError, "seqused_k", f"[{b}] is {u}",
                   f"allowed: 0..{cu[b + 1] - cu[b]} (that sequence's keys in cu_seqlens_k)")
+
+
+# ---- KV cache (flash_attn_with_kvcache, paged varlen) --------------------------------------
+
+def values_checkable(t: torch.Tensor) -> bool:
+    """Value checks copy small tensors to the host; that is impossible while torch.compile
+    traces or a CUDA graph captures, so there they are skipped (shape checks still run)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def check_int_arg(value, name, lo=0):
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        _fail(ValueError if isinstance(value, int) else TypeError, name, f"is {value!r}",
+              f"expected an int >= {lo}")
+
+
+def check_page_table(page_table, batch, device):
+    if not isinstance(page_table, torch.Tensor):
+        _fail(TypeError, "page_table", f"is a {type(page_table).__name__}",
+              "expected an int32 torch.Tensor (batch, max_pages)")
+    if page_table.dtype != torch.int32:
+        _fail(TypeError, "page_table", f"has dtype {page_table.dtype}", "expected torch.int32")
+    if page_table.dim() != 2 or page_table.shape[0] != batch:
+        _fail(ValueError, "page_table", f"has shape {tuple(page_table.shape)}",
+              f"expected (batch, max_pages) with batch {batch}")
+    if page_table.device != device:
+        _fail(ValueError, "page_table", f"is on {page_table.device}", f"q is on {device}")
+    if page_table.shape[1] > 0 and page_table.stride(1) != 1:
+        _fail(ValueError, "page_table", f"has stride {page_table.stride()}",
+              "each row must be contiguous: call .contiguous()")
+
+
+def check_page_size(page_size: int, cache_name: str):
+    # The kernels read whole 16-row tiles; a page is never smaller than one.
+    if page_size <= 0 or page_size % 16 != 0:
+        _fail(ValueError, f"{cache_name} page size (dim 1)", f"is {page_size}",
+              "with page_table it must be a positive multiple of 16")
+
+
+def check_cache_values(lens, lens_name, extra, capacity, page_table, num_pages, page_size,
+                       batch_idx, batch_cache, appending):
+    """Refuse lengths past the cache, page indices out of range and cache rows out of range.
+
+    lens: int32 (batch,) keys already in each sequence's cache; `extra` new ones follow.
+    Only the pages a sequence uses are checked: the rest of its page-table row may hold
+    anything (serving engines pad it). One host copy for all three tensors.
+    """
+    parts = [lens] + ([batch_idx] if batch_idx is not None else []) + \
+        ([page_table.flatten()] if page_table is not None else [])
+    host = torch.cat([p.to(torch.int64) for p in parts]).cpu()
+    batch = lens.shape[0]
+    lens_h = host[:batch]
+    for b, n in enumerate(lens_h.tolist()):
+        if n < 0:
+            _fail(ValueError, f"{lens_name}[{b}]", f"is {n}", "lengths must be >= 0")
+        if n + extra > capacity:
+            what = f"is {n}" + (f" and {extra} new tokens are appended" if extra else "")
+            _fail(ValueError, f"{lens_name}[{b}]", what,
+                  f"sequences must fit the cache's capacity of {capacity} tokens")
+    off = batch
+    if batch_idx is not None:
+        idx = host[off:off + batch]
+        off += batch
+        bad = ((idx < 0) | (idx >= batch_cache)).nonzero()
+        if bad.numel():
+            b = bad[0, 0].item()
+            _fail(ValueError, f"cache_batch_idx[{b}]", f"is {idx[b].item()}",
+                  f"allowed: 0..{batch_cache - 1} (rows of k_cache)")
+        if appending and idx.unique().numel() != batch:
+            _fail(ValueError, "cache_batch_idx", f"is {idx.tolist()[:16]}",
+                  "repeats a cache row while k/v are appended: the writes would collide")
+    if page_table is not None:
+        table = host[off:].view(batch, -1)
+        pages_used = (lens_h + extra + page_size - 1) // page_size
+        used = torch.arange(table.shape[1]).unsqueeze(0) < pages_used.unsqueeze(1)
+        bad = (used & ((table < 0) | (table >= num_pages))).nonzero()
+        if bad.numel():
+            b, j = bad[0].tolist()
+            _fail(ValueError, f"page_table[{b}, {j}]", f"is {table[b, j].item()}",
+                  f"allowed: 0..{num_pages - 1} (pages of the cache)")
+    return int((lens_h + extra).max().item()) if batch else 0

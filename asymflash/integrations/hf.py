@@ -1,0 +1,96 @@
+"""Hugging Face transformers: asymflash as an attention implementation.
+
+    from asymflash.integrations.hf import register
+    register()
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="asymattn")
+
+The name is "asymattn", not "asymflash": transformers treats any implementation name that
+contains "flash" as a flash-attn kernel to import (from the package or the Hub) and fails
+on ours (transformers 5.x, `is_flash_attention_requested`).
+
+transformers (5.x) calls the registered function once per attention layer as
+fn(module, query, key, value, attention_mask, scaling=..., dropout=..., sliding_window=...,
+softcap=..., s_aux=..., **kwargs) with (batch, heads, seq, head_dim) tensors and expects
+((batch, seq, heads, head_dim) output, attention weights or None). Its KV cache hands us the
+whole key history at each decode step: q is then shorter than k, and asymflash's causal mask,
+aligned to the bottom-right corner, lets the new tokens see every cached key and each other
+causally, which is what the cache means.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..interface import flash_attn_func, flash_attn_varlen_func
+
+NAME = "asymattn"
+
+
+def _window(sliding_window, causal):
+    # HF's sliding window keeps keys with kv_idx > q_idx - sliding_window: `sliding_window`
+    # keys including the query's own position, i.e. a left window of sliding_window - 1.
+    if sliding_window is None or sliding_window <= 0:
+        return (-1, -1)
+    left = sliding_window - 1
+    return (left, 0 if causal else left)
+
+
+def _unpadded(q, k, v, keep, **kw):
+    """Attention of a padded batch through varlen: only kept positions take part.
+
+    keep: bool (batch, kv_len), True for real tokens (HF's 2-D padding mask); the queries are
+    the last seqlen_q positions. Padded query rows come back as zeros.
+    """
+    batch, seqlen_q, nheads_q, _ = q.shape
+    k, v = k[:, :keep.shape[1]], v[:, :keep.shape[1]]  # a static cache is longer than the mask
+    keep_q = keep[:, -seqlen_q:]
+    lens_q = keep_q.sum(1, dtype=torch.int32)
+    lens_k = keep.sum(1, dtype=torch.int32)
+    zero = torch.zeros(1, dtype=torch.int32, device=q.device)
+    cu_q = torch.cat([zero, lens_q.cumsum(0, dtype=torch.int32)])
+    cu_k = torch.cat([zero, lens_k.cumsum(0, dtype=torch.int32)])
+    packed = flash_attn_varlen_func(q[keep_q], k[keep], v[keep], cu_q, cu_k,
+                                    int(lens_q.max()), int(lens_k.max()), **kw)
+    out = q.new_zeros(batch, seqlen_q, nheads_q, v.shape[-1])
+    out[keep_q] = packed
+    return out
+
+
+def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      sliding_window=None, softcap=None, s_aux=None, **kwargs):
+    """transformers' attention-function signature on top of asymflash (see the module doc)."""
+    if dropout and module.training:
+        raise ValueError(f"asymflash: dropout is {dropout}; asymflash has no attention "
+                         "dropout (use it at inference, or set attention_dropout=0)")
+    is_causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    sink = s_aux if s_aux is not None else kwargs.get("sinks")
+    dtype = query.dtype
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if q.is_cuda and dtype == torch.float32:  # the GPU kernels are 16-bit tensor-core kernels
+        q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    q, k, v = (t.contiguous() if t.stride(-1) != 1 else t for t in (q, k, v))
+    kw = dict(softmax_scale=scaling, causal=causal, window_size=_window(sliding_window, causal),
+              softcap=float(softcap or 0.0), learnable_sink=sink)
+    if attention_mask is None:
+        out = flash_attn_func(q, k, v, **kw)
+    elif attention_mask.dim() == 2:
+        out = _unpadded(q, k, v, attention_mask.bool(), **kw)
+    else:
+        raise ValueError(f"asymflash: attention_mask has shape {tuple(attention_mask.shape)}; "
+                         "expected None or a 2-D padding mask (register() installs the mask "
+                         "function that produces one)")
+    return out.to(dtype), None
+
+
+def register(name: str = NAME) -> None:
+    """Make `attn_implementation=name` select asymflash in transformers (idempotent).
+
+    Also registers FlashAttention's mask function for `name`, so the layers receive None
+    (no padding) or a 2-D padding mask instead of a dense 4-D one.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, flash_attention_mask)

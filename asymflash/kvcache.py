@@ -1,0 +1,287 @@
+"""Inference API: attention over a KV cache, contiguous or paged, with in-place append.
+
+`flash_attn_with_kvcache` is flash-attn 2/3's decode entry point: validate, write the new
+k/v into the cache, then attend over everything the cache holds for each sequence. The
+paged form of `flash_attn_varlen_func` (prefill over a paged cache) shares the validation
+and the kernels through `paged_varlen`.
+
+Backends see one calling convention: packed q (total_q, nheads_q, d) plus a `CacheSpec`
+describing where each sequence's keys are. The portable Triton kernel is in
+`backends/portable/decode.py`; the CPU path below gathers the cache into packed tensors and
+runs the tiled CPU backend (the cache is only as big as the CPU can hold anyway).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import dispatch
+from . import validation as check
+from .core.masks import normalize_window
+from .core.params import AttnParams, SeqInfo
+
+NAME = "cpu"
+
+
+@dataclass
+class CacheSpec:
+    """Where the keys of each sequence live.
+
+    Sequence b attends to its first seqlens_k[b] + k_extra keys (k_extra: the tokens just
+    appended, so no device op is spent adding them). Paged (page_table given): k/v are
+    (num_pages, page_size, nheads_kv, d) and key j is row j % page_size of page
+    page_table[b, j // page_size]. Contiguous: k/v are (batch_cache, seqlen_cache, nheads_kv,
+    d) and key j is k[batch_idx[b] (or b), j]. q is packed: sequence b owns rows
+    cu_seqlens_q[b]:cu_seqlens_q[b+1], or b * max_seqlen_q onward when cu_seqlens_q is None.
+    """
+
+    k: Tensor
+    v: Tensor
+    seqlens_k: Tensor  # int32 (batch,)
+    k_extra: int
+    page_table: Tensor | None
+    batch_idx: Tensor | None
+    cu_seqlens_q: Tensor | None
+    max_seqlen_q: int
+    max_seqlen_k: int  # the longest sequence, or an upper bound (sizes heuristics only)
+    batch: int
+
+
+def _params(q, softmax_scale, causal, window_size, softcap) -> AttnParams:
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    return AttnParams(scale, normalize_window(causal, window_size), float(softcap))
+
+
+def _cache_geometry(k_cache, page_table):
+    """(capacity per sequence, page size, number of pages or cache rows)."""
+    if page_table is not None:
+        return page_table.shape[1] * k_cache.shape[1], k_cache.shape[1], k_cache.shape[0]
+    return k_cache.shape[1], k_cache.shape[1], k_cache.shape[0]
+
+
+def _check_new_kv(k, v, q, k_cache, v_cache):
+    if (k is None) != (v is None):
+        got = "k" if v is None else "v"
+        check._fail(ValueError, "k/v", f"only {got} was given", "pass both new k and v, or neither")
+    if k is None:
+        return 0
+    check.check_tensors(q, k, v, 4, "(batch, seqlen_new, nheads_kv, headdim)")
+    batch = q.shape[0]
+    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        want = (batch, t.shape[1], cache.shape[2], cache.shape[3])
+        if tuple(t.shape) != want:
+            check._fail(ValueError, name, f"has shape {tuple(t.shape)}",
+                        f"expected (batch, seqlen_new, nheads_kv, headdim) = {want} to match "
+                        f"q's batch and the cache")
+    return k.shape[1]
+
+
+def _check_seqlens(cache_seqlens, batch, device, capacity, seqlen_new):
+    """The cache lengths as an int32 (batch,) tensor; None means every cache is full."""
+    if cache_seqlens is None:
+        return torch.full((batch,), capacity, dtype=torch.int32, device=device)
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if cache_seqlens < 0 or cache_seqlens + seqlen_new > capacity:
+            check._fail(ValueError, "cache_seqlens", f"is {cache_seqlens}",
+                        f"allowed: 0..{capacity - seqlen_new} (capacity {capacity} minus "
+                        f"{seqlen_new} new tokens)")
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    check.check_int_vector(cache_seqlens, "cache_seqlens", batch, device)
+    return cache_seqlens
+
+
+def _pick(q, spec, params, sink):
+    return dispatch.pick_decode(q, spec, params, sink)
+
+
+@torch.no_grad()
+def _append(k_cache, v_cache, k, v, seqlens, page_table, batch_idx):
+    """Write k/v (batch, n, ...) at positions seqlens[b]..seqlens[b] + n of each sequence."""
+    batch, n = k.shape[:2]
+    pos = seqlens.to(torch.int64).unsqueeze(1) + torch.arange(n, device=k.device)
+    if page_table is not None:
+        page_size = k_cache.shape[1]
+        rows = torch.gather(page_table.to(torch.int64), 1, pos // page_size)
+        slots = pos % page_size
+    else:
+        rows = batch_idx.to(torch.int64) if batch_idx is not None else \
+            torch.arange(batch, device=k.device)
+        rows, slots = rows.unsqueeze(1).expand(batch, n), pos
+    k_cache.index_put_((rows, slots), k)
+    v_cache.index_put_((rows, slots), v)
+
+
+def flash_attn_with_kvcache(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None = None,
+    v: Tensor | None = None, *, cache_seqlens: Tensor | int | None = None,
+    cache_batch_idx: Tensor | None = None, page_table: Tensor | None = None,
+    softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
+    softcap: float = 0.0, learnable_sink: Tensor | None = None, num_splits: int = 0,
+    return_lse: bool = False, check_values: bool = True,
+):
+    """Attention of q over a KV cache, appending new k/v to the cache first (flash-attn 2/3).
+
+    q: (batch, seqlen_q, nheads_q, d). The cache is either contiguous, k_cache
+    (batch_cache, seqlen_cache, nheads_kv, d) and v_cache (..., dv), or paged: k_cache
+    (num_pages, page_size, nheads_kv, d) with page_table int32 (batch, max_pages) listing
+    each sequence's pages in order (page_size a multiple of 16). cache_seqlens (int32
+    (batch,) or an int; None = the whole cache) is how many tokens each sequence already
+    has. cache_batch_idx (int32 (batch,), contiguous caches only) picks the cache row of
+    each sequence (default: row b).
+
+    In place: the new k, v (batch, seqlen_new, nheads_kv, d / dv), if given, are written
+    into the cache at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1. This
+    is the only effect on the inputs; cache_seqlens itself is not advanced (the caller does
+    that). A refused call (any ValueError/TypeError) leaves the cache untouched.
+
+    Each sequence then attends to its first cache_seqlens[b] + seqlen_new keys; causal and
+    window_size masks are aligned to the bottom-right corner (the last query is the newest
+    token). softcap, learnable_sink (nheads_q,) as in flash_attn_func. num_splits: 0 picks
+    the split-KV count by a heuristic (SM count, lengths), 1 disables splitting, n > 1
+    forces n. check_values=False skips the checks that read cache_seqlens, page_table and
+    cache_batch_idx on the host (one device sync per call; skipped anyway under
+    torch.compile and CUDA graph capture): then out-of-range values are undefined behaviour.
+
+    Forward only: runs under no_grad, as flash-attn's does. Returns out
+    (batch, seqlen_q, nheads_q, dv), or (out, lse) with lse fp32 (batch, nheads_q, seqlen_q).
+    """
+    check.check_tensors(q, k_cache, v_cache, 4, "(batch, seqlen, nheads, headdim)",
+                        names=("q", "k_cache", "v_cache"))
+    batch, seqlen_q, nheads_q, _ = q.shape
+    seqlen_new = _check_new_kv(k, v, q, k_cache, v_cache)
+    if page_table is not None:
+        if cache_batch_idx is not None:
+            check._fail(ValueError, "cache_batch_idx", "was given with page_table",
+                        "a paged cache names each sequence's pages in page_table: use one")
+        check.check_page_table(page_table, batch, q.device)
+        check.check_page_size(k_cache.shape[1], "k_cache")
+    elif cache_batch_idx is not None:
+        check.check_int_vector(cache_batch_idx, "cache_batch_idx", batch, q.device)
+    elif k_cache.shape[0] != batch:
+        check._fail(ValueError, "k_cache", f"has batch {k_cache.shape[0]}",
+                    f"must equal q's batch {batch} (or pass cache_batch_idx)")
+    capacity, page_size, num_rows = _cache_geometry(k_cache, page_table)
+    seqlens = _check_seqlens(cache_seqlens, batch, q.device, capacity, seqlen_new)
+    check.check_scalars(softmax_scale, window_size, softcap)
+    check.check_sink(learnable_sink, q, nheads_q)
+    check.check_int_arg(num_splits, "num_splits")
+    max_k = capacity
+    if check_values and check.values_checkable(q):
+        max_k = check.check_cache_values(
+            seqlens, "cache_seqlens", seqlen_new, capacity, page_table, num_rows, page_size,
+            cache_batch_idx, k_cache.shape[0], seqlen_new > 0)
+
+    params = _params(q, softmax_scale, causal, window_size, softcap)
+    sink = None if learnable_sink is None else learnable_sink.detach().float().contiguous()
+    spec = CacheSpec(k_cache, v_cache, seqlens, seqlen_new, page_table, cache_batch_idx, None,
+                     seqlen_q, max_k, batch)
+    q_packed = q.reshape(batch * seqlen_q, nheads_q, q.shape[-1])
+    backend = _pick(q_packed, spec, params, sink)  # before the write: a refusal changes nothing
+    with torch.no_grad():
+        if seqlen_new:
+            _append(k_cache, v_cache, k, v, seqlens, page_table, cache_batch_idx)
+        out, lse = backend.decode(q_packed, spec, params, sink, num_splits)
+    out = out.view(batch, seqlen_q, nheads_q, v_cache.shape[-1])
+    if not return_lse:
+        return out
+    return out, lse.view(nheads_q, batch, seqlen_q).transpose(0, 1)
+
+
+def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 seqused_k, page_table, softmax_scale, causal, window_size, softcap,
+                 learnable_sink, return_lse):
+    """flash_attn_varlen_func over a paged cache (prefill): see its docstring.
+
+    The keys of sequence b are its first seqused_k[b] (else cu_seqlens_k[b+1] -
+    cu_seqlens_k[b]) cache positions, read through page_table[b]. Forward only (no_grad).
+    """
+    check.check_tensors(q, k_cache, v_cache, 4, "(num_pages, page_size, nheads_kv, headdim)",
+                        names=("q", "k", "v"), q_rank=3, q_layout="(total_q, nheads, headdim)")
+    check.check_int_vector(cu_seqlens_q, "cu_seqlens_q", None, q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch < 0:
+        check._fail(ValueError, "cu_seqlens_q", "is empty", "expected batch + 1 >= 1 offsets")
+    check.check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q,
+                           "max_seqlen_q")
+    check.check_page_table(page_table, batch, q.device)
+    check.check_page_size(k_cache.shape[1], "k")
+    capacity = page_table.shape[1] * k_cache.shape[1]
+    if seqused_k is None and cu_seqlens_k is None:
+        check._fail(ValueError, "cu_seqlens_k", "is None and so is seqused_k",
+                    "with page_table, give the key lengths in one of them")
+    if cu_seqlens_k is not None:
+        check.check_int_vector(cu_seqlens_k, "cu_seqlens_k", batch + 1, q.device)
+        # Keys live in the pages, not in a packed tensor: bound only by the page capacity.
+        check.check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", 2**62, max_seqlen_k,
+                               "max_seqlen_k")
+    if seqused_k is not None:
+        check.check_int_vector(seqused_k, "seqused_k", batch, q.device)
+        if cu_seqlens_k is not None:
+            check.check_seqused(seqused_k, cu_seqlens_k)
+        lens = seqused_k
+    else:
+        lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+    check.check_scalars(softmax_scale, window_size, softcap)
+    check.check_sink(learnable_sink, q, q.shape[1])
+    max_k = capacity
+    if check.values_checkable(q):
+        name = "seqused_k" if seqused_k is not None else "cu_seqlens_k lengths"
+        max_k = check.check_cache_values(lens, name, 0, capacity, page_table, k_cache.shape[0],
+                                         k_cache.shape[1], None, 0, False)
+    params = _params(q, softmax_scale, causal, window_size, softcap)
+    sink = None if learnable_sink is None else learnable_sink.detach().float().contiguous()
+    spec = CacheSpec(k_cache, v_cache, lens, 0, page_table, None, cu_seqlens_q, max_seqlen_q,
+                     max_k, batch)
+    backend = _pick(q, spec, params, sink)
+    with torch.no_grad():
+        out, lse = backend.decode(q, spec, params, sink, 0)
+    return (out, lse) if return_lse else out
+
+
+# ---- CPU path: gather the cache, then the tiled CPU backend --------------------------------
+
+def unsupported_decode(q, cache, params, sink):
+    return None if q.device.type == "cpu" else f"tensors are on {q.device}, not the CPU"
+
+
+def gather(cache: CacheSpec):
+    """Each sequence's keys and values, packed: (k, v, cu_seqlens_k) as in core.params."""
+    lens = (cache.seqlens_k.to(torch.int64) + cache.k_extra).tolist()
+    ks, vs = [], []
+    for b, n in enumerate(lens):
+        if cache.page_table is not None:
+            page_size = cache.k.shape[1]
+            pages = cache.page_table[b, :-(-n // page_size)].to(torch.int64)
+            ks.append(cache.k[pages].flatten(0, 1)[:n])
+            vs.append(cache.v[pages].flatten(0, 1)[:n])
+        else:
+            row = int(cache.batch_idx[b]) if cache.batch_idx is not None else b
+            ks.append(cache.k[row, :n])
+            vs.append(cache.v[row, :n])
+    cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
+    empty_k = cache.k.new_empty(0, *cache.k.shape[2:])
+    empty_v = cache.v.new_empty(0, *cache.v.shape[2:])
+    return (torch.cat(ks) if ks else empty_k, torch.cat(vs) if vs else empty_v,
+            cu.to(cache.k.device), max(lens, default=0))
+
+
+def decode(q, cache: CacheSpec, params: AttnParams, sink, num_splits: int = 0):
+    """The CPU path; num_splits does not apply (the tiled loop has no occupancy to fill)."""
+    from .backends import cpu
+
+    total_q, nheads_q = q.shape[0], q.shape[1]
+    dv = cache.v.shape[-1]
+    if total_q == 0:
+        return (q.new_empty(0, nheads_q, dv),
+                torch.empty(nheads_q, 0, dtype=torch.float32, device=q.device))
+    k, v, cu_k, max_k = gather(cache)
+    if cache.cu_seqlens_q is not None:
+        cu_q = cache.cu_seqlens_q
+    else:
+        cu_q = torch.arange(cache.batch + 1, dtype=torch.int32) * cache.max_seqlen_q
+    seq = SeqInfo(cu_q, cu_k, cache.max_seqlen_q, max_k, None, False)
+    return cpu.forward(q, k, v, seq, params, sink)

@@ -1,0 +1,242 @@
+"""Decode bandwidth: flash_attn_with_kvcache against the GPU's copy bandwidth and its peers.
+
+Decode reads the whole KV cache once per step and does little arithmetic with it, so the
+figure of merit is bandwidth: bytes of K/V read / median time (triton.testing.do_bench,
+L2 flushed between runs), next to the bandwidth of a device-to-device copy measured in the
+same run (read + write bytes / time), which is about what the HBM can deliver.
+
+Cases: bf16, head dim 128, GQA 8:1 (32 q heads, 4 kv heads), seqlen_q 1, batch 8 and 32,
+every sequence holding 4k, 16k or 64k tokens, in a paged cache (page 64, pages shuffled) and
+a contiguous one. Peers: torch SDPA (enable_gqa) and FlexAttention (compiled) on the
+contiguous (gathered) cache. A peer that fails is listed as failed, never fatal; once the
+time budget is spent the remaining cells are listed as skipped.
+
+    python scripts/decode-bench.py --out out/decode-bench        # on the GPU, < 90 s
+    python scripts/decode-bench.py --smoke --out /tmp/decode     # tiny sizes, any machine
+
+Prints a markdown table and writes decode-bench.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from asymflash import flash_attn_with_kvcache  # noqa: E402
+
+HQ, HKV, D, PAGE = 32, 4, 128, 64
+DTYPE = torch.bfloat16
+
+
+def short(exc: BaseException, limit: int = 120) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def timer(smoke: bool):
+    if not smoke:
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+    def cpu_median(fn, reps=3):
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    return cpu_median
+
+
+def copy_bandwidth(device, smoke: bool, bench) -> float:
+    """GB/s of dst.copy_(src), counting the bytes read and the bytes written."""
+    n = (1 << 20) if smoke else (1 << 30)  # 1 GiB each way: far past the L2
+    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def make_case(batch, seqlen, paged, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=DTYPE)
+
+    q = randn(batch, 1, HQ, D)
+    seqlens = torch.full((batch,), seqlen, dtype=torch.int32, device=device)
+    if paged:
+        pages = batch * seqlen // PAGE
+        k_cache, v_cache = randn(pages, PAGE, HKV, D), randn(pages, PAGE, HKV, D)
+        table = torch.randperm(pages, generator=g, device=device).view(batch, -1)
+        table = table.to(torch.int32)
+        k = k_cache[table.long()].flatten(1, 2)  # (batch, seqlen, hkv, d): for the peers
+        v = v_cache[table.long()].flatten(1, 2)
+    else:
+        k_cache, v_cache = randn(batch, seqlen, HKV, D), randn(batch, seqlen, HKV, D)
+        table, k, v = None, k_cache, v_cache
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, page_table=table, seqlens=seqlens,
+                k=k, v=v)
+
+
+def providers(case, smoke):
+    """name -> zero-argument callable returning out (batch, 1, hq, d)."""
+    q, table = case["q"], case["page_table"]
+
+    def asym(splits):
+        def run():
+            return flash_attn_with_kvcache(
+                q, case["k_cache"], case["v_cache"], cache_seqlens=case["seqlens"],
+                page_table=table, num_splits=splits, check_values=False)
+        return run
+
+    qb, kb, vb = (t.transpose(1, 2) for t in (q, case["k"], case["v"]))
+
+    def sdpa():
+        out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True)
+        return out.transpose(1, 2)
+
+    flex_fn = {}
+
+    def flex():
+        if "fn" not in flex_fn:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            flex_fn["fn"] = flex_attention if smoke else torch.compile(flex_attention)
+        return flex_fn["fn"](qb, kb, vb, enable_gqa=True).transpose(1, 2)
+
+    # SDPA first: it is the yardstick the others' outputs are compared with.
+    return {"SDPA": sdpa, "asymflash": asym(0), "asymflash-nosplit": asym(1), "Flex": flex}
+
+
+def splits_chosen(case):
+    """The split count num_splits=0 picks (the portable kernel's heuristic)."""
+    try:
+        from asymflash.backends.portable import decode as dec
+        from asymflash.kvcache import CacheSpec
+
+        q = case["q"]
+        spec = CacheSpec(case["k_cache"], case["v_cache"], case["seqlens"], 0,
+                         case["page_table"], None, None, 1, case["k"].shape[1], q.shape[0])
+        return dec.plan(q.flatten(0, 1), spec, 0)[3]
+    except Exception as e:  # informative only
+        return f"? ({short(e, 60)})"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="out/decode-bench")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, runs without a GPU")
+    ap.add_argument("--budget-s", type=float, default=75.0,
+                    help="cells after this many seconds are skipped (listed as skipped)")
+    args = ap.parse_args(argv)
+    t_start = time.time()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.smoke:
+        print("decode-bench: no CUDA device; use --smoke for a CPU dry run")
+        return 0
+    bench = timer(args.smoke)
+    batches = (2,) if args.smoke else (8, 32)
+    lengths = (128, 256) if args.smoke else (4096, 16384, 65536)
+    info = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                torch=torch.__version__, smoke=args.smoke)
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    copy_gbs = copy_bandwidth(device, args.smoke, bench)
+    info["copy_GBps"] = round(copy_gbs, 1)
+    print(f"# decode bandwidth — {info['device']}; device-to-device copy {copy_gbs:.0f} GB/s "
+          f"(read + write)\n")
+    rows = []
+    for paged in (True, False):
+        for batch in batches:
+            for seqlen in lengths:
+                row = dict(layout="paged" if paged else "contiguous", batch=batch,
+                           seqlen_k=seqlen, cells={})
+                rows.append(row)
+                kv_bytes = batch * seqlen * HKV * 2 * D * DTYPE.itemsize
+                row["kv_MB"] = round(kv_bytes / 1e6, 1)
+                try:
+                    case = make_case(batch, seqlen, paged, device)
+                except Exception as e:  # e.g. out of memory: the whole row is failed
+                    row["error"] = short(e)
+                    continue
+                row["splits"] = splits_chosen(case)
+                expected = None
+                for name, fn in providers(case, args.smoke).items():
+                    # The peers have no page table: they read the gathered copy, the same
+                    # work as the contiguous row, so in paged rows SDPA only checks values.
+                    timed = not (paged and name in ("SDPA", "Flex"))
+                    if not timed and name == "Flex":
+                        continue
+                    if time.time() - t_start > args.budget_s:
+                        row["cells"][name] = dict(status="skipped (time budget)")
+                        continue
+                    try:
+                        out = fn().float()
+                        if expected is None:  # the first provider's output is the yardstick
+                            expected, ref_name = out, name
+                        err = (out - expected).abs().max().item()
+                        if not timed:
+                            row["check_vs_SDPA"] = err
+                            continue
+                        ms = bench(fn)
+                        gbps = kv_bytes / (ms * 1e-3) / 1e9
+                        cell = dict(status="ok", ms=ms, GBps=gbps, pct_copy=100 * gbps / copy_gbs,
+                                    max_diff=err, vs=ref_name)
+                        if not math.isfinite(err) or err > 5e-2:
+                            cell["status"] = f"wrong? (max diff {err:.3g} vs {ref_name})"
+                    except Exception as e:
+                        cell = dict(status=f"failed: {short(e)}")
+                        if device == "cuda":
+                            torch.cuda.empty_cache()
+                    row["cells"][name] = cell
+                del case
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+    names = ["asymflash", "asymflash-nosplit", "SDPA", "Flex"]
+    head = "| layout | batch | seqlen_k | K/V MB | splits | " + " | ".join(
+        f"{n} µs (GB/s, % copy)" for n in names) + " |"
+    print(head)
+    print("|" + "---|" * (5 + len(names)))
+    for row in rows:
+        cells = []
+        for n in names:
+            c = row["cells"].get(n)
+            if c is None:
+                cells.append("(see contiguous)" if row["layout"] == "paged" else "—")
+            elif c["status"] == "ok":
+                cells.append(f"{c['ms'] * 1e3:.1f} ({c['GBps']:.0f}, {c['pct_copy']:.0f}%)")
+            else:
+                cells.append(c["status"])
+        if "error" in row:
+            cells = [f"failed: {row['error']}"] + [""] * (len(names) - 1)
+        print(f"| {row['layout']} | {row['batch']} | {row['seqlen_k']} | {row['kv_MB']} | "
+              f"{row.get('splits', '')} | " + " | ".join(cells) + " |")
+    info["elapsed_s"] = round(time.time() - t_start, 1)
+    print(f"\n{info['elapsed_s']} s")
+    os.makedirs(args.out, exist_ok=True)
+    path = Path(args.out) / "decode-bench.json"
+    path.write_text(json.dumps(dict(info=info, rows=rows), indent=1, default=str))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,402 @@
+"""flash_attn_with_kvcache and paged flash_attn_varlen_func against the reference.
+
+The reference runs on keys gathered from the cache by this file's own indexing (not the
+library's), sequence by sequence; the expected cache after an append is built the same way,
+so both the in-place write and the attention are checked. On a CPU machine both the CPU
+path and the portable Triton kernels (in the interpreter) are exercised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import assert_fa_close, assert_lse_close, forced
+
+from asymflash import dispatch, flash_attn_varlen_func, flash_attn_with_kvcache
+from asymflash.reference import attention_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = [n for n in dispatch.backend_names(DEVICE) if n in dispatch._DECODE_MODULES]
+PAGE = 16
+
+
+class Cache:
+    """A KV cache of `capacity` slots per sequence, paged (shuffled pages) or contiguous.
+
+    `slot(b, j)` is where key j of sequence b lives, written out independently of the library
+    so the tests check its indexing instead of repeating it.
+    """
+
+    def __init__(self, layout, batch, hkv, d, dv, capacity, dtype=torch.bfloat16):
+        self.layout, self.batch = layout, batch
+        self.page_table = self.batch_idx = None
+        if layout == "paged":
+            pages_per_seq = capacity // PAGE
+            num_pages = batch * pages_per_seq + 3  # spare pages nobody uses
+            shape = (num_pages, PAGE)
+            self.page_table = torch.randperm(num_pages)[:batch * pages_per_seq].view(
+                batch, pages_per_seq).to(torch.int32).to(DEVICE)
+        else:
+            rows = batch + 2 if layout == "indexed" else batch
+            shape = (rows, capacity)
+            if layout == "indexed":  # sequences live in shuffled rows, two rows unused
+                self.batch_idx = torch.randperm(rows)[:batch].to(torch.int32).to(DEVICE)
+        self.k = torch.randn(*shape, hkv, d, dtype=dtype, device=DEVICE)
+        self.v = torch.randn(*shape, hkv, dv, dtype=dtype, device=DEVICE)
+
+    def slot(self, b, j):
+        if self.layout == "paged":
+            return int(self.page_table[b, j // PAGE]), j % PAGE
+        return (int(self.batch_idx[b]) if self.batch_idx is not None else b), j
+
+    def keys(self, b, n, k=None, v=None):
+        """Keys and values 0..n-1 of sequence b, from (k, v) (default: the cache itself)."""
+        k = self.k if k is None else k
+        v = self.v if v is None else v
+        slots = [self.slot(b, j) for j in range(n)]
+        return (torch.stack([k[s] for s in slots]) if slots else k[0, :0],
+                torch.stack([v[s] for s in slots]) if slots else v[0, :0])
+
+    def expected_after_append(self, lens, k_new, v_new):
+        k, v = self.k.clone(), self.v.clone()
+        for b, n0 in enumerate(lens):
+            for t in range(k_new.shape[1]):
+                s = self.slot(b, n0 + t)
+                k[s], v[s] = k_new[b, t], v_new[b, t]
+        return k, v
+
+    def kwargs(self):
+        return dict(page_table=self.page_table, cache_batch_idx=self.batch_idx)
+
+
+def reference(q, cache, k, v, lens_k, sink=None, **kw):
+    """(out32, out_low, lse32): per-sequence reference on the gathered keys, stacked."""
+    outs32, outs_low, lses = [], [], []
+    for b, n in enumerate(lens_k):
+        kb, vb = cache.keys(b, n, k, v)
+        qb, kb, vb = q[b:b + 1], kb.unsqueeze(0), vb.unsqueeze(0)
+        o32, lse = attention_ref(qb, kb, vb, learnable_sink=sink, **kw)
+        olow, _ = attention_ref(qb, kb, vb, learnable_sink=sink, upcast=False, **kw)
+        outs32.append(o32)
+        outs_low.append(olow)
+        lses.append(lse)
+    return torch.cat(outs32), torch.cat(outs_low), torch.cat(lses)
+
+
+CASES = {
+    # name: (seqlen_q, nheads_q, nheads_kv, seqlen_new, cache_seqlens, mask/feature kwargs)
+    "decode-gqa8": (1, 8, 1, 1, [0, 40, 113], dict(causal=True)),
+    "decode-no-append": (1, 8, 1, 0, [1, 0, 113], dict()),
+    "decode-softcap-sink": (1, 4, 2, 1, [17, 0, 100], dict(causal=True, softcap=5.0,
+                                                           sink=True)),
+    "prefill-17": (17, 8, 1, 17, [0, 31, 100], dict(causal=True)),
+    "prefill-window": (17, 4, 2, 17, [15, 0, 96], dict(causal=True, window_size=(23, 0),
+                                                       softcap=3.0, sink=True)),
+    "append-5-local": (5, 4, 4, 5, [12, 0, 113], dict(window_size=(9, 2))),
+}
+LAYOUTS = ["paged", "contiguous", "indexed"]
+
+
+def run_case(backend, layout, name, splits, dtype=torch.bfloat16, d=32, dv=32):
+    sq, hq, hkv, new, lens, kw = CASES[name]
+    kw = dict(kw)
+    batch = len(lens)
+    cache = Cache(layout, batch, hkv, d, dv, capacity=128, dtype=dtype)
+    q = torch.randn(batch, sq, hq, d, dtype=dtype, device=DEVICE)
+    k_new = torch.randn(batch, new, hkv, d, dtype=dtype, device=DEVICE) if new else None
+    v_new = torch.randn(batch, new, hkv, dv, dtype=dtype, device=DEVICE) if new else None
+    sink = torch.randn(hq, device=DEVICE) if kw.pop("sink", False) else None
+    want_k, want_v = (cache.expected_after_append(lens, k_new, v_new) if new
+                      else (cache.k.clone(), cache.v.clone()))
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    with forced(backend):
+        out, lse = flash_attn_with_kvcache(
+            q, cache.k, cache.v, k_new, v_new, cache_seqlens=seqlens, learnable_sink=sink,
+            num_splits=splits, return_lse=True, **cache.kwargs(), **kw)
+    assert torch.equal(cache.k, want_k) and torch.equal(cache.v, want_v), "append"
+    assert out.shape == (batch, sq, hq, dv) and lse.shape == (batch, hq, sq)
+    r32, rlow, rlse = reference(q, cache, want_k, want_v, [n + new for n in lens], sink, **kw)
+    assert_fa_close("out", out, r32, rlow, atol=1e-3)
+    assert_lse_close(lse, rlse)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_kvcache_matches_reference(backend, layout, name):
+    run_case(backend, layout, name, splits=0)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 0])
+@pytest.mark.parametrize("name", ["decode-gqa8", "decode-softcap-sink", "prefill-window"])
+def test_split_kv(splits, name):
+    """Split counts only change how the portable kernel divides the keys, never the answer."""
+    if "portable" not in BACKENDS:
+        pytest.skip("the portable kernels need a GPU or TRITON_INTERPRET=1")
+    run_case("portable", "paged", name, splits=splits)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_gqa_packing_on_and_off(pack, monkeypatch):
+    """Both tile shapes of the portable kernel: (position, head) rows, or one head per tile."""
+    if "portable" not in BACKENDS:
+        pytest.skip("the portable kernels need a GPU or TRITON_INTERPRET=1")
+    from asymflash.backends.portable import decode
+
+    chosen = decode.select_config
+
+    def forced_pack(*args, **kwargs):
+        return dataclasses.replace(chosen(*args, **kwargs), pack_gqa=pack)
+
+    monkeypatch.setattr(decode, "select_config", forced_pack)
+    run_case("portable", "indexed", "prefill-17", splits=3)
+
+
+def test_fp16_and_head_dims():
+    """fp16, d != dv, odd head count ratios: the portable kernel's masking of dims."""
+    backend = BACKENDS[-1]
+    run_case(backend, "paged", "decode-softcap-sink", splits=3, dtype=torch.float16, d=64,
+             dv=40)
+
+
+def test_int_cache_seqlens_and_defaults():
+    cache = Cache("contiguous", 2, 2, 32, 32, capacity=48)
+    q = torch.randn(2, 1, 4, 32, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(2, 1, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    v = torch.randn_like(k)
+    want_k, want_v = cache.expected_after_append([47, 47], k, v)
+    out = flash_attn_with_kvcache(q, cache.k, cache.v, k, v, cache_seqlens=47)
+    assert torch.equal(cache.k, want_k) and torch.equal(cache.v, want_v)
+    r32, rlow, _ = reference(q, cache, want_k, want_v, [48, 48])
+    assert_fa_close("out", out, r32, rlow, atol=1e-3)
+    # no cache_seqlens: the whole cache is attended to
+    out_full = flash_attn_with_kvcache(q, cache.k, cache.v)
+    assert_fa_close("out", out_full, r32, rlow, atol=1e-3)
+
+
+def test_runs_without_grad():
+    cache = Cache("paged", 2, 1, 32, 32, capacity=32)
+    q = torch.randn(2, 1, 2, 32, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    out = flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=5, **cache.kwargs())
+    assert not out.requires_grad
+
+
+def test_unused_page_table_entries_are_not_checked():
+    """Serving engines pad page-table rows past a sequence's pages with anything."""
+    cache = Cache("paged", 2, 1, 32, 32, capacity=64)
+    cache.page_table[0, 2:] = -1  # sequence 0 uses 20 keys + 1 new: pages 0 and 1 only
+    cache.page_table[1, 1:] = 10**6
+    q = torch.randn(2, 1, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(2, 1, 1, 32, dtype=torch.bfloat16, device=DEVICE)
+    lens = [20, 15]
+    want_k, want_v = cache.expected_after_append(lens, k, k)
+    out = flash_attn_with_kvcache(q, cache.k, cache.v, k, k.clone(),
+                                  cache_seqlens=torch.tensor(lens, dtype=torch.int32,
+                                                             device=DEVICE),
+                                  **cache.kwargs())
+    r32, rlow, _ = reference(q, cache, want_k, want_v, [21, 16])
+    assert_fa_close("out", out, r32, rlow, atol=1e-3)
+
+
+def _bad_cases():
+    """(name, change to the call's arguments, exception, words in the message)."""
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+
+    def table(fn):
+        return lambda a: dict(page_table=fn(a["page_table"].clone()))
+
+    def page_out_of_range(t):
+        t[1, 1] = 999
+        return t
+
+    def page_negative(t):
+        t[2, 0] = -3
+        return t
+
+    return [
+        ("page index too big", table(page_out_of_range), ValueError,
+         r"page_table\[1, 1\] is 999"),
+        ("page index negative", table(page_negative), ValueError, r"page_table\[2, 0\] is -3"),
+        ("beyond capacity", lambda a: dict(cache_seqlens=torch.tensor([0, 60, 63], **i32)),
+         ValueError, r"cache_seqlens\[2\] is 63 .*capacity of 64"),
+        ("negative length", lambda a: dict(cache_seqlens=torch.tensor([0, -1, 3], **i32)),
+         ValueError, r"cache_seqlens\[1\] is -1"),
+        ("int length too big", lambda a: dict(cache_seqlens=63), ValueError, "cache_seqlens"),
+        ("page_table int64", table(lambda t: t.long()), TypeError, "page_table has dtype"),
+        ("page_table 1-D", table(lambda t: t.flatten()), ValueError, "page_table has shape"),
+        ("page_table rows", table(lambda t: t[:2]), ValueError, "page_table has shape"),
+        ("page_table list", lambda a: dict(page_table=a["page_table"].tolist()), TypeError,
+         "page_table is a list"),
+        ("page size 24", lambda a: dict(k_cache=a["k_cache"].new_zeros(99, 24, 2, 32),
+                                        v_cache=a["v_cache"].new_zeros(99, 24, 2, 32)),
+         ValueError, r"page size \(dim 1\) is 24"),
+        ("batch_idx with pages", lambda a: dict(cache_batch_idx=torch.zeros(3, **i32)),
+         ValueError, "cache_batch_idx"),
+        ("k without v", lambda a: dict(v=None), ValueError, "only k"),
+        ("k heads", lambda a: dict(k=a["k"].repeat(1, 1, 2, 1), v=a["v"].repeat(1, 1, 2, 1)),
+         ValueError, "k has shape"),
+        ("k dtype", lambda a: dict(k=a["k"].half()), TypeError, "k has dtype"),
+        ("v_cache dtype", lambda a: dict(v_cache=a["v_cache"].half()), TypeError,
+         "v_cache has dtype"),
+        ("seqlens int64", lambda a: dict(cache_seqlens=torch.zeros(3, dtype=torch.int64,
+                                                                   device=DEVICE)),
+         TypeError, "cache_seqlens has dtype"),
+        ("num_splits", lambda a: dict(num_splits=-1), ValueError, "num_splits is -1"),
+        ("softcap", lambda a: dict(softcap=-1.0), ValueError, "softcap"),
+        ("sink shape", lambda a: dict(learnable_sink=torch.zeros(3, device=DEVICE)), ValueError,
+         "learnable_sink"),
+    ]
+
+
+BAD = _bad_cases()
+
+
+@pytest.mark.parametrize("i", range(len(BAD)), ids=[c[0] for c in BAD])
+def test_refused_calls_leave_the_cache_untouched(i):
+    _, change, exc, words = BAD[i]
+    cache = Cache("paged", 3, 2, 32, 32, capacity=64)
+    args = dict(q=torch.randn(3, 2, 4, 32, dtype=torch.bfloat16, device=DEVICE),
+                k_cache=cache.k, v_cache=cache.v,
+                k=torch.randn(3, 2, 2, 32, dtype=torch.bfloat16, device=DEVICE),
+                v=torch.randn(3, 2, 2, 32, dtype=torch.bfloat16, device=DEVICE),
+                cache_seqlens=torch.tensor([0, 17, 40], dtype=torch.int32, device=DEVICE),
+                page_table=cache.page_table)
+    args.update(change(args))
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    with pytest.raises(exc, match=words):
+        flash_attn_with_kvcache(**args)
+    assert torch.equal(cache.k, before_k) and torch.equal(cache.v, before_v)
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda c: dict(cache_batch_idx=torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)),
+     r"cache_batch_idx\[1\] is 4"),
+    (lambda c: dict(cache_batch_idx=torch.tensor([1, 1], dtype=torch.int32, device=DEVICE)),
+     "repeats a cache row"),
+    (lambda c: dict(cache_batch_idx=None, k_cache=c.k[:3], v_cache=c.v[:3]),
+     "k_cache has batch 3"),
+])
+def test_refused_contiguous_calls_leave_the_cache_untouched(change, words):
+    cache = Cache("indexed", 2, 1, 16, 16, capacity=20)  # 4 cache rows
+    args = dict(q=torch.randn(2, 1, 2, 16, dtype=torch.bfloat16, device=DEVICE),
+                k_cache=cache.k, v_cache=cache.v,
+                k=torch.randn(2, 1, 1, 16, dtype=torch.bfloat16, device=DEVICE),
+                v=torch.randn(2, 1, 1, 16, dtype=torch.bfloat16, device=DEVICE),
+                cache_seqlens=3, cache_batch_idx=cache.batch_idx)
+    args.update(change(cache))
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    with pytest.raises(ValueError, match=words):
+        flash_attn_with_kvcache(**args)
+    assert torch.equal(cache.k, before_k) and torch.equal(cache.v, before_v)
+
+
+def _cu(lengths):
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("lengths_from", ["seqused_k", "cu_seqlens_k"])
+def test_paged_varlen_prefill(backend, lengths_from):
+    lens_q, lens_k = [17, 0, 1, 30], [17, 5, 113, 40]
+    hq, hkv, d = 4, 2, 32
+    cache = Cache("paged", 4, hkv, d, d, capacity=128)
+    q = torch.randn(sum(lens_q), hq, d, dtype=torch.bfloat16, device=DEVICE)
+    sink = torch.randn(hq, device=DEVICE)
+    lengths = dict(seqused_k=torch.tensor(lens_k, dtype=torch.int32, device=DEVICE),
+                   cu_seqlens_k=None, max_seqlen_k=None) if lengths_from == "seqused_k" \
+        else dict(cu_seqlens_k=_cu(lens_k), max_seqlen_k=max(lens_k))
+    with forced(backend):
+        out, lse = flash_attn_varlen_func(q, cache.k, cache.v, _cu(lens_q),
+                                          max_seqlen_q=max(lens_q), causal=True,
+                                          learnable_sink=sink, page_table=cache.page_table,
+                                          return_lse=True, **lengths)
+    assert out.shape == (sum(lens_q), hq, d) and lse.shape == (hq, sum(lens_q))
+    start = 0
+    for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        kb, vb = cache.keys(b, sk)
+        qb = q[start:start + sq].unsqueeze(0)
+        r32, rlse = attention_ref(qb, kb[None], vb[None], causal=True, learnable_sink=sink)
+        rlow, _ = attention_ref(qb, kb[None], vb[None], causal=True, learnable_sink=sink,
+                                upcast=False)
+        assert_fa_close(f"out[{b}]", out[start:start + sq], r32[0], rlow[0], atol=1e-3)
+        assert_lse_close(lse[:, start:start + sq], rlse[0])
+        start += sq
+
+
+def test_paged_varlen_refusals():
+    cache = Cache("paged", 2, 1, 16, 16, capacity=32)
+    q = torch.randn(3, 1, 16, dtype=torch.bfloat16, device=DEVICE)
+    base = dict(cu_seqlens_q=_cu([1, 2]), cu_seqlens_k=None, max_seqlen_q=2,
+                max_seqlen_k=None, page_table=cache.page_table)
+    with pytest.raises(ValueError, match="cu_seqlens_k is None and so is seqused_k"):
+        flash_attn_varlen_func(q, cache.k, cache.v, **base)
+    too_long = torch.tensor([3, 33], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"seqused_k\[1\] is 33"):
+        flash_attn_varlen_func(q, cache.k, cache.v, **base, seqused_k=too_long)
+    with pytest.raises(ValueError, match="q has shape"):
+        flash_attn_varlen_func(q[None], cache.k, cache.v, **base, seqused_k=too_long)
+    with pytest.raises(ValueError, match="cu_seqlens_k is None"):  # the dense-k form
+        flash_attn_varlen_func(q, q, q, _cu([1, 2]), None, 2, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [True, False])
+def test_decode_realistic_sizes(paged):
+    """bf16, hdim 128, GQA 8:1, ragged caches of a few thousand tokens, heuristic splits."""
+    batch, hq, hkv, d, page = 4, 32, 4, 128, 64
+    lens = [4000, 1, 2500, 3333]
+    cap = 4096
+    q = torch.randn(batch, 1, hq, d, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(batch, 1, hkv, d, dtype=torch.bfloat16, device=DEVICE)
+    v = torch.randn_like(k)
+    if paged:
+        num_pages = batch * cap // page
+        kc = torch.randn(num_pages, page, hkv, d, dtype=torch.bfloat16, device=DEVICE)
+        table = torch.randperm(num_pages, device=DEVICE).view(batch, -1).to(torch.int32)
+        extra = dict(page_table=table)
+    else:
+        kc = torch.randn(batch, cap, hkv, d, dtype=torch.bfloat16, device=DEVICE)
+        extra = {}
+    vc = torch.randn_like(kc)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True,
+                                       return_lse=True, **extra)
+    for b, n in enumerate(lens):
+        n += 1
+        if paged:
+            pages = table[b, :-(-n // page)].long()
+            kb, vb = kc[pages].flatten(0, 1)[:n], vc[pages].flatten(0, 1)[:n]
+        else:
+            kb, vb = kc[b, :n], vc[b, :n]
+        r32, rlse = attention_ref(q[b:b + 1], kb[None], vb[None], causal=True)
+        rlow, _ = attention_ref(q[b:b + 1], kb[None], vb[None], causal=True, upcast=False)
+        assert_fa_close(f"out[{b}]", out[b:b + 1], r32, rlow, atol=1e-3)
+        assert_lse_close(lse[b:b + 1], rlse)
+
+
+def test_split_heuristic():
+    from asymflash.backends.portable.decode import MAX_SPLITS, num_splits_heuristic
+
+    # H200 decode, batch 8, 4 kv heads packed, one query tile: 32 programs for 132 SMs
+    assert num_splits_heuristic(tiles=32, key_blocks=4096 // 64, sms=132) == 16
+    # already 4+ programs per SM: splitting only adds the combine
+    assert num_splits_heuristic(tiles=1024, key_blocks=1024, sms=132) == 1
+    # short caches: every split keeps at least 4 key blocks
+    assert num_splits_heuristic(tiles=4, key_blocks=9, sms=132) == 2
+    assert num_splits_heuristic(tiles=1, key_blocks=10**6, sms=132) == MAX_SPLITS
+    assert num_splits_heuristic(tiles=4, key_blocks=0, sms=132) == 1
+
+
+def test_check_values_off_gives_the_same_answer():
+    cache = Cache("paged", 2, 1, 32, 32, capacity=64)
+    q = torch.randn(2, 1, 4, 32, dtype=torch.bfloat16, device=DEVICE)
+    lens = torch.tensor([7, 50], dtype=torch.int32, device=DEVICE)
+    on = flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=lens, **cache.kwargs())
+    off = flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=lens, check_values=False,
+                                  **cache.kwargs())
+    assert torch.equal(on, off)
