@@ -39,7 +39,7 @@ def _fwd_op(
         return (q.new_empty(0, nheads_q, v.shape[-1]),
                 torch.empty(nheads_q, 0, dtype=torch.float32, device=q.device))
     seq = _seq(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, uniform)
-    params = _params(softmax_scale, window_left, window_right, softcap)
+    params = _params(softmax_scale, window_left, window_right, softcap, deterministic)
     backend = dispatch.pick_forward(q, k, v, seq, params, sink)
     return backend.forward(q, k, v, seq, params, sink)
 

@@ -118,14 +118,14 @@ def attn_bwd_dkdv_kernel(
 def attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, USED_K,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dqt, stride_dqh, stride_lse_h, nheads_q, group, num_m_blocks,
+    stride_dqt, stride_dqh, stride_lse_h, nheads_q, group, max_seqlen_q,
     softmax_scale, softcap, window_left, window_right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_USED_K: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
-    m_block = num_m_blocks - 1 - tl.program_id(1)
+    m_block = tl.cdiv(max_seqlen_q, BLOCK_M) - 1 - tl.program_id(1)
     b = pid_bh // nheads_q
     h = pid_bh % nheads_q
     q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_Q, CU_K, USED_K, b, HAS_USED_K)

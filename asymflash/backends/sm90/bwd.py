@@ -1,0 +1,526 @@
+"""FlashAttention backward for Hopper (sm_90a), written in Gluon.
+
+One CTA owns BLOCK_N keys of one (sequence, kv head) and keeps K, V (shared memory) and the
+dK, dV accumulators (registers) for its whole life. It walks every query block, of every q
+head of the GQA group, that can see those keys. Per query block (two warpgroups, each owning
+BLOCK_N / 2 of the keys, 8 warps in all):
+
+    Sᵀ  = K·Qᵀ            (wgmma, A = K and B = Qᵀ from shared memory)
+    dPᵀ = V·dOᵀ           (wgmma, issued right behind Sᵀ, overlaps the exponentials)
+    Pᵀ  = exp2(Sᵀ·scale·log2 e − lse₂)               lse₂ = +inf for rows with lse = −inf
+    dV += Pᵀ·dO           (wgmma, Pᵀ stays in registers as the A operand)
+    dSᵀ = Pᵀ ∘ (dPᵀ − delta)  [softcap: ∘ (1 − tanh²)]
+    dK += dSᵀ·Q           (wgmma, dSᵀ in registers)
+    dQ  = dS·K            (wgmma, dSᵀ staged in shared memory and read transposed)
+    dQ_acc += dQ          (fp32 atomics into a (total_q, Hq, D) buffer)
+
+Computing the transposed products puts the key dimension on the wgmma M axis, so Pᵀ and dSᵀ
+come out of their MMAs already in the accumulator layout the dV and dK MMAs take as register
+A operands (FA3/FA4 trick): only dSᵀ makes a trip through shared memory, for dQ, whose M axis
+is the query rows.
+
+Q and dO stream through a two-slot TMA ring (one mbarrier per slot). The kernel is not
+warp-specialised: every thread runs the loop, the loads of the next query block are issued
+right after the CTA-wide barrier that publishes dSᵀ (at that point every warp has retired the
+previous block's MMAs, so its slot is free), and dSᵀ is double-buffered so one warpgroup can
+write block i while the other still reads block i-1 in its dQ MMA. lse and delta of the next
+block are staged through shared memory one step ahead (loaded while the MMAs run, read back in
+the MMA layout only where needed: at d=128 every live register counts, the kernel sits at the
+255-register limit).
+
+Masks (bottom-right aligned, `core/params.py`) are applied only on the query blocks that cut
+the causal diagonal or window edges, or when the key block runs past the sequence; query rows
+past the sequence end need no mask (their lse reads as +inf, so P = 0 there).
+
+dQ is accumulated with atomics, so its summation order is not fixed: `deterministic=True`
+calls are refused (`unsupported_backward` returns a reason) and run on the portable backward,
+which writes every output once. FA4's ordered semaphores would lift that; not done yet.
+
+The postprocess (dQ_acc·scale -> q.dtype) and the preprocess (delta = rowsum(dO∘O) − dlse,
+the portable tl kernel) are separate small launches. Lengths, head counts, windows and scales
+are runtime arguments: one compile per (dtype, head dim, config, feature switches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from asymflash.core.params import AttnParams, SeqInfo
+
+from . import fwd as _fwd
+from .fwd import _GLUON_ERROR, LOG2E, TESTED_TRITON_VERSIONS
+
+if _GLUON_ERROR is None:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .fwd import _tanh
+
+# d=256 needs dK and dV (2 x 128 fp32 registers per thread at BLOCK_N=128 over two
+# warpgroups) plus S, dP and dQ: over the 255-register limit without splitting dK/dV across
+# more warpgroups. Refused until that split exists.
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Tile shape and scheduling switches of one compiled backward kernel."""
+
+    block_m: int = 64  # query rows per step (the N of the Sᵀ/dPᵀ MMAs, the M of dQ)
+    block_n: int = 128  # keys per CTA, split over the two warpgroups (64 rows of wgmma M each)
+    num_warps: int = 8  # two warpgroups; the MMA layouts below assume exactly 8
+    dv_overlap: bool = True  # keep dV = Pᵀ·dO in flight while dSᵀ is formed (more registers)
+    dp_early: bool = True  # issue dPᵀ = V·dOᵀ with Sᵀ, overlapping the exponentials (more regs)
+
+
+# Not tuned on a GPU yet: FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) for both.
+# d=128 (ptxas, sm_90a) runs at the 255-register limit: it retires dV before forming dSᵀ
+# (dv_overlap=False: 252 registers unmasked, 2-14 spill instructions on the masked path
+# only, vs 254 and 10-22 with the overlap). d=64 has room for both overlaps (182 registers).
+_DEFAULT_CONFIGS = {
+    64: BwdConfig(block_m=64, block_n=128),
+    128: BwdConfig(block_m=64, block_n=128, dv_overlap=False),
+}
+
+
+def select_config(head_dim: int, override: BwdConfig | None = None,
+                  softcap: bool = False) -> BwdConfig:
+    """Heuristic config; `override` wins when given."""
+    if override is not None:
+        cfg = override
+    else:
+        cfg = _DEFAULT_CONFIGS[head_dim]
+        if softcap and head_dim >= 128:
+            # The softcap chain-rule tile takes the registers dPᵀ's early issue needs
+            # (2 spill instructions in the unmasked loop otherwise).
+            cfg = replace(cfg, dp_early=False)
+    # The MMA layouts hard-wire two warpgroups of 64 keys and a 64-row dQ split by columns.
+    if cfg.num_warps != 8 or cfg.block_n != 128 or cfg.block_m != 64:
+        raise ValueError(f"unsupported sm90 backward config {cfg}: needs 8 warps, "
+                         "block_n 128, block_m 64")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Gluon kernel
+# ----------------------------------------------------------------------------------------------
+
+if _GLUON_ERROR is None:
+
+    @gluon.jit
+    def _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, slot, h, row,
+                  HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, pred):
+        """TMA-load the Q and dO rows [row, row + BLOCK_M) of q head h into ring slot `slot`."""
+        mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes,
+                        pred=pred)
+        tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], ready.index(slot),
+                                        q_smem.index(slot), pred=pred)
+        tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM_V], ready.index(slot),
+                                        do_smem.index(slot), pred=pred)
+
+    @gluon.jit
+    def _stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, buf, h, m0, q_start, seqlen_q,
+                     total_q, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+        """Copy lse (as log2, +inf for empty rows) and delta of one query block into shared
+        memory buffer `buf`.
+
+        Loaded one value per thread and read back in the MMA layout only when needed, so the
+        16 + 16 registers a thread would hold for them in that layout are not live across
+        the MMA waits (at d=128 that decides between spilling and not).
+        """
+        rows = m0 + gl.arange(0, BLOCK_M, layout=layout)
+        ok = rows < seqlen_q
+        off = h.to(gl.int64) * total_q + q_start + rows
+        # Rows past the sequence read lse = +inf: P = 0 there, no mask needed.
+        lse = gl.load(lse_ptr + off, mask=ok, other=float("inf"))
+        lse_smem.index(buf).store(
+            gl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634))
+        delta_smem.index(buf).store(gl.load(delta_ptr + off, mask=ok, other=0.0))
+
+    @gluon.jit
+    def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr,
+                         dv_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, total_q,
+                         n_heads, n_kv_heads, group, qk_scale, softmax_scale, softcap_pre,
+                         window_left, window_right,
+                         HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                         SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
+                         DP_EARLY: gl.constexpr):
+        # Keys on the M axis: warpgroup w owns keys [w·64, w·64 + 64) of the block.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                            instr_shape=[16, HEAD_DIM, 16])
+        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                            instr_shape=[16, HEAD_DIM_V, 16])
+        # dQ has only BLOCK_M = 64 rows (one wgmma M): the warpgroups split its columns.
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                            instr_shape=[16, HEAD_DIM // 2, 16])
+        pv_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout,
+                                                         k_width=2)
+        dsq_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout,
+                                                          k_width=2)
+        key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        dtype: gl.constexpr = q_desc.dtype
+
+        n_blk = gl.program_id(0)
+        hk = gl.program_id(1)
+        batch = gl.program_id(2)
+        if UNIFORM:
+            q_start = batch * seqlen_q
+            k_start = batch * seqlen_k
+        else:
+            q_start = gl.load(cu_q_ptr + batch)
+            seqlen_q = gl.load(cu_q_ptr + batch + 1) - q_start
+            k_start = gl.load(cu_k_ptr + batch)
+            seqlen_k = gl.load(cu_k_ptr + batch + 1) - k_start
+        if HAS_SEQUSED:
+            seqlen_k = gl.load(used_k_ptr + batch)
+        n0 = n_blk * BLOCK_N
+        if n0 < seqlen_k:
+            shift = seqlen_k - seqlen_q
+            # Query rows [m_lo, m_hi) that can see a key of [n0, n0 + BLOCK_N)
+            # (core.masks.query_range); m_lo rounded down to a block start.
+            m_lo = 0
+            m_hi = seqlen_q
+            if HAS_RIGHT:
+                m_lo = (gl.maximum(n0 - shift - window_right, 0) // BLOCK_M) * BLOCK_M
+            if HAS_LEFT:
+                m_hi = gl.minimum(n0 + BLOCK_N - shift + window_left, seqlen_q)
+            group_blocks = (gl.maximum(m_hi - m_lo, 0) + BLOCK_M - 1) // BLOCK_M
+            n_steps = group_blocks * group
+            # A block needs no mask when every (row, key) pair of it is allowed: all keys
+            # exist, the first row sees the last key (right edge), the last row the first key
+            # (left edge). Rows past seqlen_q are harmless (P = 0 through lse = +inf).
+            keys_oob = n0 + BLOCK_N > seqlen_k
+            m_full_lo = n0 + BLOCK_N - 1 - shift - window_right  # used only with HAS_RIGHT
+            m_full_hi = n0 - shift + window_left - BLOCK_M + 1  # used only with HAS_LEFT
+
+            k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+            v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V], v_desc.layout)
+            q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+            do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM_V],
+                                                do_desc.layout)
+            ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
+                                                                           dtype)
+            ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+            kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+            ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(kv_bar.index(0), count=1)
+            for st in gl.static_range(2):
+                mbarrier.init(ready.index(st), count=1)
+            fence_async_shared()
+
+            mbarrier.expect(kv_bar.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [k_start + n0, hk * HEAD_DIM],
+                                            kv_bar.index(0), k_smem)
+            tma.async_copy_global_to_shared(v_desc, [k_start + n0, hk * HEAD_DIM_V],
+                                            kv_bar.index(0), v_smem)
+            # Steps walk (q head of the group, query block) in order; (h, m0) is the current
+            # step's pair, carried rather than divided out of the step counter.
+            h = hk * group
+            m0 = m_lo
+            m_end = m_lo + group_blocks * BLOCK_M
+            _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 0, h, q_start + m0, HEAD_DIM,
+                      HEAD_DIM_V, n_steps > 0)
+
+            kloc = gl.arange(0, BLOCK_N, layout=key_layout)
+            n_valid = seqlen_k - n0
+            diag_right = shift + window_right - n0  # key <= row + shift + window_right
+            diag_left = shift - window_left - n0  # key >= row + shift - window_left
+            cols = gl.arange(0, BLOCK_M, layout=col_layout)
+            dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, dk_layout)
+            dv = gl.zeros([BLOCK_N, HEAD_DIM_V], gl.float32, dv_layout)
+            s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+            dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+            dq_rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+            dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+            stat_layout: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
+            stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+            lse_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stat_smem_layout)
+            delta_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stat_smem_layout)
+            if n_steps > 0:
+                _stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 0, h, m0, q_start,
+                             seqlen_q, total_q, BLOCK_M, stat_layout)
+            gl.thread_barrier()
+            mbarrier.wait(kv_bar.index(0), 0)
+
+            for it in range(n_steps):
+                slot = it % 2
+                h_next = h
+                m0_next = m0 + BLOCK_M
+                if m0_next >= m_end:
+                    h_next = h + 1
+                    m0_next = m_lo
+                mbarrier.wait(ready.index(slot), (it // 2) & 1)
+                q_s = q_smem.index(slot)
+                do_s = do_smem.index(slot)
+                s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)
+                if DP_EARLY:
+                    # dPᵀ runs on the tensor cores while this warpgroup computes Pᵀ.
+                    dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
+                                           is_async=True)
+
+                # Next step's row statistics, while the two MMAs run. Its buffer was last read
+                # in step it-1, before the barrier every warp has passed since; this step's
+                # barrier publishes it.
+                if it + 1 < n_steps:
+                    _stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
+                                 m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
+                if DP_EARLY:
+                    s = warpgroup_mma_wait(1, deps=[s_tok])
+                else:
+                    s = warpgroup_mma_wait(0, deps=[s_tok])
+                if SOFTCAP:
+                    lse2 = lse_smem.index(slot).load(col_layout)
+                    t = _tanh(s * softcap_pre)
+                    p = gl.exp2(t * qk_scale - gl.expand_dims(lse2, 0))
+                    # Fold the chain-rule factor into a copy of P now, so that tanh does not
+                    # stay live (32 more registers) until dPᵀ arrives.
+                    p_dt = p * (1.0 - t * t)
+                else:
+                    lse2 = lse_smem.index(slot).load(col_layout)
+                    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
+                need_mask = keys_oob
+                if HAS_RIGHT:
+                    need_mask = need_mask | (m0 < m_full_lo)
+                if HAS_LEFT:
+                    need_mask = need_mask | (m0 > m_full_hi)
+                if need_mask:
+                    # In block-local indices (key - n0, row - m0) every edge is one scalar:
+                    # fewer live registers than absolute row/key tiles.
+                    c2 = gl.expand_dims(cols, 0)
+                    ok = gl.expand_dims(kloc < n_valid, 1)
+                    if HAS_RIGHT:
+                        ok = ok & (gl.expand_dims(kloc - (m0 + diag_right), 1) <= c2)
+                    if HAS_LEFT:
+                        ok = ok & (gl.expand_dims(kloc - (m0 + diag_left), 1) >= c2)
+                    p = gl.where(ok, p, 0.0)
+                    if SOFTCAP:
+                        p_dt = gl.where(ok, p_dt, 0.0)
+                if not DP_EARLY:
+                    # Issued only now so that its 32 accumulator registers are not live while
+                    # Pᵀ is formed; the other warpgroup keeps the tensor cores busy meanwhile.
+                    dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
+                                           is_async=True)
+                p_op = gl.convert_layout(p.to(dtype), pv_op_layout)
+                dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
+                if SOFTCAP:
+                    p = p_dt
+
+                if DV_OVERLAP:
+                    # Groups retire in order: with dV left in flight, dPᵀ is complete.
+                    dp = warpgroup_mma_wait(1, deps=[dp_tok])
+                else:
+                    # Retire dV too: frees the 16-bit Pᵀ operand registers before dSᵀ is
+                    # formed (at d=128 the overlap would cost spills).
+                    dp, dv, p_op = warpgroup_mma_wait(0, deps=[dp_tok, dv_tok, p_op])
+                delta = delta_smem.index(slot).load(col_layout)
+                ds = p * (dp - gl.expand_dims(delta, 0))
+                ds16 = ds.to(dtype)
+                ds_buf = ds_smem.index(slot)
+                ds_buf.store(ds16)
+                ds_op = gl.convert_layout(ds16, dsq_op_layout)
+                dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                # dQ reads both warpgroups' halves of dSᵀ: make the stores visible to the
+                # async proxy, then wait for every warp. Past this barrier every warp has also
+                # retired all MMAs of step it-1, so that step's ring slot can be refilled.
+                fence_async_shared()
+                gl.thread_barrier()
+                _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 1 - slot, h_next,
+                          q_start + m0_next, HEAD_DIM, HEAD_DIM_V, it + 1 < n_steps)
+                dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, dq_zero, use_acc=False,
+                                       is_async=True)
+                if DV_OVERLAP:
+                    dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(
+                        0, deps=[dv_tok, dk_tok, dq_tok, p_op, ds_op])
+                else:
+                    dk, dq, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, dq_tok, ds_op])
+
+                dq_rows = m0 + dq_rows0
+                dq_off = ((q_start + dq_rows).to(gl.int64) * n_heads + h) * HEAD_DIM
+                dq_ptrs = dq_ptr + gl.expand_dims(dq_off, 1) + gl.expand_dims(dq_cols, 0)
+                gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(dq_rows < seqlen_q, 1),
+                              sem="relaxed")
+                h = h_next
+                m0 = m0_next
+
+            for st in gl.static_range(2):
+                mbarrier.invalidate(ready.index(st))
+            mbarrier.invalidate(kv_bar.index(0))
+
+            # Epilogue: dK carries the softmax scale of S = scale·Q·Kᵀ; rows past the
+            # sequence (other sequences' keys, or TMA zero fill) are not stored.
+            dk_keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
+            dk_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dk_layout))
+            dk_off = ((k_start + dk_keys).to(gl.int64) * n_kv_heads + hk) * HEAD_DIM
+            gl.store(dk_ptr + gl.expand_dims(dk_off, 1) + gl.expand_dims(dk_cols, 0),
+                     (dk * softmax_scale).to(dk_ptr.dtype.element_ty),
+                     mask=gl.expand_dims(dk_keys < seqlen_k, 1))
+            dv_keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv_layout))
+            dv_cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout))
+            dv_off = ((k_start + dv_keys).to(gl.int64) * n_kv_heads + hk) * HEAD_DIM_V
+            gl.store(dv_ptr + gl.expand_dims(dv_off, 1) + gl.expand_dims(dv_cols, 0),
+                     dv.to(dv_ptr.dtype.element_ty), mask=gl.expand_dims(dv_keys < seqlen_k, 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------
+
+
+def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, has_left,
+                has_right, softcap):
+    return {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim_v, "BLOCK_M": cfg.block_m,
+            "BLOCK_N": cfg.block_n, "UNIFORM": uniform,
+            "HAS_SEQUSED": has_seqused, "HAS_LEFT": has_left, "HAS_RIGHT": has_right,
+            "SOFTCAP": softcap, "DV_OVERLAP": cfg.dv_overlap,
+            "DP_EARLY": cfg.dp_early}
+
+
+def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
+                       cfg: BwdConfig | None = None, arch=90, **features):
+    """Compile the backward kernel without a GPU (CI check); returns triton's CompiledKernel."""
+    if _GLUON_ERROR is not None:
+        raise RuntimeError(_GLUON_ERROR)
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    feats = {"uniform": True, "has_seqused": False, "has_left": False, "has_right": False,
+             "softcap": False}
+    feats.update(features)
+    cfg = select_config(head_dim, cfg, feats["softcap"])
+    ty = _fwd._SIG_DTYPES[dtype]
+
+    def desc(block):
+        return f"tensordesc<{ty}[{block[0]}, {block[1]}],{_fwd._smem_layout(block, dtype)!r}>"
+
+    signature = {
+        "q_desc": desc([cfg.block_m, head_dim]), "k_desc": desc([cfg.block_n, head_dim]),
+        "v_desc": desc([cfg.block_n, head_dim_v]), "do_desc": desc([cfg.block_m, head_dim_v]),
+        "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "dk_ptr": f"*{ty}",
+        "dv_ptr": f"*{ty}", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "used_k_ptr": "*i32",
+        "seqlen_q": "i32", "seqlen_k": "i32", "total_q": "i32", "n_heads": "i32",
+        "n_kv_heads": "i32", "group": "i32", "qk_scale": "fp32", "softmax_scale": "fp32",
+        "softcap_pre": "fp32", "window_left": "i32", "window_right": "i32"}
+    constexprs = _constexprs(head_dim, head_dim_v, cfg, **feats)
+    for name in constexprs:
+        signature[name] = "constexpr"
+    src = GluonASTSource(_attn_bwd_kernel, signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": cfg.num_warps})
+
+
+def unsupported_backward(q, k, v, seq: SeqInfo, params: AttnParams, sink) -> str | None:
+    """None when this kernel computes the gradients exactly, else why not (for dispatch)."""
+    if _GLUON_ERROR is not None:
+        return _GLUON_ERROR
+    if triton.__version__ not in TESTED_TRITON_VERSIONS:
+        return (f"sm90 Gluon backward tested on triton {TESTED_TRITON_VERSIONS}, "
+                f"found {triton.__version__}")
+    if params.deterministic:
+        # dQ is summed with atomics in whatever order the CTAs arrive; the portable backward
+        # is deterministic by construction. (FA4's ordered semaphores: future work.)
+        return "sm90 backward accumulates dQ with atomics (not deterministic)"
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        return "sm90 backward needs CUDA tensors"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "sm90 backward needs an sm_90 (Hopper) GPU"
+    if q.dtype not in _fwd._GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return (f"sm90 backward supports bf16/fp16 q, k, v of one dtype, "
+                f"got {q.dtype}/{k.dtype}/{v.dtype}")
+    d, dv = q.shape[-1], v.shape[-1]
+    if d not in SUPPORTED_HEAD_DIMS or dv != d:
+        return (f"sm90 backward supports head_dim == head_dim_v in {SUPPORTED_HEAD_DIMS}, "
+                f"got {d}/{dv}")
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        return "sm90 backward needs contiguous q, k, v"
+    if any(t.data_ptr() % 16 for t in (q, k, v)):
+        return "sm90 backward needs 16-byte aligned q, k, v (TMA)"
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % hkv != 0:
+        return f"nheads_q {hq} is not a multiple of nheads_kv {hkv}"
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return "empty q or k"
+    if seq.batch > 65535 or hkv > 65535:
+        return "grid dimensions y/z (kv heads, batch) are limited to 65535"
+    if max(q.shape[0], k.shape[0]) >= 2**31 - 1024:
+        return "sequence rows exceed int32 TMA coordinates"
+    if sink is not None and (sink.dtype != torch.float32 or sink.numel() != hq):
+        return "sink must be fp32 of shape (nheads_q,)"
+    return None
+
+
+def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, sink,
+             cfg: BwdConfig | None = None):
+    """(dq, dk, dv, dsink) for out = attention(q, k, v); shapes as in `core/params.py`."""
+    # The portable preprocess and the sink gradient are shared with the portable backend.
+    from ..cpu import sink_grad
+    from ..portable import _delta
+
+    total_q, hq, d = q.shape
+    total_k, hkv, _ = k.shape
+    dvd = v.shape[-1]
+    cfg = select_config(d, cfg, params.softcap > 0)
+    # The dO descriptor shares Q's compiled element type and needs TMA-friendly strides.
+    dout = dout.to(q.dtype).contiguous()
+    if dout.data_ptr() % 16:
+        dout = dout.clone()
+    lse = lse.contiguous()
+    if dlse is not None:
+        dlse = dlse.contiguous()
+    delta = _delta(out, dout, dlse)
+
+    dq_acc = torch.zeros((total_q, hq, d), dtype=torch.float32, device=q.device)
+    # Varlen rows that belong to no sequence are never written: they must read as zero.
+    has_seqused = seq.seqused_k is not None
+    uniform = bool(seq.uniform and not has_seqused)
+    alloc = torch.empty if uniform else torch.zeros
+    dk = alloc(k.shape, dtype=k.dtype, device=k.device)
+    dv = alloc(v.shape, dtype=v.dtype, device=v.device)
+
+    q_desc = TensorDescriptor.from_tensor(q.view(total_q, hq * d), [cfg.block_m, d],
+                                          _fwd._smem_layout([cfg.block_m, d], q.dtype))
+    do_desc = TensorDescriptor.from_tensor(dout.view(total_q, hq * dvd), [cfg.block_m, dvd],
+                                           _fwd._smem_layout([cfg.block_m, dvd], q.dtype))
+    k_desc = TensorDescriptor.from_tensor(k.view(total_k, hkv * d), [cfg.block_n, d],
+                                          _fwd._smem_layout([cfg.block_n, d], q.dtype))
+    v_desc = TensorDescriptor.from_tensor(v.view(total_k, hkv * dvd), [cfg.block_n, dvd],
+                                          _fwd._smem_layout([cfg.block_n, dvd], q.dtype))
+
+    wl, wr = params.mask.window_left, params.mask.window_right
+    softcap = params.softcap > 0
+    if softcap:
+        # s = c·tanh(qk·scale/c): exp2 takes t·c·log2 e, the chain rule 1 - t².
+        softcap_pre = params.softmax_scale / params.softcap
+        qk_scale = params.softcap * LOG2E
+    else:
+        softcap_pre = 1.0
+        qk_scale = params.softmax_scale * LOG2E
+    consts = _constexprs(d, dvd, cfg, uniform=uniform, has_seqused=has_seqused,
+                         has_left=wl >= 0, has_right=wr >= 0, softcap=softcap)
+    grid = (triton.cdiv(max(seq.max_seqlen_k, 1), cfg.block_n), hkv, seq.batch)
+    _attn_bwd_kernel[grid](
+        q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk, dv, seq.cu_seqlens_q,
+        seq.cu_seqlens_k, seq.seqused_k if has_seqused else seq.cu_seqlens_k,
+        seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, hkv, hq // hkv, qk_scale,
+        params.softmax_scale, softcap_pre, wl, wr, **consts, num_warps=cfg.num_warps)
+    dq = dq_acc.mul_(params.softmax_scale).to(q.dtype)
+    dsink = sink_grad(sink, lse, delta)
+    return dq, dk, dv, dsink
