@@ -93,3 +93,17 @@ def test_lse_gradient(backend):
     r_grads = torch.autograd.grad((r_out ** 2).sum() + r_lse.sum(), leaves)
     for g, r in zip(grads, r_grads):
         assert (g.float() - r).abs().max().item() < 2e-2 * max(1.0, r.abs().max().item())
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's tile shape is a CPU-run knob")
+@pytest.mark.parametrize("tiles", [(32, 16), (16, 32)])
+def test_portable_kernels_do_not_depend_on_tile_shape(tiles, monkeypatch):
+    """The GPU runs other (and non-square) tiles than the interpreter's 16x16: the mask and
+    block-range logic must give the same answer for any block_m / block_n."""
+    import asymflash.backends.portable as portable
+
+    monkeypatch.setattr(portable, "_INTERPRETER_CONFIG", portable.Config(*tiles, 4, 1))
+    case = (2, 37, 53, 4, 2, 32, 32, True, (9, 0), 4.0, True, torch.float16)
+    test_matches_reference("portable", case)
+    case = (1, 53, 29, 2, 1, 32, 32, False, (5, 3), 0.0, False, torch.bfloat16)
+    test_matches_reference("portable", case)
