@@ -2,6 +2,7 @@
 
 A backend is a module with
     NAME: str
+    forward_enabled() / backward_enabled() -> bool    (optional gates, default on)
     unsupported(q, k, v, seq, params, sink) -> str | None      (forward; None = can do it)
     forward(q, k, v, seq, params, sink) -> (out, lse)
 and, if it has a backward,
@@ -26,7 +27,7 @@ import torch
 _MODULES = {
     "cpu": "asymflash.backends.cpu",
     "portable": "asymflash.backends.portable",
-    "sm90": "asymflash.backends.sm90.fwd",
+    "sm90": "asymflash.backends.sm90.backend",
 }
 
 # flash_attn_with_kvcache and paged varlen read K/V through a cache, a calling convention of
@@ -101,18 +102,24 @@ def use_backend(name: str):
         _forced.reset(token)
 
 
+def _implements(mod, direction: str) -> bool:
+    """Whether a backend has this direction at all (an optional `<direction>_enabled()` gates
+    one that is still being proven, e.g. a new kernel behind an environment switch)."""
+    return hasattr(mod, direction) and getattr(mod, f"{direction}_enabled", lambda: True)()
+
+
 def _pick(q, k, v, seq, params, sink, direction: str):
     check = "unsupported" if direction == "forward" else "unsupported_backward"
     forced = _forced.get()
-    # A forced forward-only backend (sm90 today) leaves the backward to the usual table.
-    if forced and hasattr(get_backend(forced), direction):
+    # A forced backend without this direction leaves it to the usual table.
+    if forced and _implements(get_backend(forced), direction):
         names = [forced]
     else:
         names = backend_names(q.device)
     reasons = []
     for name in names:
         mod = get_backend(name)
-        if not hasattr(mod, direction):
+        if not _implements(mod, direction):
             reasons.append(f"{name}: no {direction}")
             continue
         why = getattr(mod, check)(q, k, v, seq, params, sink)

@@ -14,6 +14,8 @@ import triton.language as tl
 
 from .common import (
     dot,
+    full_key_blocks,
+    full_query_blocks,
     key_block_range,
     load_rows,
     log2_scores,
@@ -46,11 +48,14 @@ def bwd_preprocess_kernel(
 @triton.jit
 def _tile_grads(q, k, v, do, lse2, delta, rows, cols, seqlen_q, seqlen_k, softmax_scale,
                 softcap, window_left, window_right, SOFTCAP: tl.constexpr,
-                LEFT: tl.constexpr, RIGHT: tl.constexpr):
-    """P and dS of one (query block, key block) tile, recomputed from lse."""
+                LEFT: tl.constexpr, RIGHT: tl.constexpr, MASKED: tl.constexpr):
+    """P and dS of one (query block, key block) tile, recomputed from lse; MASKED=False for
+    tiles whose every pair is visible (rows past seqlen_q have lse +inf, so P = 0 there)."""
     s, t = log2_scores(dot(q, tl.trans(k), None), softmax_scale, softcap, SOFTCAP)
-    ok = tile_valid(rows, cols, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT)
-    p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
+    p = tl.exp2(s - lse2[:, None])
+    if MASKED:
+        ok = tile_valid(rows, cols, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT)
+        p = tl.where(ok, p, 0.0)
     dp = dot(do, tl.trans(v), None)
     ds = p * (dp - delta[:, None])
     if SOFTCAP:  # chain rule through softcap * tanh(s / softcap)
@@ -66,6 +71,39 @@ def _row_stats(LSE, DELTA, h, stride_h, q_start, rows, seqlen_q):
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(DELTA + offs, mask=rows < seqlen_q, other=0.0)
     return lse2, delta
+
+
+@triton.jit
+def _dkdv_block(acc, k, v, q_base, do_base, LSE, DELTA, h, q_start, rows, cols, offs_d,
+                offs_dv, seqlen_q, seqlen_k, stride_qt, stride_dot, stride_lse_h,
+                softmax_scale, softcap, window_left, window_right, D: tl.constexpr,
+                DV: tl.constexpr, SOFTCAP: tl.constexpr, LEFT: tl.constexpr,
+                RIGHT: tl.constexpr, MASKED: tl.constexpr):
+    """dK += dS^T Q and dV += P^T dO for one query block of one q head."""
+    dk, dv = acc
+    q = load_rows(q_base, q_start, rows, seqlen_q, stride_qt, offs_d, D)
+    do = load_rows(do_base, q_start, rows, seqlen_q, stride_dot, offs_dv, DV)
+    lse2, delta = _row_stats(LSE, DELTA, h, stride_lse_h, q_start, rows, seqlen_q)
+    p, ds = _tile_grads(q, k, v, do, lse2, delta, rows, cols, seqlen_q, seqlen_k,
+                        softmax_scale, softcap, window_left, window_right,
+                        SOFTCAP, LEFT, RIGHT, MASKED)
+    dv = dot(tl.trans(p.to(do.dtype)), do, dv)
+    dk = dot(tl.trans(ds.to(q.dtype)), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _dq_block(dq, q, do, lse2, delta, k_base, v_base, k_start, rows, cols, offs_d, offs_dv,
+              seqlen_q, seqlen_k, stride_kt, stride_vt, softmax_scale, softcap, window_left,
+              window_right, D: tl.constexpr, DV: tl.constexpr, SOFTCAP: tl.constexpr,
+              LEFT: tl.constexpr, RIGHT: tl.constexpr, MASKED: tl.constexpr):
+    """dQ += dS K for one key block."""
+    k = load_rows(k_base, k_start, cols, seqlen_k, stride_kt, offs_d, D)
+    v = load_rows(v_base, k_start, cols, seqlen_k, stride_vt, offs_dv, DV)
+    _, ds = _tile_grads(q, k, v, do, lse2, delta, rows, cols, seqlen_q, seqlen_k,
+                        softmax_scale, softcap, window_left, window_right,
+                        SOFTCAP, LEFT, RIGHT, MASKED)
+    return dot(ds.to(k.dtype), k, dq)
 
 
 @triton.jit
@@ -93,21 +131,33 @@ def attn_bwd_dkdv_kernel(
     v = load_rows(V + hk * stride_vh, k_start, cols, seqlen_k, stride_vt, offs_dv, DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    lo, hi = query_block_range(n_block * BLOCK_N, (n_block + 1) * BLOCK_N, seqlen_q, seqlen_k,
-                               window_left, window_right, LEFT, RIGHT, BLOCK_M)
+    n_lo = n_block * BLOCK_N
+    lo, hi = query_block_range(n_lo, n_lo + BLOCK_N, seqlen_q, seqlen_k, window_left,
+                               window_right, LEFT, RIGHT, BLOCK_M)
+    a, b = full_query_blocks(n_lo, n_lo + BLOCK_N, lo, hi, seqlen_q, seqlen_k, window_left,
+                             window_right, LEFT, RIGHT, BLOCK_M)
+    acc = (dk, dv)
     # GQA: the q heads sharing this kv head are summed here, in a fixed order.
     for g in range(0, group):
         h = hk * group + g
-        for start_m in range(lo, hi, BLOCK_M):
-            rows = start_m + offs_m
-            q = load_rows(Q + h * stride_qh, q_start, rows, seqlen_q, stride_qt, offs_d, D)
-            do = load_rows(DO + h * stride_doh, q_start, rows, seqlen_q, stride_dot, offs_dv, DV)
-            lse2, delta = _row_stats(LSE, DELTA, h, stride_lse_h, q_start, rows, seqlen_q)
-            p, ds = _tile_grads(q, k, v, do, lse2, delta, rows, cols, seqlen_q, seqlen_k,
-                                softmax_scale, softcap, window_left, window_right,
-                                SOFTCAP, LEFT, RIGHT)
-            dv = dot(tl.trans(p.to(do.dtype)), do, dv)
-            dk = dot(tl.trans(ds.to(q.dtype)), q, dk)
+        q_base = Q + h * stride_qh
+        do_base = DO + h * stride_doh
+        for start_m in range(lo, a, BLOCK_M):
+            acc = _dkdv_block(acc, k, v, q_base, do_base, LSE, DELTA, h, q_start,
+                              start_m + offs_m, cols, offs_d, offs_dv, seqlen_q, seqlen_k,
+                              stride_qt, stride_dot, stride_lse_h, softmax_scale, softcap,
+                              window_left, window_right, D, DV, SOFTCAP, LEFT, RIGHT, True)
+        for start_m in range(a, b, BLOCK_M):
+            acc = _dkdv_block(acc, k, v, q_base, do_base, LSE, DELTA, h, q_start,
+                              start_m + offs_m, cols, offs_d, offs_dv, seqlen_q, seqlen_k,
+                              stride_qt, stride_dot, stride_lse_h, softmax_scale, softcap,
+                              window_left, window_right, D, DV, SOFTCAP, LEFT, RIGHT, False)
+        for start_m in range(b, hi, BLOCK_M):
+            acc = _dkdv_block(acc, k, v, q_base, do_base, LSE, DELTA, h, q_start,
+                              start_m + offs_m, cols, offs_d, offs_dv, seqlen_q, seqlen_k,
+                              stride_qt, stride_dot, stride_lse_h, softmax_scale, softcap,
+                              window_left, window_right, D, DV, SOFTCAP, LEFT, RIGHT, True)
+    dk, dv = acc
     store_rows(DK + hk * stride_dkh, k_start, cols, seqlen_k, stride_dkt, offs_d, D,
                (dk * softmax_scale).to(DK.dtype.element_ty))
     store_rows(DV_OUT + hk * stride_dvh, k_start, cols, seqlen_k, stride_dvt, offs_dv, DV,
@@ -141,15 +191,25 @@ def attn_bwd_dq_kernel(
     k_base = K + (h // group) * stride_kh
     v_base = V + (h // group) * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, hi = key_block_range(m_block * BLOCK_M, (m_block + 1) * BLOCK_M, seqlen_q, seqlen_k,
-                             window_left, window_right, LEFT, RIGHT, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        k = load_rows(k_base, k_start, cols, seqlen_k, stride_kt, offs_d, D)
-        v = load_rows(v_base, k_start, cols, seqlen_k, stride_vt, offs_dv, DV)
-        _, ds = _tile_grads(q, k, v, do, lse2, delta, rows, cols, seqlen_q, seqlen_k,
-                            softmax_scale, softcap, window_left, window_right,
-                            SOFTCAP, LEFT, RIGHT)
-        dq = dot(ds.to(k.dtype), k, dq)
+    m_lo = m_block * BLOCK_M
+    lo, hi = key_block_range(m_lo, m_lo + BLOCK_M, seqlen_q, seqlen_k, window_left,
+                             window_right, LEFT, RIGHT, BLOCK_N)
+    a, b = full_key_blocks(m_lo, m_lo + BLOCK_M, lo, hi, seqlen_q, seqlen_k, window_left,
+                           window_right, LEFT, RIGHT, BLOCK_N)
+    for start_n in range(lo, a, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, k_start, rows, start_n + offs_n,
+                       offs_d, offs_dv, seqlen_q, seqlen_k, stride_kt, stride_vt,
+                       softmax_scale, softcap, window_left, window_right, D, DV, SOFTCAP,
+                       LEFT, RIGHT, True)
+    for start_n in range(a, b, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, k_start, rows, start_n + offs_n,
+                       offs_d, offs_dv, seqlen_q, seqlen_k, stride_kt, stride_vt,
+                       softmax_scale, softcap, window_left, window_right, D, DV, SOFTCAP,
+                       LEFT, RIGHT, False)
+    for start_n in range(b, hi, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, k_start, rows, start_n + offs_n,
+                       offs_d, offs_dv, seqlen_q, seqlen_k, stride_kt, stride_vt,
+                       softmax_scale, softcap, window_left, window_right, D, DV, SOFTCAP,
+                       LEFT, RIGHT, True)
     store_rows(DQ + h * stride_dqh, q_start, rows, seqlen_q, stride_dqt, offs_d, D,
                (dq * softmax_scale).to(DQ.dtype.element_ty))

@@ -78,6 +78,44 @@ def query_block_range(n_lo, n_hi, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
+def full_key_blocks(m_lo, m_hi, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
+                    LEFT: tl.constexpr, RIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split the visited key blocks [lo, hi) as [lo, a) masked, [a, b) full, [b, hi) masked.
+
+    A full block has every key present and visible to every query of rows [m_lo, m_hi), so
+    it needs no mask: most blocks of a long sequence, and the mask costs ALU and registers.
+    """
+    shift = seqlen_k - seqlen_q
+    first = 0  # the first key every row sees
+    if LEFT:
+        first = tl.maximum(m_hi - 1 + shift - window_left, 0)
+    last = seqlen_k  # one past the last key every row sees
+    if RIGHT:
+        last = tl.minimum(last, tl.maximum(m_lo + shift + window_right + 1, 0))
+    a = tl.minimum(tl.maximum(tl.cdiv(first, BLOCK_N) * BLOCK_N, lo), hi)
+    b = tl.minimum(tl.maximum((last // BLOCK_N) * BLOCK_N, a), hi)
+    return a, b
+
+
+@triton.jit
+def full_query_blocks(n_lo, n_hi, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
+                      LEFT: tl.constexpr, RIGHT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The backward's view: query blocks [lo, hi) as masked / full / masked for keys
+    [n_lo, n_hi). A key block that runs past seqlen_k is masked everywhere."""
+    shift = seqlen_k - seqlen_q
+    first = 0  # the first row that sees every key of the block
+    if RIGHT:
+        first = tl.maximum(n_hi - 1 - shift - window_right, 0)
+    last = seqlen_q  # one past the last such row
+    if LEFT:
+        last = tl.minimum(last, tl.maximum(n_lo + window_left - shift + 1, 0))
+    last = tl.where(n_hi > seqlen_k, 0, last)
+    a = tl.minimum(tl.maximum(tl.cdiv(first, BLOCK_M) * BLOCK_M, lo), hi)
+    b = tl.minimum(tl.maximum((last // BLOCK_M) * BLOCK_M, a), hi)
+    return a, b
+
+
+@triton.jit
 def tile_valid(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
                LEFT: tl.constexpr, RIGHT: tl.constexpr):
     """Boolean tile: query rows[i] may attend to key cols[j] (core.masks.allowed)."""

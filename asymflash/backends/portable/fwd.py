@@ -12,6 +12,7 @@ import triton.language as tl
 
 from .common import (
     dot,
+    full_key_blocks,
     key_block_range,
     load_rows,
     log2_scores,
@@ -20,6 +21,24 @@ from .common import (
     store_rows,
     tile_valid,
 )
+
+
+@triton.jit
+def _fwd_block(state, q, k_base, v_base, k_start, cols, rows, offs_d, offs_dv, seqlen_q,
+               seqlen_k, stride_kt, stride_vt, softmax_scale, softcap, window_left,
+               window_right, D: tl.constexpr, DV: tl.constexpr, SOFTCAP: tl.constexpr,
+               LEFT: tl.constexpr, RIGHT: tl.constexpr, MASKED: tl.constexpr):
+    """Fold one key block into (acc, row max, row sum); MASKED=False for full blocks."""
+    acc, m_i, l_i = state
+    k = load_rows(k_base, k_start, cols, seqlen_k, stride_kt, offs_d, D)
+    s, _ = log2_scores(dot(q, tl.trans(k), None), softmax_scale, softcap, SOFTCAP)
+    if MASKED:
+        ok = tile_valid(rows, cols, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT)
+        s = tl.where(ok, s, float("-inf"))
+    p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
+    v = load_rows(v_base, k_start, cols, seqlen_k, stride_vt, offs_dv, DV)
+    acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -52,17 +71,26 @@ def attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    lo, hi = key_block_range(m_block * BLOCK_M, (m_block + 1) * BLOCK_M, seqlen_q, seqlen_k,
-                             window_left, window_right, LEFT, RIGHT, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        k = load_rows(k_base, k_start, cols, seqlen_k, stride_kt, offs_d, D)
-        s, _ = log2_scores(dot(q, tl.trans(k), None), softmax_scale, softcap, SOFTCAP)
-        ok = tile_valid(rows, cols, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT)
-        s = tl.where(ok, s, float("-inf"))
-        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
-        v = load_rows(v_base, k_start, cols, seqlen_k, stride_vt, offs_dv, DV)
-        acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
+    m_lo = m_block * BLOCK_M
+    lo, hi = key_block_range(m_lo, m_lo + BLOCK_M, seqlen_q, seqlen_k, window_left,
+                             window_right, LEFT, RIGHT, BLOCK_N)
+    a, b = full_key_blocks(m_lo, m_lo + BLOCK_M, lo, hi, seqlen_q, seqlen_k, window_left,
+                           window_right, LEFT, RIGHT, BLOCK_N)
+    state = (acc, m_i, l_i)
+    for start_n in range(lo, a, BLOCK_N):
+        state = _fwd_block(state, q, k_base, v_base, k_start, start_n + offs_n, rows, offs_d,
+                           offs_dv, seqlen_q, seqlen_k, stride_kt, stride_vt, softmax_scale,
+                           softcap, window_left, window_right, D, DV, SOFTCAP, LEFT, RIGHT, True)
+    for start_n in range(a, b, BLOCK_N):
+        state = _fwd_block(state, q, k_base, v_base, k_start, start_n + offs_n, rows, offs_d,
+                           offs_dv, seqlen_q, seqlen_k, stride_kt, stride_vt, softmax_scale,
+                           softcap, window_left, window_right, D, DV, SOFTCAP, LEFT, RIGHT,
+                           False)
+    for start_n in range(b, hi, BLOCK_N):
+        state = _fwd_block(state, q, k_base, v_base, k_start, start_n + offs_n, rows, offs_d,
+                           offs_dv, seqlen_q, seqlen_k, stride_kt, stride_vt, softmax_scale,
+                           softcap, window_left, window_right, D, DV, SOFTCAP, LEFT, RIGHT, True)
+    acc, m_i, l_i = state
 
     if HAS_SINK:  # the sink joins the denominator only: one more logit with no value row
         sink = tl.load(SINK + h) * 1.4426950408889634

@@ -482,7 +482,7 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
     dout = dout.to(q.dtype).contiguous()
     if dout.data_ptr() % 16:
         dout = dout.clone()
-    lse = lse.contiguous()
+    lse = lse.float().contiguous()
     if dlse is not None:
         dlse = dlse.contiguous()
     delta = _delta(out, dout, dlse)

@@ -1,0 +1,360 @@
+"""Correctness and speed of the sm90 Gluon backward on one H200, beside cuDNN and portable.
+
+    PYTHONPATH=. python3 scripts/sm90-bwd-probe.py [--full] [--budget SECONDS]
+
+1. correctness: cases of tests/test_sm90_bwd_gpu.py against the fp32 reference gradients
+   (FA rule), each in its own process, all in parallel; the same time, one process per
+   (head dim, causal) compiles the kernels the timing needs (the on-disk Triton cache
+   carries them over);
+2. timing: bf16, model dim 2048 (nheads = 2048 / d), batch = 16384 / seqlen, d = 64/128/256,
+   causal 0/1, seqlen 1k/4k/16k; TFLOP/s of the backward (FLOPs = 2.5 · 4·b·h·s²·d, halved
+   when causal) for ours (preprocess + main kernel + dQ postprocess), asymflash's portable
+   backward and torch SDPA cuDNN (autograd.grad of its output). Every timed cell first checks
+   ours against the portable gradients (max error relative to the largest gradient).
+
+Every step runs in a child process: a crash (illegal address, hang) costs its cell, never
+the table. The whole probe stays within --budget seconds (default 55).
+Prints a compact table; writes JSON to $OUT/sm90-bwd-probe.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DIMS = (64, 128, 256)
+SEQLENS = (1024, 4096, 16384)
+CELL_TIMEOUT = 12.0  # seconds one timed cell may take (16k d=256 portable: the slowest)
+START_TIMEOUT = 20.0  # seconds a bench process may take to import torch and reach a cell
+QUICK_CASES = ("d128", "d64-causal-fp16", "d128-gqa-causal-sq<sk", "d128-local",
+               "d64-softcap-sink", "d128-varlen-causal", "d64-varlen-seqused")
+
+
+def _child_env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def _emit(obj):
+    print("@@" + json.dumps(obj), flush=True)
+
+
+def _import_test_module():
+    """tests/test_sm90_bwd_gpu.py (and tests/helpers.py), with a pytest stand-in if needed."""
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        stub = types.ModuleType("pytest")
+
+        class _Mark:
+            def __getattr__(self, name):
+                def deco(*a, **k):
+                    if len(a) == 1 and callable(a[0]) and not k:
+                        return a[0]
+                    return lambda f: f
+                return deco
+
+        stub.mark = _Mark()
+        stub.skip = lambda *a, **k: None
+        sys.modules["pytest"] = stub
+    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT))
+    import test_sm90_bwd_gpu as t
+
+    return t
+
+
+# ----------------------------------------------------------------------------------------------
+# workers (child processes)
+# ----------------------------------------------------------------------------------------------
+
+
+def worker_case(name):
+    import torch
+
+    t = _import_test_module()
+    from helpers import max_err
+
+    case = next(c for c in t.CASES if c["name"] == name)
+    t0 = time.time()
+    try:
+        res = t.run_case(case)
+    except NotImplementedError as exc:
+        _emit({"case": name, "status": f"refused: {exc}"})
+        return
+    worst, status = 0.0, "ok"
+    for g_name, (g, r32, rlow, atol) in res.items():
+        err, base = max_err(g, r32), max_err(rlow, r32)
+        rounding = max_err((r32.float() + 0.3 - 0.3).to(g.dtype), r32) \
+            if g.dtype != torch.float32 else 0.0
+        bound = 2 * base + atol + 2 * rounding
+        worst = max(worst, err / bound)
+        if torch.isnan(g).any() or err > bound:
+            status = f"WRONG {g_name} err {err:.2e} > {bound:.2e}"
+            break
+    _emit({"case": name, "status": status, "err/bound": round(worst, 3),
+           "s": round(time.time() - t0, 1)})
+
+
+def _bench_inputs(d, causal, seqlen):
+    import torch
+
+    from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
+
+    hq = 2048 // d
+    batch = 16384 // seqlen
+    total = batch * seqlen
+    dev = "cuda"
+    q, k, v, dout = (torch.randn(total, hq, d, device=dev, dtype=torch.bfloat16)
+                     for _ in range(4))
+    seq = SeqInfo.dense(batch, seqlen, seqlen, dev)
+    params = AttnParams(d ** -0.5, MaskSpec(-1, 0 if causal else -1))
+    return q, k, v, dout, seq, params, batch, hq
+
+
+def _forward(q, k, v, seq, params, batch, seqlen):
+    """out, lse for the backward from torch's flash forward (no Triton compile: a compile per
+    cell would eat the time budget); the portable forward if that op is missing."""
+    import torch
+
+    try:
+        hq, d = q.shape[1], q.shape[2]
+        qb, kb, vb = (t.view(batch, seqlen, -1, d).transpose(1, 2) for t in (q, k, v))
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            qb, kb, vb, 0.0, params.mask.causal, False, scale=params.softmax_scale)
+        out = res[0].transpose(1, 2).reshape(batch * seqlen, hq, d).contiguous()
+        lse = res[1][..., :seqlen].permute(1, 0, 2).reshape(hq, batch * seqlen).contiguous()
+        return out, lse.float()
+    except Exception:  # noqa: BLE001 - fall back to asymflash's own forward
+        from asymflash.backends import portable
+
+        return portable.forward(q, k, v, seq, params, None)
+
+
+def _bench_cell(d, causal, seqlen, warm_only):
+    import torch
+    import triton
+
+    from asymflash.backends import portable
+    from asymflash.backends.sm90 import bwd
+
+    res = {"d": d, "causal": causal, "seqlen": seqlen}
+    q, k, v, dout, seq, params, batch, hq = _bench_inputs(d, causal, seqlen)
+    flops = 2.5 * 4 * batch * hq * seqlen * seqlen * d / (2 if causal else 1)
+
+    def tflops(fn):
+        ms = triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+        return round(flops / ms * 1e-9, 1)
+
+    try:
+        out, lse = _forward(q, k, v, seq, params, batch, seqlen)
+        ref = portable.backward(dout, q, k, v, out, lse, None, seq, params, None)
+        if not warm_only:
+            res["portable"] = tflops(
+                lambda: portable.backward(dout, q, k, v, out, lse, None, seq, params, None))
+    except Exception as exc:  # noqa: BLE001 - report, go on
+        traceback.print_exc(limit=3)
+        res["portable"] = f"ERR {repr(exc)[:50]}"
+        return res
+    why = bwd.unsupported_backward(q, k, v, seq, params, None)
+    if why is not None:
+        res["ours"] = "refused"
+        res["why"] = why
+    else:
+        try:
+            got = bwd.backward(dout, q, k, v, out, lse, None, seq, params, None)
+            torch.cuda.synchronize()
+            rel = max(((g.float() - r.float()).abs().max()
+                       / r.float().abs().max().clamp_min(1e-6)).item()
+                      for g, r in zip(got[:3], ref[:3]))
+            nan = any(torch.isnan(g).any().item() for g in got[:3])
+            res["rel_err"] = float(f"{rel:.2e}")
+            if nan or rel > 5e-2:
+                res["ours"] = f"WRONG rel {rel:.1e}"
+            elif not warm_only:
+                res["ours"] = tflops(
+                    lambda: bwd.backward(dout, q, k, v, out, lse, None, seq, params, None))
+        except Exception as exc:  # noqa: BLE001 - report, go on
+            traceback.print_exc(limit=3)
+            res["ours"] = f"ERR {repr(exc)[:50]}"
+    if not warm_only:
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+            qb, kb, vb = (x.view(batch, seqlen, -1, d).transpose(1, 2).detach()
+                          .requires_grad_(True) for x in (q, k, v))
+            dob = dout.view(batch, seqlen, hq, d).transpose(1, 2)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                o = sdpa(qb, kb, vb, is_causal=bool(causal))
+            res["cudnn"] = tflops(
+                lambda: torch.autograd.grad(o, (qb, kb, vb), dob, retain_graph=True))
+        except Exception as exc:  # noqa: BLE001 - report, go on
+            res["cudnn"] = f"ERR {repr(exc)[:50]}"
+    return res
+
+
+def worker_bench(cells, warm_only):
+    import torch
+
+    for d, causal, seqlen in cells:
+        _emit({"start": {"d": d, "causal": causal, "seqlen": seqlen}})
+        _emit({"cell": _bench_cell(d, causal, seqlen, warm_only)})
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# parent
+# ----------------------------------------------------------------------------------------------
+
+
+def _spawn(args, stderr=subprocess.PIPE):
+    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args],
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=_child_env())
+
+
+def _pump(stream, lines):
+    """Forward a child's stdout lines into a queue; None marks its end."""
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def _records(text):
+    return [json.loads(line[2:]) for line in text.splitlines() if line.startswith("@@")]
+
+
+def _finish(proc, deadline):
+    """(stdout, stderr, timed_out) of a child, killed at the deadline."""
+    try:
+        out, err = proc.communicate(timeout=max(0.1, deadline - time.time()))
+        return out, err, False
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        return out, err, True
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--full", action="store_true", help="every correctness case of the test")
+    ap.add_argument("--budget", type=float, default=55.0)
+    ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        kind, rest = args.worker[0], args.worker[1:]
+        if kind == "case":
+            worker_case(rest[0])
+        else:
+            worker_bench(json.loads(rest[0]), kind == "warm")
+        return
+
+    t_start = time.time()
+    deadline = t_start + args.budget
+    cells = [(d, c, s) for d in DIMS for c in (0, 1) for s in SEQLENS]
+
+    # Phase 1, all in parallel: compiling the timed kernels (the 1k cell specialises like the
+    # others: every length and count is a multiple of 16), and the correctness cases.
+    phase1_end = t_start + 0.55 * args.budget
+    procs = [("warm", (d, c), _spawn(["--worker", "warm", json.dumps([[d, c, SEQLENS[0]]])]))
+             for d in DIMS for c in (0, 1)]
+    if args.full:
+        names = [c["name"] for c in _import_test_module().CASES]
+    else:  # no torch import in the parent: it would only delay the children
+        names = list(QUICK_CASES)
+    procs += [("case", n, _spawn(["--worker", "case", n])) for n in names]
+    results = {"cases": {}, "cells": [], "notes": []}
+    for kind, key, proc in procs:
+        out, err, timed_out = _finish(proc, phase1_end)
+        recs = _records(out)
+        if kind == "case":
+            rec = next((r for r in recs if "case" in r), None)
+            if rec is None:
+                tail = err.strip().splitlines()[-1:] if err.strip() else ["no output"]
+                rec = {"case": key, "status": ("TIMEOUT" if timed_out else
+                                               f"CRASH rc={proc.returncode}: {tail[0][:100]}")}
+            results["cases"][key] = rec
+        elif timed_out or proc.returncode != 0:
+            results["notes"].append(f"warm-up {key}: {'timeout' if timed_out else 'crashed'}")
+
+    # Phase 2: timed cells, one process at a time. A cell that crashes its process or runs
+    # past CELL_TIMEOUT (a hung kernel) is marked and the rest go on in a fresh process.
+    todo = list(cells)
+    while todo and time.time() < deadline - 3:
+        errfile = tempfile.TemporaryFile(mode="w+")  # a pipe could fill up and block it
+        proc = _spawn(["--worker", "bench", json.dumps(todo)], stderr=errfile)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
+        in_cell, failure = False, None
+        while True:
+            limit = min(deadline, time.time() + (CELL_TIMEOUT if in_cell else START_TIMEOUT))
+            try:
+                line = lines.get(timeout=max(0.1, limit - time.time()))
+            except queue.Empty:
+                failure = "timeout"
+                break
+            if line is None:
+                proc.wait()
+                failure = f"crash rc={proc.returncode}"
+                break
+            if not line.startswith("@@"):
+                continue
+            rec = json.loads(line[2:])
+            if "start" in rec:
+                in_cell = True
+            elif "cell" in rec:
+                in_cell = False
+                results["cells"].append(rec["cell"])
+                todo.pop(0)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if not todo:
+            break
+        if in_cell:
+            d, c, s = todo.pop(0)
+            results["cells"].append({"d": d, "causal": c, "seqlen": s, "ours": failure})
+        else:
+            errfile.seek(0)
+            err = errfile.read()[-300:]
+            results["notes"].append(f"bench worker died before a cell ({failure}): {err}")
+            break
+    for d, c, s in todo:
+        results["cells"].append({"d": d, "causal": c, "seqlen": s, "ours": "skipped (time)"})
+
+    print("correctness (error / FA bound, must be <= 1):")
+    for name in names:
+        rec = results["cases"].get(name, {"status": "?"})
+        print(f"  {name:26s} {rec.get('status')}  {rec.get('err/bound', '')}")
+    print("\nbackward TFLOP/s, bf16, nheads = 2048/d, batch*seqlen = 16k")
+    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} {'ours':>16} {'portable':>10} {'cudnn':>10} "
+          f"{'ours/cudnn':>10} {'rel_err':>9}")
+    for r in sorted(results["cells"], key=lambda r: (r["d"], r["causal"], r["seqlen"])):
+        ratio = ""
+        if isinstance(r.get("ours"), float) and isinstance(r.get("cudnn"), float):
+            ratio = f"{r['ours'] / r['cudnn']:.2f}"
+        print(f"{r['d']:>4} {r['causal']:>6} {r['seqlen']:>6} {str(r.get('ours', '')):>16} "
+              f"{str(r.get('portable', '')):>10} {str(r.get('cudnn', '')):>10} {ratio:>10} "
+              f"{str(r.get('rel_err', '')):>9}")
+    for note in results["notes"]:
+        print("note:", note)
+    print(f"total {time.time() - t_start:.1f} s")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "sm90-bwd-probe.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""The sm90 Gluon backward against `reference.attention_ref` gradients, on a Hopper GPU.
+
+Tolerance (the FA rule, `helpers.assert_fa_close`): error vs the fp32 reference <= 2 x the
+error of the same reference computed in the inputs' dtype + a small atol. out and lse come
+from the portable forward, so this checks the backward alone, whatever dispatch does.
+`run_case` is shared with scripts/sm90-bwd-probe.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_fa_close, max_err, reference_pair
+
+from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
+
+pytestmark = pytest.mark.gpu
+
+
+def _on_sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+# Each case: per-sequence lengths (varlen when they differ or seqused is given), heads, dim,
+# mask (window_left, window_right; causal = (-1, 0)), softcap, sink, dtype.
+CASES = [
+    dict(name="d128", lens_q=[512] * 2, lens_k=[512] * 2, hq=4, hkv=4, d=128),
+    dict(name="d64", lens_q=[512] * 2, lens_k=[512] * 2, hq=4, hkv=4, d=64),
+    dict(name="d128-causal", lens_q=[640] * 2, lens_k=[640] * 2, hq=4, hkv=4, d=128,
+         window=(-1, 0)),
+    dict(name="d64-causal-fp16", lens_q=[640] * 2, lens_k=[640] * 2, hq=4, hkv=4, d=64,
+         window=(-1, 0), dtype=torch.float16),
+    dict(name="d128-gqa-causal-sq<sk", lens_q=[200] * 2, lens_k=[700] * 2, hq=8, hkv=2, d=128,
+         window=(-1, 0)),
+    dict(name="d64-causal-sq>sk", lens_q=[700], lens_k=[300], hq=2, hkv=1, d=64,
+         window=(-1, 0)),
+    dict(name="d128-local", lens_q=[777], lens_k=[777], hq=4, hkv=2, d=128, window=(100, 37)),
+    dict(name="d64-softcap-sink", lens_q=[333] * 2, lens_k=[333] * 2, hq=4, hkv=4, d=64,
+         softcap=30.0, sink=True),
+    dict(name="d128-softcap-causal", lens_q=[300], lens_k=[300], hq=2, hkv=2, d=128,
+         window=(-1, 0), softcap=20.0),
+    dict(name="d128-varlen-causal", lens_q=[1, 130, 0, 257, 64], lens_k=[5, 129, 77, 300, 64],
+         hq=4, hkv=2, d=128, window=(-1, 0)),
+    dict(name="d64-varlen-seqused", lens_q=[100, 250], lens_k=[260, 400], hq=2, hkv=2, d=64,
+         seqused=[200, 131]),
+]
+
+
+def make_case(c, device="cuda", seed=0):
+    """Packed inputs, SeqInfo, params and sink of a case."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dtype = c.get("dtype", torch.bfloat16)
+    lens_q, lens_k = c["lens_q"], c["lens_k"]
+    hq, hkv, d = c["hq"], c["hkv"], c["d"]
+    total_q, total_k = sum(lens_q), sum(lens_k)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
+
+    q, k, v = rnd(total_q, hq, d), rnd(total_k, hkv, d), rnd(total_k, hkv, d)
+    dout = rnd(total_q, hq, d)
+    cu = [torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+          for lens in (lens_q, lens_k)]
+    used = c.get("seqused")
+    uniform = used is None and len(set(lens_q)) == 1 and len(set(lens_k)) == 1
+    seq = SeqInfo(cu[0], cu[1], max(lens_q), max(lens_k),
+                  None if used is None else torch.tensor(used, dtype=torch.int32, device=device),
+                  uniform)
+    wl, wr = c.get("window", (-1, -1))
+    params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(wl, wr),
+                        softcap=c.get("softcap", 0.0))
+    sink = (torch.randn(hq, generator=g).to(device) if c.get("sink") else None)
+    return q, k, v, dout, seq, params, sink
+
+
+def reference_grads(q, k, v, dout, seq, params, sink, c):
+    """(fp32, same-dtype) lists of [dq, dk, dv, dsink], one sequence at a time."""
+    lens_q, lens_k = c["lens_q"], c["lens_k"]
+    used = c.get("seqused") or lens_k
+    res = []
+    for _ in range(2):
+        dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                      for t in (q, k, v))
+        dsink = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
+        res.append([dq, dk, dv, dsink])
+    qs = ks = 0
+    for b in range(len(lens_q)):
+        sq, sk = lens_q[b], used[b]
+        if sq > 0:
+            pair = reference_pair(
+                q[qs:qs + sq][None], k[ks:ks + sk][None], v[ks:ks + sk][None],
+                dout[qs:qs + sq][None], sink=sink, softmax_scale=params.softmax_scale,
+                window_size=(params.mask.window_left, params.mask.window_right),
+                softcap=params.softcap)
+            for (_out, _lse, gq, gk, gv, *gs), acc in zip(pair, res):
+                acc[0][qs:qs + sq] = gq[0].float()
+                acc[1][ks:ks + sk] = gk[0].float()
+                acc[2][ks:ks + sk] = gv[0].float()
+                if gs:
+                    acc[3] += gs[0].float()
+        qs += lens_q[b]
+        ks += lens_k[b]
+    return res
+
+
+def run_case(c, device="cuda", fwd_mod=None, bwd_mod=None):
+    """Runs a forward (portable) and the sm90 backward (or the given modules); returns
+    {grad: (got, ref fp32, ref same dtype, atol)} for assert_fa_close; raises
+    NotImplementedError when the backward refuses the case."""
+    if fwd_mod is None:
+        from asymflash.backends import portable as fwd_mod
+    if bwd_mod is None:
+        from asymflash.backends.sm90 import bwd as bwd_mod
+    bwd = bwd_mod
+
+    q, k, v, dout, seq, params, sink = make_case(c, device)
+    why = bwd.unsupported_backward(q, k, v, seq, params, sink)
+    if why is not None:
+        raise NotImplementedError(why)
+    out, lse = fwd_mod.forward(q, k, v, seq, params, sink)
+    dq, dk, dv, dsink = bwd.backward(dout, q, k, v, out, lse, None, seq, params, sink)
+    if q.is_cuda:
+        torch.cuda.synchronize()
+    ref32, reflow = reference_grads(q, k, v, dout, seq, params, sink, c)
+    got = {"dq": dq, "dk": dk, "dv": dv}
+    if sink is not None:
+        got["dsink"] = dsink
+    result = {}
+    for i, name in enumerate(("dq", "dk", "dv", "dsink")):
+        if name not in got:
+            continue
+        g, r32, rlow = got[name], ref32[i], reflow[i]
+        atol = 2e-3 if name != "dsink" else 1e-2 * max(1.0, r32.abs().max().item())
+        result[name] = (g, r32, rlow, atol)
+    return result
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c["name"])
+def test_sm90_backward_matches_reference(case):
+    for name, (g, r32, rlow, atol) in run_case(case).items():
+        assert g.shape == r32.shape, name
+        assert_fa_close(name, g, r32, rlow, atol=atol)
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+def test_sm90_backward_refuses_deterministic():
+    from asymflash.backends.sm90 import bwd
+
+    q, k, v, _dout, seq, params, sink = make_case(CASES[0])
+    det = AttnParams(params.softmax_scale, params.mask, params.softcap, deterministic=True)
+    assert bwd.unsupported_backward(q, k, v, seq, det, sink) is not None
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+def test_sm90_backward_dq_atomics_repeatable_within_tolerance():
+    """Two runs differ only by the dQ summation order: far below the FA tolerance."""
+    from asymflash.backends import portable
+    from asymflash.backends.sm90 import bwd
+
+    q, k, v, dout, seq, params, sink = make_case(CASES[4])
+    out, lse = portable.forward(q, k, v, seq, params, sink)
+    a = bwd.backward(dout, q, k, v, out, lse, None, seq, params, sink)
+    b = bwd.backward(dout, q, k, v, out, lse, None, seq, params, sink)
+    assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])  # dK, dV: no atomics
+    assert max_err(a[0], b[0]) <= 2e-2 * max(1.0, a[0].float().abs().max().item())
