@@ -10,7 +10,8 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 for h in ${HDIMS:-128 64 256}; do
   timeout "${PER_HDIM_TIMEOUT:-175}" python3 -m asymflash bench --hdim "$h" \
-    --flex-seqlens "${FLEX_SEQLENS:-16k}" --no-plots --out "$out/h$h" > "$out/h$h.log" 2>&1
+    --flex-seqlens "${FLEX_SEQLENS:-16k}" ${BENCH_ARGS:---warmup 15 --rep 60} --no-plots \
+    --out "$out/h$h" > "$out/h$h.log" 2>&1
   echo "hdim $h: exit $?"
   rm -f "$out/h$h/results.md"
 done
