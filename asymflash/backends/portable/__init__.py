@@ -36,7 +36,7 @@ class Config:
 # cuobjdump/nvdisasm): every first choice compiles with no local-memory spills and uses
 # wgmma; the earlier 64x64 tiles spilled 12-975 LDL/STL per kernel at d >= 128.
 _CANDIDATES = {
-    "fwd": {64: [(128, 64, 8, 3), (128, 128, 8, 3)], 128: [(64, 64, 8, 3), (128, 32, 8, 3)],
+    "fwd": {64: [(128, 64, 8, 3), (128, 128, 8, 3)], 128: [(128, 32, 8, 2), (64, 32, 8, 2)],
             256: [(32, 32, 8, 2), (64, 32, 8, 2)]},
     "dkdv": {64: [(64, 64, 8, 2), (128, 64, 8, 2)], 128: [(32, 64, 8, 2), (64, 32, 8, 2)],
              256: [(32, 32, 8, 1), (32, 64, 8, 1)]},
