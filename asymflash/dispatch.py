@@ -88,6 +88,11 @@ def get_backend(name: str):
     return importlib.import_module(_MODULES[name])
 
 
+def forced_backend():
+    """The backend forced by use_backend in this context, or None."""
+    return _forced.get()
+
+
 @contextlib.contextmanager
 def use_backend(name: str):
     """Force `name` for calls inside the block (tests, benchmarks).

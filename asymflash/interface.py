@@ -7,6 +7,7 @@ fake implementations, so models using asymflash compile under torch.compile(full
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -89,14 +90,19 @@ def _setup_context(ctx, inputs, output):
                           named["sink"])
     ctx.scalars = tuple(named[n] for n in _FWD_ARGS[7:])
     ctx.has_sink = named["sink"] is not None
+    # use_backend lives in a context variable, and autograd runs CUDA backwards on a thread of
+    # its own: carry the forward's choice over explicitly.
+    ctx.forced_backend = dispatch.forced_backend()
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k, seqused_k, sink = ctx.saved_tensors
-    dq, dk, dv, dsink = _bwd_op(
-        dout.contiguous(), dlse, q, k, v, out, lse, cu_q, cu_k, seqused_k, sink,
-        *ctx.scalars,
-    )
+    forced = ctx.forced_backend
+    with dispatch.use_backend(forced) if forced else contextlib.nullcontext():
+        dq, dk, dv, dsink = _bwd_op(
+            dout.contiguous(), dlse, q, k, v, out, lse, cu_q, cu_k, seqused_k, sink,
+            *ctx.scalars,
+        )
     dsink = dsink if ctx.has_sink else None
     return (dq, dk, dv) + (None,) * 3 + (dsink,) + (None,) * 8
 

@@ -190,3 +190,25 @@ def test_fp32_on_cpu():
     out = flash_attn_func(q, k, v, causal=True)
     ref, _ = attention_ref(q, k, v, causal=True)
     assert (out - ref).abs().max() < 1e-5
+
+
+def test_forced_backend_reaches_a_backward_on_another_thread(monkeypatch):
+    """Autograd runs CUDA backwards on its own thread, where use_backend's context variable
+    is unset: the forward's choice must travel with the graph."""
+    import threading
+
+    import asymflash.dispatch as dispatch
+
+    name = "portable"
+    module = dispatch.get_backend(name)
+    calls = []
+    original = module.backward
+    monkeypatch.setattr(module, "backward", lambda *a: calls.append(1) or original(*a))
+    q, k, v = (t.requires_grad_(True) for t in qkv(1, 9, 9, 2, 1, 16))
+    with forced(name):
+        out = flash_attn_func(q, k, v, causal=True)
+    worker = threading.Thread(target=lambda: out.sum().backward())
+    worker.start()
+    worker.join()
+    assert calls == [1]
+    assert q.grad is not None and torch.isfinite(q.grad).all()

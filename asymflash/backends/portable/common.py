@@ -98,24 +98,6 @@ def full_key_blocks(m_lo, m_hi, lo, hi, seqlen_q, seqlen_k, window_left, window_
 
 
 @triton.jit
-def full_query_blocks(n_lo, n_hi, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
-                      LEFT: tl.constexpr, RIGHT: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The backward's view: query blocks [lo, hi) as masked / full / masked for keys
-    [n_lo, n_hi). A key block that runs past seqlen_k is masked everywhere."""
-    shift = seqlen_k - seqlen_q
-    first = 0  # the first row that sees every key of the block
-    if RIGHT:
-        first = tl.maximum(n_hi - 1 - shift - window_right, 0)
-    last = seqlen_q  # one past the last such row
-    if LEFT:
-        last = tl.minimum(last, tl.maximum(n_lo + window_left - shift + 1, 0))
-    last = tl.where(n_hi > seqlen_k, 0, last)
-    a = tl.minimum(tl.maximum(tl.cdiv(first, BLOCK_M) * BLOCK_M, lo), hi)
-    b = tl.minimum(tl.maximum((last // BLOCK_M) * BLOCK_M, a), hi)
-    return a, b
-
-
-@triton.jit
 def tile_valid(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
                LEFT: tl.constexpr, RIGHT: tl.constexpr):
     """Boolean tile: query rows[i] may attend to key cols[j] (core.masks.allowed)."""
