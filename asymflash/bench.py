@@ -316,13 +316,13 @@ def main(argv: list | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out, plots=not args.no_plots)
     cuda = torch.cuda.is_available()
     if not cuda:
         print("asymflash bench: CUDA is not available. Running a small CPU comparison "
               "instead (asymflash CPU path vs torch SDPA math: correctness and time); the "
               "GPU grid needs a CUDA device.", file=sys.stderr)
-    if args.merge:
-        return merge(args.merge, args.out, plots=not args.no_plots)
     device = "cuda" if cuda else "cpu"
     flex_seqlens = None if args.flex_seqlens == "all" else set(_list(_size)(args.flex_seqlens))
     providers = (bench_providers.gpu_providers(device, flex_seqlens) if cuda

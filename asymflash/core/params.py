@@ -70,5 +70,18 @@ class SeqInfo:
 
     @classmethod
     def dense(cls, batch: int, seqlen_q: int, seqlen_k: int, device) -> "SeqInfo":
-        ar = torch.arange(batch + 1, dtype=torch.int32, device=device)
-        return cls(ar * seqlen_q, ar * seqlen_k, seqlen_q, seqlen_k, None, True)
+        key = (batch, seqlen_q, seqlen_k, str(device))
+        offsets = None if torch.compiler.is_compiling() else _DENSE_OFFSETS.get(key)
+        if offsets is None:
+            ar = torch.arange(batch + 1, dtype=torch.int32, device=device)
+            offsets = (ar * seqlen_q, ar * seqlen_k)
+            if not torch.compiler.is_compiling():
+                if len(_DENSE_OFFSETS) >= 64:  # a bound, not an LRU: shapes rarely vary much
+                    _DENSE_OFFSETS.clear()
+                _DENSE_OFFSETS[key] = offsets
+        return cls(*offsets, seqlen_q, seqlen_k, None, True)
+
+
+# Dense calls reuse their (never written) offset tensors: three tiny kernel launches per call
+# otherwise, which at short sequence lengths cost as much host time as the attention kernel.
+_DENSE_OFFSETS: dict = {}
