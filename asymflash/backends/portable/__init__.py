@@ -79,6 +79,11 @@ def launch(kernel, name: str, grid, args, meta: dict, deterministic: bool):
 
 
 def unsupported(q, k, v, seq, params, sink):
+    return unsupported_input(q)
+
+
+def unsupported_input(q):
+    """What every portable kernel needs of its inputs (device, interpreter, dtype)."""
     if q.device.type == "cpu" and not interpreting():
         return "CPU tensors need TRITON_INTERPRET=1"
     if q.device.type not in ("cpu", "cuda"):

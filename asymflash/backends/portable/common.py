@@ -138,6 +138,25 @@ def online_softmax_step(s, m_i, l_i):
 
 
 @triton.jit
+def finish_rows(acc, m_i, l_i, SINK, sink_index, HAS_SINK: tl.constexpr):
+    """Fold in the sink (one more logit in the denominator, with no value row) and normalise.
+
+    Returns (out in fp32, lse in natural log); a row with nothing to attend to gets 0, -inf.
+    """
+    if HAS_SINK:
+        sink = tl.load(SINK + sink_index) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    empty = l_i == 0.0
+    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    log2_l = tl.log2(tl.where(empty, 1.0, l_i))
+    return acc, tl.where(empty, float("-inf"), (m_i + log2_l) * 0.6931471805599453)
+
+
+@triton.jit
 def load_rows(base, row0, rows, n_rows, stride_row, cols, n_cols):
     """Load a (rows, cols) tile of a (token, [head,] dim) tensor; rows past n_rows read 0."""
     ptrs = base + (row0 + rows)[:, None].to(tl.int64) * stride_row + cols[None, :]

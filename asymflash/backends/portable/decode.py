@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from ...dispatch import interpreting
-from .common import dot, key_block_range, log2_scores, tile_valid
+from . import unsupported_input
+from .common import dot, finish_rows, key_block_range, log2_scores, online_softmax_step, tile_valid
 
 NAME = "portable"
 
@@ -179,16 +180,10 @@ def decode_kernel(
         s, _ = log2_scores(dot(q, tl.trans(k), None), softmax_scale, softcap, SOFTCAP)
         ok = tile_valid(pos, cols, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT)
         s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no allowed key yet has max -inf: shift by 0 so exp2 gives 0.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
         v = tl.load(v_base + v_off[:, None] + offs_dv[None, :],
                     mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
 
     if SPLIT:
         # Partial result normalised by its own sum; lse in log2 units, no sink (the combine
@@ -202,17 +197,7 @@ def decode_kernel(
         tl.store(LSE_PART + split.to(tl.int64) * stride_ls + head.to(tl.int64) * stride_lh
                  + q_rows, lse2, mask=row_ok)
     else:
-        if HAS_SINK:  # one more logit in the denominator, with no value row
-            sink = tl.load(SINK + head) * 1.4426950408889634
-            m_new = tl.maximum(m_i, sink)
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.exp2(sink - m_new)
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        empty = l_i == 0.0
-        acc = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, float("-inf"),
-                       (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        acc, lse = finish_rows(acc, m_i, l_i, SINK, head, HAS_SINK)
         tl.store(OUT + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
                  acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
         tl.store(LSE + head.to(tl.int64) * stride_lse_h + q_rows, lse, mask=row_ok)
@@ -256,13 +241,7 @@ def combine_kernel(
 
 
 def unsupported_decode(q, cache, params, sink):
-    if q.device.type == "cpu" and not interpreting():
-        return "CPU tensors need TRITON_INTERPRET=1"
-    if q.device.type not in ("cpu", "cuda"):
-        return f"device {q.device} is not supported"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"dtype {q.dtype} (needs fp16 or bf16)"
-    return None
+    return unsupported_input(q)
 
 
 def _block(n: int) -> int:

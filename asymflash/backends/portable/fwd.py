@@ -12,6 +12,7 @@ import triton.language as tl
 
 from .common import (
     dot,
+    finish_rows,
     full_key_blocks,
     key_block_range,
     load_rows,
@@ -92,17 +93,7 @@ def attn_fwd_kernel(
                            softcap, window_left, window_right, D, DV, SOFTCAP, LEFT, RIGHT, True)
     acc, m_i, l_i = state
 
-    if HAS_SINK:  # the sink joins the denominator only: one more logit with no value row
-        sink = tl.load(SINK + h) * 1.4426950408889634
-        m_new = tl.maximum(m_i, sink)
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.exp2(sink - m_new)
-        acc = acc * alpha[:, None]
-        m_i = m_new
-    empty = l_i == 0.0
-    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
-    log2_l = tl.log2(tl.where(empty, 1.0, l_i))
-    lse = tl.where(empty, float("-inf"), (m_i + log2_l) * 0.6931471805599453)
+    acc, lse = finish_rows(acc, m_i, l_i, SINK, h, HAS_SINK)
     store_rows(Out + h * stride_oh, q_start, rows, seqlen_q, stride_ot, offs_dv, DV,
                acc.to(Out.dtype.element_ty))
     lse_ptrs = LSE + h.to(tl.int64) * stride_lse_h + q_start + rows
