@@ -50,7 +50,7 @@ import torch
 from asymflash.core.params import AttnParams, SeqInfo
 
 from . import fwd as _fwd
-from .fwd import _GLUON_ERROR, LOG2E, TESTED_TRITON_VERSIONS
+from .fwd import _GLUON_ERROR, LOG2E
 
 if _GLUON_ERROR is None:
     import triton
@@ -429,41 +429,17 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
 
 def unsupported_backward(q, k, v, seq: SeqInfo, params: AttnParams, sink) -> str | None:
     """None when this kernel computes the gradients exactly, else why not (for dispatch)."""
-    if _GLUON_ERROR is not None:
-        return _GLUON_ERROR
-    if triton.__version__ not in TESTED_TRITON_VERSIONS:
-        return (f"sm90 Gluon backward tested on triton {TESTED_TRITON_VERSIONS}, "
-                f"found {triton.__version__}")
     if params.deterministic:
         # dQ is summed with atomics in whatever order the CTAs arrive; the portable backward
         # is deterministic by construction. (FA4's ordered semaphores: future work.)
         return "sm90 backward accumulates dQ with atomics (not deterministic)"
-    if not (q.is_cuda and k.is_cuda and v.is_cuda):
-        return "sm90 backward needs CUDA tensors"
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return "sm90 backward needs an sm_90 (Hopper) GPU"
-    if q.dtype not in _fwd._GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return (f"sm90 backward supports bf16/fp16 q, k, v of one dtype, "
-                f"got {q.dtype}/{k.dtype}/{v.dtype}")
-    d, dv = q.shape[-1], v.shape[-1]
-    if d not in SUPPORTED_HEAD_DIMS or dv != d:
-        return (f"sm90 backward supports head_dim == head_dim_v in {SUPPORTED_HEAD_DIMS}, "
-                f"got {d}/{dv}")
-    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
-        return "sm90 backward needs contiguous q, k, v"
-    if any(t.data_ptr() % 16 for t in (q, k, v)):
-        return "sm90 backward needs 16-byte aligned q, k, v (TMA)"
-    hq, hkv = q.shape[1], k.shape[1]
-    if hq % hkv != 0:
-        return f"nheads_q {hq} is not a multiple of nheads_kv {hkv}"
-    if q.shape[0] == 0 or k.shape[0] == 0:
-        return "empty q or k"
-    if seq.batch > 65535 or hkv > 65535:
+    why = _fwd.hopper_input_reason(q, k, v, sink, SUPPORTED_HEAD_DIMS, "backward")
+    if why is not None:
+        return why
+    if seq.batch > 65535 or k.shape[1] > 65535:
         return "grid dimensions y/z (kv heads, batch) are limited to 65535"
     if max(q.shape[0], k.shape[0]) >= 2**31 - 1024:
         return "sequence rows exceed int32 TMA coordinates"
-    if sink is not None and (sink.dtype != torch.float32 or sink.numel() != hq):
-        return "sink must be fp32 of shape (nheads_q,)"
     return None
 
 

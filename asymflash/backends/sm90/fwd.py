@@ -538,39 +538,51 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=_launch_options(cfg))
 
 
-def unsupported(q, k, v, seq: SeqInfo, params: AttnParams, sink) -> str | None:
-    """None when this kernel computes the call exactly, else why not (for the dispatcher)."""
+def hopper_input_reason(q, k, v, sink, head_dims, direction: str) -> str | None:
+    """What every sm90 Gluon kernel needs of its inputs (None = all there), or why not.
+
+    direction ("forward" / "backward") only words the message; head_dims is what the
+    kernel's tiles were built for.
+    """
     if _GLUON_ERROR is not None:
         return _GLUON_ERROR
     if triton.__version__ not in TESTED_TRITON_VERSIONS:
-        return (f"sm90 Gluon forward tested on triton {TESTED_TRITON_VERSIONS}, "
+        return (f"sm90 Gluon {direction} tested on triton {TESTED_TRITON_VERSIONS}, "
                 f"found {triton.__version__}")
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
-        return "sm90 forward needs CUDA tensors"
+        return f"sm90 {direction} needs CUDA tensors"
     if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return "sm90 forward needs an sm_90 (Hopper) GPU"
+        return f"sm90 {direction} needs an sm_90 (Hopper) GPU"
     if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return (f"sm90 forward supports bf16/fp16 q, k, v of one dtype, "
+        return (f"sm90 {direction} supports bf16/fp16 q, k, v of one dtype, "
                 f"got {q.dtype}/{k.dtype}/{v.dtype}")
     d, dv = q.shape[-1], v.shape[-1]
-    if d not in SUPPORTED_HEAD_DIMS or dv != d:
-        return (f"sm90 forward supports head_dim == head_dim_v in {SUPPORTED_HEAD_DIMS}, "
+    if d not in head_dims or dv != d:
+        return (f"sm90 {direction} supports head_dim == head_dim_v in {head_dims}, "
                 f"got {d}/{dv}")
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
-        return "sm90 forward needs contiguous q, k, v"
+        return f"sm90 {direction} needs contiguous q, k, v"
     if any(t.data_ptr() % 16 for t in (q, k, v)):
-        return "sm90 forward needs 16-byte aligned q, k, v (TMA)"
+        return f"sm90 {direction} needs 16-byte aligned q, k, v (TMA)"
     hq, hkv = q.shape[1], k.shape[1]
     if hq % hkv != 0:
         return f"nheads_q {hq} is not a multiple of nheads_kv {hkv}"
     if q.shape[0] == 0 or k.shape[0] == 0:
         return "empty q or k"
+    if sink is not None and (sink.dtype != torch.float32 or sink.numel() != hq):
+        return "sink must be fp32 of shape (nheads_q,)"
+    return None
+
+
+def unsupported(q, k, v, seq: SeqInfo, params: AttnParams, sink) -> str | None:
+    """None when this kernel computes the call exactly, else why not (for the dispatcher)."""
+    why = hopper_input_reason(q, k, v, sink, SUPPORTED_HEAD_DIMS, "forward")
+    if why is not None:
+        return why
     if seq.max_seqlen_q == 0:
         return "no query rows"
     if max(q.shape[0], k.shape[0]) >= 2**31 - 2 * BLOCK_M:
         return "sequence rows exceed int32 TMA coordinates"
-    if sink is not None and (sink.dtype != torch.float32 or sink.numel() != hq):
-        return "sink must be fp32 of shape (nheads_q,)"
     return None
 
 
