@@ -1,8 +1,10 @@
 """Public entry points: validation, packing, torch.library custom ops and autograd.
 
 Dense BSHD calls are packed into the varlen form of `core.params` (a free reshape), so one
-pair of custom ops, `asymflash::fwd` and `asymflash::bwd`, serves every call. The ops have
-fake implementations, so models using asymflash compile under torch.compile(fullgraph=True).
+implementation pair (`_fwd_impl`, `_bwd_impl`) serves every call. Under torch.compile they are
+reached through the custom ops `asymflash::fwd` / `asymflash::bwd` (fake implementations and
+registered autograd: fullgraph compiles); eager calls use a plain autograd.Function over the
+same functions and rules, which costs far less host time per call.
 """
 
 from __future__ import annotations
