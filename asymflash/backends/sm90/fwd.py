@@ -586,9 +586,6 @@ def unsupported(q, k, v, seq: SeqInfo, params: AttnParams, sink) -> str | None:
     return None
 
 
-_DESC_CACHE: dict = {}
-
-
 def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | None = None):
     """out (total_q, Hq, Dv) in q.dtype and lse (Hq, total_q) fp32 (natural log)."""
     total_q, hq, d = q.shape
