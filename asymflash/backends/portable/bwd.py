@@ -14,14 +14,14 @@ import triton.language as tl
 
 from .common import (
     dot,
-    full_key_blocks,
-    key_block_range,
     load_rows,
     log2_scores,
     query_block_range,
+    query_tile,
     seq_bounds,
     store_rows,
     tile_valid,
+    visited_key_blocks,
 )
 
 
@@ -163,14 +163,11 @@ def attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_USED_K: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    m_block = tl.cdiv(max_seqlen_q, BLOCK_M) - 1 - tl.program_id(1)
-    b = pid_bh // nheads_q
-    h = pid_bh % nheads_q
-    q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_Q, CU_K, USED_K, b, HAS_USED_K)
-    if m_block * BLOCK_M >= seqlen_q:
+    h, m_lo, q_start, seqlen_q, k_start, seqlen_k = query_tile(
+        CU_Q, CU_K, USED_K, nheads_q, max_seqlen_q, BLOCK_M, HAS_USED_K)
+    if m_lo >= seqlen_q:
         return
-    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = m_lo + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -180,11 +177,8 @@ def attn_bwd_dq_kernel(
     k_base = K + (h // group) * stride_kh
     v_base = V + (h // group) * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    m_lo = m_block * BLOCK_M
-    lo, hi = key_block_range(m_lo, m_lo + BLOCK_M, seqlen_q, seqlen_k, window_left,
-                             window_right, LEFT, RIGHT, BLOCK_N)
-    a, b = full_key_blocks(m_lo, m_lo + BLOCK_M, lo, hi, seqlen_q, seqlen_k, window_left,
-                           window_right, LEFT, RIGHT, BLOCK_N)
+    lo, a, b, hi = visited_key_blocks(m_lo, seqlen_q, seqlen_k, window_left, window_right,
+                                      LEFT, RIGHT, BLOCK_M, BLOCK_N)
     for start_n in range(lo, a, BLOCK_N):
         dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, k_start, rows, start_n + offs_n,
                        offs_d, offs_dv, seqlen_q, seqlen_k, stride_kt, stride_vt,

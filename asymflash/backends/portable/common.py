@@ -48,6 +48,21 @@ def seq_bounds(CU_Q, CU_K, USED_K, b, HAS_USED_K: tl.constexpr):
 
 
 @triton.jit
+def query_tile(CU_Q, CU_K, USED_K, nheads_q, max_seqlen_q, BLOCK_M: tl.constexpr,
+               HAS_USED_K: tl.constexpr):
+    """The q head and first query row this program owns, and its sequence's bounds.
+
+    Highest query blocks are launched first: under a causal mask they see the most keys
+    (longest-first scheduling, so the last wave of programs is short).
+    """
+    pid_bh = tl.program_id(0)
+    m_block = tl.cdiv(max_seqlen_q, BLOCK_M) - 1 - tl.program_id(1)
+    q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_Q, CU_K, USED_K, pid_bh // nheads_q,
+                                                      HAS_USED_K)
+    return pid_bh % nheads_q, m_block * BLOCK_M, q_start, seqlen_q, k_start, seqlen_k
+
+
+@triton.jit
 def key_block_range(m_lo, m_hi, seqlen_q, seqlen_k, window_left, window_right,
                     LEFT: tl.constexpr, RIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key blocks [lo, hi) that queries [m_lo, m_hi) may see (core.masks.key_range)."""
@@ -95,6 +110,19 @@ def full_key_blocks(m_lo, m_hi, lo, hi, seqlen_q, seqlen_k, window_left, window_
     a = tl.minimum(tl.maximum(tl.cdiv(first, BLOCK_N) * BLOCK_N, lo), hi)
     b = tl.minimum(tl.maximum((last // BLOCK_N) * BLOCK_N, a), hi)
     return a, b
+
+
+@triton.jit
+def visited_key_blocks(m_lo, seqlen_q, seqlen_k, window_left, window_right,
+                       LEFT: tl.constexpr, RIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """Key blocks queries [m_lo, m_lo + BLOCK_M) visit, as lo <= a <= b <= hi: [lo, a) and
+    [b, hi) need the mask, [a, b) are full."""
+    lo, hi = key_block_range(m_lo, m_lo + BLOCK_M, seqlen_q, seqlen_k, window_left,
+                             window_right, LEFT, RIGHT, BLOCK_N)
+    a, b = full_key_blocks(m_lo, m_lo + BLOCK_M, lo, hi, seqlen_q, seqlen_k, window_left,
+                           window_right, LEFT, RIGHT, BLOCK_N)
+    return lo, a, b, hi
 
 
 @triton.jit

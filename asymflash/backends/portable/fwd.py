@@ -13,14 +13,13 @@ import triton.language as tl
 from .common import (
     dot,
     finish_rows,
-    full_key_blocks,
-    key_block_range,
     load_rows,
     log2_scores,
     online_softmax_step,
-    seq_bounds,
+    query_tile,
     store_rows,
     tile_valid,
+    visited_key_blocks,
 )
 
 
@@ -53,15 +52,11 @@ def attn_fwd_kernel(
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_USED_K: tl.constexpr,
     LEFT: tl.constexpr, RIGHT: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    # Highest query blocks first: under a causal mask they see the most keys (longest first).
-    m_block = tl.cdiv(max_seqlen_q, BLOCK_M) - 1 - tl.program_id(1)
-    b = pid_bh // nheads_q
-    h = pid_bh % nheads_q
-    q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_Q, CU_K, USED_K, b, HAS_USED_K)
-    if m_block * BLOCK_M >= seqlen_q:
+    h, m_lo, q_start, seqlen_q, k_start, seqlen_k = query_tile(
+        CU_Q, CU_K, USED_K, nheads_q, max_seqlen_q, BLOCK_M, HAS_USED_K)
+    if m_lo >= seqlen_q:
         return
-    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = m_lo + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -72,11 +67,8 @@ def attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    m_lo = m_block * BLOCK_M
-    lo, hi = key_block_range(m_lo, m_lo + BLOCK_M, seqlen_q, seqlen_k, window_left,
-                             window_right, LEFT, RIGHT, BLOCK_N)
-    a, b = full_key_blocks(m_lo, m_lo + BLOCK_M, lo, hi, seqlen_q, seqlen_k, window_left,
-                           window_right, LEFT, RIGHT, BLOCK_N)
+    lo, a, b, hi = visited_key_blocks(m_lo, seqlen_q, seqlen_k, window_left, window_right,
+                                      LEFT, RIGHT, BLOCK_M, BLOCK_N)
     state = (acc, m_i, l_i)
     for start_n in range(lo, a, BLOCK_N):
         state = _fwd_block(state, q, k_base, v_base, k_start, start_n + offs_n, rows, offs_d,
