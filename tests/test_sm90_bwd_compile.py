@@ -8,56 +8,19 @@ under the interpreter a Gluon compile cannot call Triton's standard library).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from sass_report import sass_report, sm90_build
 
 from asymflash.backends.sm90 import bwd
 
 pytestmark = pytest.mark.skipif(bwd._GLUON_ERROR is not None, reason=str(bwd._GLUON_ERROR))
 
-ROOT = Path(__file__).resolve().parents[1]
-
-_REPORT = r"""
-import json, os, re, subprocess, sys, tempfile
-from dataclasses import replace
-import torch, triton
-from asymflash.backends.sm90 import bwd
-kw = json.loads(sys.argv[1])
-cfg_kw = kw.pop("cfg", None)
-if "dtype" in kw:
-    kw["dtype"] = getattr(torch, kw["dtype"])
-if cfg_kw:
-    kw["cfg"] = replace(bwd._DEFAULT_CONFIGS[kw.get("head_dim", 128)], **cfg_kw)
-kernel = bwd.compile_for_target(**kw)
-bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-    f.write(kernel.asm["cubin"])
-sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", f.name], capture_output=True,
-                      text=True, check=True).stdout
-res = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", f.name],
-                     capture_output=True, text=True, check=True).stdout
-os.unlink(f.name)
-print(json.dumps(dict(
-    hgmma=sass.count("HGMMA"), local=len(re.findall(r"\b(LDL|STL)\b", sass)),
-    red=len(re.findall(r"\bREDG?\.E\.ADD\.F32", sass)), regs=int(re.findall(r"REG:(\d+)", res)[0]),
-    shared=kernel.metadata.shared)))
-"""
+_BUILD = sm90_build("bwd")
 
 
 def compile_report(**kw) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    bindir = os.path.join(os.path.dirname(bwd.triton.__file__), "backends", "nvidia", "bin")
-    if not os.path.exists(os.path.join(bindir, "nvdisasm")):
-        pytest.skip("nvdisasm not shipped with this triton")
-    res = subprocess.run([sys.executable, "-c", _REPORT, json.dumps(kw)], capture_output=True,
-                         text=True, env=env, timeout=600, check=False)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return sass_report(_BUILD, json.dumps(kw))
 
 
 # (features, most local-memory instructions allowed). Unmasked steps never touch local

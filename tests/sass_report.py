@@ -1,0 +1,69 @@
+"""Compile a kernel for sm_90a on a machine without a GPU and report what its SASS holds.
+
+Each report runs in a fresh interpreter without TRITON_INTERPRET (conftest turns the
+interpreter on for CPU machines, and under it Triton cannot compile for a GPU target). The
+caller's script must leave the CompiledKernel in `kernel`; REPORT_TAIL prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+REPORT_TAIL = r"""
+import json as _json, os as _os, re as _re, subprocess as _sp, tempfile as _tf
+_bin = _os.path.join(_os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+with _tf.NamedTemporaryFile(suffix=".cubin", delete=False) as _f:
+    _f.write(kernel.asm["cubin"])
+_sass = _sp.run([_os.path.join(_bin, "nvdisasm"), "-c", _f.name], capture_output=True,
+                text=True, check=True).stdout
+_res = _sp.run([_os.path.join(_bin, "cuobjdump"), "-res-usage", _f.name],
+               capture_output=True, text=True, check=True).stdout
+_os.unlink(_f.name)
+print(_json.dumps(dict(
+    hgmma=_sass.count("HGMMA"), mma=_sass.count("HGMMA") + _sass.count("HMMA"),
+    local=len(_re.findall(r"\b(LDL|STL)\b", _sass)), mufu_ex2=_sass.count("MUFU.EX2"),
+    red=len(_re.findall(r"\bREDG?\.E\.ADD\.F32", _sass)),
+    regs=int(_re.findall(r"REG:(\d+)", _res)[0]), shared=kernel.metadata.shared,
+    maxnreg=sorted({int(x) for x in _re.findall(
+        r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])}))))
+"""
+
+
+def sm90_build(module: str) -> str:
+    """Script compiling `asymflash.backends.sm90.<module>.compile_for_target(**argv[1])`
+    (JSON; "dtype" by name, "cfg" as overrides of that head dim's default config)."""
+    return f"""
+import json, sys
+from dataclasses import replace
+import torch, triton
+from asymflash.backends.sm90 import {module} as mod
+kw = json.loads(sys.argv[1])
+cfg_kw = kw.pop("cfg", None)
+if "dtype" in kw:
+    kw["dtype"] = getattr(torch, kw["dtype"])
+if cfg_kw:
+    kw["cfg"] = replace(mod._DEFAULT_CONFIGS[kw.get("head_dim", 128)], **cfg_kw)
+kernel = mod.compile_for_target(**kw)
+"""
+
+
+def sass_report(script: str, *args: str) -> dict:
+    """Run `script` (which compiles `kernel`, with `triton` imported) + REPORT_TAIL."""
+    if not (BIN / "nvdisasm").exists():
+        pytest.skip("nvdisasm not shipped with this triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", script + REPORT_TAIL, *args],
+                         capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
