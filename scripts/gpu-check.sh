@@ -11,9 +11,16 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 'cudnn', torch.backends.cudnn.version())" | tee -a "$out/gpu.txt"
 status=0
 if [ "$mode" != bench ]; then
-  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --durations=15 -rfs tests \
-    2>&1 | tee "$out/tests.log"
-  status=${PIPESTATUS[0]}
+  # One pytest per file, most important first, each with its own time limit and verbose
+  # output: a file cut by its limit still shows which of its tests passed or failed.
+  : > "$out/tests.log"
+  for f in ${TEST_FILES:-tests/test_gpu.py tests/test_attention.py tests/test_varlen.py \
+      tests/test_api.py tests/test_kvcache.py tests/test_sm90_gpu.py tests/test_sm90_bwd_gpu.py \
+      tests/test_hf.py}; do
+    timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfs "$f" \
+      >> "$out/tests.log" 2>&1 || status=1
+    echo "$f: $(tail -1 "$out/tests.log")"
+  done
 fi
 if [ "$mode" != tests ]; then
   bench_args=(--out "$out/bench")
@@ -21,5 +28,6 @@ if [ "$mode" != tests ]; then
   python3 -m asymflash bench "${bench_args[@]}" 2>&1 | tee "$out/bench.log"
 fi
 echo "== summary =="
-grep -E "passed|failed|error" "$out/tests.log" 2>/dev/null | tail -1
+grep -E "^(FAILED|ERROR)" "$out/tests.log" 2>/dev/null | head -20
+grep -cE " PASSED" "$out/tests.log" 2>/dev/null | sed 's/^/passed: /'
 exit $status
