@@ -77,15 +77,15 @@ def _dkdv_block(acc, k, v, q_base, do_base, LSE, DELTA, h, q_start, rows, cols, 
                 offs_dv, seqlen_q, seqlen_k, stride_qt, stride_dot, stride_lse_h,
                 softmax_scale, softcap, window_left, window_right, D: tl.constexpr,
                 DV: tl.constexpr, SOFTCAP: tl.constexpr, LEFT: tl.constexpr,
-                RIGHT: tl.constexpr, MASKED: tl.constexpr):
-    """dK += dS^T Q and dV += P^T dO for one query block of one q head."""
+                RIGHT: tl.constexpr):
+    """dK += dS^T Q and dV += P^T dO for one query block of one q head (always masked)."""
     dk, dv = acc
     q = load_rows(q_base, q_start, rows, seqlen_q, stride_qt, offs_d, D)
     do = load_rows(do_base, q_start, rows, seqlen_q, stride_dot, offs_dv, DV)
     lse2, delta = _row_stats(LSE, DELTA, h, stride_lse_h, q_start, rows, seqlen_q)
     p, ds = _tile_grads(q, k, v, do, lse2, delta, rows, cols, seqlen_q, seqlen_k,
                         softmax_scale, softcap, window_left, window_right,
-                        SOFTCAP, LEFT, RIGHT, MASKED)
+                        SOFTCAP, LEFT, RIGHT, True)
     dv = dot(tl.trans(p.to(do.dtype)), do, dv)
     dk = dot(tl.trans(ds.to(q.dtype)), q, dk)
     return dk, dv
@@ -144,8 +144,7 @@ def attn_bwd_dkdv_kernel(
             acc = _dkdv_block(acc, k, v, Q + h * stride_qh, DO + h * stride_doh, LSE, DELTA, h,
                               q_start, start_m + offs_m, cols, offs_d, offs_dv, seqlen_q,
                               seqlen_k, stride_qt, stride_dot, stride_lse_h, softmax_scale,
-                              softcap, window_left, window_right, D, DV, SOFTCAP, LEFT, RIGHT,
-                              True)
+                              softcap, window_left, window_right, D, DV, SOFTCAP, LEFT, RIGHT)
     dk, dv = acc
     store_rows(DK + hk * stride_dkh, k_start, cols, seqlen_k, stride_dkt, offs_d, D,
                (dk * softmax_scale).to(DK.dtype.element_ty))
