@@ -113,11 +113,12 @@ def _setup_context(ctx, inputs, output):
     ctx.forced_backend = dispatch.forced_backend()
 
 
-def _backward(ctx, dout, dlse):
+def _backward(ctx, dout, dlse, bwd=_bwd_op):
+    """The custom op's backward: itself an opaque op, so AOT autograd traces it with fake
+    tensors and never into a kernel launch (torch.compiler.is_compiling() is False there).
+    Eager calls pass bwd=_bwd_impl (see _AttnFunction)."""
     q, k, v, out, lse, cu_q, cu_k, seqused_k, sink = ctx.saved_tensors
     forced = ctx.forced_backend
-    # Eager calls skip the op layer (see _AttnFunction); traced ones must stay an opaque op.
-    bwd = _bwd_op if torch.compiler.is_compiling() else _bwd_impl
     with dispatch.use_backend(forced) if forced else contextlib.nullcontext():
         dq, dk, dv, dsink = bwd(
             dout.contiguous(), dlse, q, k, v, out, lse, cu_q, cu_k, seqused_k, sink,
@@ -142,7 +143,7 @@ class _AttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse)
+        return _backward(ctx, dout, dlse, bwd=_bwd_impl)
 
 
 def _call(q, k, v, seq: SeqInfo, scale, causal, window_size, softcap, sink, deterministic):

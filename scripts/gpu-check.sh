@@ -11,15 +11,25 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 'cudnn', torch.backends.cudnn.version())" | tee -a "$out/gpu.txt"
 status=0
 if [ "$mode" != bench ]; then
-  # One pytest per file, most important first, each with its own time limit and verbose
-  # output: a file cut by its limit still shows which of its tests passed or failed.
+  # One pytest per file, all files at once (kernel compiles are CPU-bound and the machine
+  # has 16 cores), each with its own time limit and verbose log: a file cut by its limit
+  # still shows which of its tests passed or failed.
   : > "$out/tests.log"
-  for f in ${TEST_FILES:-tests/test_gpu.py tests/test_attention.py tests/test_varlen.py \
+  files=(${TEST_FILES:-tests/test_gpu.py tests/test_attention.py tests/test_varlen.py \
       tests/test_api.py tests/test_kvcache.py tests/test_sm90_gpu.py tests/test_sm90_bwd_gpu.py \
-      tests/test_hf.py}; do
-    timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfs "$f" \
-      >> "$out/tests.log" 2>&1 || status=1
-    echo "$f: $(tail -1 "$out/tests.log")"
+      tests/test_hf.py})
+  pids=()
+  for f in "${files[@]}"; do
+    log="$out/$(basename "$f" .py).log"
+    timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfs \
+      "$f" > "$log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!files[@]}"; do
+    wait "${pids[$i]}" || status=1
+    log="$out/$(basename "${files[$i]}" .py).log"
+    cat "$log" >> "$out/tests.log" && rm "$log"
+    echo "${files[$i]}: $(tail -1 "$out/tests.log")"
   done
 fi
 if [ "$mode" != tests ]; then

@@ -183,6 +183,32 @@ def test_torch_compile_fullgraph():
     assert (eager.float() - ref.reshape(2, 24, 64)).abs().max() < 2e-2
 
 
+def test_compiled_backward_is_an_opaque_op():
+    # AOT autograd traces the backward with fake tensors: it must meet asymflash::bwd there,
+    # not a kernel launch (on CPU the tiled torch backend would trace anyway, so look at the
+    # graph rather than wait for a GPU to fail).
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 17, 2, 32, dtype=torch.bfloat16, device=DEVICE,
+                           requires_grad=True) for _ in range(3))
+    fn = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True), fullgraph=True,
+                       backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    fn(q, k, v).sum().backward()
+    assert len(graphs) == 2
+    assert "asymflash.fwd" in graphs[0] and "asymflash.bwd" in graphs[1]
+    ref_q = q.detach().float().requires_grad_()
+    out, _ = attention_ref(ref_q, k.detach().float(), v.detach().float(), causal=True)
+    out.sum().backward()
+    assert (q.grad.float() - ref_q.grad).abs().max() < 3e-2
+
+
 def test_fp32_on_cpu():
     if DEVICE != "cpu":
         pytest.skip("fp32 is a CPU-path feature")

@@ -72,3 +72,16 @@ def test_unsupported_backward_reports_reason_on_cpu():
     assert isinstance(why, str) and why
     why = bwd.unsupported_backward(q, q, q, seq, AttnParams(0.125, deterministic=True), None)
     assert isinstance(why, str) and why
+
+
+@pytest.mark.parametrize("kernel", ["bwd", "fwd"])
+def test_lengths_and_counts_are_not_specialised(kernel):
+    # With seqlen_q = group = 1 specialised into constants triton 3.6 crashes lowering the
+    # backward (H200, 2026-11-29); runtime lengths also keep one compile per feature set.
+    from asymflash.backends.sm90 import fwd
+
+    fn = bwd._attn_bwd_kernel if kernel == "bwd" else fwd._attn_fwd_kernel
+    runtime_ints = {"seqlen_q", "seqlen_k", "total_q", "n_heads", "group", "window_left",
+                    "window_right"}
+    unspecialised = {p.name for p in fn.params if p.do_not_specialize}
+    assert runtime_ints <= unspecialised

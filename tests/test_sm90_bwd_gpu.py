@@ -43,6 +43,9 @@ CASES = [
          hq=4, hkv=2, d=128, window=(-1, 0)),
     dict(name="d64-varlen-seqused", lens_q=[100, 250], lens_k=[260, 400], hq=2, hkv=2, d=64,
          seqused=[200, 131]),
+    # seqlen 1 with one head per group: constant-folded, this crashed triton 3.6's lowering
+    dict(name="d64-q1-k1", lens_q=[1], lens_k=[1], hq=1, hkv=1, d=64),
+    dict(name="d128-q1-k5-b2", lens_q=[1] * 2, lens_k=[5] * 2, hq=2, hkv=2, d=128),
 ]
 
 

@@ -36,7 +36,9 @@ class Config:
 # cuobjdump/nvdisasm): every first choice of fwd and dQ compiles with no local-memory spills
 # and uses wgmma; the earlier 64x64 tiles spilled 12-975 LDL/STL per kernel at d >= 128.
 _CANDIDATES = {
-    "fwd": {64: [(128, 64, 8, 3), (128, 128, 8, 3)], 128: [(128, 32, 8, 2), (64, 32, 8, 2)],
+    # (128, 128, 8, 3) at d <= 64 was dropped: at d=40/24 its Triton 3.6 build faulted now and
+    # then (illegal address, ~1 in a few hundred launches on the H200; tests/test_gpu.py).
+    "fwd": {64: [(128, 64, 8, 3), (64, 64, 4, 2)], 128: [(128, 32, 8, 2), (64, 32, 8, 2)],
             256: [(32, 32, 8, 2), (64, 32, 8, 2)]},
     # dK/dV: the tiles the first GPU suite passed with (they spill at d >= 128; see bwd.py)
     "dkdv": {64: [(64, 64, 4, 2)], 128: [(64, 64, 8, 2)], 256: [(32, 32, 4, 1)]},

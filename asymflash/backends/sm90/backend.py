@@ -1,8 +1,8 @@
 """The sm90 backend as dispatch sees it: the Gluon forward and backward.
 
-The backward is new and gated: it runs only with ASYMFLASH_SM90_BWD=1 until the GPU suite and
-the benchmark have passed with it on an H200 (then the default flips; benchmarks/NOTES.md).
-With it off, the dispatcher sends backwards to the portable kernels.
+The Gluon backward is on by default since the GPU suite passed with it on the H200
+(2026-11-29, after the seqlen-1 compile fix); ASYMFLASH_SM90_BWD=0 switches it off, and the
+dispatcher then sends backwards to the portable kernels (a fallback for bug reports).
 """
 
 from __future__ import annotations
@@ -17,5 +17,5 @@ NAME = "sm90"
 
 def backward_enabled() -> bool:
     """Read at each call, so a process can switch it (the benchmark, the tests)."""
-    return os.environ.get("ASYMFLASH_SM90_BWD", "0") == "1"
+    return os.environ.get("ASYMFLASH_SM90_BWD", "1") != "0"
 

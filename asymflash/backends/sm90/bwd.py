@@ -148,7 +148,12 @@ if _GLUON_ERROR is None:
             gl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634))
         delta_smem.index(buf).store(gl.load(delta_ptr + off, mask=ok, other=0.0))
 
-    @gluon.jit
+    # Lengths, head counts and windows stay runtime values: Triton would otherwise compile a
+    # variant per value 1 (and per divisibility by 16), and with seqlen_q = group = 1 folded
+    # to constants the step loop collapses into a form triton 3.6's LLVM lowering crashes on
+    # (found on the H200, 2026-11-29; tests/test_sm90_bwd_compile.py).
+    @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
+                                  "group", "window_left", "window_right"])
     def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr,
                          dv_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, total_q,
                          n_heads, n_kv_heads, group, qk_scale, softmax_scale, softcap_pre,

@@ -376,7 +376,10 @@ if _GLUON_ERROR is None:
     # ------------------------------------------------------------------------------------------
     # kernel: tile schedule, block ranges, shared memory, role launch
     # ------------------------------------------------------------------------------------------
-    @gluon.jit
+    # Lengths, counts and windows stay runtime values: one compile serves every shape
+    # (Triton would specialise on the value 1 and on divisibility by 16 otherwise).
+    @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_batch",
+                                  "num_m_blocks", "group", "window_left", "window_right"])
     def _attn_fwd_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
                          used_k_ptr, sink_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_batch,
                          num_m_blocks, group, qk_scale, softcap_pre, window_left, window_right,
