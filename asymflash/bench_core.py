@@ -112,6 +112,7 @@ class Provider:
     context: Callable[[], AbstractContextManager] = contextlib.nullcontext
     is_asymflash: bool = False
     description: str = ""
+    modes: tuple | None = None  # the modes it runs (None: all); others are listed n/a
 
 
 @dataclass
@@ -395,6 +396,8 @@ class Runner:
 
         if provider.name in self.unavailable:
             return result(NA, reason=self.unavailable[provider.name])
+        if provider.modes is not None and mode not in provider.modes:
+            return result(NA, reason=f"runs only {', '.join(provider.modes)}")
         leaves = inputs.leaves() if mode != "fwd" else ()
         q, k, v = leaves or (inputs.q, inputs.k, inputs.v)
         try:

@@ -58,14 +58,17 @@ def asymflash_providers(device: str) -> list:
     if reason:  # still one column, so the table says why asymflash is missing
         return [Provider("asymflash", make_fwd=_never, available=lambda: reason,
                          is_asymflash=True)]
-    return [_asymflash_backend(name) for name in names]
+    providers = [_asymflash_backend(name) for name in names]
+    if "sm90" in names:  # what deterministic=True costs, next to the default backward
+        providers.append(_asymflash_backend("sm90", deterministic=True))
+    return providers
 
 
 def _never(q, k, v, causal):
     raise NotImplementedError("provider unavailable")
 
 
-def _asymflash_backend(backend: str) -> Provider:
+def _asymflash_backend(backend: str, deterministic: bool = False) -> Provider:
     def available():
         return _import_reason("asymflash") or _backend_reason(backend)
 
@@ -77,8 +80,12 @@ def _asymflash_backend(backend: str) -> Provider:
     def make_fwd(q, k, v, causal):
         from asymflash import flash_attn_func  # the public entry point, as users call it
 
-        return lambda: flash_attn_func(q, k, v, causal=causal)
+        return lambda: flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
 
+    if deterministic:
+        return Provider(f"asymflash-{backend}-det", make_fwd, available, context,
+                        is_asymflash=True, modes=("bwd", "fwdbwd"),
+                        description=f"the {backend} backend with deterministic=True")
     return Provider(f"asymflash-{backend}", make_fwd, available, context, is_asymflash=True,
                     description=f"asymflash.flash_attn_func forced to the {backend} backend")
 

@@ -69,8 +69,21 @@ def _sm90_allowed() -> bool:
 
 
 def backend_names(device) -> list:
-    """The backends that may apply on `device`, fastest first."""
-    device = torch.device(device)
+    """The backends that may apply on `device`, fastest first (a fresh list)."""
+    key = (str(device), interpreting())
+    names = _NAMES.get(key)
+    if names is None:
+        names = _NAMES[key] = _backend_names(torch.device(device))
+    return list(names)
+
+
+# Per-call host time matters at short sequences (every microsecond of Python is a
+# microsecond the GPU may idle): the device's list and the modules are looked up once.
+_NAMES: dict = {}
+_LOADED: dict = {}
+
+
+def _backend_names(device: torch.device) -> list:
     if device.type == "cpu":
         return ["cpu", "portable"] if interpreting() else ["cpu"]
     if device.type != "cuda":
@@ -85,7 +98,10 @@ def backend_names(device) -> list:
 def get_backend(name: str):
     if name not in _MODULES:
         raise ValueError(f"unknown asymflash backend {name!r}; known: {sorted(_MODULES)}")
-    return importlib.import_module(_MODULES[name])
+    mod = _LOADED.get(name)
+    if mod is None:
+        mod = _LOADED[name] = importlib.import_module(_MODULES[name])
+    return mod
 
 
 def forced_backend():

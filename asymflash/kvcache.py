@@ -49,6 +49,10 @@ class CacheSpec:
     max_seqlen_q: int
     max_seqlen_k: int  # the longest sequence, or an upper bound (sizes heuristics only)
     batch: int
+    # The k_extra new keys/values (batch, k_extra, nheads_kv, d), for a backend that appends
+    # them itself (KVCACHE_FUSED): not yet in the cache when it is called.
+    k_new: Tensor | None = None
+    v_new: Tensor | None = None
 
 
 def _params(q, softmax_scale, causal, window_size, softcap) -> AttnParams:
@@ -179,8 +183,18 @@ def flash_attn_with_kvcache(
     sink = None if learnable_sink is None else learnable_sink.detach().float().contiguous()
     spec = CacheSpec(k_cache, v_cache, seqlens, seqlen_new, page_table, cache_batch_idx, None,
                      seqlen_q, max_k, batch)
+    # Backends look only at q's device and dtype here. Picked before the write: a refusal
+    # changes nothing.
+    backend = _pick(q, spec, params, sink)
+    if getattr(backend, "KVCACHE_FUSED", False) and batch * seqlen_q > 0:
+        # One launch appends and attends; q and out stay (batch, seqlen_q, heads, d).
+        if seqlen_new:
+            spec.k_new, spec.v_new = k, v
+        out, lse = backend.decode(q, spec, params, sink, num_splits, need_lse=return_lse)
+        if not return_lse:
+            return out
+        return out, lse.view(nheads_q, batch, seqlen_q).transpose(0, 1)
     q_packed = q.reshape(batch * seqlen_q, nheads_q, q.shape[-1])
-    backend = _pick(q_packed, spec, params, sink)  # before the write: a refusal changes nothing
     with torch.no_grad():
         if seqlen_new:
             _append(k_cache, v_cache, k, v, seqlens, page_table, cache_batch_idx)

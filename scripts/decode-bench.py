@@ -14,6 +14,13 @@ time budget is spent the remaining cells are listed as skipped.
     python scripts/decode-bench.py --out out/decode-bench        # on the GPU, < 90 s
     python scripts/decode-bench.py --smoke --out /tmp/decode     # tiny sizes, any machine
 
+Two timings per cell: eager (do_bench of the Python call: what a plain loop sees, host
+issue time included) and graph (the call captured once in a CUDA graph and replayed, as
+serving engines run decode steps: GPU time alone). Values are checked once, eagerly, before
+either timing (never under capture). --host adds host issue time per call for three decode
+calls (as scripts/host-overhead.py); --sweep times tile configs and split counts of the
+portable kernel under graph replay (tuning).
+
 Prints a markdown table and writes decode-bench.json to --out.
 """
 
@@ -59,6 +66,40 @@ def timer(smoke: bool):
         return statistics.median(times)
 
     return cpu_median
+
+
+def graph_timer(smoke: bool, bench):
+    """ms per replay of `fn` captured in a CUDA graph (None on the CPU)."""
+    if smoke:
+        return None
+
+    def run(fn):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm up (compile, workspaces) outside the capture
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        g.replay()
+        torch.cuda.synchronize()
+        return bench(g.replay)
+
+    return run
+
+
+def host_us(fn, n=200) -> float:
+    """Python time to issue one call (no sync), averaged over n calls."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return host
 
 
 def copy_bandwidth(device, smoke: bool, bench) -> float:
@@ -131,9 +172,98 @@ def splits_chosen(case):
         q = case["q"]
         spec = CacheSpec(case["k_cache"], case["v_cache"], case["seqlens"], 0,
                          case["page_table"], None, None, 1, case["k"].shape[1], q.shape[0])
-        return dec.plan(q.flatten(0, 1), spec, 0)[3]
+        return dec.plan(q, spec, 0)[3]
     except Exception as e:  # informative only
         return f"? ({short(e, 60)})"
+
+
+def host_cases(device):
+    """The decode calls of scripts/host-overhead.py: contiguous 4k cache, one token appended."""
+    for batch, splits in ((8, 1), (8, 0), (32, 0)):
+        q = torch.randn(batch, 1, HQ, D, device=device, dtype=DTYPE)
+        kc = torch.randn(batch, 4096, HKV, D, device=device, dtype=DTYPE)
+        vc = torch.randn_like(kc)
+        lens = torch.full((batch,), 4095, dtype=torch.int32, device=device)
+        kn = torch.randn(batch, 1, HKV, D, device=device, dtype=DTYPE)
+
+        def dec(q=q, kc=kc, vc=vc, lens=lens, kn=kn, splits=splits):
+            return flash_attn_with_kvcache(q, kc, vc, kn, kn, cache_seqlens=lens,
+                                           num_splits=splits, check_values=False)
+        yield f"decode b{batch} 4k splits={splits or 'auto'}", dec, 2 * kc.numel() * 2
+
+
+def host_report(bench, graph, copy_gbs, profile=False):
+    rows = []
+    for name, fn, nbytes in host_cases("cuda"):
+        h = host_us(fn)
+        e, g = bench(fn) * 1e3, graph(fn) * 1e3
+        rows.append(dict(call=name, host_us=h, eager_us=e, graph_us=g,
+                         graph_pct_copy=100 * nbytes / (g * 1e-6) / 1e9 / copy_gbs))
+        print(f"{name:28s} host {h:7.1f} us  eager {e:7.1f} us  graph {g:7.1f} us "
+              f"({rows[-1]['graph_pct_copy']:.0f}% of copy)")
+        if profile and "auto" in name:
+            import cProfile
+            import io
+            import pstats
+
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(200):
+                fn()
+            pr.disable()
+            torch.cuda.synchronize()
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(14)
+            print("\n".join(buf.getvalue().splitlines()[6:24]))
+            profile = False
+    return rows
+
+
+SWEEP_CONFIGS = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 4)]
+
+
+def sweep(graph, copy_gbs, budget_s, t_start):
+    """Graph-replay time of the portable kernel per (tile config, split count)."""
+    from asymflash.backends.portable import decode as dec
+
+    results = []
+    cases = [(8, 4096), (32, 4096), (32, 16384), (8, 65536)]
+    for paged in (True, False):
+        for batch, seqlen in cases:
+            case = make_case(batch, seqlen, paged, "cuda")
+            kv_bytes = batch * seqlen * HKV * 2 * D * DTYPE.itemsize
+            auto = splits_chosen(case)
+            for block_n, warps, stages in SWEEP_CONFIGS:
+                cfg = dec.DecodeConfig(16, block_n, True, warps, stages)
+                line = []
+                for splits in (4, 8, 16, 32, 64) if batch == 8 else (1, 2, 4, 8):
+                    if time.time() - t_start > budget_s:
+                        break
+                    spec_kw = dict(q=case["q"], k_cache=case["k_cache"],
+                                   v_cache=case["v_cache"], page_table=case["page_table"],
+                                   cache_seqlens=case["seqlens"], num_splits=splits,
+                                   check_values=False)
+                    orig = dec.select_config
+                    dec.select_config = lambda *a, cfg=cfg, **k: cfg
+                    dec._plan.cache_clear()
+                    try:
+                        ms = graph(lambda kw=spec_kw: flash_attn_with_kvcache(**kw))
+                        pct = 100 * kv_bytes / (ms * 1e-3) / 1e9 / copy_gbs
+                        line.append(f"s{splits}:{ms * 1e3:.1f}us/{pct:.0f}%")
+                        results.append(dict(paged=paged, batch=batch, seqlen=seqlen,
+                                            config=[block_n, warps, stages], splits=splits,
+                                            us=ms * 1e3, pct_copy=pct))
+                    except Exception as e:  # noqa: BLE001 - a config that fails is listed
+                        line.append(f"s{splits}:{short(e, 60)}")
+                    finally:
+                        dec.select_config = orig
+                        dec._plan.cache_clear()
+                print(f"sweep {'paged' if paged else 'contig'} b{batch} {seqlen} "
+                      f"(auto={auto}) n{block_n} w{warps} st{stages}: " + " ".join(line),
+                      flush=True)
+            del case
+            torch.cuda.empty_cache()
+    return results
 
 
 def main(argv=None) -> int:
@@ -142,6 +272,11 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, runs without a GPU")
     ap.add_argument("--budget-s", type=float, default=75.0,
                     help="cells after this many seconds are skipped (listed as skipped)")
+    ap.add_argument("--host", action="store_true", help="host issue time of 3 decode calls")
+    ap.add_argument("--sweep", action="store_true", help="tile/split sweep (graph replay)")
+    ap.add_argument("--profile", action="store_true", help="with --host: cProfile a call")
+    ap.add_argument("--no-table", action="store_true", help="skip the main table")
+    ap.add_argument("--lengths", default=None, help="comma-separated seqlen_k (default 4k,16k,64k)")
     args = ap.parse_args(argv)
     t_start = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -149,8 +284,11 @@ def main(argv=None) -> int:
         print("decode-bench: no CUDA device; use --smoke for a CPU dry run")
         return 0
     bench = timer(args.smoke)
+    graph = graph_timer(args.smoke, bench)
     batches = (2,) if args.smoke else (8, 32)
     lengths = (128, 256) if args.smoke else (4096, 16384, 65536)
+    if args.lengths:
+        lengths = tuple(int(x) for x in args.lengths.split(","))
     info = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                 torch=torch.__version__, smoke=args.smoke)
     try:
@@ -163,6 +301,29 @@ def main(argv=None) -> int:
     info["copy_GBps"] = round(copy_gbs, 1)
     print(f"# decode bandwidth — {info['device']}; device-to-device copy {copy_gbs:.0f} GB/s "
           f"(read + write)\n")
+    result = dict(info=info)
+    if args.host and graph is not None:
+        result["host"] = host_report(bench, graph, copy_gbs, args.profile)
+    if args.sweep and graph is not None:
+        result["sweep"] = sweep(graph, copy_gbs, args.budget_s, t_start)
+    rows = [] if args.no_table else table_rows(args, device, bench, graph, batches, lengths,
+                                               copy_gbs, t_start)
+    result["rows"] = rows
+    info["elapsed_s"] = round(time.time() - t_start, 1)
+    print(f"\n{info['elapsed_s']} s")
+    os.makedirs(args.out, exist_ok=True)
+    path = Path(args.out) / "decode-bench.json"
+    path.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {path}")
+    return 0
+
+
+def pct(ms, nbytes, copy_gbs):
+    gbps = nbytes / (ms * 1e-3) / 1e9
+    return gbps, 100 * gbps / copy_gbs
+
+
+def table_rows(args, device, bench, graph, batches, lengths, copy_gbs, t_start):
     rows = []
     for paged in (True, False):
         for batch in batches:
@@ -189,7 +350,7 @@ def main(argv=None) -> int:
                         row["cells"][name] = dict(status="skipped (time budget)")
                         continue
                     try:
-                        out = fn().float()
+                        out = fn().float()  # eager, outside any capture: values checked here
                         if expected is None:  # the first provider's output is the yardstick
                             expected, ref_name = out, name
                         err = (out - expected).abs().max().item()
@@ -197,9 +358,16 @@ def main(argv=None) -> int:
                             row["check_vs_SDPA"] = err
                             continue
                         ms = bench(fn)
-                        gbps = kv_bytes / (ms * 1e-3) / 1e9
-                        cell = dict(status="ok", ms=ms, GBps=gbps, pct_copy=100 * gbps / copy_gbs,
+                        gbps, pc = pct(ms, kv_bytes, copy_gbs)
+                        cell = dict(status="ok", ms=ms, GBps=gbps, pct_copy=pc,
                                     max_diff=err, vs=ref_name)
+                        if graph is not None:
+                            try:
+                                gms = graph(fn)
+                                cell.update(graph_ms=gms,
+                                            graph_pct_copy=pct(gms, kv_bytes, copy_gbs)[1])
+                            except Exception as e:  # e.g. a peer that cannot be captured
+                                cell["graph"] = f"failed: {short(e, 60)}"
                         if not math.isfinite(err) or err > 5e-2:
                             cell["status"] = f"wrong? (max diff {err:.3g} vs {ref_name})"
                     except Exception as e:
@@ -212,7 +380,7 @@ def main(argv=None) -> int:
                     torch.cuda.empty_cache()
     names = ["asymflash", "asymflash-nosplit", "SDPA", "Flex"]
     head = "| layout | batch | seqlen_k | K/V MB | splits | " + " | ".join(
-        f"{n} µs (GB/s, % copy)" for n in names) + " |"
+        f"{n} µs eager / graph (% copy)" for n in names) + " |"
     print(head)
     print("|" + "---|" * (5 + len(names)))
     for row in rows:
@@ -222,20 +390,19 @@ def main(argv=None) -> int:
             if c is None:
                 cells.append("(see contiguous)" if row["layout"] == "paged" else "—")
             elif c["status"] == "ok":
-                cells.append(f"{c['ms'] * 1e3:.1f} ({c['GBps']:.0f}, {c['pct_copy']:.0f}%)")
+                text = f"{c['ms'] * 1e3:.1f} ({c['pct_copy']:.0f}%)"
+                if "graph_ms" in c:
+                    text += f" / {c['graph_ms'] * 1e3:.1f} ({c['graph_pct_copy']:.0f}%)"
+                elif "graph" in c:
+                    text += f" / graph {c['graph']}"
+                cells.append(text)
             else:
                 cells.append(c["status"])
         if "error" in row:
             cells = [f"failed: {row['error']}"] + [""] * (len(names) - 1)
         print(f"| {row['layout']} | {row['batch']} | {row['seqlen_k']} | {row['kv_MB']} | "
-              f"{row.get('splits', '')} | " + " | ".join(cells) + " |")
-    info["elapsed_s"] = round(time.time() - t_start, 1)
-    print(f"\n{info['elapsed_s']} s")
-    os.makedirs(args.out, exist_ok=True)
-    path = Path(args.out) / "decode-bench.json"
-    path.write_text(json.dumps(dict(info=info, rows=rows), indent=1, default=str))
-    print(f"wrote {path}")
-    return 0
+              f"{row.get('splits', '')} | " + " | ".join(cells) + " |", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -95,7 +95,31 @@ def correctness(t):
     return rows
 
 
-def bench_cell(t, d, causal, seqlen, variants):
+def _field_value(cfg, name, text):
+    """FwdConfig field from the command line; bool and `None`-default fields take true/false."""
+    cur = getattr(cfg, name)
+    if cur is None or isinstance(cur, bool):
+        return text.lower() in ("1", "true", "yes")
+    return type(cur)(text)
+
+
+def _timer(graph):
+    if graph:
+        # GPU time of CUDA-graph replays: no host launch cost in the number.
+        return lambda fn: triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
+    return lambda fn: triton.testing.do_bench(fn, return_mode="median")
+
+
+def warm_cell(t, d, causal, variants):
+    """Compile (and run once) each variant on a tiny input of the cell's kernel signature."""
+    q, k, v, seq = t.make_inputs(2, 256, 256, 2048 // d, 2048 // d, d, d, torch.bfloat16)
+    params = AttnParams(d ** -0.5, MaskSpec(-1, 0 if causal else -1))
+    for _, cfg in variants:
+        fwd.forward(q, k, v, seq, params, None, cfg=cfg)
+    torch.cuda.synchronize()
+
+
+def bench_cell(t, d, causal, seqlen, variants, graph=False):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -115,23 +139,22 @@ def bench_cell(t, d, causal, seqlen, variants):
             if oe > tol or oe0 > tol0 or le > 1e-3:
                 res[name] = f"WRONG({oe:.1e}/{tol:.1e})"
                 continue
-            ms = triton.testing.do_bench(
-                lambda c=cfg: fwd.forward(q, k, v, seq, params, None, cfg=c),
-                return_mode="median")
+            ms = _timer(graph)(lambda c=cfg: fwd.forward(q, k, v, seq, params, None, cfg=c))
             res[name] = round(flops / ms * 1e-9, 1)
+            res[name + "_us"] = round(ms * 1e3, 1)
         except Exception as exc:  # noqa: BLE001 - report, go on
             traceback.print_exc(limit=3)
             res[name] = f"ERR {repr(exc)[:60]}"
     qb = q.view(batch, seqlen, hq, d).transpose(1, 2)
     kb = k.view(batch, seqlen, hq, d).transpose(1, 2)
     vb = v.view(batch, seqlen, hq, d).transpose(1, 2)
-    for name, backend in [("cudnn", SDPBackend.CUDNN_ATTENTION),
-                          ("fa2", SDPBackend.FLASH_ATTENTION)]:
+    peers = [("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)]
+    for name, backend in peers[:1] if graph else peers:
         try:
             with sdpa_kernel(backend):
-                ms = triton.testing.do_bench(lambda: sdpa(qb, kb, vb, is_causal=bool(causal)),
-                                             return_mode="median")
+                ms = _timer(graph)(lambda: sdpa(qb, kb, vb, is_causal=bool(causal)))
             res[name] = round(flops / ms * 1e-9, 1)
+            res[name + "_us"] = round(ms * 1e3, 1)
         except Exception as exc:  # noqa: BLE001 - report, go on
             res[name] = f"ERR {repr(exc)[:40]}"
     return res
@@ -148,6 +171,13 @@ def main():
                          "64:st4:stages=4); applied to the cells with head dim D")
     ap.add_argument("--overhead", action="store_true",
                     help="time a one-CTA call (host launch cost floor) beside SDPA cuDNN")
+    ap.add_argument("--persistent", action="store_true",
+                    help="time the plain grid ('ours') against the persistent grid ('pers')")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (GPU time)")
+    ap.add_argument("--warm-only", action="store_true",
+                    help="only compile the cells' kernels (run several at once to fill the cache)")
+    ap.add_argument("--fa4-switches", action="store_true",
+                    help="also time the FA4 switches and the LPT order where they apply")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     env = {"gpu": props.name, "torch": torch.__version__, "triton": triton.__version__,
@@ -188,25 +218,33 @@ def main():
         d, causal, seqlen = map(int, cell.split(":"))
         base = fwd.select_config(d, d, AttnParams(1.0, MaskSpec(-1, 0 if causal else -1)))
         variants = [("ours", base)]
-        if d <= 128 and seqlen >= 4096 and not causal:
+        if args.persistent:
+            variants = [("ours", replace(base, persistent=False)),
+                        ("pers", replace(base, persistent=True))]
+        if args.warm_only:
+            warm_cell(t, d, causal, variants)
+            print(f"warm {cell}", flush=True)
+            continue
+        if d <= 128 and seqlen >= 4096 and not causal and args.fa4_switches:
             variants += [
                 ("emu8", replace(base, exp2_emu_every=8)),
                 ("emu4", replace(base, exp2_emu_every=4)),
                 ("resc8", replace(base, rescale_threshold=8.0)),
             ]
-        if causal and seqlen >= 4096 and d == 128:
+        if causal and seqlen >= 4096 and d == 128 and args.fa4_switches:
             variants.append(("nolpt", replace(base, lpt=False)))
         for spec in args.variant:
             vd, vname, fields = spec.split(":")
             if int(vd) == d:
-                kw = {f.split("=")[0]: type(getattr(base, f.split("=")[0]))(f.split("=")[1])
+                kw = {f.split("=")[0]: _field_value(base, *f.split("="))
                       for f in fields.split(",")}
                 variants.append((vname, replace(base, **kw)))
         t0 = time.time()
-        r = bench_cell(t, d, causal, seqlen, variants)
+        r = bench_cell(t, d, causal, seqlen, variants, graph=args.graph)
         r["cfg"] = asdict(base)
         cells.append(r)
-        keys = ["ours", "emu8", "emu4", "resc8", "nolpt", "cudnn", "fa2"]
+        keys = ["ours", "pers", "ours_us", "pers_us", "cudnn_us", "emu8", "emu4", "resc8",
+                "nolpt", "cudnn", "fa2"]
         keys += [s.split(":")[1] for s in args.variant]
         if header is None:
             header = "d    causal seqlen " + " ".join(f"{x:>8}" for x in keys)

@@ -383,8 +383,13 @@ def test_split_heuristic():
     from asymflash.backends.portable.decode import MAX_SPLITS, num_splits_heuristic
 
     # H200 decode, batch 8, 4 kv heads packed, one query tile: 32 programs for 132 SMs
-    assert num_splits_heuristic(tiles=32, key_blocks=4096 // 64, sms=132) == 16
-    # already 4+ programs per SM: splitting only adds the combine
+    assert num_splits_heuristic(tiles=32, key_blocks=4096 // 128, sms=132) == 8
+    # batch 32: 128 programs, 2 splits give about 2 per SM
+    assert num_splits_heuristic(tiles=128, key_blocks=16384 // 128, sms=132) == 2
+    # contiguous caches aim for one program per SM
+    assert num_splits_heuristic(tiles=32, key_blocks=32, sms=132, per_sm=1) == 4
+    assert num_splits_heuristic(tiles=128, key_blocks=32, sms=132, per_sm=1) == 1
+    # already 2+ programs per SM: splitting only adds the merge
     assert num_splits_heuristic(tiles=1024, key_blocks=1024, sms=132) == 1
     # short caches: every split keeps at least 4 key blocks
     assert num_splits_heuristic(tiles=4, key_blocks=9, sms=132) == 2
@@ -400,3 +405,25 @@ def test_check_values_off_gives_the_same_answer():
     off = flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=lens, check_values=False,
                                   **cache.kwargs())
     assert torch.equal(on, off)
+
+
+@pytest.mark.parametrize("layout", ["paged", "indexed"])
+def test_split_tickets_are_reset_and_lse_optional(layout):
+    """The split merge leaves its per-tile counters at 0, so calls can follow one another
+    (and share the scratch); without return_lse the same output comes back."""
+    if "portable" not in BACKENDS:
+        pytest.skip("the portable kernels need a GPU or TRITON_INTERPRET=1")
+    from asymflash.backends.portable import decode
+
+    cache = Cache(layout, 2, 2, 32, 32, capacity=96)
+    q = torch.randn(2, 1, 4, 32, dtype=torch.bfloat16, device=DEVICE)
+    lens = torch.tensor([70, 0], dtype=torch.int32, device=DEVICE)
+    kw = dict(cache_seqlens=lens, num_splits=4, **cache.kwargs())
+    with forced("portable"):
+        first, lse = flash_attn_with_kvcache(q, cache.k, cache.v, return_lse=True, **kw)
+        again = flash_attn_with_kvcache(q, cache.k, cache.v, **kw)
+    assert torch.equal(first, again)
+    assert all(int(ws[1].abs().sum()) == 0 for ws in decode._WORKSPACES.values())
+    r32, rlow, rlse = reference(q, cache, cache.k, cache.v, [70, 0])
+    assert_fa_close("out", first, r32, rlow, atol=1e-3)
+    assert_lse_close(lse, rlse)

@@ -38,6 +38,9 @@ CONFIGS = [
     ({"head_dim": 128, "dtype": "float16", "has_left": True, "has_right": True,
       "uniform": False, "has_seqused": True}, 16),
     ({"head_dim": 128, "has_right": True, "softcap": True}, 16),
+    ({"head_dim": 64, "has_left": True, "has_right": True, "deterministic": True}, 0),
+    # the turn wait adds a few more scalars to spill around at d=128 (24 seen)
+    ({"head_dim": 128, "has_right": True, "deterministic": True}, 32),
 ]
 
 

@@ -71,7 +71,8 @@ def make_case(c, device="cuda", seed=0):
                   uniform)
     wl, wr = c.get("window", (-1, -1))
     params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(wl, wr),
-                        softcap=c.get("softcap", 0.0))
+                        softcap=c.get("softcap", 0.0),
+                        deterministic=c.get("deterministic", False))
     sink = (torch.randn(hq, generator=g).to(device) if c.get("sink") else None)
     return q, k, v, dout, seq, params, sink
 
@@ -146,13 +147,28 @@ def test_sm90_backward_matches_reference(case):
         assert_fa_close(name, g, r32, rlow, atol=atol)
 
 
+# Deterministic mode: the ordered dQ turns over every mask shape the turn formula handles.
+DET_CASES = [dict(c, deterministic=True) for c in CASES
+             if c["name"] in ("d128", "d64-causal-fp16", "d128-gqa-causal-sq<sk", "d128-local",
+                              "d64-softcap-sink", "d128-varlen-causal", "d64-varlen-seqused")]
+
+
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
-def test_sm90_backward_refuses_deterministic():
+@pytest.mark.parametrize("case", DET_CASES, ids=lambda c: c["name"])
+def test_sm90_deterministic_backward_is_bitwise_reproducible(case):
+    from asymflash.backends import portable
     from asymflash.backends.sm90 import bwd
 
-    q, k, v, _dout, seq, params, sink = make_case(CASES[0])
-    det = AttnParams(params.softmax_scale, params.mask, params.softcap, deterministic=True)
-    assert bwd.unsupported_backward(q, k, v, seq, det, sink) is not None
+    for name, (g, r32, rlow, atol) in run_case(case).items():
+        assert_fa_close(name, g, r32, rlow, atol=atol)
+    q, k, v, dout, seq, params, sink = make_case(case)
+    assert params.deterministic and bwd.unsupported_backward(q, k, v, seq, params, sink) is None
+    out, lse = portable.forward(q, k, v, seq, params, sink)
+    first = bwd.backward(dout, q, k, v, out, lse, None, seq, params, sink)
+    for _ in range(50):
+        again = bwd.backward(dout, q, k, v, out, lse, None, seq, params, sink)
+        for a, b in zip(first[:3], again[:3]):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")

@@ -157,3 +157,36 @@ def test_sm90_forward_fa4_switches(emu, thr):
     out_err, lse_err, tol = check_forward(fwd, q, k, v, seq, params, None, cfg=cfg)
     assert out_err <= tol, (out_err, tol)
     assert lse_err <= 1e-3, lse_err
+
+
+# Both grids on every case above, plus shapes with many tiles per CTA (the grid is one CTA
+# per SM), so that ring positions and Q-barrier parities carry across tiles.
+PERSISTENT_CASES = CASES + [
+    (8, 1024, 1024, 32, 8, 128, torch.bfloat16, (-1, 0), 0.0, False, False),
+    (16, 512, 512, 32, 32, 64, torch.bfloat16, (-1, -1), 0.0, False, False),
+    (4, 1024, 1536, 16, 16, 256, torch.float16, (-1, 0), 0.0, False, False),
+    (6, 1000, 1000, 32, 4, 128, torch.bfloat16, (200, 0), 0.0, True, False),
+    (6, 640, 640, 32, 32, 64, torch.bfloat16, (-1, 0), 30.0, False, False),
+    (40, 700, 900, 16, 4, 128, torch.bfloat16, (-1, 0), 0.0, False, True),
+    (40, 700, 900, 16, 16, 64, torch.float16, (-1, -1), 0.0, True, True),
+]
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("persistent", [False, True], ids=["plain-grid", "persistent"])
+@pytest.mark.parametrize("case", PERSISTENT_CASES,
+                         ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+def test_sm90_forward_grid_matches_reference(case, persistent):
+    # Both grids forced: the default (`use_persistent`) picks one per shape.
+    from dataclasses import replace
+
+    from asymflash.backends.sm90 import fwd
+
+    batch, sq, sk, hq, hkv, d, dtype, window, softcap, use_sink, varlen = case
+    q, k, v, seq = make_inputs(batch, sq, sk, hq, hkv, d, d, dtype, varlen=varlen)
+    params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(*window), softcap=softcap)
+    sink = torch.randn(hq, device="cuda") if use_sink else None
+    cfg = replace(fwd.select_config(d, d, params), persistent=persistent)
+    out_err, lse_err, tol = check_forward(fwd, q, k, v, seq, params, sink, cfg=cfg)
+    assert out_err <= tol, (out_err, tol)
+    assert lse_err <= 1e-3, lse_err

@@ -1,7 +1,8 @@
 """Portable decode kernels: attention over a KV cache (paged or batch-indexed), split-KV.
 
 Decode reads every cached K/V byte once per step and does little arithmetic with it, so it
-is bound by memory bandwidth; three choices follow from that:
+is bound by memory bandwidth, and at small batch by the host time of issuing the call. The
+choices that follow:
 
 - GQA packing: the rows of a query tile are (query position, q head of the group) pairs of
   one kv head, so each K/V tile is loaded once for the whole group instead of once per q
@@ -9,18 +10,25 @@ is bound by memory bandwidth; three choices follow from that:
 - Split-KV (flash-decoding): with few (batch, kv head) tiles the GPU would sit mostly idle,
   so each sequence's keys are cut into `num_splits` ranges processed by separate programs.
   Each writes its partial output, normalised by its own sum, and its log2-sum-exp to fp32
-  scratch; `combine_kernel` merges them with weights exp2(lse_s - lse).
+  scratch, then takes a ticket from a per-tile counter; the program that draws the last
+  ticket merges the partials with weights exp2(lse_s - lse) and resets the counter to 0.
+  One launch per call, no combine kernel and no memset.
+- Append in the same launch: the new k/v of a call are read by the attention straight from
+  the k/v tensors given (keys seqlens[b] .. seqlens[b] + n - 1), and one program per
+  (sequence, kv head) copies them into the cache. No program reads the cache slots being
+  written, so the copy needs no ordering against the attention.
 - Paging: key j of sequence b lives in page page_table[b, j // page_size], row
   j % page_size; a contiguous cache is row cache_batch_idx[b] (or b), position j.
 
-Calling convention (`decode` below): q is packed (total_q, nheads_q, d) like `core.params`;
-the cache is described by `kvcache.CacheSpec`. The sink joins the denominator once: in the
-kernel without splits, in the combine step with them.
+Calling convention (`decode` below): q is packed (total_q, nheads_q, d) like `core.params`,
+or (batch, seqlen_q, nheads_q, d) when the cache has no cu_seqlens_q (then out has that
+shape too); the cache is described by `kvcache.CacheSpec`. The sink joins the denominator
+once: in the kernel without splits, in the merge with them.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +40,9 @@ from . import unsupported_input
 from .common import dot, finish_rows, key_block_range, log2_scores, online_softmax_step, tile_valid
 
 NAME = "portable"
+# kvcache.flash_attn_with_kvcache: this backend takes q as (batch, seqlen_q, nheads, d) and
+# writes CacheSpec.k_new / v_new into the cache itself (in the attention launch).
+KVCACHE_FUSED = True
 
 # One query tile can hold at most this many (position, head) rows; decode needs 8 (GQA 8:1,
 # seqlen_q 1), a short prefill a few hundred.
@@ -40,6 +51,12 @@ MAX_SPLITS = 64
 # A split must stream at least this many key blocks, or the fixed cost of a program and of
 # its scratch row outweighs what it adds to the GPU's occupancy.
 MIN_BLOCKS_PER_SPLIT = 4
+# Programs per SM the split heuristic aims for (rounded down). H200 sweep, 128-key tiles,
+# graph replay: paged caches want 2 (the page-table lookups add latency to hide; b8 4k: 8
+# splits 37 us, 4 splits 41 us; b32 16k: 2 splits 268 us, none 388 us), contiguous ones 1
+# (b8 4k: 4 splits 33 us, 8 splits 37 us; b32 4k: none 78 us, 2 splits 84 us).
+PROGRAMS_PER_SM = 2
+PROGRAMS_PER_SM_CONTIGUOUS = 1
 
 
 @dataclass(frozen=True)
@@ -66,51 +83,91 @@ def select_config(seqlen_q: int, group: int, d: int, dv: int,
     if interpreting():  # the interpreter's cost grows with tile area: smallest legal tiles
         return DecodeConfig(16, 16, pack, 4, 1)
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
-    # Untuned first guess (no H200 measurement yet): 64-key tiles, 3 stages of cp.async so
-    # the next tiles' loads are in flight while this one is reduced.
-    block_n = 64 if max(d, dv) <= 128 else 32
+    # H200 sweep (bf16, d 128, GQA 8:1, graph replay; block_n 32/64/128, 4/8 warps, 3/4
+    # stages): 128-key tiles, 4 warps, 3 stages were best or within 2% in every case, paged
+    # and contiguous, 4k-64k keys. Wide query tiles keep 64 (register pressure).
+    if max(d, dv) > 128:
+        block_n = 32
+    else:
+        block_n = 128 if block_m <= 32 else 64
     return DecodeConfig(block_m, block_n, pack, 4, 3)
+
+
+@functools.cache
+def _sm_count(index) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _sm_count(device.index if device.index is not None else
+                         torch.cuda.current_device())
     return 132  # the interpreter has no SMs: pretend to be an H200 so splitting is exercised
 
 
-def num_splits_heuristic(tiles: int, key_blocks: int, sms: int) -> int:
+def num_splits_heuristic(tiles: int, key_blocks: int, sms: int,
+                         per_sm: int = PROGRAMS_PER_SM) -> int:
     """How many key ranges each (sequence, kv head, query tile) is cut into.
 
     `tiles` programs exist without splitting. Bandwidth needs several resident programs per
-    SM to keep enough loads in flight; aim for about 4 per SM, but never give a split fewer
-    than MIN_BLOCKS_PER_SPLIT key blocks: past that the combine costs more than it gains.
+    SM to keep enough loads in flight; aim for about `per_sm` per SM, but never give
+    a split fewer than MIN_BLOCKS_PER_SPLIT key blocks: past that the merge costs more than
+    it gains.
     """
     if tiles <= 0 or key_blocks <= 0:
         return 1
-    want = math.ceil(4 * sms / tiles)
+    want = per_sm * sms // tiles
     most = max(1, key_blocks // MIN_BLOCKS_PER_SPLIT)
     return max(1, min(want, most, MAX_SPLITS))
 
 
 @triton.jit
+def _copy_new_rows(SRC, DST, table_row, page_size, dst_row, cache_len, n_new,
+                   stride_st, stride_db, stride_dt,
+                   W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
+                   PAGED: tl.constexpr):
+    """Copy rows 0..n_new-1 of SRC (one kv head) to cache positions cache_len + j."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_W)
+    for j0 in range(0, n_new, BLOCK_N):
+        j = j0 + offs_n
+        ok = j < n_new
+        pos = cache_len + j
+        if PAGED:
+            page = tl.load(table_row + pos // page_size, mask=ok, other=0).to(tl.int64)
+            dst = page * stride_db + (pos % page_size).to(tl.int64) * stride_dt
+        else:
+            dst = dst_row * stride_db + pos.to(tl.int64) * stride_dt
+        m = ok[:, None] & (offs_w[None, :] < W)
+        x = tl.load(SRC + j.to(tl.int64)[:, None] * stride_st + offs_w[None, :], mask=m)
+        tl.store(DST + dst[:, None] + offs_w[None, :], x, mask=m)
+
+
+@triton.jit
 def decode_kernel(
-    Q, K, V, OUT, LSE, O_PART, LSE_PART, SINK, CU_Q, SEQLENS_K, PAGE_TABLE, BATCH_IDX,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ot, stride_oh, stride_lse_h, stride_ps, stride_pt, stride_ph, stride_ls,
-    stride_lh, stride_table,
+    Q, K, V, K_NEW, V_NEW, OUT, LSE, WORK, COUNTERS, SINK, CU_Q, SEQLENS_K, PAGE_TABLE,
+    BATCH_IDX,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+    stride_vh, stride_nkb, stride_nkt, stride_nkh, stride_nvb, stride_nvt, stride_nvh,
+    stride_ob, stride_ot, stride_oh, stride_lse_h, stride_table,
     seqlen_q_uniform, k_extra, page_size, head_tiles, heads_per_tile, group, num_m_blocks,
-    softmax_scale, softcap, window_left, window_right,
+    work_lse_offset, softmax_scale, softcap, window_left, window_right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN_Q: tl.constexpr, PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-    SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr,
-    LEFT: tl.constexpr, RIGHT: tl.constexpr,
+    HAS_NEW: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr, LEFT: tl.constexpr,
+    RIGHT: tl.constexpr,
 ):
     """One program: BLOCK_M (query position, q head) rows of sequence b, one key split.
 
     Axis 0 is (b, head tile): a head tile is `heads_per_tile` consecutive q heads of one kv
     head (the whole group when packing, else a single head). Row r of the tile is query
     position m0 + r // heads_per_tile of q head head0 + r % heads_per_tile.
+
+    Keys 0 .. cache_len - 1 come from the cache; with HAS_NEW the k_extra keys after them
+    come from K_NEW / V_NEW (batch, k_extra, nheads_kv, d), which the first program of each
+    (sequence, kv head) also writes into the cache.
     """
     pid_bh = tl.program_id(0)
     m_block = num_m_blocks - 1 - tl.program_id(1)  # latest positions see the most keys
@@ -118,26 +175,54 @@ def decode_kernel(
     num_splits = tl.num_programs(2)
     b = pid_bh // head_tiles
     head0 = (pid_bh % head_tiles) * heads_per_tile
+    kv_head = head0 // group
+    b64 = b.to(tl.int64)
+    cache_len = tl.load(SEQLENS_K + b)
+    seqlen_k = cache_len + k_extra
+    if not HAS_NEW:
+        cache_len = seqlen_k  # every key is already in the cache
+    if PAGED:
+        row = b64  # unused
+    elif HAS_BATCH_IDX:
+        row = tl.load(BATCH_IDX + b).to(tl.int64)
+    else:
+        row = b64
+    table_row = PAGE_TABLE + b64 * stride_table
+
+    if HAS_NEW:  # the append: once per (sequence, kv head), by a program that never exits
+        if (tl.program_id(1) == 0) & (split == 0) & (head0 % group == 0):
+            _copy_new_rows(K_NEW + b64 * stride_nkb + kv_head * stride_nkh,
+                           K + kv_head * stride_kh, table_row, page_size, row, cache_len,
+                           k_extra, stride_nkt, stride_kb, stride_kt, D, BLOCK_D, BLOCK_N,
+                           PAGED)
+            _copy_new_rows(V_NEW + b64 * stride_nvb + kv_head * stride_nvh,
+                           V + kv_head * stride_vh, table_row, page_size, row, cache_len,
+                           k_extra, stride_nvt, stride_vb, stride_vt, DV, BLOCK_DV, BLOCK_N,
+                           PAGED)
+
     if VARLEN_Q:
         q_start = tl.load(CU_Q + b)
         seqlen_q = tl.load(CU_Q + b + 1) - q_start
+        q_base = Q + q_start.to(tl.int64) * stride_qt
+        o_base = OUT + q_start.to(tl.int64) * stride_ot
     else:
         q_start = b * seqlen_q_uniform
         seqlen_q = seqlen_q_uniform
-    # k_extra: the new tokens just appended, not yet counted in cache_seqlens
-    seqlen_k = tl.load(SEQLENS_K + b) + k_extra
+        q_base = Q + b64 * stride_qb
+        o_base = OUT + b64 * stride_ob
     if m_block * BLOCK_M >= seqlen_q * heads_per_tile:
         return
-    r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
+    r = m_block * BLOCK_M + offs_m
     pos = r // heads_per_tile
     head = head0 + r % heads_per_tile
     row_ok = pos < seqlen_q
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_rows = (q_start + pos).to(tl.int64)
-    q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    pos64 = pos.to(tl.int64)
+    q = tl.load(q_base + pos64[:, None] * stride_qt + head[:, None] * stride_qh
+                + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
 
     # The keys any row of the tile may see, then this split's equal share of those blocks.
     pos_lo = (m_block * BLOCK_M) // heads_per_tile
@@ -148,27 +233,52 @@ def decode_kernel(
     per_split = tl.cdiv(n_blocks, num_splits)
     start = lo + split * per_split * BLOCK_N
     end = tl.minimum(hi, start + per_split * BLOCK_N)
+    # Blocks before `full_end` lie wholly in the cache: no key mask on their loads.
+    full_end = tl.maximum(tl.minimum(end, (cache_len // BLOCK_N) * BLOCK_N), start)
 
-    kv_head = head0 // group
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
     if not PAGED:  # one cache row per sequence: its base is fixed for the whole loop
-        if HAS_BATCH_IDX:
-            row = tl.load(BATCH_IDX + b).to(tl.int64)
-        else:
-            row = b.to(tl.int64)
         k_base += row * stride_kb
         v_base += row * stride_vb
+    d_ok = offs_d[None, :] < D
+    dv_ok = offs_dv[None, :] < DV
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for start_n in range(start, end, BLOCK_N):
+    for start_n in range(start, full_end, BLOCK_N):
         cols = start_n + offs_n
-        col_ok = cols < seqlen_k
         if PAGED:
-            page = tl.load(PAGE_TABLE + b.to(tl.int64) * stride_table + cols // page_size,
-                           mask=col_ok, other=0).to(tl.int64)
+            page = tl.load(table_row + cols // page_size).to(tl.int64)
+            in_page = (cols % page_size).to(tl.int64)
+            k_off = page * stride_kb + in_page * stride_kt
+            v_off = page * stride_vb + in_page * stride_vt
+        else:
+            k_off = cols.to(tl.int64) * stride_kt
+            v_off = cols.to(tl.int64) * stride_vt
+        if BLOCK_D == D:
+            k = tl.load(k_base + k_off[:, None] + offs_d[None, :])
+        else:
+            k = tl.load(k_base + k_off[:, None] + offs_d[None, :], mask=d_ok, other=0.0)
+        s, _ = log2_scores(dot(q, tl.trans(k), None), softmax_scale, softcap, SOFTCAP)
+        if LEFT or RIGHT:
+            ok = tile_valid(pos, cols, seqlen_q, seqlen_k, window_left, window_right, LEFT,
+                            RIGHT)
+            s = tl.where(ok, s, float("-inf"))
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
+        if BLOCK_DV == DV:
+            v = tl.load(v_base + v_off[:, None] + offs_dv[None, :])
+        else:
+            v = tl.load(v_base + v_off[:, None] + offs_dv[None, :], mask=dv_ok, other=0.0)
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
+
+    # The last partial block of the cache and the new keys: masked, from either source.
+    for start_n in tl.range(full_end, end, BLOCK_N, num_stages=1):
+        cols = start_n + offs_n
+        in_cache = cols < cache_len
+        if PAGED:
+            page = tl.load(table_row + cols // page_size, mask=in_cache, other=0).to(tl.int64)
             in_page = (cols % page_size).to(tl.int64)
             k_off = page * stride_kb + in_page * stride_kt
             v_off = page * stride_vb + in_page * stride_vt
@@ -176,68 +286,69 @@ def decode_kernel(
             k_off = cols.to(tl.int64) * stride_kt
             v_off = cols.to(tl.int64) * stride_vt
         k = tl.load(k_base + k_off[:, None] + offs_d[None, :],
-                    mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+                    mask=in_cache[:, None] & d_ok, other=0.0)
+        v = tl.load(v_base + v_off[:, None] + offs_dv[None, :],
+                    mask=in_cache[:, None] & dv_ok, other=0.0)
+        if HAS_NEW:
+            is_new = (cols >= cache_len) & (cols < seqlen_k)
+            j = tl.maximum(cols - cache_len, 0).to(tl.int64)
+            k_new = tl.load(K_NEW + b64 * stride_nkb + kv_head * stride_nkh
+                            + j[:, None] * stride_nkt + offs_d[None, :],
+                            mask=is_new[:, None] & d_ok, other=0.0)
+            v_new = tl.load(V_NEW + b64 * stride_nvb + kv_head * stride_nvh
+                            + j[:, None] * stride_nvt + offs_dv[None, :],
+                            mask=is_new[:, None] & dv_ok, other=0.0)
+            k = tl.where(is_new[:, None], k_new, k)
+            v = tl.where(is_new[:, None], v_new, v)
         s, _ = log2_scores(dot(q, tl.trans(k), None), softmax_scale, softcap, SOFTCAP)
         ok = tile_valid(pos, cols, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT)
         s = tl.where(ok, s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
-        v = tl.load(v_base + v_off[:, None] + offs_dv[None, :],
-                    mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
 
+    q_rows = (q_start + pos).to(tl.int64)
+    o_ptrs = o_base + pos64[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
     if SPLIT:
-        # Partial result normalised by its own sum; lse in log2 units, no sink (the combine
-        # adds it once). An empty split writes 0 and -inf, which the combine weighs as 0.
+        # Partial result normalised by its own sum; lse in log2 units, no sink (the merge
+        # adds it once). An empty split writes 0 and -inf, which the merge weighs as 0.
+        # Scratch: tile-major, then split, then the tile's BLOCK_M rows (all of them).
+        tile = pid_bh * num_m_blocks + tl.program_id(1)
         empty = l_i == 0.0
-        acc = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        part = O_PART + split.to(tl.int64) * stride_ps + q_rows[:, None] * stride_pt
-        tl.store(part + head[:, None] * stride_ph + offs_dv[None, :], acc,
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-        tl.store(LSE_PART + split.to(tl.int64) * stride_ls + head.to(tl.int64) * stride_lh
-                 + q_rows, lse2, mask=row_ok)
+        part = (tile * num_splits).to(tl.int64) * BLOCK_M
+        tl.store(WORK + (part + split * BLOCK_M + offs_m)[:, None] * BLOCK_DV
+                 + offs_dv[None, :], acc / tl.where(empty, 1.0, l_i)[:, None])
+        tl.store(WORK + work_lse_offset + part + split * BLOCK_M + offs_m,
+                 tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i))))
+        # Every thread's stores come before the ticket (acq_rel: the last program then sees
+        # them all); .cg loads below skip the SM's L1, which other programs' stores bypass.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(COUNTERS + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == num_splits - 1:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+            for s_idx in range(num_splits):
+                rows = part + s_idx * BLOCK_M + offs_m
+                lse_s = tl.load(WORK + work_lse_offset + rows, cache_modifier=".cg")
+                o_s = tl.load(WORK + rows[:, None] * BLOCK_DV + offs_dv[None, :],
+                              cache_modifier=".cg")
+                m_new = tl.maximum(m_i, lse_s)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)
+                w = tl.exp2(lse_s - m_safe)
+                acc = acc * alpha[:, None] + w[:, None] * o_s
+                l_i = l_i * alpha + w
+                m_i = m_new
+            acc, lse = finish_rows(acc, m_i, l_i, SINK, head, HAS_SINK)
+            tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
+            if WRITE_LSE:
+                tl.store(LSE + head.to(tl.int64) * stride_lse_h + q_rows, lse, mask=row_ok)
+            tl.atomic_xchg(COUNTERS + tile, 0)  # ready for the next call
     else:
         acc, lse = finish_rows(acc, m_i, l_i, SINK, head, HAS_SINK)
-        tl.store(OUT + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
-                 acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-        tl.store(LSE + head.to(tl.int64) * stride_lse_h + q_rows, lse, mask=row_ok)
-
-
-@triton.jit
-def combine_kernel(
-    O_PART, LSE_PART, OUT, LSE, SINK, num_splits,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lh, stride_ot, stride_oh, stride_lse_h,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINK: tl.constexpr,
-):
-    """out = sum_s w_s O_s with w_s = exp2(lse_s - lse), lse = log2(sum_s exp2(lse_s) [+ sink]).
-
-    One program per (query row, q head). A split whose lse is -inf saw no key: its weight is
-    0 and its partial output is not read.
-    """
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    lse_s = tl.load(LSE_PART + offs_s * stride_ls + h * stride_lh + t,
-                    mask=offs_s < num_splits, other=float("-inf"))
-    if HAS_SINK:
-        sink = tl.load(SINK + h) * 1.4426950408889634
-    else:  # a logit of -inf adds exp2(-inf) = 0: no sink
-        sink = float("-inf")
-    m = tl.maximum(tl.max(lse_s, 0), sink)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse_s - m_safe)
-    total = tl.sum(w, 0) + tl.exp2(sink - m_safe)
-    live = lse_s > float("-inf")
-    o = tl.load(O_PART + offs_s[:, None] * stride_ps + t * stride_pt + h * stride_ph
-                + offs_dv[None, :], mask=live[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    empty = total == 0.0
-    out = tl.sum(w[:, None] * o, 0) / tl.where(empty, 1.0, total)
-    tl.store(OUT + t * stride_ot + h * stride_oh + offs_dv, out.to(OUT.dtype.element_ty),
-             mask=offs_dv < DV)
-    lse = tl.where(empty, float("-inf"), (m_safe + tl.log2(tl.where(empty, 1.0, total)))
-                   * 0.6931471805599453)
-    tl.store(LSE + h * stride_lse_h + t, lse)
+        tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
+        if WRITE_LSE:
+            tl.store(LSE + head.to(tl.int64) * stride_lse_h + q_rows, lse, mask=row_ok)
 
 
 def unsupported_decode(q, cache, params, sink):
@@ -248,76 +359,125 @@ def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def plan(q, cache, num_splits: int, config: DecodeConfig | None = None):
-    """(config, heads_per_tile, num_m_blocks, splits) for a call; used by `decode` and the
-    benchmark (which reports the split count it measured)."""
-    hq, d = q.shape[1], q.shape[2]
-    hkv, dv = cache.k.shape[2], cache.v.shape[3]
+@functools.lru_cache(maxsize=256)
+def _plan(hq, d, hkv, dv, max_seqlen_q, max_seqlen_k, batch, num_splits, sms, paged, config):
     group = hq // hkv
-    cfg = select_config(cache.max_seqlen_q, group, d, dv, config)
+    cfg = select_config(max_seqlen_q, group, d, dv, config)
     heads_per_tile = group if cfg.pack_gqa else 1
-    num_m = triton.cdiv(max(cache.max_seqlen_q * heads_per_tile, 1), cfg.block_m)
-    key_blocks = triton.cdiv(max(cache.max_seqlen_k, 1), cfg.block_n)
+    num_m = triton.cdiv(max(max_seqlen_q * heads_per_tile, 1), cfg.block_m)
+    key_blocks = triton.cdiv(max(max_seqlen_k, 1), cfg.block_n)
     if num_splits <= 0:
-        tiles = cache.batch * (hq // heads_per_tile) * num_m
-        num_splits = num_splits_heuristic(tiles, key_blocks, sm_count(q.device))
+        tiles = batch * (hq // heads_per_tile) * num_m
+        num_splits = num_splits_heuristic(
+            tiles, key_blocks, sms, PROGRAMS_PER_SM if paged else PROGRAMS_PER_SM_CONTIGUOUS)
     # Splits past the key-block count could only be empty.
     return cfg, heads_per_tile, num_m, max(1, min(num_splits, key_blocks, MAX_SPLITS))
 
 
-def decode(q, cache, params, sink, num_splits: int = 0, config: DecodeConfig | None = None):
-    """(out, lse) for packed q over `cache` (a kvcache.CacheSpec); num_splits 0 = heuristic."""
-    total_q, hq, d = q.shape
+def plan(q, cache, num_splits: int, config: DecodeConfig | None = None):
+    """(config, heads_per_tile, num_m_blocks, splits) for a call; used by `decode` and the
+    benchmark (which reports the split count it measured). Cached on the sizes."""
+    return _plan(q.shape[-2], q.shape[-1], cache.k.shape[2], cache.v.shape[3],
+                 cache.max_seqlen_q, cache.max_seqlen_k, cache.batch, num_splits,
+                 sm_count(q.device), cache.page_table is not None, config)
+
+
+# Split scratch and tickets, kept per (device, stream) between eager calls: the counters
+# are left at 0 by every call, so only a new or larger workspace is ever allocated. Calls on
+# one stream run in order, so they may share it; a call being captured into a CUDA graph
+# gets buffers of its own instead (owned by the graph's pool, zeroed inside the graph).
+_WORKSPACES: dict = {}
+
+
+def _workspace(device: torch.device, n_work: int, n_tiles: int):
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return (torch.empty(n_work, dtype=torch.float32, device=device),
+                    torch.zeros(n_tiles, dtype=torch.int32, device=device))
+        key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+    else:
+        key = (None, 0)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws[0].numel() < n_work or ws[1].numel() < n_tiles:
+        old_work, old_tiles = (ws[0].numel(), ws[1].numel()) if ws is not None else (0, 0)
+        ws = (torch.empty(max(n_work, old_work), dtype=torch.float32, device=device),
+              torch.zeros(max(n_tiles, old_tiles), dtype=torch.int32, device=device))
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def decode(q, cache, params, sink, num_splits: int = 0, config: DecodeConfig | None = None,
+           need_lse: bool = True):
+    """(out, lse) for q over `cache` (a kvcache.CacheSpec); num_splits 0 = heuristic.
+
+    q is packed (total_q, hq, d), or (batch, seqlen_q, hq, d) when cache.cu_seqlens_q is
+    None; out has q's layout with dv. With cache.k_new given, the kernel also appends it.
+    need_lse=False skips the lse (None is returned in its place).
+    """
+    hq, d = q.shape[-2], q.shape[-1]
     hkv, dv = cache.k.shape[2], cache.v.shape[3]
+    dev = q.device
     cfg, heads_per_tile, num_m, splits = plan(q, cache, num_splits, config)
     varlen = cache.cu_seqlens_q is not None
+    total_q = q.shape[0] if varlen or q.dim() == 3 else q.shape[0] * q.shape[1]
     # Varlen q may hold rows that belong to no sequence; nothing writes them, so they must
     # start as "no key seen" (0 and -inf), as in the dense kernels.
-    out = (torch.zeros if varlen else torch.empty)(total_q, hq, dv, dtype=q.dtype,
-                                                   device=q.device)
-    lse = torch.full((hq, total_q), float("-inf"), dtype=torch.float32, device=q.device) \
-        if varlen else torch.empty(hq, total_q, dtype=torch.float32, device=q.device)
+    out = (torch.zeros if varlen else torch.empty)((*q.shape[:-1], dv), dtype=q.dtype,
+                                                   device=dev)
+    if need_lse:
+        lse = torch.full((hq, total_q), float("-inf"), dtype=torch.float32, device=dev) \
+            if varlen else torch.empty(hq, total_q, dtype=torch.float32, device=dev)
+    else:
+        lse = None
     if total_q == 0:
         return out, lse
+    if q.dim() == 4:
+        stride_qb, stride_qt, stride_qh = q.stride(0), q.stride(1), q.stride(2)
+        stride_ob, stride_ot, stride_oh = out.stride(0), out.stride(1), out.stride(2)
+    else:  # packed: sequence b starts at row cu_seqlens_q[b], or b * max_seqlen_q
+        step = 0 if varlen else cache.max_seqlen_q
+        stride_qb, stride_qt, stride_qh = step * q.stride(0), q.stride(0), q.stride(1)
+        stride_ob, stride_ot, stride_oh = step * out.stride(0), out.stride(0), out.stride(1)
+    grid = (cache.batch * (hq // heads_per_tile), num_m, splits)
+    block_dv = _block(dv)
     if splits > 1:
-        o_part = torch.empty(splits, total_q, hq, dv, dtype=torch.float32, device=q.device)
-        lse_part = torch.full((splits, hq, total_q), float("-inf"), dtype=torch.float32,
-                              device=q.device) if varlen else \
-            torch.empty(splits, hq, total_q, dtype=torch.float32, device=q.device)
-    else:  # never touched with SPLIT off: any fp32 tensor serves as the argument
-        o_part, lse_part = lse, lse
-    sink_arg = sink if sink is not None else lse
+        n_tiles = grid[0] * num_m
+        n_rows = n_tiles * splits * cfg.block_m
+        work, counters = _workspace(dev, n_rows * (block_dv + 1), n_tiles)
+    else:  # never touched with SPLIT off: any tensors serve as the arguments
+        work = counters = out
+        n_rows = 0
+    lse_arg = lse if lse is not None else out
+    k_new = cache.k_new
+    has_new = k_new is not None and cache.k_extra > 0
+    if has_new:
+        v_new = cache.v_new
+        new_strides = (k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0),
+                       v_new.stride(1), v_new.stride(2))
+    else:
+        k_new = v_new = out
+        new_strides = (0, 0, 0, 0, 0, 0)
     kc, vc = cache.k, cache.v
     paged = cache.page_table is not None
-    table = cache.page_table if paged else lse
-    cu_q = cache.cu_seqlens_q if varlen else cache.seqlens_k
-    batch_idx = cache.batch_idx if cache.batch_idx is not None else cache.seqlens_k
+    table = cache.page_table if paged else cache.seqlens_k
+    seqlens = cache.seqlens_k
     mask = params.mask
-    grid = (cache.batch * (hq // heads_per_tile), num_m, splits)
     decode_kernel[grid](
-        q, kc, vc, out, lse, o_part, lse_part, sink_arg, cu_q, cache.seqlens_k, table,
-        batch_idx,
-        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
-        vc.stride(0), vc.stride(1), vc.stride(2), out.stride(0), out.stride(1), lse.stride(0),
-        o_part.stride(0), o_part.stride(1) if splits > 1 else 0,
-        o_part.stride(2) if splits > 1 else 0, lse_part.stride(0),
-        lse_part.stride(1) if splits > 1 else 0, table.stride(0),
+        q, kc, vc, k_new, v_new, out, lse_arg, work, counters,
+        sink if sink is not None else out, cache.cu_seqlens_q if varlen else seqlens,
+        seqlens, table, cache.batch_idx if cache.batch_idx is not None else seqlens,
+        stride_qb, stride_qt, stride_qh, kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2), *new_strides,
+        stride_ob, stride_ot, stride_oh, lse.stride(0) if lse is not None else 0,
+        table.stride(0) if paged else 0,
         cache.max_seqlen_q, cache.k_extra, kc.shape[1], hq // heads_per_tile, heads_per_tile,
-        hq // hkv, num_m, params.softmax_scale, params.softcap, mask.window_left,
-        mask.window_right,
-        D=d, DV=dv, BLOCK_D=_block(d), BLOCK_DV=_block(dv), BLOCK_M=cfg.block_m,
+        hq // hkv, num_m, n_rows * block_dv, params.softmax_scale,
+        params.softcap, mask.window_left, mask.window_right,
+        D=d, DV=dv, BLOCK_D=_block(d), BLOCK_DV=block_dv, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, VARLEN_Q=varlen, PAGED=paged,
-        HAS_BATCH_IDX=cache.batch_idx is not None, SPLIT=splits > 1,
-        SOFTCAP=params.softcap > 0, HAS_SINK=sink is not None and splits == 1,
+        HAS_BATCH_IDX=cache.batch_idx is not None, HAS_NEW=has_new, SPLIT=splits > 1,
+        SOFTCAP=params.softcap > 0, HAS_SINK=sink is not None, WRITE_LSE=lse is not None,
         LEFT=mask.window_left >= 0, RIGHT=mask.window_right >= 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if splits > 1:
-        combine_kernel[(total_q, hq)](
-            o_part, lse_part, out, lse, sink_arg, splits,
-            o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
-            lse_part.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-            DV=dv, BLOCK_DV=_block(dv), BLOCK_S=triton.next_power_of_2(splits),
-            HAS_SINK=sink is not None, num_warps=4,
-        )
     return out, lse

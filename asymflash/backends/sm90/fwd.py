@@ -12,6 +12,14 @@ One CTA owns 128 query rows of one (sequence, head) and runs three roles
   FA3's intra-warpgroup overlap: S_j is issued before P_{j-1}·V_{j-1}, and the softmax of
   S_j runs while that P·V is still in flight.
 
+Persistent grid (`FwdConfig.persistent`; by default chosen per shape in `use_persistent`):
+one CTA per SM walks tiles wave by wave (CTA order reversed on odd waves), the tile list
+cut into chunks of (sequence, head) pairs whose K/V fit in L2, query blocks longest-first
+within a chunk. Every role walks the same list and carries its K/V ring position and Q
+barrier parity across tiles, so the loader fetches the next tile's Q (released by each
+warpgroup after its last S = Q·Kᵀ) and first K/V blocks while the consumers finish the last
+P·V, the normalisation and the store of the current one.
+
 Masks are bottom-right aligned (see `core/params.py`). The key-block range of a CTA is split
 into a peeled first block (always masked, which also covers empty rows and empty key
 sequences), a masked prefix (sliding-window left edge), an unmasked middle and a masked
@@ -31,6 +39,7 @@ once per (dtype, head dims, config, feature switches).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -74,6 +83,14 @@ class FwdConfig:
     exp2_emu_every: int = 0  # 0: every exp2 on MUFU; k in (2, 4, 8): 1 in k on the FMA pipe
     rescale_threshold: float = 0.0  # 0: rescale O every block; > 0: FA4 conditional rescale
     lpt: bool = False  # longest-first tile order (causal/local: later query tiles work more)
+    # Persistent grid (one CTA per SM looping over tiles, next tile's loads overlapping this
+    # tile's epilogue). None: chosen per call from the shape (`use_persistent`).
+    persistent: bool | None = None
+    # Persistent grid with longest-first order, host side only: a chunk of (sequence, head)
+    # pairs worked on together spans at least this many waves of the grid (a static schedule
+    # needs many tiles per CTA per chunk to even out the work); 0: chunks sized by L2 alone
+    # (always so without LPT: every tile then does the same work).
+    chunk_waves: int = 8
 
 
 # Tuning table. Measured on the H200 (2026-11-29, bf16, model dim 2048, batch 16384/seqlen,
@@ -97,8 +114,78 @@ def select_config(head_dim: int, head_dim_v: int, params: AttnParams,
     """Heuristic config; `override` wins when given."""
     if override is not None:
         return override
-    cfg = _DEFAULT_CONFIGS[head_dim]
-    return replace(cfg, lpt=params.mask.is_local)
+    return _default_config(head_dim, params.mask.is_local)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_config(head_dim: int, local: bool) -> FwdConfig:
+    return replace(_DEFAULT_CONFIGS[head_dim], lpt=local)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _with_persistent(cfg: FwdConfig, persistent: bool) -> FwdConfig:
+    return replace(cfg, persistent=persistent)
+
+
+# K/V bytes one wave of a persistent grid should keep hot in L2 (H200: 50 MB L2; Q and O
+# stream through it too).
+L2_KV_BUDGET = 24 << 20
+
+
+def use_persistent(head_dim: int, lpt: bool, max_seqlen_q: int, uniform: bool,
+                   plain: bool) -> bool:
+    """Default of FwdConfig.persistent for one call: only where the H200 measured a gain.
+
+    Persistent grid vs one CTA per tile, H200, bf16, model dim 2048, batch 16384/seqlen,
+    CUDA-graph replay, TFLOP/s (scripts/sm90-probe.py --persistent --graph, 2026-11-29):
+      causal (LPT, chunk_waves 8), seqlen 512 / 1k / 2k / 16k:
+        d=64   189 / 268 / 332 / 425  vs 138 / 210 / 272 / 398
+        d=128  235 / 322 / 412 / 551  vs 209 / 294 / 366 / 560
+        d=256  231 / 329 / 443 / 637  vs 225 / 314 / 430 / 626
+      non-causal (chunks by L2 alone):
+        d=64   312 / 365 / 400 / 444  vs 254 / 328 / 377 / 438
+        d=128  372 / 453 / 518 / 599  vs 349 / 447 / 518 / 602
+        d=256  381 / 486 / 563 / 658  vs 397 / 500 / 568 / 651
+      (chunks of >= 8 waves without LPT lost 3-9 % at d=128 / d=256 non-causal; L2-only
+      chunks with LPT lost 7 % / 26 % at d=128 / d=256 causal 16k: load imbalance.)
+    Not measured, so on the plain grid: varlen / seqused_k, softcap, sink, sliding windows
+    (those persistent builds also keep a few values in local memory around the tile loop).
+    """
+    if not (uniform and plain):
+        return False
+    if lpt:
+        return not (head_dim == 128 and max_seqlen_q >= 8192)
+    if head_dim == 64:
+        return True
+    return head_dim == 128 and max_seqlen_q <= 1024
+
+
+def persistent_launch(cfg: FwdConfig, seq: SeqInfo, num_tiles: int, hq: int, hkv: int,
+                      d: int, dv: int, device, plain: bool) -> tuple[FwdConfig, int, int]:
+    """(config with `persistent` decided, grid size, hb_chunk) of one call.
+
+    hb_chunk: how many (sequence, head) pairs a persistent grid works on together, so that
+    their K/V (shared by a GQA group) fit in `L2_KV_BUDGET` (and, with LPT, the chunk spans
+    `chunk_waves` waves). plain: no softcap, sink or left window.
+    """
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if cfg.persistent is None:
+        uniform = bool(seq.uniform) and seq.seqused_k is None
+        cfg = _with_persistent(cfg, use_persistent(d, cfg.lpt, seq.max_seqlen_q, uniform,
+                                                   plain))
+    if not cfg.persistent:
+        return cfg, num_tiles, 1
+    grid = min(num_tiles, sms)
+    num_m_blocks = num_tiles // (hq * seq.batch)
+    kv_bytes = max(seq.max_seqlen_k, 1) * (d + dv) * 2 * hkv // hq
+    waves = cfg.chunk_waves if cfg.lpt else 0
+    hb_chunk = max(L2_KV_BUDGET // max(kv_bytes, 1), -(-waves * grid // num_m_blocks), 1)
+    return cfg, grid, min(hb_chunk, hq * seq.batch)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,18 +249,26 @@ if _GLUON_ERROR is None:
     # load role
     # ------------------------------------------------------------------------------------------
     @gluon.jit
-    def _load_role(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                   v_ready, v_empty, q_row, q_col, kv_row, k_col, v_col, n_lo, n_hi,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    def _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                   k_empty, v_ready, v_empty, q_row, q_col, kv_row, k_col, v_col, n_lo, n_hi, it0,
+                   q_phase, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WAIT_Q: gl.constexpr):
+        """Q of one 128-row tile, then its key blocks [n_lo, n_hi) at ring positions it0, ...
+
+        With WAIT_Q (persistent grid) each Q half is refilled only after its warpgroup released
+        the previous tile's Q (q_empty, parity q_phase ^ 1: the first wait passes at once).
+        """
         for wg in gl.static_range(2):
+            if WAIT_Q:
+                mbarrier.wait(q_empty.index(wg), q_phase ^ 1)
             mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [q_row + wg * 64, q_col], q_bar.index(wg),
                                             q_smem.index(wg))
         for i in range(n_hi - n_lo):
-            slot = i % STAGES
+            pos = it0 + i
+            slot = pos % STAGES
             # Fresh mbarriers count as having completed the phase before phase 0, so the first
             # pass through the ring does not wait.
-            phase = ((i // STAGES) & 1) ^ 1
+            phase = ((pos // STAGES) & 1) ^ 1
             row = kv_row + (n_lo + i) * BLOCK_N
             mbarrier.wait(k_empty.index(slot), phase)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
@@ -183,6 +278,85 @@ if _GLUON_ERROR is None:
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [row, v_col], v_ready.index(slot),
                                             v_smem.index(slot))
+
+    # ------------------------------------------------------------------------------------------
+    # tile schedule: which (query block, head, sequence) a tile index is, and its key blocks
+    # ------------------------------------------------------------------------------------------
+    @gluon.jit
+    def _tile_of(tile, n_heads, n_batch, num_m_blocks, hb_chunk, LPT: gl.constexpr,
+                 CHUNKED: gl.constexpr):
+        """(query block, head, sequence) of a tile index.
+
+        CHUNKED (persistent grid): (sequence, head) pairs, heads of one sequence adjacent, are
+        cut into chunks of hb_chunk pairs whose K/V fit in L2 together; a chunk's tiles are
+        consecutive, query blocks outer (last block first with LPT: it sees the most keys under
+        a causal mask), pairs inner. Otherwise the one-CTA-per-tile orders of the plain grid.
+        """
+        n_hb = n_heads * n_batch
+        if CHUNKED:
+            per_chunk = hb_chunk * num_m_blocks
+            chunk = tile // per_chunk
+            hb0 = chunk * hb_chunk
+            width = gl.minimum(hb_chunk, n_hb - hb0)
+            r = tile - chunk * per_chunk
+            m_blk = r // width
+            if LPT:
+                m_blk = num_m_blocks - 1 - m_blk
+            hb = hb0 + r % width
+        elif LPT:
+            # Later query tiles see more keys under a causal/local mask: start them first and
+            # spread each wave over all heads and sequences.
+            m_blk = num_m_blocks - 1 - tile // n_hb
+            hb = tile % n_hb
+        else:
+            # Neighbouring CTAs share a head, so its K/V stays hot in L2.
+            m_blk = tile % num_m_blocks
+            hb = tile // num_m_blocks
+        return m_blk, hb % n_heads, hb // n_heads
+
+    @gluon.jit
+    def _sequence(batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr,
+                  UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr):
+        """First packed query/key row and the query/key lengths of one sequence."""
+        if UNIFORM:
+            q_start = batch * seqlen_q
+            k_start = batch * seqlen_k
+        else:
+            q_start = gl.load(cu_q_ptr + batch)
+            seqlen_q = gl.load(cu_q_ptr + batch + 1) - q_start
+            k_start = gl.load(cu_k_ptr + batch)
+            seqlen_k = gl.load(cu_k_ptr + batch + 1) - k_start
+        if HAS_SEQUSED:
+            seqlen_k = gl.load(used_k_ptr + batch)
+        return q_start, k_start, seqlen_q, seqlen_k
+
+    @gluon.jit
+    def _key_blocks(m0, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT: gl.constexpr,
+                    HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Key blocks of the query tile at row m0: visited [n_lo, n_hi), unmasked [n_a, n_b)."""
+        shift = seqlen_k - seqlen_q
+        row_last = gl.minimum(m0 + 127, seqlen_q - 1)
+        # At least one block, so that rows without keys still produce out = 0, lse = -inf
+        # through the masked peeled block.
+        n_hi = (seqlen_k + BLOCK_N - 1) // BLOCK_N
+        n_lo = 0
+        if HAS_RIGHT:
+            n_hi = gl.minimum(n_hi, (gl.maximum(row_last + shift + window_right + 1, 0)
+                                     + BLOCK_N - 1) // BLOCK_N)
+        if HAS_LEFT:
+            n_lo = gl.maximum(m0 + shift - window_left, 0) // BLOCK_N
+        n_hi = gl.maximum(n_hi, n_lo + 1)
+        # Blocks [n_a, n_b) are allowed for every row of the tile: no mask there.
+        n_a = n_lo + 1
+        if HAS_LEFT:
+            n_a = gl.maximum(n_a, (gl.maximum(row_last + shift - window_left, 0)
+                                   + BLOCK_N - 1) // BLOCK_N)
+        n_a = gl.minimum(n_a, n_hi)
+        n_b = seqlen_k // BLOCK_N
+        if HAS_RIGHT:
+            n_b = gl.minimum(n_b, gl.maximum(m0 + shift + window_right + 1, 0) // BLOCK_N)
+        n_b = gl.minimum(gl.maximum(n_b, n_a), n_hi)
+        return n_lo, n_a, n_b, n_hi
 
     # ------------------------------------------------------------------------------------------
     # softmax role (runs inside each consumer warpgroup)
@@ -269,16 +443,17 @@ if _GLUON_ERROR is None:
         return acc, p_op, m_i, l_i
 
     @gluon.jit
-    def _consumer_loop(lo, hi, n_lo, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc,
+    def _consumer_loop(lo, hi, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc,
                        p_op, m_i, l_i, rows, shift, seqlen_k, window_left, window_right, qk_scale,
                        softcap_pre, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
                        HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, EMU_EVERY: gl.constexpr,
                        RESCALE_THRESHOLD: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
                        p_layout: gl.constexpr):
+        # Ring position of key block n: n + base (base = ring position of n_lo minus n_lo).
         for n in range(lo, hi):
             acc, p_op, m_i, l_i = _step(
-                n - n_lo, n, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p_op,
+                n + base, n, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p_op,
                 m_i, l_i, rows, shift, seqlen_k, window_left, window_right, qk_scale,
                 softcap_pre, MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD,
                 BLOCK_N, STAGES, s_layout, o_layout, p_layout)
@@ -288,13 +463,19 @@ if _GLUON_ERROR is None:
     # consumer warpgroup: peeled first block, three loops, last P·V, epilogue
     # ------------------------------------------------------------------------------------------
     @gluon.jit
-    def _consumer_role(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                       out_ptr, lse_ptr, sink_ptr, q_start, m0, seqlen_q, seqlen_k, total_q, head,
-                       n_heads, n_lo, n_a, n_b, n_hi, window_left, window_right, qk_scale,
-                       softcap_pre, WG: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                       HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr,
-                       EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr):
+    def _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                       v_empty, out_ptr, lse_ptr, sink_ptr, q_start, m0, seqlen_q, seqlen_k,
+                       total_q, head, n_heads, n_lo, n_a, n_b, n_hi, it0, q_phase, window_left,
+                       window_right, qk_scale, softcap_pre, WG: gl.constexpr,
+                       HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                       HAS_SINK: gl.constexpr, EMU_EVERY: gl.constexpr,
+                       RESCALE_THRESHOLD: gl.constexpr, RELEASE_Q: gl.constexpr):
+        """One 64-row query tile of warpgroup WG: key blocks [n_lo, n_hi) sit at K/V ring
+        positions it0, it0 + 1, ...; its Q arrives on q_bar[WG] with parity q_phase. With
+        RELEASE_Q (persistent grid) q_empty[WG] is arrived on as soon as the last S = Q·Kᵀ has
+        retired, so the loader can bring the next tile's Q during the last P·V and the store.
+        """
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -308,39 +489,45 @@ if _GLUON_ERROR is None:
         l_i = gl.zeros([64], gl.float32, row_layout)
         acc = gl.zeros([64, HEAD_DIM_V], gl.float32, o_layout)
 
-        mbarrier.wait(q_bar.index(WG), 0)
+        mbarrier.wait(q_bar.index(WG), q_phase)
         q = q_smem.index(WG)
 
         # Peeled first block: no P·V to overlap with yet, and always masked.
-        mbarrier.wait(k_ready.index(0), 0)
-        s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)),
+        slot0 = it0 % STAGES
+        mbarrier.wait(k_ready.index(slot0), (it0 // STAGES) & 1)
+        s_tok = warpgroup_mma(q, k_smem.index(slot0).permute((1, 0)),
                               gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
                               is_async=True)
         s = warpgroup_mma_wait(0, deps=[s_tok])
-        mbarrier.arrive(k_empty.index(0), count=1)
+        mbarrier.arrive(k_empty.index(slot0), count=1)
         s = _scores(s, n_lo, rows, shift, seqlen_k, window_left, window_right, softcap_pre, True,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
         p, m_i, l_i, _alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
 
+        base = it0 - n_lo
         acc, p_op, m_i, l_i = _consumer_loop(
-            n_lo + 1, n_a, n_lo, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+            n_lo + 1, n_a, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
             RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
         acc, p_op, m_i, l_i = _consumer_loop(
-            n_a, n_b, n_lo, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+            n_a, n_b, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
             RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
         acc, p_op, m_i, l_i = _consumer_loop(
-            n_b, n_hi, n_lo, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+            n_b, n_hi, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
             RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
 
+        if RELEASE_Q:
+            # Every S wgmma of this tile has retired (each step ends with a full wait).
+            mbarrier.arrive(q_empty.index(WG), count=1)
+
         # Last P·V.
-        last = n_hi - 1 - n_lo
+        last = n_hi - 1 + base
         slot = last % STAGES
         mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
         o_tok = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
@@ -374,111 +561,193 @@ if _GLUON_ERROR is None:
                  mask=gl.expand_dims(o_rows < seqlen_q, 1))
 
     # ------------------------------------------------------------------------------------------
+    # persistent grid: each role walks the same tile sequence, ring positions carried over
+    # ------------------------------------------------------------------------------------------
+    @gluon.jit
+    def _wave_tile(wave, pid, nprog):
+        """Tile of CTA pid in a wave of nprog consecutive tiles: CTA order reversed on odd
+        waves, so that a CTA given a heavy tile (longest-first order) next gets a light one."""
+        odd = wave & 1
+        return wave * nprog + pid + odd * (nprog - 1 - 2 * pid)
+
+    @gluon.jit
+    def _load_role_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                              k_ready, k_empty, v_ready, v_empty, cu_q_ptr, cu_k_ptr, used_k_ptr,
+                              seqlen_q, seqlen_k, n_heads, n_batch, num_m_blocks, num_tiles,
+                              hb_chunk, group, window_left, window_right,
+                              HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                              UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                              LPT: gl.constexpr):
+        it = 0  # K/V ring position of the next tile's first key block
+        tc = 0  # tiles done by this CTA: the parity of the Q barriers
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        for wave in range(0, (num_tiles + nprog - 1) // nprog):
+            tile = _wave_tile(wave, pid, nprog)
+            valid = tile < num_tiles
+            m_blk, head, batch = _tile_of(gl.minimum(tile, num_tiles - 1), n_heads, n_batch,
+                                          num_m_blocks, hb_chunk, LPT, True)
+            q_start, k_start, sq, sk = _sequence(batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr,
+                                                 used_k_ptr, UNIFORM, HAS_SEQUSED)
+            m0 = m_blk * 128
+            if valid & (m0 < sq):
+                n_lo, n_a, n_b, n_hi = _key_blocks(m0, sq, sk, window_left, window_right,
+                                                   HAS_LEFT, HAS_RIGHT, BLOCK_N)
+                kv_head = head // group
+                _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                           k_ready, k_empty, v_ready, v_empty, q_start + m0, head * HEAD_DIM,
+                           k_start, kv_head * HEAD_DIM, kv_head * HEAD_DIM_V, n_lo, n_hi, it,
+                           tc & 1, BLOCK_N, STAGES, True)
+                it += n_hi - n_lo
+                tc += 1
+
+    @gluon.jit
+    def _consumer_role_persistent(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
+                                  v_ready, v_empty, out_ptr, lse_ptr, sink_ptr, cu_q_ptr,
+                                  cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, total_q, n_heads,
+                                  n_batch, num_m_blocks, num_tiles, hb_chunk, window_left,
+                                  window_right, qk_scale, softcap_pre, WG: gl.constexpr,
+                                  HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
+                                  STAGES: gl.constexpr, UNIFORM: gl.constexpr,
+                                  HAS_SEQUSED: gl.constexpr, HAS_LEFT: gl.constexpr,
+                                  HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                                  HAS_SINK: gl.constexpr, LPT: gl.constexpr,
+                                  EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr):
+        it = 0
+        tc = 0
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        for wave in range(0, (num_tiles + nprog - 1) // nprog):
+            tile = _wave_tile(wave, pid, nprog)
+            valid = tile < num_tiles
+            m_blk, head, batch = _tile_of(gl.minimum(tile, num_tiles - 1), n_heads, n_batch,
+                                          num_m_blocks, hb_chunk, LPT, True)
+            q_start, k_start, sq, sk = _sequence(batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr,
+                                                 used_k_ptr, UNIFORM, HAS_SEQUSED)
+            m0 = m_blk * 128
+            if valid & (m0 < sq):
+                n_lo, n_a, n_b, n_hi = _key_blocks(m0, sq, sk, window_left, window_right,
+                                                   HAS_LEFT, HAS_RIGHT, BLOCK_N)
+                _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                               v_empty, out_ptr, lse_ptr, sink_ptr, q_start, m0, sq, sk, total_q,
+                               head, n_heads, n_lo, n_a, n_b, n_hi, it, tc & 1, window_left,
+                               window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V, BLOCK_N,
+                               STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY,
+                               RESCALE_THRESHOLD, True)
+                it += n_hi - n_lo
+                tc += 1
+
+    # ------------------------------------------------------------------------------------------
     # kernel: tile schedule, block ranges, shared memory, role launch
     # ------------------------------------------------------------------------------------------
     # Lengths, counts and windows stay runtime values: one compile serves every shape
     # (Triton would specialise on the value 1 and on divisibility by 16 otherwise).
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_batch",
-                                  "num_m_blocks", "group", "window_left", "window_right"])
+                                  "num_m_blocks", "group", "window_left", "window_right",
+                                  "num_tiles", "hb_chunk"])
     def _attn_fwd_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
                          used_k_ptr, sink_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_batch,
                          num_m_blocks, group, qk_scale, softcap_pre, window_left, window_right,
+                         num_tiles, hb_chunk,
                          HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, UNIFORM: gl.constexpr,
                          HAS_SEQUSED: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr,
                          LPT: gl.constexpr, EMU_EVERY: gl.constexpr,
                          RESCALE_THRESHOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         LOADER_REGS: gl.constexpr):
-        pid = gl.program_id(0)
-        n_hb = n_heads * n_batch
-        if LPT:
-            # Later query tiles see more keys under a causal/local mask: start them first and
-            # spread each wave over all heads and sequences.
-            m_blk = num_m_blocks - 1 - pid // n_hb
-            hb = pid % n_hb
-        else:
-            # Neighbouring CTAs share a head, so its K/V stays hot in L2.
-            m_blk = pid % num_m_blocks
-            hb = pid // num_m_blocks
-        head = hb % n_heads
-        batch = hb // n_heads
-        if UNIFORM:
-            q_start = batch * seqlen_q
-            k_start = batch * seqlen_k
-        else:
-            q_start = gl.load(cu_q_ptr + batch)
-            seqlen_q = gl.load(cu_q_ptr + batch + 1) - q_start
-            k_start = gl.load(cu_k_ptr + batch)
-            seqlen_k = gl.load(cu_k_ptr + batch + 1) - k_start
-        if HAS_SEQUSED:
-            seqlen_k = gl.load(used_k_ptr + batch)
-        m0 = m_blk * 128
-        if m0 < seqlen_q:
-            shift = seqlen_k - seqlen_q
-            row_last = gl.minimum(m0 + 127, seqlen_q - 1)
-            # Key blocks the tile visits: [n_lo, n_hi), at least one so that rows without
-            # keys still produce out = 0, lse = -inf through the masked peeled block.
-            n_hi = (seqlen_k + BLOCK_N - 1) // BLOCK_N
-            n_lo = 0
-            if HAS_RIGHT:
-                n_hi = gl.minimum(n_hi, (gl.maximum(row_last + shift + window_right + 1, 0)
-                                         + BLOCK_N - 1) // BLOCK_N)
-            if HAS_LEFT:
-                n_lo = gl.maximum(m0 + shift - window_left, 0) // BLOCK_N
-            n_hi = gl.maximum(n_hi, n_lo + 1)
-            # Blocks [n_a, n_b) are allowed for every row of the tile: no mask there.
-            n_a = n_lo + 1
-            if HAS_LEFT:
-                n_a = gl.maximum(n_a, (gl.maximum(row_last + shift - window_left, 0)
-                                       + BLOCK_N - 1) // BLOCK_N)
-            n_a = gl.minimum(n_a, n_hi)
-            n_b = seqlen_k // BLOCK_N
-            if HAS_RIGHT:
-                n_b = gl.minimum(n_b, gl.maximum(m0 + shift + window_right + 1, 0) // BLOCK_N)
-            n_b = gl.minimum(gl.maximum(n_b, n_a), n_hi)
-
-            q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 64, HEAD_DIM], q_desc.layout)
-            k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
-                                               k_desc.layout)
-            v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM_V],
-                                               v_desc.layout)
-            q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+                         LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr):
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 64, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
+                                           k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM_V],
+                                           v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        if PERSISTENT:
+            # grid = min(#SMs, #tiles); every role walks tiles pid, pid + grid, ... and keeps
+            # its own ring position, so the loader runs ahead into the next tile (its Q once
+            # the consumers released the current one, its K/V as ring slots free up).
             for wg in gl.static_range(2):
                 mbarrier.init(q_bar.index(wg), count=1)
+                mbarrier.init(q_empty.index(wg), count=1)
             for st in gl.static_range(STAGES):
                 mbarrier.init(k_ready.index(st), count=1)
                 mbarrier.init(v_ready.index(st), count=1)
-                # Both consumer warpgroups must release a slot before it is refilled.
                 mbarrier.init(k_empty.index(st), count=2)
                 mbarrier.init(v_empty.index(st), count=2)
             fence_async_shared()
-
-            kv_head = head // group
-            # Argument tuples are written inline: a tuple assigned to a variable inside a
-            # kernel turns its constexpr entries into runtime values.
             gl.warp_specialize([
-                (_consumer_role, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                                  v_empty, out_ptr, lse_ptr, sink_ptr, q_start, m0, seqlen_q,
-                                  seqlen_k, total_q, head, n_heads, n_lo, n_a, n_b, n_hi,
-                                  window_left, window_right, qk_scale, softcap_pre, 0, HEAD_DIM_V,
-                                  BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK,
-                                  EMU_EVERY, RESCALE_THRESHOLD)),
-                (_consumer_role, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                                  v_empty, out_ptr, lse_ptr, sink_ptr, q_start, m0, seqlen_q,
-                                  seqlen_k, total_q, head, n_heads, n_lo, n_a, n_b, n_hi,
-                                  window_left, window_right, qk_scale, softcap_pre, 1, HEAD_DIM_V,
-                                  BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK,
-                                  EMU_EVERY, RESCALE_THRESHOLD)),
-                (_load_role, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
-                              k_empty, v_ready, v_empty, q_start + m0, head * HEAD_DIM, k_start,
-                              kv_head * HEAD_DIM, kv_head * HEAD_DIM_V, n_lo, n_hi, BLOCK_N,
-                              STAGES)),
+                (_consumer_role_persistent, (
+                    q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                    out_ptr, lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
+                    seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
+                    window_left, window_right, qk_scale, softcap_pre, 0, HEAD_DIM_V, BLOCK_N,
+                    STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
+                    EMU_EVERY, RESCALE_THRESHOLD)),
+                (_consumer_role_persistent, (
+                    q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                    out_ptr, lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
+                    seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
+                    window_left, window_right, qk_scale, softcap_pre, 1, HEAD_DIM_V, BLOCK_N,
+                    STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
+                    EMU_EVERY, RESCALE_THRESHOLD)),
+                (_load_role_persistent, (
+                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                    k_empty, v_ready, v_empty, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
+                    seqlen_k, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk, group,
+                    window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM,
+                    HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, LPT)),
             ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        else:
+            m_blk, head, batch = _tile_of(gl.program_id(0), n_heads, n_batch, num_m_blocks,
+                                          hb_chunk, LPT, False)
+            q_start, k_start, seqlen_q, seqlen_k = _sequence(batch, seqlen_q, seqlen_k,
+                                                             cu_q_ptr, cu_k_ptr, used_k_ptr,
+                                                             UNIFORM, HAS_SEQUSED)
+            m0 = m_blk * 128
+            if m0 < seqlen_q:
+                n_lo, n_a, n_b, n_hi = _key_blocks(m0, seqlen_q, seqlen_k, window_left,
+                                                   window_right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
+                for wg in gl.static_range(2):
+                    mbarrier.init(q_bar.index(wg), count=1)
+                for st in gl.static_range(STAGES):
+                    mbarrier.init(k_ready.index(st), count=1)
+                    mbarrier.init(v_ready.index(st), count=1)
+                    # Both consumer warpgroups must release a slot before it is refilled.
+                    mbarrier.init(k_empty.index(st), count=2)
+                    mbarrier.init(v_empty.index(st), count=2)
+                fence_async_shared()
+
+                kv_head = head // group
+                # Argument tuples are written inline: a tuple assigned to a variable inside a
+                # kernel turns its constexpr entries into runtime values.
+                gl.warp_specialize([
+                    (_consumer_tile, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
+                                      v_ready, v_empty, out_ptr, lse_ptr, sink_ptr, q_start, m0,
+                                      seqlen_q, seqlen_k, total_q, head, n_heads, n_lo, n_a, n_b,
+                                      n_hi, 0, 0, window_left, window_right, qk_scale,
+                                      softcap_pre, 0, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
+                                      HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
+                                      False)),
+                    (_consumer_tile, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
+                                      v_ready, v_empty, out_ptr, lse_ptr, sink_ptr, q_start, m0,
+                                      seqlen_q, seqlen_k, total_q, head, n_heads, n_lo, n_a, n_b,
+                                      n_hi, 0, 0, window_left, window_right, qk_scale,
+                                      softcap_pre, 1, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
+                                      HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
+                                      False)),
+                    (_load_tile, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                                  k_ready, k_empty, v_ready, v_empty, q_start + m0,
+                                  head * HEAD_DIM, k_start, kv_head * HEAD_DIM,
+                                  kv_head * HEAD_DIM_V, n_lo, n_hi, 0, 0, BLOCK_N, STAGES,
+                                  False)),
+                ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -488,8 +757,30 @@ _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _SIG_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout_cached(block: tuple, dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, _GL_DTYPES[dtype]))
+
+
 def _smem_layout(block, dtype):
-    return gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[dtype]))
+    """The TMA/wgmma shared-memory layout of a tile; cached: building one costs ~30 us of
+    host time, three per call (measured on the CI CPU), as much as a short kernel."""
+    return _smem_layout_cached(tuple(block), dtype)
+
+
+def tma_rows(t: torch.Tensor, block) -> "TensorDescriptor":
+    """TMA descriptor of a packed (rows, heads, dim) tensor seen as (rows, heads * dim), so
+    a head is a column offset and one descriptor serves all heads and sequences.
+
+    Built without TensorDescriptor's own checks (~10 us each, several per call): what they
+    verify, a contiguous 16-byte aligned non-empty tensor with 16-byte aligned rows, is
+    already guaranteed by `hopper_input_reason` (heads * dim is a multiple of 64 here).
+    """
+    desc = object.__new__(TensorDescriptor)
+    cols = t.shape[1] * t.shape[2]
+    desc.base, desc.shape, desc.strides = t, [t.shape[0], cols], [cols, 1]
+    desc.block_shape, desc.layout, desc.padding = list(block), _smem_layout(block, t.dtype), "zero"
+    return desc
 
 
 def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, has_left,
@@ -499,7 +790,8 @@ def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, h
             "HAS_LEFT": has_left, "HAS_RIGHT": has_right, "SOFTCAP": softcap,
             "HAS_SINK": has_sink, "LPT": cfg.lpt, "EMU_EVERY": cfg.exp2_emu_every,
             "RESCALE_THRESHOLD": float(cfg.rescale_threshold),
-            "CONSUMER_REGS": cfg.consumer_regs, "LOADER_REGS": cfg.loader_regs}
+            "CONSUMER_REGS": cfg.consumer_regs, "LOADER_REGS": cfg.loader_regs,
+            "PERSISTENT": bool(cfg.persistent)}
 
 
 def _launch_options(cfg: FwdConfig):
@@ -533,12 +825,17 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
         "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "used_k_ptr": "*i32", "sink_ptr": "*fp32",
         "seqlen_q": "i32", "seqlen_k": "i32", "total_q": "i32", "n_heads": "i32", "n_batch": "i32",
         "num_m_blocks": "i32", "group": "i32", "qk_scale": "fp32", "softcap_pre": "fp32",
-        "window_left": "i32", "window_right": "i32"}
+        "window_left": "i32", "window_right": "i32", "num_tiles": "i32", "hb_chunk": "i32"}
     constexprs = _constexprs(head_dim, head_dim_v, cfg, **feats)
     for name in constexprs:
         signature[name] = "constexpr"
     src = GluonASTSource(_attn_fwd_kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=_launch_options(cfg))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple:
+    return torch.cuda.get_device_capability(device)
 
 
 def hopper_input_reason(q, k, v, sink, head_dims, direction: str) -> str | None:
@@ -554,7 +851,7 @@ def hopper_input_reason(q, k, v, sink, head_dims, direction: str) -> str | None:
                 f"found {triton.__version__}")
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return f"sm90 {direction} needs CUDA tensors"
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if _capability(q.device) != (9, 0):
         return f"sm90 {direction} needs an sm_90 (Hopper) GPU"
     if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return (f"sm90 {direction} supports bf16/fp16 q, k, v of one dtype, "
@@ -600,12 +897,9 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
 
     # 2-D views (rows, heads*dim): a head is a column offset, so one descriptor serves all
     # heads and sequences; rows past a sequence end are masked (keys) or not stored (queries).
-    q_desc = TensorDescriptor.from_tensor(q.view(total_q, hq * d), [64, d],
-                                          _smem_layout([64, d], q.dtype))
-    k_desc = TensorDescriptor.from_tensor(k.view(total_k, hkv * d), [cfg.block_n, d],
-                                          _smem_layout([cfg.block_n, d], q.dtype))
-    v_desc = TensorDescriptor.from_tensor(v.view(total_k, hkv * dv), [cfg.block_n, dv],
-                                          _smem_layout([cfg.block_n, dv], q.dtype))
+    q_desc = tma_rows(q, (64, d))
+    k_desc = tma_rows(k, (cfg.block_n, d))
+    v_desc = tma_rows(v, (cfg.block_n, dv))
 
     wl, wr = params.mask.window_left, params.mask.window_right
     softcap = params.softcap > 0
@@ -622,10 +916,13 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
     consts = _constexprs(d, dv, cfg, uniform=bool(seq.uniform and not has_seqused),
                          has_seqused=has_seqused, has_left=wl >= 0, has_right=wr >= 0,
                          softcap=softcap, has_sink=sink is not None)
-    grid = (num_m_blocks * hq * batch, )
-    _attn_fwd_kernel[grid](
+    num_tiles = num_m_blocks * hq * batch
+    cfg, grid, hb_chunk = persistent_launch(cfg, seq, num_tiles, hq, hkv, d, dv, q.device,
+                                            not softcap and sink is None and wl < 0)
+    consts["PERSISTENT"] = bool(cfg.persistent)
+    _attn_fwd_kernel[(grid, )](
         q_desc, k_desc, v_desc, out, lse, seq.cu_seqlens_q, seq.cu_seqlens_k,
         seq.seqused_k if has_seqused else dummy_i32, sink if sink is not None else lse,
         seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, batch, num_m_blocks, hq // hkv,
-        qk_scale, softcap_pre, wl, wr, **consts, **_launch_options(cfg))
+        qk_scale, softcap_pre, wl, wr, num_tiles, hb_chunk, **consts, **_launch_options(cfg))
     return out, lse

@@ -1,0 +1,113 @@
+"""Where the time of a short call goes: host issue time vs GPU time (H200 device tool).
+
+For each call: host_us = Python time to issue one call (no sync, averaged over many),
+event_us = CUDA-event time per call in a back-to-back loop (what do_bench sees: the larger
+of host and GPU time), graph_us = the same call captured in a CUDA graph and replayed (GPU
+time alone, no Python). Then a cProfile of the issuing code, heaviest functions first.
+
+    PYTHONPATH=. python scripts/host-overhead.py [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+from asymflash import flash_attn_func, flash_attn_with_kvcache
+
+
+def cases():
+    dev, bf = "cuda", torch.bfloat16
+    q = torch.randn(32, 512, 16, 128, device=dev, dtype=bf)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    dout = torch.randn_like(q)
+    yield "fwd d128 s512 b32", lambda: flash_attn_func(q, k, v, causal=True), True
+
+    def fwd_bwd():
+        out = flash_attn_func(qg, kg, vg, causal=True)
+        out.backward(dout)
+    yield "fwd+bwd d128 s512 b32", fwd_bwd, False
+    for batch, splits in ((8, 1), (8, 0), (32, 0)):
+        qd = torch.randn(batch, 1, 32, 128, device=dev, dtype=bf)
+        kc = torch.randn(batch, 4096, 4, 128, device=dev, dtype=bf)
+        vc = torch.randn_like(kc)
+        lens = torch.full((batch,), 4095, dtype=torch.int32, device=dev)
+        kn = torch.randn(batch, 1, 4, 128, device=dev, dtype=bf)
+
+        def dec(qd=qd, kc=kc, vc=vc, lens=lens, kn=kn, splits=splits):
+            return flash_attn_with_kvcache(qd, kc, vc, kn, kn, cache_seqlens=lens,
+                                           num_splits=splits, check_values=False)
+        yield f"decode b{batch} 4k splits={splits or 'auto'}", dec, True
+
+
+def measure(fn, graphable, n=200):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    event = start.elapsed_time(end) / n * 1e3
+    graph = float("nan")
+    if graphable:
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            g.replay()
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(n):
+                g.replay()
+            end.record()
+            torch.cuda.synchronize()
+            graph = start.elapsed_time(end) / n * 1e3
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print("graph capture failed:", type(e).__name__, str(e)[:200])
+    return host, event, graph
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    rows = []
+    for name, fn, graphable in cases():
+        host, event, graph = measure(fn, graphable)
+        rows.append((name, host, event, graph))
+        if args.profile:
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(200):
+                fn()
+            pr.disable()
+            torch.cuda.synchronize()
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(18)
+            print(f"== {name}\n" + "\n".join(buf.getvalue().splitlines()[6:30]))
+    print(f"{'call':28s} {'host_us':>8s} {'event_us':>9s} {'graph_us':>9s}")
+    for name, host, event, graph in rows:
+        print(f"{name:28s} {host:8.1f} {event:9.1f} {graph:9.1f}")
+
+
+if __name__ == "__main__":
+    main()
