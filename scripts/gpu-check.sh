@@ -17,6 +17,7 @@ if [ "$mode" != bench ]; then
   : > "$out/tests.log"
   files=(${TEST_FILES:-tests/test_gpu.py tests/test_attention.py tests/test_varlen.py \
       tests/test_api.py tests/test_kvcache.py tests/test_sm90_gpu.py tests/test_sm90_bwd_gpu.py \
+      tests/test_portable_tiles_gpu.py \
       tests/test_hf.py})
   pids=()
   for f in "${files[@]}"; do
