@@ -151,8 +151,15 @@ def _call(q, k, v, seq: SeqInfo, scale, causal, window_size, softcap, sink, dete
     if sink is not None:  # kernels read fp32 logits; autograd casts the gradient back
         sink = sink.float().contiguous()
     # torch.compile traces the custom op (opaque to the compiler, with its fake and autograd
-    # rules); eager calls go straight to the implementation.
-    fn = torch.ops.asymflash.fwd if torch.compiler.is_compiling() else _AttnFunction.apply
+    # rules); eager calls go straight to the implementation, through autograd only when a
+    # gradient can flow (the autograd.Function costs ~30 us of host time per call).
+    if torch.compiler.is_compiling():
+        fn = torch.ops.asymflash.fwd
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
+                                      (sink is not None and sink.requires_grad)):
+        fn = _AttnFunction.apply
+    else:
+        fn = _fwd_impl
     return fn(
         q, k, v, seq.cu_seqlens_q, seq.cu_seqlens_k, seq.seqused_k, sink,
         seq.max_seqlen_q, seq.max_seqlen_k, float(scale), mask.window_left,
