@@ -289,6 +289,36 @@ def cpu_timer(reps: int = 5, warmup: int = 1) -> Timer:
 # Running cells
 
 
+def host_issue_us(fn: Callable[[], object], n: int = 200) -> float:
+    """Python time to issue one call (no sync inside the loop), averaged over n calls: when
+    it exceeds the GPU time the GPU idles and a benchmark measures the host, not the kernel."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def capture_graph(fn: Callable[[], object]) -> "torch.cuda.CUDAGraph":
+    """`fn` captured in a CUDA graph (warmed up on a side stream first, replayed once), as
+    serving engines run decode steps: replaying it times the GPU work alone."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles and workspaces happen outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
 def probe(fn: Callable[[], object]) -> str | None:
     """Run a probe (an import, an availability check); its failure as a short reason.
 

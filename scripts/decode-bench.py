@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from asymflash import flash_attn_with_kvcache  # noqa: E402
+from asymflash.bench_core import capture_graph, host_issue_us  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 4, 128, 64
 DTYPE = torch.bfloat16
@@ -72,34 +73,7 @@ def graph_timer(smoke: bool, bench):
     """ms per replay of `fn` captured in a CUDA graph (None on the CPU)."""
     if smoke:
         return None
-
-    def run(fn):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm up (compile, workspaces) outside the capture
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        g.replay()
-        torch.cuda.synchronize()
-        return bench(g.replay)
-
-    return run
-
-
-def host_us(fn, n=200) -> float:
-    """Python time to issue one call (no sync), averaged over n calls."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return host
+    return lambda fn: bench(capture_graph(fn).replay)
 
 
 def copy_bandwidth(device, smoke: bool, bench) -> float:
@@ -195,7 +169,7 @@ def host_cases(device):
 def host_report(bench, graph, copy_gbs, profile=False):
     rows = []
     for name, fn, nbytes in host_cases("cuda"):
-        h = host_us(fn)
+        h = host_issue_us(fn)
         e, g = bench(fn) * 1e3, graph(fn) * 1e3
         rows.append(dict(call=name, host_us=h, eager_us=e, graph_us=g,
                          graph_pct_copy=100 * nbytes / (g * 1e-6) / 1e9 / copy_gbs))

@@ -14,11 +14,11 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 
 from asymflash import flash_attn_func, flash_attn_with_kvcache
+from asymflash.bench_core import capture_graph, host_issue_us
 
 
 def cases():
@@ -47,40 +47,22 @@ def cases():
 
 
 def measure(fn, graphable, n=200):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
+    host = host_issue_us(fn, n)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    event = start.elapsed_time(end) / n * 1e3
+
+    def per_call_us(call):
+        start.record()
+        for _ in range(n):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n * 1e3
+
+    event = per_call_us(fn)
     graph = float("nan")
     if graphable:
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            g.replay()
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(n):
-                g.replay()
-            end.record()
-            torch.cuda.synchronize()
-            graph = start.elapsed_time(end) / n * 1e3
+            graph = per_call_us(capture_graph(fn).replay)
         except Exception as e:  # noqa: BLE001 - report and go on
             print("graph capture failed:", type(e).__name__, str(e)[:200])
     return host, event, graph

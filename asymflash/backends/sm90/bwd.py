@@ -72,7 +72,7 @@ if _GLUON_ERROR is None:
         warpgroup_mma_wait,
     )
 
-    from .fwd import _tanh
+    from .fwd import _sequence, _tanh
 
 # d=256 needs dK and dV (2 x 128 fp32 registers per thread at BLOCK_N=128 over two
 # warpgroups) plus S, dP and dQ: over the 255-register limit without splitting dK/dV across
@@ -192,16 +192,8 @@ if _GLUON_ERROR is None:
         n_blk = gl.program_id(0)
         hk = gl.program_id(1)
         batch = gl.program_id(2)
-        if UNIFORM:
-            q_start = batch * seqlen_q
-            k_start = batch * seqlen_k
-        else:
-            q_start = gl.load(cu_q_ptr + batch)
-            seqlen_q = gl.load(cu_q_ptr + batch + 1) - q_start
-            k_start = gl.load(cu_k_ptr + batch)
-            seqlen_k = gl.load(cu_k_ptr + batch + 1) - k_start
-        if HAS_SEQUSED:
-            seqlen_k = gl.load(used_k_ptr + batch)
+        q_start, k_start, seqlen_q, seqlen_k = _sequence(
+            batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr, UNIFORM, HAS_SEQUSED)
         n_seq = (seqlen_k + BLOCK_N - 1) // BLOCK_N
         if DETERMINISTIC and HAS_RIGHT:
             # Right-bounded (causal) masks: each CTA walks its query blocks upward from its

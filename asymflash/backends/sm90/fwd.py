@@ -571,6 +571,20 @@ if _GLUON_ERROR is None:
         return wave * nprog + pid + odd * (nprog - 1 - 2 * pid)
 
     @gluon.jit
+    def _persistent_tile(wave, num_tiles, n_heads, n_batch, num_m_blocks, hb_chunk, seqlen_q,
+                         seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr, LPT: gl.constexpr,
+                         UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr):
+        """This CTA's tile in `wave`, as both roles see it: (live, first query row m0, q head,
+        packed q/k start rows, q/k lengths); live is False past the last tile or sequence."""
+        tile = _wave_tile(wave, gl.program_id(0), gl.num_programs(0))
+        m_blk, head, batch = _tile_of(gl.minimum(tile, num_tiles - 1), n_heads, n_batch,
+                                      num_m_blocks, hb_chunk, LPT, True)
+        q_start, k_start, sq, sk = _sequence(batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr,
+                                             used_k_ptr, UNIFORM, HAS_SEQUSED)
+        m0 = m_blk * 128
+        return (tile < num_tiles) & (m0 < sq), m0, head, q_start, k_start, sq, sk
+
+    @gluon.jit
     def _load_role_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                               k_ready, k_empty, v_ready, v_empty, cu_q_ptr, cu_k_ptr, used_k_ptr,
                               seqlen_q, seqlen_k, n_heads, n_batch, num_m_blocks, num_tiles,
@@ -582,17 +596,12 @@ if _GLUON_ERROR is None:
                               LPT: gl.constexpr):
         it = 0  # K/V ring position of the next tile's first key block
         tc = 0  # tiles done by this CTA: the parity of the Q barriers
-        pid = gl.program_id(0)
         nprog = gl.num_programs(0)
         for wave in range(0, (num_tiles + nprog - 1) // nprog):
-            tile = _wave_tile(wave, pid, nprog)
-            valid = tile < num_tiles
-            m_blk, head, batch = _tile_of(gl.minimum(tile, num_tiles - 1), n_heads, n_batch,
-                                          num_m_blocks, hb_chunk, LPT, True)
-            q_start, k_start, sq, sk = _sequence(batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr,
-                                                 used_k_ptr, UNIFORM, HAS_SEQUSED)
-            m0 = m_blk * 128
-            if valid & (m0 < sq):
+            live, m0, head, q_start, k_start, sq, sk = _persistent_tile(
+                wave, num_tiles, n_heads, n_batch, num_m_blocks, hb_chunk, seqlen_q, seqlen_k,
+                cu_q_ptr, cu_k_ptr, used_k_ptr, LPT, UNIFORM, HAS_SEQUSED)
+            if live:
                 n_lo, n_a, n_b, n_hi = _key_blocks(m0, sq, sk, window_left, window_right,
                                                    HAS_LEFT, HAS_RIGHT, BLOCK_N)
                 kv_head = head // group
@@ -617,17 +626,12 @@ if _GLUON_ERROR is None:
                                   EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr):
         it = 0
         tc = 0
-        pid = gl.program_id(0)
         nprog = gl.num_programs(0)
         for wave in range(0, (num_tiles + nprog - 1) // nprog):
-            tile = _wave_tile(wave, pid, nprog)
-            valid = tile < num_tiles
-            m_blk, head, batch = _tile_of(gl.minimum(tile, num_tiles - 1), n_heads, n_batch,
-                                          num_m_blocks, hb_chunk, LPT, True)
-            q_start, k_start, sq, sk = _sequence(batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr,
-                                                 used_k_ptr, UNIFORM, HAS_SEQUSED)
-            m0 = m_blk * 128
-            if valid & (m0 < sq):
+            live, m0, head, q_start, k_start, sq, sk = _persistent_tile(
+                wave, num_tiles, n_heads, n_batch, num_m_blocks, hb_chunk, seqlen_q, seqlen_k,
+                cu_q_ptr, cu_k_ptr, used_k_ptr, LPT, UNIFORM, HAS_SEQUSED)
+            if live:
                 n_lo, n_a, n_b, n_hi = _key_blocks(m0, sq, sk, window_left, window_right,
                                                    HAS_LEFT, HAS_RIGHT, BLOCK_N)
                 _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
