@@ -58,7 +58,7 @@ import torch
 from asymflash.core.params import AttnParams, SeqInfo
 
 from . import fwd as _fwd
-from .fwd import _GLUON_ERROR, LOG2E
+from .fwd import _GLUON_ERROR
 
 if _GLUON_ERROR is None:
     import triton
@@ -506,13 +506,7 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
 
     wl, wr = params.mask.window_left, params.mask.window_right
     softcap = params.softcap > 0
-    if softcap:
-        # s = c·tanh(qk·scale/c): exp2 takes t·c·log2 e, the chain rule 1 - t².
-        softcap_pre = params.softmax_scale / params.softcap
-        qk_scale = params.softcap * LOG2E
-    else:
-        softcap_pre = 1.0
-        qk_scale = params.softmax_scale * LOG2E
+    qk_scale, softcap_pre = _fwd.exp2_scales(params)
     consts = _constexprs(d, dvd, cfg, uniform=uniform, has_seqused=has_seqused,
                          has_left=wl >= 0, has_right=wr >= 0, softcap=softcap,
                          deterministic=params.deterministic)

@@ -772,6 +772,15 @@ def _smem_layout(block, dtype):
     return _smem_layout_cached(tuple(block), dtype)
 
 
+def exp2_scales(params: AttnParams) -> tuple[float, float]:
+    """(qk_scale, softcap_pre) of the Gluon kernels: exp2 takes s·qk_scale, s = q·k, or with
+    softcap s = tanh(q·k·softcap_pre) (so S = c·tanh(q·k·scale/c) in log2 units, and the
+    backward's chain-rule factor is 1 - tanh²)."""
+    if params.softcap > 0:
+        return params.softcap * LOG2E, params.softmax_scale / params.softcap
+    return params.softmax_scale * LOG2E, 1.0
+
+
 def tma_rows(t: torch.Tensor, block) -> "TensorDescriptor":
     """TMA descriptor of a packed (rows, heads, dim) tensor seen as (rows, heads * dim), so
     a head is a column offset and one descriptor serves all heads and sequences.
@@ -907,12 +916,7 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
 
     wl, wr = params.mask.window_left, params.mask.window_right
     softcap = params.softcap > 0
-    if softcap:
-        softcap_pre = params.softmax_scale / params.softcap
-        qk_scale = params.softcap * LOG2E
-    else:
-        softcap_pre = 1.0
-        qk_scale = params.softmax_scale * LOG2E
+    qk_scale, softcap_pre = exp2_scales(params)
     batch = seq.batch
     num_m_blocks = triton.cdiv(seq.max_seqlen_q, BLOCK_M)
     has_seqused = seq.seqused_k is not None
