@@ -7,7 +7,9 @@ same run (read + write bytes / time), which is about what the HBM can deliver.
 
 Cases: bf16, head dim 128, GQA 8:1 (32 q heads, 4 kv heads), seqlen_q 1, batch 8 and 32,
 every sequence holding 4k, 16k or 64k tokens, in a paged cache (page 64, pages shuffled) and
-a contiguous one. Peers: torch SDPA (enable_gqa) and FlexAttention (compiled) on the
+a contiguous one. Peers: FA4's kvcache path (flash_attn.cute's varlen entry with seqused_k
+and, for the paged rows, the same page table) when importable, and torch SDPA (enable_gqa)
+and FlexAttention (compiled) on the
 contiguous (gathered) cache. A peer that fails is listed as failed, never fatal; once the
 time budget is spent the remaining cells are listed as skipped.
 
@@ -133,8 +135,20 @@ def providers(case, smoke):
             flex_fn["fn"] = flex_attention if smoke else torch.compile(flex_attention)
         return flex_fn["fn"](qb, kb, vb, enable_gqa=True).transpose(1, 2)
 
+    def fa4():
+        # FA4's own kvcache path: its varlen entry over the cache (paged or not) with
+        # seqused_k, num_splits < 1 = its split heuristic. Missing (no flash_attn.cute, e.g.
+        # without .peers/fa4-b/activate.sh) or failing: listed as failed, never fatal.
+        from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
+
+        out = fa4_varlen(q, case["k_cache"], case["v_cache"], seqused_k=case["seqlens"],
+                         max_seqlen_q=1, max_seqlen_k=int(case["k"].shape[1]),
+                         page_table=table, num_splits=0)
+        return out[0] if isinstance(out, tuple) else out
+
     # SDPA first: it is the yardstick the others' outputs are compared with.
-    return {"SDPA": sdpa, "asymflash": asym(0), "asymflash-nosplit": asym(1), "Flex": flex}
+    return {"SDPA": sdpa, "asymflash": asym(0), "asymflash-nosplit": asym(1), "Flex": flex,
+            "FA4": fa4}
 
 
 def splits_chosen(case):
@@ -352,7 +366,7 @@ def table_rows(args, device, bench, graph, batches, lengths, copy_gbs, t_start):
                 del case
                 if device == "cuda":
                     torch.cuda.empty_cache()
-    names = ["asymflash", "asymflash-nosplit", "SDPA", "Flex"]
+    names = ["asymflash", "asymflash-nosplit", "SDPA", "Flex", "FA4"]
     head = "| layout | batch | seqlen_k | K/V MB | splits | " + " | ".join(
         f"{n} µs eager / graph (% copy)" for n in names) + " |"
     print(head)
