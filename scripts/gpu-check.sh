@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # What runs on the H200 (device tool): the whole test suite on CUDA, then the benchmark.
-# Usage: bash scripts/gpu-check.sh [quick|full|tests|bench]   (logs under $OUT or ./out)
+# Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session]   (logs under $OUT or ./out)
+#   session: tests, host-overhead.py, the README's benchmark table (18 shapes, with FA4 when
+#   `source .peers/fa4-b/activate.sh` ran first) and decode-bench.py: one device call, ~6 min.
 set -uo pipefail
 mode=${1:-quick}
 out=${OUT:-out}
@@ -33,7 +35,16 @@ if [ "$mode" != bench ]; then
     echo "${files[$i]}: $(tail -1 "$out/tests.log")"
   done
 fi
-if [ "$mode" != tests ]; then
+if [ "$mode" = session ]; then
+  timeout 120 python3 scripts/host-overhead.py > "$out/host-overhead.log" 2>&1
+  timeout "${BENCH_TIMEOUT:-240}" python3 -m asymflash bench --hdim 64,128,256 \
+    --seqlen 512,2k,16k --providers FA2,cuDNN,FA4,asymflash-sm90,asymflash-sm90-det \
+    --warmup 10 --rep 40 --no-plots --out "$out/bench" > "$out/bench.log" 2>&1
+  timeout 120 python3 scripts/decode-bench.py --out "$out/decode" > "$out/decode.log" 2>&1
+  tail -16 "$out/host-overhead.log"
+  grep -E "^\| (hdim|[0-9])" "$out/bench.log" | cut -d'|' -f2-4,8-
+  grep -E "^\| (layout|paged|contiguous)" "$out/decode.log"
+elif [ "$mode" != tests ]; then
   bench_args=(--out "$out/bench")
   [ "$mode" = quick ] && bench_args+=(--quick)
   python3 -m asymflash bench "${bench_args[@]}" 2>&1 | tee "$out/bench.log"
