@@ -20,6 +20,7 @@ Prints a compact table; writes JSON to $OUT/sm90-bwd-probe.json when $OUT is set
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import queue
@@ -170,12 +171,15 @@ def _bench_cell(d, causal, seqlen, warm_only):
         res["portable"] = f"ERR {repr(exc)[:50]}"
         return res
     why = bwd.unsupported_backward(q, k, v, seq, params, None)
+    cfg = None
+    if why is None and os.environ.get("ASYMFLASH_PROBE_REVERSE") == "1":
+        cfg = dataclasses.replace(bwd.select_config(d), reverse_causal=True)
     if why is not None:
         res["ours"] = "refused"
         res["why"] = why
     else:
         try:
-            got = bwd.backward(dout, q, k, v, out, lse, None, seq, params, None)
+            got = bwd.backward(dout, q, k, v, out, lse, None, seq, params, None, cfg)
             torch.cuda.synchronize()
             rel = max(((g.float() - r.float()).abs().max()
                        / r.float().abs().max().clamp_min(1e-6)).item()
@@ -186,7 +190,7 @@ def _bench_cell(d, causal, seqlen, warm_only):
                 res["ours"] = f"WRONG rel {rel:.1e}"
             elif not warm_only:
                 res["ours"] = tflops(
-                    lambda: bwd.backward(dout, q, k, v, out, lse, None, seq, params, None))
+                    lambda: bwd.backward(dout, q, k, v, out, lse, None, seq, params, None, cfg))
         except Exception as exc:  # noqa: BLE001 - report, go on
             traceback.print_exc(limit=3)
             res["ours"] = f"ERR {repr(exc)[:50]}"
@@ -252,8 +256,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--full", action="store_true", help="every correctness case of the test")
     ap.add_argument("--budget", type=float, default=55.0)
+    ap.add_argument("--reverse-causal", action="store_true",
+                    help="time ours with BwdConfig(reverse_causal=True)")
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.reverse_causal:  # the children read it
+        os.environ["ASYMFLASH_PROBE_REVERSE"] = "1"
     if args.worker:
         kind, rest = args.worker[0], args.worker[1:]
         if kind == "case":

@@ -89,6 +89,10 @@ class BwdConfig:
     num_warps: int = 8  # two warpgroups; the MMA layouts below assume exactly 8
     dv_overlap: bool = True  # keep dV = Pᵀ·dO in flight while dSᵀ is formed (more registers)
     dp_early: bool = True  # issue dPᵀ = V·dOᵀ with Sᵀ, overlapping the exponentials (more regs)
+    # Causal masks: launch key blocks top-down, as deterministic mode must. In bench run 2
+    # (H200) deterministic mode beat the default at d=128 causal 512 (146 vs 80 TFLOP/s):
+    # to measure for the default too (scripts/sm90-bwd-probe.py --reverse-causal).
+    reverse_causal: bool = False
 
 
 # Not tuned on a GPU yet: FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) for both.
@@ -170,7 +174,8 @@ if _GLUON_ERROR is None:
                          UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr,
                          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
-                         DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr):
+                         DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                         REVERSE_N: gl.constexpr):
         # Keys on the M axis: warpgroup w owns keys [w·64, w·64 + 64) of the block.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
@@ -195,7 +200,7 @@ if _GLUON_ERROR is None:
         q_start, k_start, seqlen_q, seqlen_k = _sequence(
             batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr, UNIFORM, HAS_SEQUSED)
         n_seq = (seqlen_k + BLOCK_N - 1) // BLOCK_N
-        if DETERMINISTIC and HAS_RIGHT:
+        if HAS_RIGHT and (DETERMINISTIC or REVERSE_N):
             # Right-bounded (causal) masks: each CTA walks its query blocks upward from its
             # diagonal, so the highest key block reaches a query block first. It takes the
             # first turn there, and the grid runs from the top key block down, so a CTA only
@@ -420,7 +425,8 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
             "BLOCK_N": cfg.block_n, "UNIFORM": uniform,
             "HAS_SEQUSED": has_seqused, "HAS_LEFT": has_left, "HAS_RIGHT": has_right,
             "SOFTCAP": softcap, "DV_OVERLAP": cfg.dv_overlap,
-            "DP_EARLY": cfg.dp_early, "DETERMINISTIC": deterministic}
+            "DP_EARLY": cfg.dp_early, "DETERMINISTIC": deterministic,
+            "REVERSE_N": cfg.reverse_causal}
 
 
 def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
