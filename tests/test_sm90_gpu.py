@@ -173,11 +173,13 @@ PERSISTENT_CASES = CASES + [
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("persistent", [False, True], ids=["plain-grid", "persistent"])
+@pytest.mark.parametrize("grid", ["plain-grid", "persistent", "plain-pingpong",
+                                  "persistent-pingpong"])
 @pytest.mark.parametrize("case", PERSISTENT_CASES,
                          ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
-def test_sm90_forward_grid_matches_reference(case, persistent):
-    # Both grids forced: the default (`use_persistent`) picks one per shape.
+def test_sm90_forward_grid_matches_reference(case, grid):
+    # Both grids forced, each with and without ping-pong between the consumer warpgroups:
+    # the default (`use_persistent`, pingpong off) picks one per shape.
     from dataclasses import replace
 
     from asymflash.backends.sm90 import fwd
@@ -186,7 +188,8 @@ def test_sm90_forward_grid_matches_reference(case, persistent):
     q, k, v, seq = make_inputs(batch, sq, sk, hq, hkv, d, d, dtype, varlen=varlen)
     params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(*window), softcap=softcap)
     sink = torch.randn(hq, device="cuda") if use_sink else None
-    cfg = replace(fwd.select_config(d, d, params), persistent=persistent)
+    cfg = replace(fwd.select_config(d, d, params), persistent=grid.startswith("persistent"),
+                  pingpong=grid.endswith("pingpong"))
     out_err, lse_err, tol = check_forward(fwd, q, k, v, seq, params, sink, cfg=cfg)
     assert out_err <= tol, (out_err, tol)
     assert lse_err <= 1e-3, lse_err

@@ -91,6 +91,10 @@ class FwdConfig:
     # needs many tiles per CTA per chunk to even out the work); 0: chunks sized by L2 alone
     # (always so without LPT: every tile then does the same work).
     chunk_waves: int = 8
+    # FA3's ping-pong: the two consumer warpgroups take turns issuing their wgmmas (two
+    # mbarriers passed back and forth), so one's softmax overlaps the other's matrix work.
+    # Off until measured on the H200 (written after the device time of 2026-11-29 was spent).
+    pingpong: bool = False
 
 
 # Tuning table. Measured on the H200 (2026-11-29, bf16, model dim 2048, batch 16384/seqlen,
@@ -408,21 +412,41 @@ if _GLUON_ERROR is None:
     # mma role: one pipelined step of a consumer warpgroup
     # ------------------------------------------------------------------------------------------
     @gluon.jit
+    def _take_turn(bars, k, WG: gl.constexpr):
+        """Ping-pong: wait until warpgroup WG may issue its k-th group of wgmmas (k counts the
+        groups this warpgroup issued in the CTA's life). bars[2 + w] is w's turn barrier:
+        the other warpgroup arrives on it after issuing its own group. Warpgroup 0 goes first:
+        its first wait is on parity 1 of a fresh barrier, which passes at once."""
+        mbarrier.wait(bars.index(2 + WG), (k + 1 + WG) & 1)
+
+    @gluon.jit
+    def _pass_turn(bars, WG: gl.constexpr):
+        mbarrier.arrive(bars.index(3 - WG), count=1)
+
+    @gluon.jit
     def _step(i, n, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p_op, m_i, l_i,
               rows, shift, seqlen_k, window_left, window_right, qk_scale, softcap_pre,
               MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               SOFTCAP: gl.constexpr, EMU_EVERY: gl.constexpr,
               RESCALE_THRESHOLD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-        """Ring position i holds key block n; P_{i-1} (p_op) still has to meet V_{i-1}."""
+              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+              bars, q_phase, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ring position i holds key block n; P_{i-1} (p_op) still has to meet V_{i-1}.
+        With PINGPONG the two wgmmas are issued in this warpgroup's turn (`_take_turn`)."""
         slot = i % STAGES
         prev = (i - 1) % STAGES
         mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
+            _take_turn(bars, q_phase + i, WG)
         s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
         s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
+        if not PINGPONG:
+            mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
         o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        if PINGPONG:
+            _pass_turn(bars, WG)
         # wgmma groups retire in order: with one group left in flight, S_i is complete.
         s = warpgroup_mma_wait(1, deps=[s_tok])
         mbarrier.arrive(k_empty.index(slot), count=1)
@@ -449,14 +473,15 @@ if _GLUON_ERROR is None:
                        HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, EMU_EVERY: gl.constexpr,
                        RESCALE_THRESHOLD: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                       p_layout: gl.constexpr):
+                       p_layout: gl.constexpr, bars, q_phase, WG: gl.constexpr,
+                       PINGPONG: gl.constexpr):
         # Ring position of key block n: n + base (base = ring position of n_lo minus n_lo).
         for n in range(lo, hi):
             acc, p_op, m_i, l_i = _step(
                 n + base, n, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p_op,
                 m_i, l_i, rows, shift, seqlen_k, window_left, window_right, qk_scale,
                 softcap_pre, MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD,
-                BLOCK_N, STAGES, s_layout, o_layout, p_layout)
+                BLOCK_N, STAGES, s_layout, o_layout, p_layout, bars, q_phase, WG, PINGPONG)
         return acc, p_op, m_i, l_i
 
     # ------------------------------------------------------------------------------------------
@@ -470,7 +495,8 @@ if _GLUON_ERROR is None:
                        HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                        HAS_SINK: gl.constexpr, EMU_EVERY: gl.constexpr,
-                       RESCALE_THRESHOLD: gl.constexpr, RELEASE_Q: gl.constexpr):
+                       RESCALE_THRESHOLD: gl.constexpr, RELEASE_Q: gl.constexpr,
+                       PINGPONG: gl.constexpr):
         """One 64-row query tile of warpgroup WG: key blocks [n_lo, n_hi) sit at K/V ring
         positions it0, it0 + 1, ...; its Q arrives on q_bar[WG] with parity q_phase. With
         RELEASE_Q (persistent grid) q_empty[WG] is arrived on as soon as the last S = Q·Kᵀ has
@@ -495,9 +521,13 @@ if _GLUON_ERROR is None:
         # Peeled first block: no P·V to overlap with yet, and always masked.
         slot0 = it0 % STAGES
         mbarrier.wait(k_ready.index(slot0), (it0 // STAGES) & 1)
+        if PINGPONG:
+            _take_turn(q_bar, q_phase + it0, WG)
         s_tok = warpgroup_mma(q, k_smem.index(slot0).permute((1, 0)),
                               gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
                               is_async=True)
+        if PINGPONG:
+            _pass_turn(q_bar, WG)
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(slot0), count=1)
         s = _scores(s, n_lo, rows, shift, seqlen_k, window_left, window_right, softcap_pre, True,
@@ -510,17 +540,20 @@ if _GLUON_ERROR is None:
             n_lo + 1, n_a, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
-            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
+            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
+            WG, PINGPONG)
         acc, p_op, m_i, l_i = _consumer_loop(
             n_a, n_b, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
-            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
+            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
+            WG, PINGPONG)
         acc, p_op, m_i, l_i = _consumer_loop(
             n_b, n_hi, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
-            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
+            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
+            WG, PINGPONG)
 
         if RELEASE_Q:
             # Every S wgmma of this tile has retired (each step ends with a full wait).
@@ -530,7 +563,11 @@ if _GLUON_ERROR is None:
         last = n_hi - 1 + base
         slot = last % STAGES
         mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
+        if PINGPONG:
+            _take_turn(q_bar, q_phase + last + 1, WG)
         o_tok = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+        if PINGPONG:
+            _pass_turn(q_bar, WG)
         acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
         mbarrier.arrive(v_empty.index(slot), count=1)
 
@@ -623,7 +660,8 @@ if _GLUON_ERROR is None:
                                   HAS_SEQUSED: gl.constexpr, HAS_LEFT: gl.constexpr,
                                   HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                                   HAS_SINK: gl.constexpr, LPT: gl.constexpr,
-                                  EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr):
+                                  EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
+                                  PINGPONG: gl.constexpr):
         it = 0
         tc = 0
         nprog = gl.num_programs(0)
@@ -639,7 +677,7 @@ if _GLUON_ERROR is None:
                                head, n_heads, n_lo, n_a, n_b, n_hi, it, tc & 1, window_left,
                                window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V, BLOCK_N,
                                STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY,
-                               RESCALE_THRESHOLD, True)
+                               RESCALE_THRESHOLD, True, PINGPONG)
                 it += n_hi - n_lo
                 tc += 1
 
@@ -661,13 +699,16 @@ if _GLUON_ERROR is None:
                          HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr,
                          LPT: gl.constexpr, EMU_EVERY: gl.constexpr,
                          RESCALE_THRESHOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr):
+                         LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
+                         PINGPONG: gl.constexpr):
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 64, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
                                            k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM_V],
                                            v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        # Q barriers of the two warpgroups, then (ping-pong only) their turn barriers.
+        q_bar = gl.allocate_shared_memory(gl.int64, [4 if PINGPONG else 2, 1],
+                                          mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -677,8 +718,9 @@ if _GLUON_ERROR is None:
             # grid = min(#SMs, #tiles); every role walks tiles pid, pid + grid, ... and keeps
             # its own ring position, so the loader runs ahead into the next tile (its Q once
             # the consumers released the current one, its K/V as ring slots free up).
-            for wg in gl.static_range(2):
+            for wg in gl.static_range(4 if PINGPONG else 2):
                 mbarrier.init(q_bar.index(wg), count=1)
+            for wg in gl.static_range(2):
                 mbarrier.init(q_empty.index(wg), count=1)
             for st in gl.static_range(STAGES):
                 mbarrier.init(k_ready.index(st), count=1)
@@ -693,14 +735,14 @@ if _GLUON_ERROR is None:
                     seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                     window_left, window_right, qk_scale, softcap_pre, 0, HEAD_DIM_V, BLOCK_N,
                     STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                    EMU_EVERY, RESCALE_THRESHOLD)),
+                    EMU_EVERY, RESCALE_THRESHOLD, PINGPONG)),
                 (_consumer_role_persistent, (
                     q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
                     out_ptr, lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
                     seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                     window_left, window_right, qk_scale, softcap_pre, 1, HEAD_DIM_V, BLOCK_N,
                     STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                    EMU_EVERY, RESCALE_THRESHOLD)),
+                    EMU_EVERY, RESCALE_THRESHOLD, PINGPONG)),
                 (_load_role_persistent, (
                     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                     k_empty, v_ready, v_empty, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
@@ -718,7 +760,7 @@ if _GLUON_ERROR is None:
             if m0 < seqlen_q:
                 n_lo, n_a, n_b, n_hi = _key_blocks(m0, seqlen_q, seqlen_k, window_left,
                                                    window_right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
-                for wg in gl.static_range(2):
+                for wg in gl.static_range(4 if PINGPONG else 2):
                     mbarrier.init(q_bar.index(wg), count=1)
                 for st in gl.static_range(STAGES):
                     mbarrier.init(k_ready.index(st), count=1)
@@ -738,14 +780,14 @@ if _GLUON_ERROR is None:
                                       n_hi, 0, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 0, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
-                                      False)),
+                                      False, PINGPONG)),
                     (_consumer_tile, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
                                       v_ready, v_empty, out_ptr, lse_ptr, sink_ptr, q_start, m0,
                                       seqlen_q, seqlen_k, total_q, head, n_heads, n_lo, n_a, n_b,
                                       n_hi, 0, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 1, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
-                                      False)),
+                                      False, PINGPONG)),
                     (_load_tile, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                                   k_ready, k_empty, v_ready, v_empty, q_start + m0,
                                   head * HEAD_DIM, k_start, kv_head * HEAD_DIM,
@@ -804,7 +846,7 @@ def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, h
             "HAS_SINK": has_sink, "LPT": cfg.lpt, "EMU_EVERY": cfg.exp2_emu_every,
             "RESCALE_THRESHOLD": float(cfg.rescale_threshold),
             "CONSUMER_REGS": cfg.consumer_regs, "LOADER_REGS": cfg.loader_regs,
-            "PERSISTENT": bool(cfg.persistent)}
+            "PERSISTENT": bool(cfg.persistent), "PINGPONG": cfg.pingpong}
 
 
 def _launch_options(cfg: FwdConfig):
