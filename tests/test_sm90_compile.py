@@ -115,3 +115,38 @@ def test_unsupported_reports_reason_on_cpu():
     seq = SeqInfo.dense(1, 8, 8, "cpu")
     why = fwd.unsupported(q, q, q, seq, AttnParams(0.125), None)
     assert isinstance(why, str) and why
+
+
+@pytest.mark.parametrize("d,causal,seqlen,batch", [(64, False, 512, 32), (128, True, 512, 32),
+                                                   (256, True, 16384, 1), (128, False, 16384, 1),
+                                                   (64, True, 1000, 3)])
+def test_persistent_launch_plan(monkeypatch, d, causal, seqlen, batch):
+    # Host side of the persistent grid (no GPU needed): one CTA per SM at most, (sequence,
+    # head) chunks within [1, all pairs], and the plain grid wherever the rule says so.
+    import torch
+
+    from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
+
+    monkeypatch.setattr(fwd, "_num_sms", lambda index: 132)
+    hq = 2048 // d
+    params = AttnParams(d ** -0.5, MaskSpec(-1, 0 if causal else -1))
+    seq = SeqInfo.dense(batch, seqlen, seqlen, "cpu")
+    cfg = fwd.select_config(d, d, params)
+    num_m = -(-seqlen // fwd.BLOCK_M)
+    tiles = num_m * hq * batch
+    plan, grid, chunk = fwd.persistent_launch(cfg, seq, tiles, hq, hq, d, d,
+                                              torch.device("cuda", 0), True)
+    want = fwd.use_persistent(d, cfg.lpt, seqlen, True, True)
+    assert plan.persistent is want
+    if want:
+        assert grid == min(tiles, 132) and 1 <= chunk <= hq * batch
+    else:
+        assert (grid, chunk) == (tiles, 1)
+    # Ragged batches, softcap, sinks or a left window always take the plain grid.
+    ragged = SeqInfo(seq.cu_seqlens_q, seq.cu_seqlens_k, seqlen, seqlen, None, False)
+    plan, grid, _ = fwd.persistent_launch(cfg, ragged, tiles, hq, hq, d, d,
+                                          torch.device("cuda", 0), True)
+    assert plan.persistent is False and grid == tiles
+    plan, _, _ = fwd.persistent_launch(cfg, seq, tiles, hq, hq, d, d, torch.device("cuda", 0),
+                                       False)
+    assert plan.persistent is False
