@@ -107,8 +107,11 @@ def _split_masks() -> bool:
     return os.environ.get("ASYMFLASH_PORTABLE_SPLIT", "0") == "1"
 
 
-def _block(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
+def pow2_block(n: int) -> int:
+    """The tile width for n columns: the next power of two, at least 16 (tl.dot's minimum).
+    Plain Python: triton.next_power_of_2 is a constexpr function costing ~15 us per call."""
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
+
 
 
 def _alloc(seq: SeqInfo):
@@ -140,7 +143,7 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink):
             out.stride(0), out.stride(1), lse.stride(0), hq, hq // hkv, seq.max_seqlen_q,
             params.softmax_scale, params.softcap, params.mask.window_left,
             params.mask.window_right)
-    meta = dict(D=d, DV=dv, BLOCK_D=_block(d), BLOCK_DV=_block(dv),
+    meta = dict(D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv),
                 SOFTCAP=params.softcap > 0, HAS_SINK=sink is not None,
                 HAS_USED_K=seq.seqused_k is not None, SPLIT_MASKS=_split_masks(),
                 **_mask_flags(params))
@@ -158,7 +161,7 @@ def _delta(out, dout, dlse):
     bwd_preprocess_kernel[grid](
         out, dout, dlse if dlse is not None else delta, delta, total_q,
         out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0),
-        DV=dv, BLOCK_DV=_block(dv), BLOCK_T=block_t, HAS_DLSE=dlse is not None,
+        DV=dv, BLOCK_DV=pow2_block(dv), BLOCK_T=block_t, HAS_DLSE=dlse is not None,
     )
     return delta
 
@@ -173,7 +176,7 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
     delta = _delta(out, dout, dlse)
     alloc = _alloc(seq)
     dq, dk, dvv = alloc(q.shape, q), alloc(k.shape, k), alloc(v.shape, v)
-    meta = dict(D=d, DV=dv, BLOCK_D=_block(d), BLOCK_DV=_block(dv),
+    meta = dict(D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv),
                 SOFTCAP=params.softcap > 0, HAS_USED_K=seq.seqused_k is not None,
                 **_mask_flags(params))
     scalars = (params.softmax_scale, params.softcap, params.mask.window_left,

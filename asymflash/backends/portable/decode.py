@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ...dispatch import interpreting
-from . import unsupported_input
+from . import pow2_block, unsupported_input
 from .common import dot, finish_rows, key_block_range, log2_scores, online_softmax_step, tile_valid
 
 NAME = "portable"
@@ -82,7 +82,7 @@ def select_config(seqlen_q: int, group: int, d: int, dv: int,
     rows = seqlen_q * (group if pack else 1)
     if interpreting():  # the interpreter's cost grows with tile area: smallest legal tiles
         return DecodeConfig(16, 16, pack, 4, 1)
-    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
+    block_m = min(MAX_BLOCK_M, pow2_block(rows))
     # H200 sweep (bf16, d 128, GQA 8:1, graph replay; block_n 32/64/128, 4/8 warps, 3/4
     # stages): 128-key tiles, 4 warps, 3 stages were best or within 2% in every case, paged
     # and contiguous, 4k-64k keys. Wide query tiles keep 64 (register pressure).
@@ -355,10 +355,6 @@ def unsupported_decode(q, cache, params, sink):
     return unsupported_input(q)
 
 
-def _block(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
-
-
 @functools.lru_cache(maxsize=256)
 def _plan(hq, d, hkv, dv, max_seqlen_q, max_seqlen_k, batch, num_splits, sms, paged, config):
     group = hq // hkv
@@ -431,15 +427,17 @@ def decode(q, cache, params, sink, num_splits: int = 0, config: DecodeConfig | N
         lse = None
     if total_q == 0:
         return out, lse
+    # (Each .stride(i) is a Python call: the tuples are read once.)
+    qs, os_ = q.stride(), out.stride()
     if q.dim() == 4:
-        stride_qb, stride_qt, stride_qh = q.stride(0), q.stride(1), q.stride(2)
-        stride_ob, stride_ot, stride_oh = out.stride(0), out.stride(1), out.stride(2)
+        stride_qb, stride_qt, stride_qh = qs[:3]
+        stride_ob, stride_ot, stride_oh = os_[:3]
     else:  # packed: sequence b starts at row cu_seqlens_q[b], or b * max_seqlen_q
         step = 0 if varlen else cache.max_seqlen_q
-        stride_qb, stride_qt, stride_qh = step * q.stride(0), q.stride(0), q.stride(1)
-        stride_ob, stride_ot, stride_oh = step * out.stride(0), out.stride(0), out.stride(1)
+        stride_qb, stride_qt, stride_qh = step * qs[0], qs[0], qs[1]
+        stride_ob, stride_ot, stride_oh = step * os_[0], os_[0], os_[1]
     grid = (cache.batch * (hq // heads_per_tile), num_m, splits)
-    block_dv = _block(dv)
+    block_dv = pow2_block(dv)
     if splits > 1:
         n_tiles = grid[0] * num_m
         n_rows = n_tiles * splits * cfg.block_m
@@ -452,8 +450,7 @@ def decode(q, cache, params, sink, num_splits: int = 0, config: DecodeConfig | N
     has_new = k_new is not None and cache.k_extra > 0
     if has_new:
         v_new = cache.v_new
-        new_strides = (k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0),
-                       v_new.stride(1), v_new.stride(2))
+        new_strides = k_new.stride()[:3] + v_new.stride()[:3]
     else:
         k_new = v_new = out
         new_strides = (0, 0, 0, 0, 0, 0)
@@ -466,14 +463,13 @@ def decode(q, cache, params, sink, num_splits: int = 0, config: DecodeConfig | N
         q, kc, vc, k_new, v_new, out, lse_arg, work, counters,
         sink if sink is not None else out, cache.cu_seqlens_q if varlen else seqlens,
         seqlens, table, cache.batch_idx if cache.batch_idx is not None else seqlens,
-        stride_qb, stride_qt, stride_qh, kc.stride(0), kc.stride(1), kc.stride(2),
-        vc.stride(0), vc.stride(1), vc.stride(2), *new_strides,
+        stride_qb, stride_qt, stride_qh, *kc.stride()[:3], *vc.stride()[:3], *new_strides,
         stride_ob, stride_ot, stride_oh, lse.stride(0) if lse is not None else 0,
         table.stride(0) if paged else 0,
         cache.max_seqlen_q, cache.k_extra, kc.shape[1], hq // heads_per_tile, heads_per_tile,
         hq // hkv, num_m, n_rows * block_dv, params.softmax_scale,
         params.softcap, mask.window_left, mask.window_right,
-        D=d, DV=dv, BLOCK_D=_block(d), BLOCK_DV=block_dv, BLOCK_M=cfg.block_m,
+        D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=block_dv, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, VARLEN_Q=varlen, PAGED=paged,
         HAS_BATCH_IDX=cache.batch_idx is not None, HAS_NEW=has_new, SPLIT=splits > 1,
         SOFTCAP=params.softcap > 0, HAS_SINK=sink is not None, WRITE_LSE=lse is not None,
