@@ -22,6 +22,12 @@ from typing import Optional
 import torch
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids. Plain Python on purpose: triton.cdiv is a constexpr
+    function whose call costs ~10 us of host time, several per attention call."""
+    return -(-a // b)
+
+
 @dataclass(frozen=True)
 class MaskSpec:
     """Which keys a query may see (semantics: `core.masks.allowed`).

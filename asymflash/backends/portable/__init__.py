@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ...core.params import AttnParams, SeqInfo
+from ...core.params import AttnParams, SeqInfo, cdiv
 from ...dispatch import interpreting
 from .bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
 from .fwd import attn_fwd_kernel
@@ -148,7 +148,7 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink):
                 HAS_USED_K=seq.seqused_k is not None, SPLIT_MASKS=_split_masks(),
                 **_mask_flags(params))
     launch(attn_fwd_kernel, "fwd",
-           lambda bm, bn: (seq.batch * hq, triton.cdiv(max(seq.max_seqlen_q, 1), bm)),
+           lambda bm, bn: (seq.batch * hq, cdiv(max(seq.max_seqlen_q, 1), bm)),
            args, meta, params.deterministic)
     return out, lse
 
@@ -157,7 +157,7 @@ def _delta(out, dout, dlse):
     total_q, hq, dv = out.shape
     delta = torch.empty(hq, total_q, dtype=torch.float32, device=out.device)
     block_t = 16 if interpreting() else 64
-    grid = (triton.cdiv(total_q, block_t), hq)
+    grid = (cdiv(total_q, block_t), hq)
     bwd_preprocess_kernel[grid](
         out, dout, dlse if dlse is not None else delta, delta, total_q,
         out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0),
@@ -186,12 +186,12 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
                dout.stride(0), dout.stride(1))
     seq_args = _seq_args(seq, seq.cu_seqlens_k)
     launch(attn_bwd_dkdv_kernel, "dkdv",
-           lambda bm, bn: (seq.batch * hkv, triton.cdiv(max(seq.max_seqlen_k, 1), bn)),
+           lambda bm, bn: (seq.batch * hkv, cdiv(max(seq.max_seqlen_k, 1), bn)),
            (*common, dk, dvv, *seq_args, *strides, dk.stride(0), dk.stride(1), dvv.stride(0),
             dvv.stride(1), lse.stride(0), hkv, hq // hkv, *scalars),
            meta, params.deterministic)
     launch(attn_bwd_dq_kernel, "dq",
-           lambda bm, bn: (seq.batch * hq, triton.cdiv(max(seq.max_seqlen_q, 1), bm)),
+           lambda bm, bn: (seq.batch * hq, cdiv(max(seq.max_seqlen_q, 1), bm)),
            (*common, dq, *seq_args, *strides, dq.stride(0), dq.stride(1), lse.stride(0), hq,
             hq // hkv, seq.max_seqlen_q, *scalars),
            dict(meta, SPLIT_MASKS=_split_masks()), params.deterministic)

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...core.params import cdiv
 from ...dispatch import interpreting
 from . import pow2_block, unsupported_input
 from .common import dot, finish_rows, key_block_range, log2_scores, online_softmax_step, tile_valid
@@ -360,8 +361,8 @@ def _plan(hq, d, hkv, dv, max_seqlen_q, max_seqlen_k, batch, num_splits, sms, pa
     group = hq // hkv
     cfg = select_config(max_seqlen_q, group, d, dv, config)
     heads_per_tile = group if cfg.pack_gqa else 1
-    num_m = triton.cdiv(max(max_seqlen_q * heads_per_tile, 1), cfg.block_m)
-    key_blocks = triton.cdiv(max(max_seqlen_k, 1), cfg.block_n)
+    num_m = cdiv(max(max_seqlen_q * heads_per_tile, 1), cfg.block_m)
+    key_blocks = cdiv(max(max_seqlen_k, 1), cfg.block_n)
     if num_splits <= 0:
         tiles = batch * (hq // heads_per_tile) * num_m
         num_splits = num_splits_heuristic(

@@ -55,7 +55,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from asymflash.core.params import AttnParams, SeqInfo
+from asymflash.core.params import AttnParams, SeqInfo, cdiv
 
 from . import fwd as _fwd
 from .fwd import _GLUON_ERROR
@@ -516,11 +516,11 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
     consts = _constexprs(d, dvd, cfg, uniform=uniform, has_seqused=has_seqused,
                          has_left=wl >= 0, has_right=wr >= 0, softcap=softcap,
                          deterministic=params.deterministic)
-    num_m_blocks = triton.cdiv(max(seq.max_seqlen_q, 1), cfg.block_m)
+    num_m_blocks = cdiv(max(seq.max_seqlen_q, 1), cfg.block_m)
     # One dQ turn counter per (sequence, q head, query block); only read when deterministic.
     sem = torch.zeros((seq.batch, hq, num_m_blocks) if params.deterministic else (1,),
                       dtype=torch.int32, device=q.device)
-    grid = (triton.cdiv(max(seq.max_seqlen_k, 1), cfg.block_n), hkv, seq.batch)
+    grid = (cdiv(max(seq.max_seqlen_k, 1), cfg.block_n), hkv, seq.batch)
     _attn_bwd_kernel[grid](
         q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk, dv, seq.cu_seqlens_q,
         seq.cu_seqlens_k, seq.seqused_k if has_seqused else seq.cu_seqlens_k, sem,

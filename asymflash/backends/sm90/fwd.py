@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from asymflash.core.params import AttnParams, SeqInfo
+from asymflash.core.params import AttnParams, SeqInfo, cdiv
 
 try:  # Gluon is optional: a CPU-only or older triton must still import this module.
     import triton
@@ -960,7 +960,7 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
     softcap = params.softcap > 0
     qk_scale, softcap_pre = exp2_scales(params)
     batch = seq.batch
-    num_m_blocks = triton.cdiv(seq.max_seqlen_q, BLOCK_M)
+    num_m_blocks = cdiv(seq.max_seqlen_q, BLOCK_M)
     has_seqused = seq.seqused_k is not None
     dummy_i32 = seq.cu_seqlens_q
     consts = _constexprs(d, dv, cfg, uniform=bool(seq.uniform and not has_seqused),
