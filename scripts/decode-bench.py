@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from asymflash import flash_attn_with_kvcache  # noqa: E402
-from asymflash.bench_core import capture_graph, host_issue_us  # noqa: E402
+from asymflash.bench_core import capture_graph, host_issue_us, profile_calls  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 4, 128, 64
 DTYPE = torch.bfloat16
@@ -190,19 +190,7 @@ def host_report(bench, graph, copy_gbs, profile=False):
         print(f"{name:28s} host {h:7.1f} us  eager {e:7.1f} us  graph {g:7.1f} us "
               f"({rows[-1]['graph_pct_copy']:.0f}% of copy)")
         if profile and "auto" in name:
-            import cProfile
-            import io
-            import pstats
-
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(200):
-                fn()
-            pr.disable()
-            torch.cuda.synchronize()
-            buf = io.StringIO()
-            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(14)
-            print("\n".join(buf.getvalue().splitlines()[6:24]))
+            print(profile_calls(fn, top=14))
             profile = False
     return rows
 

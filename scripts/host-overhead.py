@@ -12,14 +12,11 @@ no Python). With --profile, a cProfile of the issuing code, heaviest functions f
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 
 import torch
 
 from asymflash import flash_attn_func, flash_attn_with_kvcache
-from asymflash.bench_core import capture_graph, host_issue_us
+from asymflash.bench_core import capture_graph, host_issue_us, profile_calls
 
 
 def cases():
@@ -94,17 +91,7 @@ def main():
     for name, fn, graphable in cases():
         rows.append((name, *measure(fn, graphable)))
         if args.profile:
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(200):
-                fn()
-            pr.disable()
-            torch.cuda.synchronize()
-            buf = io.StringIO()
-            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(18)
-            lines = buf.getvalue().splitlines()
-            start = next(i for i, line in enumerate(lines) if "ncalls" in line)
-            print(f"== {name}\n" + "\n".join(lines[start:start + 20]))
+            print(f"== {name}\n{profile_calls(fn)}")
     print(f"{'call':28s} {'host_us':>8s} {'event_us':>9s} {'bench_us':>9s} {'graph_us':>9s}")
     for name, host, event, bench, graph in rows:
         print(f"{name:28s} {host:8.1f} {event:9.1f} {bench:9.1f} {graph:9.1f}")
