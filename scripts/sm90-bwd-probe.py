@@ -30,10 +30,12 @@ import tempfile
 import threading
 import time
 import traceback
-import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_common import ensure_pytest  # noqa: E402
+
 DIMS = (64, 128, 256)
 SEQLENS = (1024, 4096, 16384)
 CELL_TIMEOUT = 12.0  # seconds one timed cell may take (16k d=256 portable: the slowest)
@@ -55,22 +57,7 @@ def _emit(obj):
 
 def _import_test_module():
     """tests/test_sm90_bwd_gpu.py (and tests/helpers.py), with a pytest stand-in if needed."""
-    try:
-        import pytest  # noqa: F401
-    except ImportError:
-        stub = types.ModuleType("pytest")
-
-        class _Mark:
-            def __getattr__(self, name):
-                def deco(*a, **k):
-                    if len(a) == 1 and callable(a[0]) and not k:
-                        return a[0]
-                    return lambda f: f
-                return deco
-
-        stub.mark = _Mark()
-        stub.skip = lambda *a, **k: None
-        sys.modules["pytest"] = stub
+    ensure_pytest()
     sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT))
     import test_sm90_bwd_gpu as t

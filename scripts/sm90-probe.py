@@ -18,7 +18,6 @@ import os
 import sys
 import time
 import traceback
-import types
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -26,6 +25,9 @@ import torch
 import triton
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_common import ensure_pytest  # noqa: E402
+
 sys.path.insert(0, str(ROOT))
 
 from asymflash.backends.sm90 import fwd
@@ -34,21 +36,7 @@ from asymflash.core.params import AttnParams, MaskSpec
 
 def _load_test_module():
     """tests/test_sm90_gpu.py, with a stand-in for pytest where it is not installed."""
-    try:
-        import pytest  # noqa: F401
-    except ImportError:
-        stub = types.ModuleType("pytest")
-
-        class _Mark:
-            def __getattr__(self, name):
-                def deco(*a, **k):
-                    if len(a) == 1 and callable(a[0]) and not k:
-                        return a[0]
-                    return lambda f: f
-                return deco
-
-        stub.mark = _Mark()
-        sys.modules["pytest"] = stub
+    ensure_pytest()
     spec = importlib.util.spec_from_file_location("t_sm90", ROOT / "tests" / "test_sm90_gpu.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
