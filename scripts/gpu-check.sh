@@ -3,6 +3,7 @@
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session]   (logs under $OUT or ./out)
 #   session: tests, host-overhead.py, the README's benchmark table (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first) and decode-bench.py: one device call, ~6 min.
+#   It leaves 8 files under $OUT, the device tool's limit: write nothing else there.
 set -uo pipefail
 mode=${1:-quick}
 out=${OUT:-out}
