@@ -37,9 +37,8 @@ class Config:
 # cuobjdump/nvdisasm): every first choice of fwd and dQ compiles with no local-memory spills
 # and uses wgmma; the earlier 64x64 tiles spilled 12-975 LDL/STL per kernel at d >= 128.
 _CANDIDATES = {
-    # d <= 64: the tile the first GPU suite passed with (run 1, one masked loop). With the
-    # split-mask loops, (128, 128, 8, 3), (128, 64, 8, 3) and (64, 64, 4, 2) all gave wrong
-    # results or illegal addresses at d=40/dv=24 on the H200 (tests/test_portable_tiles_gpu.py).
+    # d <= 64: the tile the first GPU suite passed with. The d=40/dv=24 failures once blamed
+    # on the split-mask loops came from the 64/32 column widths (see `head_blocks`).
     "fwd": {64: [(128, 64, 4, 3)], 128: [(128, 32, 8, 2), (64, 32, 8, 2)],
             256: [(32, 32, 8, 2), (64, 32, 8, 2)]},
     # dK/dV: the tiles the first GPU suite passed with (they spill at d >= 128; see bwd.py)
@@ -102,8 +101,9 @@ unsupported_backward = unsupported
 
 def _split_masks() -> bool:
     """Mask only the boundary key blocks (full blocks skip the mask) in the forward and dQ
-    loops: ASYMFLASH_PORTABLE_SPLIT=1. Off by default: its compiled form was wrong on the
-    H200 at d=40/dv=24 (see fwd.py); kept switchable to find the cause."""
+    loops: ASYMFLASH_PORTABLE_SPLIT=1. Off by default: it was switched off while the d=40/dv=24
+    failure (since traced to the column widths, `head_blocks`) was blamed on it, and has not
+    been GPU-tested since."""
     return os.environ.get("ASYMFLASH_PORTABLE_SPLIT", "0") == "1"
 
 
@@ -111,6 +111,18 @@ def pow2_block(n: int) -> int:
     """The tile width for n columns: the next power of two, at least 16 (tl.dot's minimum).
     Plain Python: triton.next_power_of_2 is a constexpr function costing ~15 us per call."""
     return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+def head_blocks(d: int, dv: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_DV) of the attention kernels. Up to 64 columns both get the wider
+    width: on the H200 (triton 3.6) the forward with BLOCK_D = 64 and BLOCK_DV = 32 (e.g.
+    d=40, dv=24) hit illegal addresses or wrong results with every 64-key tile, at 1 to 3
+    stages, while d=40/dv=40 (64/64) passed with all of them (scripts/portable-probe.py,
+    2026-11-29). Padding costs little at these widths; the masks still stop at d and dv."""
+    block_d, block_dv = pow2_block(d), pow2_block(dv)
+    if max(block_d, block_dv) <= 64:
+        block_d = block_dv = max(block_d, block_dv)
+    return block_d, block_dv
 
 
 
@@ -143,7 +155,8 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink):
             out.stride(0), out.stride(1), lse.stride(0), hq, hq // hkv, seq.max_seqlen_q,
             params.softmax_scale, params.softcap, params.mask.window_left,
             params.mask.window_right)
-    meta = dict(D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv),
+    block_d, block_dv = head_blocks(d, dv)
+    meta = dict(D=d, DV=dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
                 SOFTCAP=params.softcap > 0, HAS_SINK=sink is not None,
                 HAS_USED_K=seq.seqused_k is not None, SPLIT_MASKS=_split_masks(),
                 **_mask_flags(params))
@@ -176,7 +189,8 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
     delta = _delta(out, dout, dlse)
     alloc = _alloc(seq)
     dq, dk, dvv = alloc(q.shape, q), alloc(k.shape, k), alloc(v.shape, v)
-    meta = dict(D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=pow2_block(dv),
+    block_d, block_dv = head_blocks(d, dv)
+    meta = dict(D=d, DV=dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
                 SOFTCAP=params.softcap > 0, HAS_USED_K=seq.seqused_k is not None,
                 **_mask_flags(params))
     scalars = (params.softmax_scale, params.softcap, params.mask.window_left,

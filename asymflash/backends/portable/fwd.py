@@ -71,10 +71,7 @@ def attn_fwd_kernel(
                                       LEFT, RIGHT, BLOCK_M, BLOCK_N)
     state = (acc, m_i, l_i)
     if SPLIT_MASKS:
-        # Masks only on the boundary blocks. Off by default: on the H200 (triton 3.6) the
-        # compiled three-loop form gave wrong outputs and illegal addresses at d=40/dv=24
-        # with a right window (2026-11-29), though the interpreter agrees with the reference
-        # at the same tiles; the one-loop form below is the one the GPU suite passed with.
+        # Masks only on the boundary blocks (off by default: see portable._split_masks).
         for start_n in range(lo, a, BLOCK_N):
             state = _fwd_block(state, q, k_base, v_base, k_start, start_n + offs_n, rows,
                                offs_d, offs_dv, seqlen_q, seqlen_k, stride_kt, stride_vt,
