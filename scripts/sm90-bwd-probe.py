@@ -159,8 +159,9 @@ def _bench_cell(d, causal, seqlen, warm_only):
         return res
     why = bwd.unsupported_backward(q, k, v, seq, params, None)
     cfg = None
-    if why is None and os.environ.get("ASYMFLASH_PROBE_REVERSE") == "1":
-        cfg = dataclasses.replace(bwd.select_config(d), reverse_causal=True)
+    if why is None and os.environ.get("ASYMFLASH_PROBE_CFG"):
+        cfg = dataclasses.replace(bwd.select_config(d),
+                                  **json.loads(os.environ["ASYMFLASH_PROBE_CFG"]))
     if why is not None:
         res["ours"] = "refused"
         res["why"] = why
@@ -243,12 +244,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--full", action="store_true", help="every correctness case of the test")
     ap.add_argument("--budget", type=float, default=55.0)
-    ap.add_argument("--reverse-causal", action="store_true",
-                    help="time ours with BwdConfig(reverse_causal=True)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="time ours with this BwdConfig field changed (bools: true/false), "
+                         "e.g. --set reverse_causal=true --set vector_red=true")
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.reverse_causal:  # the children read it
-        os.environ["ASYMFLASH_PROBE_REVERSE"] = "1"
+    if args.set:  # the children read it
+        fields = dict(f.split("=", 1) for f in args.set)
+        os.environ["ASYMFLASH_PROBE_CFG"] = json.dumps(
+            {k: v.lower() in ("1", "true", "yes") for k, v in fields.items()})
     if args.worker:
         kind, rest = args.worker[0], args.worker[1:]
         if kind == "case":
