@@ -41,11 +41,6 @@ CONFIGS = [
     ({"head_dim": 64, "has_left": True, "has_right": True, "deterministic": True}, 0),
     # the turn wait adds a few more scalars to spill around at d=128 (24 seen)
     ({"head_dim": 128, "has_right": True, "deterministic": True}, 32),
-    # dQ as red.v2 pairs (inline PTX): 16 reductions per thread and step at d=128, not 32
-    ({"head_dim": 128, "cfg": {"vector_red": True}}, 0),
-    ({"head_dim": 64, "has_right": True, "cfg": {"vector_red": True}}, 0),
-    ({"head_dim": 128, "has_right": True, "deterministic": True, "cfg": {"vector_red": True}},
-     32),
 ]
 
 

@@ -147,25 +147,6 @@ def test_sm90_backward_matches_reference(case):
         assert_fa_close(name, g, r32, rlow, atol=atol)
 
 
-@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("case", [c for c in CASES if c["name"] in (
-    "d128", "d64-causal-fp16", "d128-gqa-causal-sq<sk", "d128-varlen-causal",
-    "d64-varlen-seqused", "d64-softcap-sink")], ids=lambda c: c["name"])
-@pytest.mark.parametrize("vector_red", [False, True])
-def test_sm90_backward_dq_reduction_forms_match_reference(case, vector_red, monkeypatch):
-    """Both dQ reduction forms (scalar atomics, red.v2 pairs via inline PTX) are correct,
-    whichever one is the default."""
-    import dataclasses
-
-    from asymflash.backends.sm90 import bwd
-
-    forced = {d: dataclasses.replace(c, vector_red=vector_red)
-              for d, c in bwd._DEFAULT_CONFIGS.items()}
-    monkeypatch.setattr(bwd, "_DEFAULT_CONFIGS", forced)
-    for name, (g, r32, rlow, atol) in run_case(case).items():
-        assert_fa_close(name, g, r32, rlow, atol=atol)
-
-
 # Deterministic mode: the ordered dQ turns over every mask shape the turn formula handles.
 DET_CASES = [dict(c, deterministic=True) for c in CASES
              if c["name"] in ("d128", "d64-causal-fp16", "d128-gqa-causal-sq<sk", "d128-local",

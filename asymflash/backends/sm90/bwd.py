@@ -93,9 +93,6 @@ class BwdConfig:
     # (H200) deterministic mode beat the default at d=128 causal 512 (146 vs 80 TFLOP/s):
     # to measure for the default too (scripts/sm90-bwd-probe.py --set reverse_causal=true).
     reverse_causal: bool = False
-    # dQ partials added with `red.global.add.v2.f32` (sm_90: two adjacent fp32 columns per
-    # instruction, half the reduction instructions of scalar atomics) instead of gl.atomic_add.
-    vector_red: bool = False
 
 
 # Not tuned on a GPU yet: FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) for both.
@@ -144,21 +141,6 @@ if _GLUON_ERROR is None:
                                         do_smem.index(slot), pred=pred)
 
     @gluon.jit
-    def _red_add_pairs(ptrs, vals, mask):
-        """*ptrs += vals (fp32, relaxed, GPU scope) where mask, two elements per instruction.
-
-        inline_asm_elementwise with pack=2 hands each call two consecutive elements of a
-        thread; in the wgmma accumulator layout those are adjacent columns of one row (8-byte
-        aligned: even column, even row length), so one vector reduction covers both. Operands:
-        $0-$1 dummy outputs, $2-$3 addresses, $4-$5 values, $6-$7 mask (the row's, the same)."""
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $6, 0; "
-            "@p red.relaxed.gpu.global.add.v2.f32 [$2], {$4, $5}; "
-            "mov.b32 $0, 0; mov.b32 $1, 0; }",
-            "=r,=r,l,l,r,r,r,r", [ptrs.to(gl.int64), vals, mask.to(gl.int32)], dtype=gl.int32,
-            is_pure=False, pack=2)
-
-    @gluon.jit
     def _stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, buf, h, m0, q_start, seqlen_q,
                      total_q, BLOCK_M: gl.constexpr, layout: gl.constexpr):
         """Copy lse (as log2, +inf for empty rows) and delta of one query block into shared
@@ -193,7 +175,7 @@ if _GLUON_ERROR is None:
                          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
                          DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                         REVERSE_N: gl.constexpr, VECTOR_RED: gl.constexpr):
+                         REVERSE_N: gl.constexpr):
         # Keys on the M axis: warpgroup w owns keys [w·64, w·64 + 64) of the block.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
@@ -404,12 +386,8 @@ if _GLUON_ERROR is None:
                     sem = sem_ptr + (batch * n_heads + h) * num_m_blocks + m0 // BLOCK_M
                     while gl.atomic_add(sem, 0, sem="acquire") != turn:
                         pass
-                dq_mask = gl.expand_dims(dq_rows < seqlen_q, 1)
-                if VECTOR_RED:
-                    _red_add_pairs(dq_ptrs, dq * softmax_scale,
-                                   dq_mask & gl.expand_dims(dq_cols < HEAD_DIM, 0))
-                else:
-                    gl.atomic_add(dq_ptrs, dq * softmax_scale, mask=dq_mask, sem="relaxed")
+                gl.atomic_add(dq_ptrs, dq * softmax_scale,
+                              mask=gl.expand_dims(dq_rows < seqlen_q, 1), sem="relaxed")
                 if DETERMINISTIC:
                     # Every thread's adds are issued before the next block may start its own.
                     gl.thread_barrier()
@@ -448,7 +426,7 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
             "HAS_SEQUSED": has_seqused, "HAS_LEFT": has_left, "HAS_RIGHT": has_right,
             "SOFTCAP": softcap, "DV_OVERLAP": cfg.dv_overlap,
             "DP_EARLY": cfg.dp_early, "DETERMINISTIC": deterministic,
-            "REVERSE_N": cfg.reverse_causal, "VECTOR_RED": cfg.vector_red}
+            "REVERSE_N": cfg.reverse_causal}
 
 
 def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
