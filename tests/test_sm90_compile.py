@@ -96,6 +96,37 @@ def test_pingpong_compiles_with_turn_barriers(kw):
     assert rep["shared"] <= 227 * 1024
 
 
+# Three consumer warpgroups (192-row tiles, d=64, persistent grid only): 160 registers
+# each. A causal build spills 2-3 values around the peeled first block's mask (14 LDL/STL
+# over three roles, none in the key loops): allowed up to 16.
+@pytest.mark.parametrize("kw,max_local", [
+    ({"head_dim": 64, "cfg": {"consumer_wgs": 3, "persistent": True}}, 0),
+    ({"head_dim": 64, "has_right": True, "cfg": {"consumer_wgs": 3, "persistent": True,
+                                                 "lpt": True}}, 16),
+], ids=["noncausal", "causal"])
+def test_three_consumer_warpgroups_compile(kw, max_local):
+    rep = compile_report(**kw)
+    assert rep["hgmma"] > 0
+    assert rep["local"] <= max_local, f"register spills: {rep}"
+    assert 160 in rep["maxnreg"] and 24 in rep["maxnreg"]
+    assert rep["shared"] <= 227 * 1024
+
+
+def test_three_consumer_warpgroups_refused_where_not_built():
+    from dataclasses import replace
+
+    from asymflash.backends.sm90 import fwd
+
+    base = fwd._DEFAULT_CONFIGS[64]
+    for cfg, d in ((replace(base, consumer_wgs=3, persistent=False), 64),
+                   (replace(base, consumer_wgs=3, pingpong=True), 64),
+                   (replace(fwd._DEFAULT_CONFIGS[128], consumer_wgs=3), 128),
+                   (replace(base, consumer_wgs=4), 64)):
+        with pytest.raises(ValueError, match="consumer_wgs"):
+            fwd.check_config(cfg, d)
+    fwd.check_config(replace(base, consumer_wgs=3), 64)
+
+
 @pytest.mark.parametrize("emu,thr", [(4, 0.0), (8, 8.0)])
 def test_fa4_switches_compile(emu, thr):
     rep = compile_report(head_dim=64, cfg={"exp2_emu_every": emu, "rescale_threshold": thr})

@@ -95,6 +95,10 @@ class FwdConfig:
     # mbarriers passed back and forth), so one's softmax overlaps the other's matrix work.
     # Off until measured on the H200 (written after the device time of 2026-11-29 was spent).
     pingpong: bool = False
+    # Consumer warpgroups per CTA, 64 query rows each: 2 (128-row tiles) or 3 (FA3's 192-row
+    # tile for d=64: a third instruction stream per SM sub-partition to hide MUFU and wgmma
+    # latencies; needs the persistent grid, registers drop to 160 per consumer thread).
+    consumer_wgs: int = 2
 
 
 # Tuning table. Measured on the H200 (2026-11-29, bf16, model dim 2048, batch 16384/seqlen,
@@ -180,8 +184,8 @@ def persistent_launch(cfg: FwdConfig, seq: SeqInfo, num_tiles: int, hq: int, hkv
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if cfg.persistent is None:
         uniform = bool(seq.uniform) and seq.seqused_k is None
-        cfg = _with_persistent(cfg, use_persistent(d, cfg.lpt, seq.max_seqlen_q, uniform,
-                                                   plain))
+        cfg = _with_persistent(cfg, cfg.consumer_wgs == 3 or use_persistent(
+            d, cfg.lpt, seq.max_seqlen_q, uniform, plain))
     if not cfg.persistent:
         return cfg, num_tiles, 1
     grid = min(num_tiles, sms)
@@ -255,13 +259,15 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                    k_empty, v_ready, v_empty, q_row, q_col, kv_row, k_col, v_col, n_lo, n_hi, it0,
-                   q_phase, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WAIT_Q: gl.constexpr):
-        """Q of one 128-row tile, then its key blocks [n_lo, n_hi) at ring positions it0, ...
+                   q_phase, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WAIT_Q: gl.constexpr,
+                   NUM_WG: gl.constexpr):
+        """Q of one tile (NUM_WG x 64 rows), then its key blocks [n_lo, n_hi) at ring
+        positions it0, ...
 
         With WAIT_Q (persistent grid) each Q half is refilled only after its warpgroup released
         the previous tile's Q (q_empty, parity q_phase ^ 1: the first wait passes at once).
         """
-        for wg in gl.static_range(2):
+        for wg in gl.static_range(NUM_WG):
             if WAIT_Q:
                 mbarrier.wait(q_empty.index(wg), q_phase ^ 1)
             mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
@@ -336,10 +342,10 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _key_blocks(m0, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT: gl.constexpr,
-                    HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr):
+                    HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
         """Key blocks of the query tile at row m0: visited [n_lo, n_hi), unmasked [n_a, n_b)."""
         shift = seqlen_k - seqlen_q
-        row_last = gl.minimum(m0 + 127, seqlen_q - 1)
+        row_last = gl.minimum(m0 + BLOCK_M - 1, seqlen_q - 1)
         # At least one block, so that rows without keys still produce out = 0, lse = -inf
         # through the masked peeled block.
         n_hi = (seqlen_k + BLOCK_N - 1) // BLOCK_N
@@ -610,7 +616,8 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _persistent_tile(wave, num_tiles, n_heads, n_batch, num_m_blocks, hb_chunk, seqlen_q,
                          seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr, LPT: gl.constexpr,
-                         UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr):
+                         UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+                         BLOCK_M: gl.constexpr):
         """This CTA's tile in `wave`, as both roles see it: (live, first query row m0, q head,
         packed q/k start rows, q/k lengths); live is False past the last tile or sequence."""
         tile = _wave_tile(wave, gl.program_id(0), gl.num_programs(0))
@@ -618,7 +625,7 @@ if _GLUON_ERROR is None:
                                       num_m_blocks, hb_chunk, LPT, True)
         q_start, k_start, sq, sk = _sequence(batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr,
                                              used_k_ptr, UNIFORM, HAS_SEQUSED)
-        m0 = m_blk * 128
+        m0 = m_blk * BLOCK_M
         return (tile < num_tiles) & (m0 < sq), m0, head, q_start, k_start, sq, sk
 
     @gluon.jit
@@ -630,22 +637,23 @@ if _GLUON_ERROR is None:
                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                               UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr,
                               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                              LPT: gl.constexpr):
+                              LPT: gl.constexpr, NUM_WG: gl.constexpr):
+        BLOCK_M: gl.constexpr = 64 * NUM_WG
         it = 0  # K/V ring position of the next tile's first key block
         tc = 0  # tiles done by this CTA: the parity of the Q barriers
         nprog = gl.num_programs(0)
         for wave in range(0, (num_tiles + nprog - 1) // nprog):
             live, m0, head, q_start, k_start, sq, sk = _persistent_tile(
                 wave, num_tiles, n_heads, n_batch, num_m_blocks, hb_chunk, seqlen_q, seqlen_k,
-                cu_q_ptr, cu_k_ptr, used_k_ptr, LPT, UNIFORM, HAS_SEQUSED)
+                cu_q_ptr, cu_k_ptr, used_k_ptr, LPT, UNIFORM, HAS_SEQUSED, BLOCK_M)
             if live:
                 n_lo, n_a, n_b, n_hi = _key_blocks(m0, sq, sk, window_left, window_right,
-                                                   HAS_LEFT, HAS_RIGHT, BLOCK_N)
+                                                   HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_M)
                 kv_head = head // group
                 _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                            k_ready, k_empty, v_ready, v_empty, q_start + m0, head * HEAD_DIM,
                            k_start, kv_head * HEAD_DIM, kv_head * HEAD_DIM_V, n_lo, n_hi, it,
-                           tc & 1, BLOCK_N, STAGES, True)
+                           tc & 1, BLOCK_N, STAGES, True, NUM_WG)
                 it += n_hi - n_lo
                 tc += 1
 
@@ -661,17 +669,18 @@ if _GLUON_ERROR is None:
                                   HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                                   HAS_SINK: gl.constexpr, LPT: gl.constexpr,
                                   EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
-                                  PINGPONG: gl.constexpr):
+                                  PINGPONG: gl.constexpr, NUM_WG: gl.constexpr):
+        BLOCK_M: gl.constexpr = 64 * NUM_WG
         it = 0
         tc = 0
         nprog = gl.num_programs(0)
         for wave in range(0, (num_tiles + nprog - 1) // nprog):
             live, m0, head, q_start, k_start, sq, sk = _persistent_tile(
                 wave, num_tiles, n_heads, n_batch, num_m_blocks, hb_chunk, seqlen_q, seqlen_k,
-                cu_q_ptr, cu_k_ptr, used_k_ptr, LPT, UNIFORM, HAS_SEQUSED)
+                cu_q_ptr, cu_k_ptr, used_k_ptr, LPT, UNIFORM, HAS_SEQUSED, BLOCK_M)
             if live:
                 n_lo, n_a, n_b, n_hi = _key_blocks(m0, sq, sk, window_left, window_right,
-                                                   HAS_LEFT, HAS_RIGHT, BLOCK_N)
+                                                   HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_M)
                 _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
                                v_empty, out_ptr, lse_ptr, sink_ptr, q_start, m0, sq, sk, total_q,
                                head, n_heads, n_lo, n_a, n_b, n_hi, it, tc & 1, window_left,
@@ -700,16 +709,17 @@ if _GLUON_ERROR is None:
                          LPT: gl.constexpr, EMU_EVERY: gl.constexpr,
                          RESCALE_THRESHOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                          LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
-                         PINGPONG: gl.constexpr):
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 64, HEAD_DIM], q_desc.layout)
+                         PINGPONG: gl.constexpr, NUM_WG: gl.constexpr):
+        # NUM_WG = 3 only with PERSISTENT and without PINGPONG (checked on the host).
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG, 64, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
                                            k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM_V],
                                            v_desc.layout)
-        # Q barriers of the two warpgroups, then (ping-pong only) their turn barriers.
-        q_bar = gl.allocate_shared_memory(gl.int64, [4 if PINGPONG else 2, 1],
+        # Q barriers of the consumer warpgroups, then (ping-pong only) their turn barriers.
+        q_bar = gl.allocate_shared_memory(gl.int64, [4 if PINGPONG else NUM_WG, 1],
                                           mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -718,38 +728,70 @@ if _GLUON_ERROR is None:
             # grid = min(#SMs, #tiles); every role walks tiles pid, pid + grid, ... and keeps
             # its own ring position, so the loader runs ahead into the next tile (its Q once
             # the consumers released the current one, its K/V as ring slots free up).
-            for wg in gl.static_range(4 if PINGPONG else 2):
+            for wg in gl.static_range(4 if PINGPONG else NUM_WG):
                 mbarrier.init(q_bar.index(wg), count=1)
-            for wg in gl.static_range(2):
+            for wg in gl.static_range(NUM_WG):
                 mbarrier.init(q_empty.index(wg), count=1)
             for st in gl.static_range(STAGES):
                 mbarrier.init(k_ready.index(st), count=1)
                 mbarrier.init(v_ready.index(st), count=1)
-                mbarrier.init(k_empty.index(st), count=2)
-                mbarrier.init(v_empty.index(st), count=2)
+                mbarrier.init(k_empty.index(st), count=NUM_WG)
+                mbarrier.init(v_empty.index(st), count=NUM_WG)
             fence_async_shared()
-            gl.warp_specialize([
-                (_consumer_role_persistent, (
-                    q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                    out_ptr, lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
-                    seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
-                    window_left, window_right, qk_scale, softcap_pre, 0, HEAD_DIM_V, BLOCK_N,
-                    STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                    EMU_EVERY, RESCALE_THRESHOLD, PINGPONG)),
-                (_consumer_role_persistent, (
-                    q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                    out_ptr, lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
-                    seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
-                    window_left, window_right, qk_scale, softcap_pre, 1, HEAD_DIM_V, BLOCK_N,
-                    STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                    EMU_EVERY, RESCALE_THRESHOLD, PINGPONG)),
-                (_load_role_persistent, (
-                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                    k_empty, v_ready, v_empty, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
-                    seqlen_k, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk, group,
-                    window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM,
-                    HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, LPT)),
-            ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+            if NUM_WG == 3:
+                # Written out: the role list must be literal (see the plain grid below).
+                gl.warp_specialize([
+                    (_consumer_role_persistent, (
+                        q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                        v_empty, out_ptr, lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
+                        seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
+                        hb_chunk, window_left, window_right, qk_scale, softcap_pre, 0,
+                        HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3)),
+                    (_consumer_role_persistent, (
+                        q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                        v_empty, out_ptr, lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
+                        seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
+                        hb_chunk, window_left, window_right, qk_scale, softcap_pre, 1,
+                        HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3)),
+                    (_consumer_role_persistent, (
+                        q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                        v_empty, out_ptr, lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
+                        seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
+                        hb_chunk, window_left, window_right, qk_scale, softcap_pre, 2,
+                        HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3)),
+                    (_load_role_persistent, (
+                        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                        k_empty, v_ready, v_empty, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
+                        seqlen_k, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk, group,
+                        window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES,
+                        UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, LPT, 3)),
+                ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+            else:
+                gl.warp_specialize([
+                    (_consumer_role_persistent, (
+                        q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                        out_ptr, lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
+                        seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
+                        window_left, window_right, qk_scale, softcap_pre, 0, HEAD_DIM_V, BLOCK_N,
+                        STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
+                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2)),
+                    (_consumer_role_persistent, (
+                        q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                        out_ptr, lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
+                        seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
+                        window_left, window_right, qk_scale, softcap_pre, 1, HEAD_DIM_V, BLOCK_N,
+                        STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
+                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2)),
+                    (_load_role_persistent, (
+                        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                        k_empty, v_ready, v_empty, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
+                        seqlen_k, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk, group,
+                        window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM,
+                        HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, LPT, 2)),
+                ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
         else:
             m_blk, head, batch = _tile_of(gl.program_id(0), n_heads, n_batch, num_m_blocks,
                                           hb_chunk, LPT, False)
@@ -759,7 +801,8 @@ if _GLUON_ERROR is None:
             m0 = m_blk * 128
             if m0 < seqlen_q:
                 n_lo, n_a, n_b, n_hi = _key_blocks(m0, seqlen_q, seqlen_k, window_left,
-                                                   window_right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
+                                                   window_right, HAS_LEFT, HAS_RIGHT, BLOCK_N,
+                                                   128)
                 for wg in gl.static_range(4 if PINGPONG else 2):
                     mbarrier.init(q_bar.index(wg), count=1)
                 for st in gl.static_range(STAGES):
@@ -792,7 +835,7 @@ if _GLUON_ERROR is None:
                                   k_ready, k_empty, v_ready, v_empty, q_start + m0,
                                   head * HEAD_DIM, k_start, kv_head * HEAD_DIM,
                                   kv_head * HEAD_DIM_V, n_lo, n_hi, 0, 0, BLOCK_N, STAGES,
-                                  False)),
+                                  False, 2)),
                 ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -845,15 +888,31 @@ def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, h
             "HAS_LEFT": has_left, "HAS_RIGHT": has_right, "SOFTCAP": softcap,
             "HAS_SINK": has_sink, "LPT": cfg.lpt, "EMU_EVERY": cfg.exp2_emu_every,
             "RESCALE_THRESHOLD": float(cfg.rescale_threshold),
-            "CONSUMER_REGS": cfg.consumer_regs, "LOADER_REGS": cfg.loader_regs,
-            "PERSISTENT": bool(cfg.persistent), "PINGPONG": cfg.pingpong}
+            "CONSUMER_REGS": _consumer_regs(cfg), "LOADER_REGS": cfg.loader_regs,
+            "PERSISTENT": bool(cfg.persistent), "PINGPONG": cfg.pingpong,
+            "NUM_WG": cfg.consumer_wgs}
+
+
+def _consumer_regs(cfg: FwdConfig) -> int:
+    # Three consumer warpgroups + the loader's: 512 threads share 64K registers.
+    return cfg.consumer_regs if cfg.consumer_wgs == 2 else min(cfg.consumer_regs, 160)
+
+
+def check_config(cfg: FwdConfig, head_dim: int) -> None:
+    """Refuse configs the kernel cannot build (before anything is launched)."""
+    if cfg.consumer_wgs not in (2, 3):
+        raise ValueError(f"FwdConfig.consumer_wgs must be 2 or 3, got {cfg.consumer_wgs}")
+    if cfg.consumer_wgs == 3 and (cfg.persistent is False or cfg.pingpong or head_dim != 64):
+        raise ValueError("FwdConfig.consumer_wgs=3 needs head_dim 64, the persistent grid and "
+                         "no ping-pong")
 
 
 def _launch_options(cfg: FwdConfig):
     # 4 warps per consumer warpgroup (the default partition is one of them); the loader is
     # padded to a warpgroup. maxnreg sets the register pool from which the default partition
-    # gets what the workers leave: 168 * 384 threads = 64512 <= 64K registers.
-    return {"num_warps": 4, "maxnreg": 168}
+    # gets what the workers leave: 168 * 384 threads = 64512 <= 64K registers (two consumer
+    # warpgroups), 128 * 512 with three.
+    return {"num_warps": 4, "maxnreg": 168 if cfg.consumer_wgs == 2 else 128}
 
 
 def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
@@ -936,7 +995,7 @@ def unsupported(q, k, v, seq: SeqInfo, params: AttnParams, sink) -> str | None:
         return why
     if seq.max_seqlen_q == 0:
         return "no query rows"
-    if max(q.shape[0], k.shape[0]) >= 2**31 - 2 * BLOCK_M:
+    if max(q.shape[0], k.shape[0]) >= 2**31 - 3 * BLOCK_M:
         return "sequence rows exceed int32 TMA coordinates"
     return None
 
@@ -947,6 +1006,8 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
     total_k, hkv, _ = k.shape
     dv = v.shape[-1]
     cfg = select_config(d, dv, params, cfg)
+    if cfg.consumer_wgs != 2:
+        check_config(cfg, d)
     out = torch.empty((total_q, hq, dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
 
@@ -960,7 +1021,7 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
     softcap = params.softcap > 0
     qk_scale, softcap_pre = exp2_scales(params)
     batch = seq.batch
-    num_m_blocks = cdiv(seq.max_seqlen_q, BLOCK_M)
+    num_m_blocks = cdiv(seq.max_seqlen_q, BLOCK_M_WG * cfg.consumer_wgs)
     has_seqused = seq.seqused_k is not None
     dummy_i32 = seq.cu_seqlens_q
     consts = _constexprs(d, dv, cfg, uniform=bool(seq.uniform and not has_seqused),
