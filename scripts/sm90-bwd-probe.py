@@ -245,14 +245,15 @@ def main():
     ap.add_argument("--full", action="store_true", help="every correctness case of the test")
     ap.add_argument("--budget", type=float, default=55.0)
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="time ours with this BwdConfig field changed (bools: true/false), "
-                         "e.g. --set reverse_causal=true --set vector_red=true")
+                    help="time ours with this BwdConfig field changed (true/false or an integer), "
+                         "e.g. --set reverse_causal=true --set qdo_stages=3")
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.set:  # the children read it
         fields = dict(f.split("=", 1) for f in args.set)
         os.environ["ASYMFLASH_PROBE_CFG"] = json.dumps(
-            {k: v.lower() in ("1", "true", "yes") for k, v in fields.items()})
+            {k: int(v) if v.isdigit() else v.lower() in ("true", "yes")
+             for k, v in fields.items()})
     if args.worker:
         kind, rest = args.worker[0], args.worker[1:]
         if kind == "case":

@@ -112,6 +112,18 @@ def test_three_consumer_warpgroups_compile(kw, max_local):
     assert rep["shared"] <= 227 * 1024
 
 
+def test_three_consumer_warpgroups_default_only_where_measured_faster():
+    from asymflash.backends.sm90.fwd import use_three_warpgroups
+
+    assert use_three_warpgroups(64, False, 2048, True, True)
+    assert use_three_warpgroups(64, False, 16384, True, True)
+    assert not use_three_warpgroups(64, True, 16384, True, True)  # causal: slower
+    assert not use_three_warpgroups(64, False, 512, True, True)  # short: slower
+    assert not use_three_warpgroups(128, False, 16384, True, True)  # not built
+    assert not use_three_warpgroups(64, False, 16384, False, True)  # varlen: plain grid
+    assert not use_three_warpgroups(64, False, 16384, True, False)  # softcap/sink/left
+
+
 def test_three_consumer_warpgroups_refused_where_not_built():
     from dataclasses import replace
 

@@ -136,6 +136,11 @@ def _num_sms(device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def _three_warpgroups(cfg: FwdConfig) -> FwdConfig:
+    return replace(cfg, consumer_wgs=3, persistent=True)
+
+
+@functools.lru_cache(maxsize=None)
 def _with_persistent(cfg: FwdConfig, persistent: bool) -> FwdConfig:
     return replace(cfg, persistent=persistent)
 
@@ -171,6 +176,18 @@ def use_persistent(head_dim: int, lpt: bool, max_seqlen_q: int, uniform: bool,
     if head_dim == 64:
         return True
     return head_dim == 128 and max_seqlen_q <= 1024
+
+
+def use_three_warpgroups(head_dim: int, masked: bool, max_seqlen_q: int, uniform: bool,
+                         plain: bool) -> bool:
+    """Default of FwdConfig.consumer_wgs: 3 (192-row tiles) only where the H200 measured a gain.
+
+    d=64, persistent grid, CUDA-graph replay, TFLOP/s, 2 vs 3 consumer warpgroups
+    (scripts/sm90-probe.py --graph --variant 64:wg3:consumer_wgs=3,persistent=true,
+    2026-11-29 13:28): non-causal 16k 451 -> 479, 2k 400 -> 414, 512 308 -> 285; causal 16k
+    420 -> 414, 2k 328 -> 284, 512 185 -> 148 (a 192-row tile wastes more of the diagonal).
+    """
+    return head_dim == 64 and not masked and max_seqlen_q >= 2048 and uniform and plain
 
 
 def persistent_launch(cfg: FwdConfig, seq: SeqInfo, num_tiles: int, hq: int, hkv: int,
@@ -1005,6 +1022,13 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
     total_q, hq, d = q.shape
     total_k, hkv, _ = k.shape
     dv = v.shape[-1]
+    wl, wr = params.mask.window_left, params.mask.window_right
+    softcap = params.softcap > 0
+    plain = not softcap and sink is None and wl < 0
+    has_seqused = seq.seqused_k is not None
+    if cfg is None and use_three_warpgroups(d, wr >= 0, seq.max_seqlen_q,
+                                            bool(seq.uniform) and not has_seqused, plain):
+        cfg = _three_warpgroups(select_config(d, dv, params))
     cfg = select_config(d, dv, params, cfg)
     if cfg.consumer_wgs != 2:
         check_config(cfg, d)
@@ -1017,19 +1041,16 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
     k_desc = tma_rows(k, (cfg.block_n, d))
     v_desc = tma_rows(v, (cfg.block_n, dv))
 
-    wl, wr = params.mask.window_left, params.mask.window_right
-    softcap = params.softcap > 0
     qk_scale, softcap_pre = exp2_scales(params)
     batch = seq.batch
     num_m_blocks = cdiv(seq.max_seqlen_q, BLOCK_M_WG * cfg.consumer_wgs)
-    has_seqused = seq.seqused_k is not None
     dummy_i32 = seq.cu_seqlens_q
     consts = _constexprs(d, dv, cfg, uniform=bool(seq.uniform and not has_seqused),
                          has_seqused=has_seqused, has_left=wl >= 0, has_right=wr >= 0,
                          softcap=softcap, has_sink=sink is not None)
     num_tiles = num_m_blocks * hq * batch
     cfg, grid, hb_chunk = persistent_launch(cfg, seq, num_tiles, hq, hkv, d, dv, q.device,
-                                            not softcap and sink is None and wl < 0)
+                                            plain)
     consts["PERSISTENT"] = bool(cfg.persistent)
     _attn_fwd_kernel[(grid, )](
         q_desc, k_desc, v_desc, out, lse, seq.cu_seqlens_q, seq.cu_seqlens_k,
