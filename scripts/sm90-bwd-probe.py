@@ -246,7 +246,7 @@ def main():
     ap.add_argument("--budget", type=float, default=55.0)
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="time ours with this BwdConfig field changed (true/false or an integer), "
-                         "e.g. --set reverse_causal=true --set qdo_stages=3")
+                         "e.g. --set reverse_causal=true")
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.set:  # the children read it

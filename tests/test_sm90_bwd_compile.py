@@ -41,11 +41,6 @@ CONFIGS = [
     ({"head_dim": 64, "has_left": True, "has_right": True, "deterministic": True}, 0),
     # the turn wait adds a few more scalars to spill around at d=128 (24 seen)
     ({"head_dim": 128, "has_right": True, "deterministic": True}, 32),
-    # a three-slot Q/dO ring (loads issued two steps ahead), d=64 only
-    ({"head_dim": 64, "cfg": {"qdo_stages": 3}}, 0),
-    ({"head_dim": 64, "has_right": True, "deterministic": True, "cfg": {"qdo_stages": 3}}, 0),
-    ({"head_dim": 64, "has_left": True, "has_right": True, "softcap": True, "uniform": False,
-      "has_seqused": True, "cfg": {"qdo_stages": 3}}, 0),
 ]
 
 

@@ -147,22 +147,6 @@ def test_sm90_backward_matches_reference(case):
         assert_fa_close(name, g, r32, rlow, atol=atol)
 
 
-@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("case", [c for c in CASES if c["d"] == 64], ids=lambda c: c["name"])
-@pytest.mark.parametrize("stages", [2, 3])
-def test_sm90_backward_qdo_ring_depths_match_reference(case, stages, monkeypatch):
-    """Both Q/dO ring depths at d=64 (loads one or two steps ahead), whichever is default."""
-    import dataclasses
-
-    from asymflash.backends.sm90 import bwd
-
-    forced = dict(bwd._DEFAULT_CONFIGS)
-    forced[64] = dataclasses.replace(forced[64], qdo_stages=stages)
-    monkeypatch.setattr(bwd, "_DEFAULT_CONFIGS", forced)
-    for name, (g, r32, rlow, atol) in run_case(case).items():
-        assert_fa_close(name, g, r32, rlow, atol=atol)
-
-
 # Deterministic mode: the ordered dQ turns over every mask shape the turn formula handles.
 DET_CASES = [dict(c, deterministic=True) for c in CASES
              if c["name"] in ("d128", "d64-causal-fp16", "d128-gqa-causal-sq<sk", "d128-local",

@@ -93,9 +93,6 @@ class BwdConfig:
     # (H200) deterministic mode beat the default at d=128 causal 512 (146 vs 80 TFLOP/s):
     # to measure for the default too (scripts/sm90-bwd-probe.py --set reverse_causal=true).
     reverse_causal: bool = False
-    # Depth of the Q/dO TMA ring: with 3, step i's loads are issued two steps ahead (at step
-    # i-2's barrier) instead of one, so a TMA latency longer than half a step stays hidden.
-    qdo_stages: int = 2
 
 
 # Not tuned on a GPU yet: FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) for both.
@@ -119,10 +116,6 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
             # The softcap chain-rule tile takes the registers dPᵀ's early issue needs
             # (2 spill instructions in the unmasked loop otherwise).
             cfg = replace(cfg, dp_early=False)
-    if cfg.qdo_stages not in (2, 3) or (cfg.qdo_stages == 3 and head_dim != 64):
-        # d=128 sits at the 255-register limit: the third slot's index math spills there.
-        raise ValueError(f"unsupported sm90 backward config {cfg}: qdo_stages is 2, or 3 at "
-                         "head_dim 64")
     # The MMA layouts hard-wire two warpgroups of 64 keys and a 64-row dQ split by columns.
     if cfg.num_warps != 8 or cfg.block_n != 128 or cfg.block_m != 64:
         raise ValueError(f"unsupported sm90 backward config {cfg}: needs 8 warps, "
@@ -182,7 +175,7 @@ if _GLUON_ERROR is None:
                          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
                          DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                         REVERSE_N: gl.constexpr, QDO_STAGES: gl.constexpr):
+                         REVERSE_N: gl.constexpr):
         # Keys on the M axis: warpgroup w owns keys [w·64, w·64 + 64) of the block.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
@@ -235,18 +228,16 @@ if _GLUON_ERROR is None:
 
             k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
             v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V], v_desc.layout)
-            q_smem = gl.allocate_shared_memory(dtype, [QDO_STAGES, BLOCK_M, HEAD_DIM],
-                                               q_desc.layout)
-            do_smem = gl.allocate_shared_memory(dtype, [QDO_STAGES, BLOCK_M, HEAD_DIM_V],
+            q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+            do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM_V],
                                                 do_desc.layout)
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                            dtype)
             ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
             kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-            ready = gl.allocate_shared_memory(gl.int64, [QDO_STAGES, 1],
-                                              mbarrier.MBarrierLayout())
+            ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             mbarrier.init(kv_bar.index(0), count=1)
-            for st in gl.static_range(QDO_STAGES):
+            for st in gl.static_range(2):
                 mbarrier.init(ready.index(st), count=1)
             fence_async_shared()
 
@@ -262,12 +253,6 @@ if _GLUON_ERROR is None:
             m_end = m_lo + group_blocks * BLOCK_M
             _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 0, h, q_start + m0, HEAD_DIM,
                       HEAD_DIM_V, n_steps > 0)
-            gb = gl.maximum(group_blocks, 1)
-            for ahead in gl.static_range(1, QDO_STAGES - 1):
-                h_ld = h + ahead // gb
-                m0_ld = m_lo + (ahead % gb) * BLOCK_M
-                _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, ahead, h_ld, q_start + m0_ld,
-                          HEAD_DIM, HEAD_DIM_V, n_steps > ahead)
 
             kloc = gl.arange(0, BLOCK_N, layout=key_layout)
             n_valid = seqlen_k - n0
@@ -291,14 +276,13 @@ if _GLUON_ERROR is None:
             mbarrier.wait(kv_bar.index(0), 0)
 
             for it in range(n_steps):
-                slot = it % QDO_STAGES  # Q/dO ring slot
-                buf = it % 2  # lse/delta and dSᵀ double buffers
+                slot = it % 2
                 h_next = h
                 m0_next = m0 + BLOCK_M
                 if m0_next >= m_end:
                     h_next = h + 1
                     m0_next = m_lo
-                mbarrier.wait(ready.index(slot), (it // QDO_STAGES) & 1)
+                mbarrier.wait(ready.index(slot), (it // 2) & 1)
                 q_s = q_smem.index(slot)
                 do_s = do_smem.index(slot)
                 s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False,
@@ -312,21 +296,21 @@ if _GLUON_ERROR is None:
                 # in step it-1, before the barrier every warp has passed since; this step's
                 # barrier publishes it.
                 if it + 1 < n_steps:
-                    _stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - buf, h_next,
+                    _stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
                                  m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
                 if DP_EARLY:
                     s = warpgroup_mma_wait(1, deps=[s_tok])
                 else:
                     s = warpgroup_mma_wait(0, deps=[s_tok])
                 if SOFTCAP:
-                    lse2 = lse_smem.index(buf).load(col_layout)
+                    lse2 = lse_smem.index(slot).load(col_layout)
                     t = _tanh(s * softcap_pre)
                     p = gl.exp2(t * qk_scale - gl.expand_dims(lse2, 0))
                     # Fold the chain-rule factor into a copy of P now, so that tanh does not
                     # stay live (32 more registers) until dPᵀ arrives.
                     p_dt = p * (1.0 - t * t)
                 else:
-                    lse2 = lse_smem.index(buf).load(col_layout)
+                    lse2 = lse_smem.index(slot).load(col_layout)
                     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
                 need_mask = keys_oob
                 if HAS_RIGHT:
@@ -362,30 +346,20 @@ if _GLUON_ERROR is None:
                     # Retire dV too: frees the 16-bit Pᵀ operand registers before dSᵀ is
                     # formed (at d=128 the overlap would cost spills).
                     dp, dv, p_op = warpgroup_mma_wait(0, deps=[dp_tok, dv_tok, p_op])
-                delta = delta_smem.index(buf).load(col_layout)
+                delta = delta_smem.index(slot).load(col_layout)
                 ds = p * (dp - gl.expand_dims(delta, 0))
                 ds16 = ds.to(dtype)
-                ds_buf = ds_smem.index(buf)
+                ds_buf = ds_smem.index(slot)
                 ds_buf.store(ds16)
                 ds_op = gl.convert_layout(ds16, dsq_op_layout)
                 dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                 # dQ reads both warpgroups' halves of dSᵀ: make the stores visible to the
                 # async proxy, then wait for every warp. Past this barrier every warp has also
-                # retired all MMAs of step it-1, so that step's ring slot can be refilled, with
-                # the Q/dO of step it + QDO_STAGES - 1.
+                # retired all MMAs of step it-1, so that step's ring slot can be refilled.
                 fence_async_shared()
                 gl.thread_barrier()
-                if QDO_STAGES == 2:
-                    _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 1 - slot, h_next,
-                              q_start + m0_next, HEAD_DIM, HEAD_DIM_V, it + 1 < n_steps)
-                else:  # 3 stages: the step after the next one
-                    h_ld = h_next
-                    m0_ld = m0_next + BLOCK_M
-                    if m0_ld >= m_end:
-                        h_ld = h_next + 1
-                        m0_ld = m_lo
-                    _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, (it + 2) % 3, h_ld,
-                              q_start + m0_ld, HEAD_DIM, HEAD_DIM_V, it + 2 < n_steps)
+                _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 1 - slot, h_next,
+                          q_start + m0_next, HEAD_DIM, HEAD_DIM_V, it + 1 < n_steps)
                 dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, dq_zero, use_acc=False,
                                        is_async=True)
                 if DV_OVERLAP:
@@ -421,7 +395,7 @@ if _GLUON_ERROR is None:
                 h = h_next
                 m0 = m0_next
 
-            for st in gl.static_range(QDO_STAGES):
+            for st in gl.static_range(2):
                 mbarrier.invalidate(ready.index(st))
             mbarrier.invalidate(kv_bar.index(0))
 
@@ -452,7 +426,7 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
             "HAS_SEQUSED": has_seqused, "HAS_LEFT": has_left, "HAS_RIGHT": has_right,
             "SOFTCAP": softcap, "DV_OVERLAP": cfg.dv_overlap,
             "DP_EARLY": cfg.dp_early, "DETERMINISTIC": deterministic,
-            "REVERSE_N": cfg.reverse_causal, "QDO_STAGES": cfg.qdo_stages}
+            "REVERSE_N": cfg.reverse_causal}
 
 
 def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
