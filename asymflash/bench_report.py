@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import hashlib
 import importlib.metadata
 import json
 import math
@@ -175,6 +176,19 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def source_digest() -> str:
+    """sha256 (12 hex digits) of the package's .py files: identifies the code that ran where
+    git is stale or absent (the device tool's checkout copy keeps an older .git).
+    Check locally: `python -c "from asymflash.bench_report import source_digest;
+    print(source_digest())"` at a commit gives the same digest."""
+    h = hashlib.sha256()
+    root = Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def collect_env(device: str, command: str) -> dict:
     cuda = device.startswith("cuda") and torch.cuda.is_available()
     triton_version = None
@@ -195,6 +209,7 @@ def collect_env(device: str, command: str) -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "asymflash_commit": _git_commit(),
+        "asymflash_source_sha256": source_digest(),
         "flash_attn": _dist_versions(("flash_attn", "flash_attn_interface", "flash_attn_3")),
     }
     return env

@@ -275,6 +275,8 @@ def test_outputs_json_and_png(tmp_path):
     record = json.loads((tmp_path / "results.json").read_text())
     for key in ("date", "command", "device", "torch", "triton", "cudnn", "flash_attn"):
         assert key in record["env"]
+    digest = record["env"]["asymflash_source_sha256"]
+    assert len(digest) == 12 and int(digest, 16) >= 0 and digest == bench_report.source_digest()
     assert record["argv"] == ["--test"]
     assert len(record["results"]) == 4 * 5 * 2
     statuses = {r["provider"]: r["status"] for r in record["results"]}
