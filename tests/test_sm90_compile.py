@@ -112,6 +112,18 @@ def test_three_consumer_warpgroups_compile(kw, max_local):
     assert rep["shared"] <= 227 * 1024
 
 
+def test_kernel_head_dim_pads_to_the_next_compiled_width():
+    from asymflash.backends.sm90.fwd import kernel_head_dim
+
+    assert [kernel_head_dim(d, d) for d in (64, 128, 256)] == [64, 128, 256]
+    assert kernel_head_dim(96, 96) == 128 and kernel_head_dim(72, 72) == 128
+    assert kernel_head_dim(192, 128) == 256 and kernel_head_dim(128, 64) == 128
+    assert kernel_head_dim(160, 160) == 256 and kernel_head_dim(64, 128) == 128
+    # up to 64 only 64/64 itself (padding 32 to 64 would waste half the MMA); past 256 none
+    assert kernel_head_dim(32, 32) is None and kernel_head_dim(40, 24) is None
+    assert kernel_head_dim(64, 32) is None and kernel_head_dim(264, 264) is None
+
+
 def test_three_consumer_warpgroups_default_only_where_measured_faster():
     from asymflash.backends.sm90.fwd import use_three_warpgroups
 

@@ -147,6 +147,38 @@ def test_sm90_forward_matches_reference(case):
     assert lse_err <= 1e-3, lse_err
 
 
+# Head dims the kernel runs zero-padded (fwd.kernel_head_dim): 96 -> 128, 80 -> 128,
+# 128/64 -> 128, 160 -> 256, 192/128 -> 256.
+PADDED_CASES = [
+    # (batch, sq, sk, hq, hkv, d, dv, dtype, window, softcap, sink, varlen)
+    (2, 1000, 1000, 4, 2, 96, 96, torch.bfloat16, (-1, 0), 0.0, False, False),
+    (2, 640, 900, 4, 4, 192, 128, torch.bfloat16, (-1, -1), 0.0, True, False),
+    (5, 300, 400, 4, 2, 96, 96, torch.float16, (-1, -1), 0.0, False, True),
+    (2, 512, 512, 4, 4, 80, 80, torch.bfloat16, (100, 50), 20.0, False, False),
+    (2, 700, 700, 4, 4, 128, 64, torch.bfloat16, (-1, 0), 0.0, False, False),
+    (1, 300, 700, 4, 1, 160, 160, torch.bfloat16, (-1, 0), 0.0, False, False),
+]
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", PADDED_CASES,
+                         ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+def test_sm90_forward_padded_head_dims_match_reference(case):
+    from asymflash.backends.sm90 import fwd
+
+    batch, sq, sk, hq, hkv, d, dv, dtype, window, softcap, use_sink, varlen = case
+    q, k, v, seq = make_inputs(batch, sq, sk, hq, hkv, d, dv, dtype, varlen=varlen)
+    before = [t.clone() for t in (q, k, v)]
+    params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(*window), softcap=softcap)
+    sink = torch.randn(hq, device="cuda") if use_sink else None
+    out_err, lse_err, tol = check_forward(fwd, q, k, v, seq, params, sink)
+    assert out_err <= tol, (out_err, tol)
+    assert lse_err <= 1e-3, lse_err
+    out, _ = fwd.forward(q, k, v, seq, params, sink)
+    assert out.shape == (q.shape[0], hq, dv) and out.is_contiguous()
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))  # inputs untouched
+
+
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("emu,thr", [(4, 0.0), (2, 8.0)])
 def test_sm90_forward_fa4_switches(emu, thr):

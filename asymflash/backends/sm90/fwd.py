@@ -988,7 +988,7 @@ def hopper_input_reason(q, k, v, sink, head_dims, direction: str) -> str | None:
         return (f"sm90 {direction} supports bf16/fp16 q, k, v of one dtype, "
                 f"got {q.dtype}/{k.dtype}/{v.dtype}")
     d, dv = q.shape[-1], v.shape[-1]
-    if d not in head_dims or dv != d:
+    if head_dims is not None and (d not in head_dims or dv != d):
         return (f"sm90 {direction} supports head_dim == head_dim_v in {head_dims}, "
                 f"got {d}/{dv}")
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
@@ -1005,9 +1005,33 @@ def hopper_input_reason(q, k, v, sink, head_dims, direction: str) -> str | None:
     return None
 
 
+def kernel_head_dim(d: int, dv: int) -> int | None:
+    """Head dim of the compiled kernel that computes head dims (d, dv), or None.
+
+    64, 128 and 256 (with dv == d) run as they are. Other widths from 72 to 256 (e.g. 96,
+    192/128) run zero-padded to the next of 128/256 on both sides: the padded columns add 0 to
+    q·k and produce output columns that are dropped. That wastes MMA work ((128 - 96) / 128 at
+    d=96; 192/128 runs the 256/256 kernel) but beats the portable kernel by far on Hopper.
+    Widths up to 64 other than 64 itself stay on the portable kernel."""
+    if d == dv and d in SUPPORTED_HEAD_DIMS:
+        return d
+    width = max(d, dv)
+    if width <= 64 or width > 256:
+        return None
+    return 128 if width <= 128 else 256
+
+
+def _pad_head_dim(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
 def unsupported(q, k, v, seq: SeqInfo, params: AttnParams, sink) -> str | None:
     """None when this kernel computes the call exactly, else why not (for the dispatcher)."""
-    why = hopper_input_reason(q, k, v, sink, SUPPORTED_HEAD_DIMS, "forward")
+    d, dv = q.shape[-1], v.shape[-1]
+    if kernel_head_dim(d, dv) is None:
+        return (f"sm90 forward supports head dims 64/64, 128/128, 256/256 and (zero-padded) "
+                f"any d, dv with 64 < max(d, dv) <= 256; got {d}/{dv}")
+    why = hopper_input_reason(q, k, v, sink, None, "forward")
     if why is not None:
         return why
     if seq.max_seqlen_q == 0:
@@ -1019,6 +1043,13 @@ def unsupported(q, k, v, seq: SeqInfo, params: AttnParams, sink) -> str | None:
 
 def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | None = None):
     """out (total_q, Hq, Dv) in q.dtype and lse (Hq, total_q) fp32 (natural log)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    width = kernel_head_dim(d, dv)
+    if (d, dv) != (width, width):
+        # Zero-padded copies (see kernel_head_dim); softmax_scale already holds d's default.
+        out, lse = forward(*(_pad_head_dim(t, width) for t in (q, k, v)), seq, params, sink,
+                           cfg)
+        return out[..., :dv].contiguous(), lse
     total_q, hq, d = q.shape
     total_k, hkv, _ = k.shape
     dv = v.shape[-1]
