@@ -41,6 +41,12 @@ CONFIGS = [
     ({"head_dim": 64, "has_left": True, "has_right": True, "deterministic": True}, 0),
     # the turn wait adds a few more scalars to spill around at d=128 (24 seen)
     ({"head_dim": 128, "has_right": True, "deterministic": True}, 32),
+    # d=256 (bwd_wide.py) sits at 254 registers without spilling
+    ({"head_dim": 256}, 0),
+    ({"head_dim": 256, "has_right": True}, 0),
+    ({"head_dim": 256, "dtype": "float16", "has_left": True, "has_right": True,
+      "softcap": True, "uniform": False, "has_seqused": True}, 0),
+    ({"head_dim": 256, "has_right": True, "deterministic": True}, 64),
 ]
 
 
@@ -60,6 +66,8 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
 def test_config_outside_the_hardwired_layouts_refused():
     with pytest.raises(ValueError):
         bwd.select_config(128, bwd.BwdConfig(block_m=128))
+    with pytest.raises(ValueError):
+        bwd.select_config(256, bwd.BwdConfig(block_n=128))
 
 
 def test_unsupported_backward_reports_reason_on_cpu():
@@ -77,13 +85,14 @@ def test_unsupported_backward_reports_reason_on_cpu():
     assert isinstance(why, str) and why
 
 
-@pytest.mark.parametrize("kernel", ["bwd", "fwd"])
+@pytest.mark.parametrize("kernel", ["bwd", "bwd_wide", "fwd"])
 def test_lengths_and_counts_are_not_specialised(kernel):
     # With seqlen_q = group = 1 specialised into constants triton 3.6 crashes lowering the
     # backward (H200, 2026-11-29); runtime lengths also keep one compile per feature set.
     from asymflash.backends.sm90 import fwd
 
-    fn = bwd._attn_bwd_kernel if kernel == "bwd" else fwd._attn_fwd_kernel
+    fn = {"bwd": bwd._attn_bwd_kernel, "bwd_wide": bwd.bwd_wide.attn_bwd_wide_kernel,
+          "fwd": fwd._attn_fwd_kernel}[kernel]
     runtime_ints = {"seqlen_q", "seqlen_k", "total_q", "n_heads", "group", "window_left",
                     "window_right"}
     unspecialised = {p.name for p in fn.params if p.do_not_specialize}

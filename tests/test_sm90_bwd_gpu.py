@@ -46,6 +46,23 @@ CASES = [
     # seqlen 1 with one head per group: constant-folded, this crashed triton 3.6's lowering
     dict(name="d64-q1-k1", lens_q=[1], lens_k=[1], hq=1, hkv=1, d=64),
     dict(name="d128-q1-k5-b2", lens_q=[1] * 2, lens_k=[5] * 2, hq=2, hkv=2, d=128),
+    # d=256: bwd_wide.py (64-key blocks, the warpgroups split the head dim)
+    dict(name="d256", lens_q=[384] * 2, lens_k=[384] * 2, hq=2, hkv=2, d=256),
+    dict(name="d256-causal-fp16", lens_q=[333] * 2, lens_k=[333] * 2, hq=2, hkv=2, d=256,
+         window=(-1, 0), dtype=torch.float16),
+    dict(name="d256-gqa-causal-sq<sk", lens_q=[113] * 2, lens_k=[403] * 2, hq=4, hkv=1, d=256,
+         window=(-1, 0)),
+    dict(name="d256-local-softcap-sink", lens_q=[419], lens_k=[419], hq=2, hkv=2, d=256,
+         window=(70, 17), softcap=25.0, sink=True),
+    dict(name="d256-varlen-seqused", lens_q=[1, 130, 0, 203], lens_k=[17, 129, 77, 300],
+         hq=2, hkv=1, d=256, seqused=[17, 100, 50, 300], window=(-1, 0)),
+    dict(name="d256-q1-k1", lens_q=[1], lens_k=[1], hq=1, hkv=1, d=256),
+    # other widths run zero-padded on the 128 / 256 kernels
+    dict(name="d96-causal", lens_q=[300] * 2, lens_k=[300] * 2, hq=4, hkv=2, d=96,
+         window=(-1, 0)),
+    dict(name="d192-dv128", lens_q=[257], lens_k=[257], hq=2, hkv=1, d=192, dv=128),
+    dict(name="d80-dv96-varlen", lens_q=[17, 113], lens_k=[33, 203], hq=2, hkv=2, d=80, dv=96,
+         window=(-1, 0)),
 ]
 
 
@@ -55,13 +72,14 @@ def make_case(c, device="cuda", seed=0):
     dtype = c.get("dtype", torch.bfloat16)
     lens_q, lens_k = c["lens_q"], c["lens_k"]
     hq, hkv, d = c["hq"], c["hkv"], c["d"]
+    dv = c.get("dv", d)
     total_q, total_k = sum(lens_q), sum(lens_k)
 
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
 
-    q, k, v = rnd(total_q, hq, d), rnd(total_k, hkv, d), rnd(total_k, hkv, d)
-    dout = rnd(total_q, hq, d)
+    q, k, v = rnd(total_q, hq, d), rnd(total_k, hkv, d), rnd(total_k, hkv, dv)
+    dout = rnd(total_q, hq, dv)
     cu = [torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
           for lens in (lens_q, lens_k)]
     used = c.get("seqused")
@@ -150,7 +168,9 @@ def test_sm90_backward_matches_reference(case):
 # Deterministic mode: the ordered dQ turns over every mask shape the turn formula handles.
 DET_CASES = [dict(c, deterministic=True) for c in CASES
              if c["name"] in ("d128", "d64-causal-fp16", "d128-gqa-causal-sq<sk", "d128-local",
-                              "d64-softcap-sink", "d128-varlen-causal", "d64-varlen-seqused")]
+                              "d64-softcap-sink", "d128-varlen-causal", "d64-varlen-seqused",
+                             "d256-causal-fp16", "d256-local-softcap-sink",
+                             "d256-varlen-seqused")]
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")

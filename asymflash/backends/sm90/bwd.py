@@ -57,6 +57,7 @@ import torch
 
 from asymflash.core.params import AttnParams, SeqInfo, cdiv
 
+from . import bwd_wide
 from . import fwd as _fwd
 from .fwd import _GLUON_ERROR
 
@@ -72,12 +73,21 @@ if _GLUON_ERROR is None:
         warpgroup_mma_wait,
     )
 
+    from .bwd_parts import (
+        add_dq,
+        allowed,
+        load_qdo,
+        next_step,
+        query_range,
+        stage_stats,
+        step_needs_mask,
+        store_key_rows,
+        wait_dq_turn,
+    )
     from .fwd import _sequence, _tanh
 
-# d=256 needs dK and dV (2 x 128 fp32 registers per thread at BLOCK_N=128 over two
-# warpgroups) plus S, dP and dQ: over the 255-register limit without splitting dK/dV across
-# more warpgroups. Refused until that split exists.
-SUPPORTED_HEAD_DIMS = (64, 128)
+# 64 and 128 run `_attn_bwd_kernel` below, 256 `bwd_wide` (the warpgroups split the head dim).
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -85,7 +95,7 @@ class BwdConfig:
     """Tile shape and scheduling switches of one compiled backward kernel."""
 
     block_m: int = 64  # query rows per step (the N of the Sᵀ/dPᵀ MMAs, the M of dQ)
-    block_n: int = 128  # keys per CTA, split over the two warpgroups (64 rows of wgmma M each)
+    block_n: int = 128  # keys per CTA: two warpgroups of 64 (d <= 128), or shared (d = 256)
     num_warps: int = 8  # two warpgroups; the MMA layouts below assume exactly 8
     dv_overlap: bool = True  # keep dV = Pᵀ·dO in flight while dSᵀ is formed (more registers)
     dp_early: bool = True  # issue dPᵀ = V·dOᵀ with Sᵀ, overlapping the exponentials (more regs)
@@ -102,7 +112,12 @@ class BwdConfig:
 _DEFAULT_CONFIGS = {
     64: BwdConfig(block_m=64, block_n=128),
     128: BwdConfig(block_m=64, block_n=128, dv_overlap=False),
+    256: BwdConfig(block_m=64, block_n=64, dv_overlap=False),  # FA3's hdim-256 tile
 }
+
+
+def _kernel_for(head_dim: int):
+    return bwd_wide.attn_bwd_wide_kernel if head_dim == 256 else _attn_bwd_kernel
 
 
 def select_config(head_dim: int, override: BwdConfig | None = None,
@@ -116,10 +131,12 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
             # The softcap chain-rule tile takes the registers dPᵀ's early issue needs
             # (2 spill instructions in the unmasked loop otherwise).
             cfg = replace(cfg, dp_early=False)
-    # The MMA layouts hard-wire two warpgroups of 64 keys and a 64-row dQ split by columns.
-    if cfg.num_warps != 8 or cfg.block_n != 128 or cfg.block_m != 64:
-        raise ValueError(f"unsupported sm90 backward config {cfg}: needs 8 warps, "
-                         "block_n 128, block_m 64")
+    # The MMA layouts hard-wire two warpgroups and 64 query rows; d <= 128 gives each
+    # warpgroup 64 keys, d = 256 has them share 64 keys.
+    block_n = 64 if head_dim == 256 else 128
+    if cfg.num_warps != 8 or cfg.block_n != block_n or cfg.block_m != 64:
+        raise ValueError(f"unsupported sm90 backward config {cfg} at head dim {head_dim}: "
+                         f"needs 8 warps, block_n {block_n}, block_m 64")
     return cfg
 
 
@@ -128,36 +145,6 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
 # ----------------------------------------------------------------------------------------------
 
 if _GLUON_ERROR is None:
-
-    @gluon.jit
-    def _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, slot, h, row,
-                  HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, pred):
-        """TMA-load the Q and dO rows [row, row + BLOCK_M) of q head h into ring slot `slot`."""
-        mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes,
-                        pred=pred)
-        tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], ready.index(slot),
-                                        q_smem.index(slot), pred=pred)
-        tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM_V], ready.index(slot),
-                                        do_smem.index(slot), pred=pred)
-
-    @gluon.jit
-    def _stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, buf, h, m0, q_start, seqlen_q,
-                     total_q, BLOCK_M: gl.constexpr, layout: gl.constexpr):
-        """Copy lse (as log2, +inf for empty rows) and delta of one query block into shared
-        memory buffer `buf`.
-
-        Loaded one value per thread and read back in the MMA layout only when needed, so the
-        16 + 16 registers a thread would hold for them in that layout are not live across
-        the MMA waits (at d=128 that decides between spilling and not).
-        """
-        rows = m0 + gl.arange(0, BLOCK_M, layout=layout)
-        ok = rows < seqlen_q
-        off = h.to(gl.int64) * total_q + q_start + rows
-        # Rows past the sequence read lse = +inf: P = 0 there, no mask needed.
-        lse = gl.load(lse_ptr + off, mask=ok, other=float("inf"))
-        lse_smem.index(buf).store(
-            gl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634))
-        delta_smem.index(buf).store(gl.load(delta_ptr + off, mask=ok, other=0.0))
 
     # Lengths, head counts and windows stay runtime values: Triton would otherwise compile a
     # variant per value 1 (and per divisibility by 16), and with seqlen_q = group = 1 folded
@@ -209,19 +196,10 @@ if _GLUON_ERROR is None:
         n0 = n_blk * BLOCK_N
         if (n0 >= 0) & (n0 < seqlen_k):
             shift = seqlen_k - seqlen_q
-            # Query rows [m_lo, m_hi) that can see a key of [n0, n0 + BLOCK_N)
-            # (core.masks.query_range); m_lo rounded down to a block start.
-            m_lo = 0
-            m_hi = seqlen_q
-            if HAS_RIGHT:
-                m_lo = (gl.maximum(n0 - shift - window_right, 0) // BLOCK_M) * BLOCK_M
-            if HAS_LEFT:
-                m_hi = gl.minimum(n0 + BLOCK_N - shift + window_left, seqlen_q)
-            group_blocks = (gl.maximum(m_hi - m_lo, 0) + BLOCK_M - 1) // BLOCK_M
+            m_lo, group_blocks = query_range(n0, seqlen_q, shift, window_left, window_right,
+                                             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             n_steps = group_blocks * group
-            # A block needs no mask when every (row, key) pair of it is allowed: all keys
-            # exist, the first row sees the last key (right edge), the last row the first key
-            # (left edge). Rows past seqlen_q are harmless (P = 0 through lse = +inf).
+            # Edges for step_needs_mask.
             keys_oob = n0 + BLOCK_N > seqlen_k
             m_full_lo = n0 + BLOCK_N - 1 - shift - window_right  # used only with HAS_RIGHT
             m_full_hi = n0 - shift + window_left - BLOCK_M + 1  # used only with HAS_LEFT
@@ -251,7 +229,7 @@ if _GLUON_ERROR is None:
             h = hk * group
             m0 = m_lo
             m_end = m_lo + group_blocks * BLOCK_M
-            _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 0, h, q_start + m0, HEAD_DIM,
+            load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 0, h, q_start + m0, HEAD_DIM,
                       HEAD_DIM_V, n_steps > 0)
 
             kloc = gl.arange(0, BLOCK_N, layout=key_layout)
@@ -263,25 +241,19 @@ if _GLUON_ERROR is None:
             dv = gl.zeros([BLOCK_N, HEAD_DIM_V], gl.float32, dv_layout)
             s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
             dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
-            dq_rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-            dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
             stat_layout: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
             stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
             lse_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stat_smem_layout)
             delta_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stat_smem_layout)
             if n_steps > 0:
-                _stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 0, h, m0, q_start,
+                stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 0, h, m0, q_start,
                              seqlen_q, total_q, BLOCK_M, stat_layout)
             gl.thread_barrier()
             mbarrier.wait(kv_bar.index(0), 0)
 
             for it in range(n_steps):
                 slot = it % 2
-                h_next = h
-                m0_next = m0 + BLOCK_M
-                if m0_next >= m_end:
-                    h_next = h + 1
-                    m0_next = m_lo
+                h_next, m0_next = next_step(h, m0, m_lo, m_end, BLOCK_M)
                 mbarrier.wait(ready.index(slot), (it // 2) & 1)
                 q_s = q_smem.index(slot)
                 do_s = do_smem.index(slot)
@@ -296,7 +268,7 @@ if _GLUON_ERROR is None:
                 # in step it-1, before the barrier every warp has passed since; this step's
                 # barrier publishes it.
                 if it + 1 < n_steps:
-                    _stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
+                    stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
                                  m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
                 if DP_EARLY:
                     s = warpgroup_mma_wait(1, deps=[s_tok])
@@ -312,20 +284,9 @@ if _GLUON_ERROR is None:
                 else:
                     lse2 = lse_smem.index(slot).load(col_layout)
                     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
-                need_mask = keys_oob
-                if HAS_RIGHT:
-                    need_mask = need_mask | (m0 < m_full_lo)
-                if HAS_LEFT:
-                    need_mask = need_mask | (m0 > m_full_hi)
-                if need_mask:
-                    # In block-local indices (key - n0, row - m0) every edge is one scalar:
-                    # fewer live registers than absolute row/key tiles.
-                    c2 = gl.expand_dims(cols, 0)
-                    ok = gl.expand_dims(kloc < n_valid, 1)
-                    if HAS_RIGHT:
-                        ok = ok & (gl.expand_dims(kloc - (m0 + diag_right), 1) <= c2)
-                    if HAS_LEFT:
-                        ok = ok & (gl.expand_dims(kloc - (m0 + diag_left), 1) >= c2)
+                if step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, HAS_LEFT, HAS_RIGHT):
+                    ok = allowed(kloc, cols, n_valid, m0, diag_right, diag_left, HAS_LEFT,
+                                 HAS_RIGHT)
                     p = gl.where(ok, p, 0.0)
                     if SOFTCAP:
                         p_dt = gl.where(ok, p_dt, 0.0)
@@ -358,7 +319,7 @@ if _GLUON_ERROR is None:
                 # retired all MMAs of step it-1, so that step's ring slot can be refilled.
                 fence_async_shared()
                 gl.thread_barrier()
-                _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 1 - slot, h_next,
+                load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 1 - slot, h_next,
                           q_start + m0_next, HEAD_DIM, HEAD_DIM_V, it + 1 < n_steps)
                 dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, dq_zero, use_acc=False,
                                        is_async=True)
@@ -368,26 +329,12 @@ if _GLUON_ERROR is None:
                 else:
                     dk, dq, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, dq_tok, ds_op])
 
-                dq_rows = m0 + dq_rows0
-                dq_off = ((q_start + dq_rows).to(gl.int64) * n_heads + h) * HEAD_DIM
-                dq_ptrs = dq_ptr + gl.expand_dims(dq_off, 1) + gl.expand_dims(dq_cols, 0)
                 if DETERMINISTIC:
-                    # Wait for this query block's turn (see the module docstring): key
-                    # blocks [n_first, n_last] see it; causal turns run from n_last down.
-                    if HAS_RIGHT:
-                        n_last = gl.minimum(
-                            (m0 + BLOCK_M - 1 + shift + window_right) // BLOCK_N, n_seq - 1)
-                        turn = n_last - n_blk
-                    else:
-                        n_first = 0
-                        if HAS_LEFT:
-                            n_first = gl.maximum(m0 + shift - window_left, 0) // BLOCK_N
-                        turn = n_blk - n_first
-                    sem = sem_ptr + (batch * n_heads + h) * num_m_blocks + m0 // BLOCK_M
-                    while gl.atomic_add(sem, 0, sem="acquire") != turn:
-                        pass
-                gl.atomic_add(dq_ptrs, dq * softmax_scale,
-                              mask=gl.expand_dims(dq_rows < seqlen_q, 1), sem="relaxed")
+                    sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
+                                       n_seq, shift, window_left, window_right, BLOCK_M, BLOCK_N,
+                                       HAS_LEFT, HAS_RIGHT)
+                add_dq(dq_ptr, dq * softmax_scale, m0, q_start, seqlen_q, n_heads, h, 0, HEAD_DIM,
+                       BLOCK_M, HEAD_DIM, dq_layout)
                 if DETERMINISTIC:
                     # Every thread's adds are issued before the next block may start its own.
                     gl.thread_barrier()
@@ -399,19 +346,11 @@ if _GLUON_ERROR is None:
                 mbarrier.invalidate(ready.index(st))
             mbarrier.invalidate(kv_bar.index(0))
 
-            # Epilogue: dK carries the softmax scale of S = scale·Q·Kᵀ; rows past the
-            # sequence (other sequences' keys, or TMA zero fill) are not stored.
-            dk_keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
-            dk_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dk_layout))
-            dk_off = ((k_start + dk_keys).to(gl.int64) * n_kv_heads + hk) * HEAD_DIM
-            gl.store(dk_ptr + gl.expand_dims(dk_off, 1) + gl.expand_dims(dk_cols, 0),
-                     (dk * softmax_scale).to(dk_ptr.dtype.element_ty),
-                     mask=gl.expand_dims(dk_keys < seqlen_k, 1))
-            dv_keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv_layout))
-            dv_cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout))
-            dv_off = ((k_start + dv_keys).to(gl.int64) * n_kv_heads + hk) * HEAD_DIM_V
-            gl.store(dv_ptr + gl.expand_dims(dv_off, 1) + gl.expand_dims(dv_cols, 0),
-                     dv.to(dv_ptr.dtype.element_ty), mask=gl.expand_dims(dv_keys < seqlen_k, 1))
+            # Epilogue: dK carries the softmax scale of S = scale·Q·Kᵀ.
+            store_key_rows(dk_ptr, dk * softmax_scale, n0, k_start, seqlen_k, n_kv_heads, hk,
+                           HEAD_DIM, BLOCK_N, dk_layout)
+            store_key_rows(dv_ptr, dv, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM_V,
+                           BLOCK_N, dv_layout)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -459,14 +398,18 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
     constexprs = _constexprs(head_dim, head_dim_v, cfg, **feats)
     for name in constexprs:
         signature[name] = "constexpr"
-    src = GluonASTSource(_attn_bwd_kernel, signature, constexprs=constexprs)
+    src = GluonASTSource(_kernel_for(head_dim), signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": cfg.num_warps})
 
 
 def unsupported_backward(q, k, v, seq: SeqInfo, params: AttnParams, sink) -> str | None:
     """None when this kernel computes the gradients exactly, else why not (for dispatch)."""
-    why = _fwd.hopper_input_reason(q, k, v, sink, SUPPORTED_HEAD_DIMS, "backward")
+    d, dv = q.shape[-1], v.shape[-1]
+    if _fwd.kernel_head_dim(d, dv) is None:
+        return (f"sm90 backward supports head dims 64/64, 128/128, 256/256 and (zero-padded) "
+                f"any d, dv with 64 < max(d, dv) <= 256; got {d}/{dv}")
+    why = _fwd.hopper_input_reason(q, k, v, sink, None, "backward")
     if why is not None:
         return why
     if seq.batch > 65535 or k.shape[1] > 65535:
@@ -479,13 +422,23 @@ def unsupported_backward(q, k, v, seq: SeqInfo, params: AttnParams, sink) -> str
 def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, sink,
              cfg: BwdConfig | None = None):
     """(dq, dk, dv, dsink) for out = attention(q, k, v); shapes as in `core/params.py`."""
+    d, dvd = q.shape[-1], v.shape[-1]
+    width = _fwd.kernel_head_dim(d, dvd)
+    if (d, dvd) != (width, width):
+        # As the forward: zero columns add nothing to q·k, dO·vᵀ or rowsum(dO∘O), and the
+        # gradients' padded columns are dropped.
+        pad = _fwd.pad_head_dim
+        dq, dk, dv, dsink = backward(pad(dout, width), pad(q, width), pad(k, width),
+                                     pad(v, width), pad(out, width), lse, dlse, seq, params,
+                                     sink, cfg)
+        return (dq[..., :d].contiguous(), dk[..., :d].contiguous(), dv[..., :dvd].contiguous(),
+                dsink)
     # The portable preprocess and the sink gradient are shared with the portable backend.
     from ..cpu import sink_grad
     from ..portable import _delta
 
-    total_q, hq, d = q.shape
-    total_k, hkv, _ = k.shape
-    dvd = v.shape[-1]
+    total_q, hq, _ = q.shape
+    hkv = k.shape[1]
     cfg = select_config(d, cfg, params.softcap > 0)
     # The dO descriptor shares Q's compiled element type and needs TMA-friendly strides.
     # (Each no-op conversion still costs host time: convert only what needs it.)
@@ -521,7 +474,7 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
     sem = torch.zeros((seq.batch, hq, num_m_blocks) if params.deterministic else (1,),
                       dtype=torch.int32, device=q.device)
     grid = (cdiv(max(seq.max_seqlen_k, 1), cfg.block_n), hkv, seq.batch)
-    _attn_bwd_kernel[grid](
+    _kernel_for(d)[grid](
         q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk, dv, seq.cu_seqlens_q,
         seq.cu_seqlens_k, seq.seqused_k if has_seqused else seq.cu_seqlens_k, sem,
         seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, hkv, hq // hkv, num_m_blocks, qk_scale,

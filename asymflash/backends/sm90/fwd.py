@@ -1021,7 +1021,7 @@ def kernel_head_dim(d: int, dv: int) -> int | None:
     return 128 if width <= 128 else 256
 
 
-def _pad_head_dim(t: torch.Tensor, width: int) -> torch.Tensor:
+def pad_head_dim(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
 
 
@@ -1047,7 +1047,7 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
     width = kernel_head_dim(d, dv)
     if (d, dv) != (width, width):
         # Zero-padded copies (see kernel_head_dim); softmax_scale already holds d's default.
-        out, lse = forward(*(_pad_head_dim(t, width) for t in (q, k, v)), seq, params, sink,
+        out, lse = forward(*(pad_head_dim(t, width) for t in (q, k, v)), seq, params, sink,
                            cfg)
         return out[..., :dv].contiguous(), lse
     total_q, hq, d = q.shape

@@ -1,0 +1,139 @@
+"""Gluon pieces shared by the two sm90 backward kernels (`bwd.py` for d <= 128, `bwd_wide.py`
+for d = 256): loads, row statistics, the query range of a key block, the masks, the dQ
+reduction with its deterministic turn, and the dK/dV stores.
+
+Both kernels follow the same plan (see bwd.py's docstring): one CTA per key block, a walk over
+(q head of the group, query block) steps, transposed products so the key dimension is the
+wgmma M axis. They differ in how the two warpgroups share a step.
+"""
+
+from __future__ import annotations
+
+from .fwd import _GLUON_ERROR
+
+if _GLUON_ERROR is None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+    @gluon.jit
+    def load_qdo(q_desc, do_desc, q_smem, do_smem, ready, slot, h, row,
+                 HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, pred):
+        """TMA-load the Q and dO rows [row, row + BLOCK_M) of q head h into ring slot `slot`."""
+        mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes,
+                        pred=pred)
+        tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], ready.index(slot),
+                                        q_smem.index(slot), pred=pred)
+        tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM_V], ready.index(slot),
+                                        do_smem.index(slot), pred=pred)
+
+    @gluon.jit
+    def stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, buf, h, m0, q_start, seqlen_q,
+                    total_q, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+        """Copy lse (as log2, +inf for empty rows) and delta of one query block into shared
+        memory buffer `buf`.
+
+        Loaded one value per thread and read back in the MMA layout only when needed, so the
+        16 + 16 registers a thread would hold for them in that layout are not live across
+        the MMA waits (at d=128 that decides between spilling and not).
+        """
+        rows = m0 + gl.arange(0, BLOCK_M, layout=layout)
+        ok = rows < seqlen_q
+        off = h.to(gl.int64) * total_q + q_start + rows
+        # Rows past the sequence read lse = +inf: P = 0 there, no mask needed.
+        lse = gl.load(lse_ptr + off, mask=ok, other=float("inf"))
+        lse_smem.index(buf).store(
+            gl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634))
+        delta_smem.index(buf).store(gl.load(delta_ptr + off, mask=ok, other=0.0))
+
+    @gluon.jit
+    def query_range(n0, seqlen_q, shift, window_left, window_right, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+        """(m_lo, blocks): query rows [m_lo, m_lo + blocks·BLOCK_M) hold every row that can
+        see a key of [n0, n0 + BLOCK_N) (core.masks.query_range), m_lo a block start."""
+        m_lo = 0
+        m_hi = seqlen_q
+        if HAS_RIGHT:
+            m_lo = (gl.maximum(n0 - shift - window_right, 0) // BLOCK_M) * BLOCK_M
+        if HAS_LEFT:
+            m_hi = gl.minimum(n0 + BLOCK_N - shift + window_left, seqlen_q)
+        return m_lo, (gl.maximum(m_hi - m_lo, 0) + BLOCK_M - 1) // BLOCK_M
+
+    @gluon.jit
+    def next_step(h, m0, m_lo, m_end, BLOCK_M: gl.constexpr):
+        """The (q head, query block start) after (h, m0): blocks first, then heads."""
+        h_next = h
+        m0_next = m0 + BLOCK_M
+        if m0_next >= m_end:
+            h_next = h + 1
+            m0_next = m_lo
+        return h_next, m0_next
+
+    @gluon.jit
+    def step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, HAS_LEFT: gl.constexpr,
+                        HAS_RIGHT: gl.constexpr):
+        """False when every (row, key) pair of the block is allowed: all keys exist, the first
+        row sees the last key (right edge), the last row the first key (left edge). Rows past
+        seqlen_q are harmless (P = 0 through lse = +inf)."""
+        need = keys_oob
+        if HAS_RIGHT:
+            need = need | (m0 < m_full_lo)
+        if HAS_LEFT:
+            need = need | (m0 > m_full_hi)
+        return need
+
+    @gluon.jit
+    def allowed(kloc, cols, n_valid, m0, diag_right, diag_left, HAS_LEFT: gl.constexpr,
+                HAS_RIGHT: gl.constexpr):
+        """[keys, rows] mask of a Pᵀ tile. In block-local indices (key - n0, row - m0) every
+        edge is one scalar: fewer live registers than absolute row/key tiles."""
+        c2 = gl.expand_dims(cols, 0)
+        ok = gl.expand_dims(kloc < n_valid, 1)
+        if HAS_RIGHT:
+            ok = ok & (gl.expand_dims(kloc - (m0 + diag_right), 1) <= c2)
+        if HAS_LEFT:
+            ok = ok & (gl.expand_dims(kloc - (m0 + diag_left), 1) >= c2)
+        return ok
+
+    @gluon.jit
+    def wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq, shift,
+                     window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+        """Deterministic mode: spin until key block n_blk may add its dQ partial of query
+        block m0 (bwd.py's docstring), return that block's turn counter.
+
+        Key blocks [n_first, n_last] see the query block; causal turns run from n_last down.
+        """
+        if HAS_RIGHT:
+            n_last = gl.minimum((m0 + BLOCK_M - 1 + shift + window_right) // BLOCK_N, n_seq - 1)
+            turn = n_last - n_blk
+        else:
+            n_first = 0
+            if HAS_LEFT:
+                n_first = gl.maximum(m0 + shift - window_left, 0) // BLOCK_N
+            turn = n_blk - n_first
+        sem = sem_ptr + (batch * n_heads + h) * num_m_blocks + m0 // BLOCK_M
+        while gl.atomic_add(sem, 0, sem="acquire") != turn:
+            pass
+        return sem
+
+    @gluon.jit
+    def add_dq(dq_ptr, dq, m0, q_start, seqlen_q, n_heads, h, col0, HEAD_DIM: gl.constexpr,
+               BLOCK_M: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
+        """dQ_acc[rows m0.., head h, cols col0..col0+COLS) += dq (fp32 reductions)."""
+        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        off = ((q_start + rows).to(gl.int64) * n_heads + h) * HEAD_DIM
+        gl.atomic_add(dq_ptr + gl.expand_dims(off, 1) + gl.expand_dims(cols, 0), dq,
+                      mask=gl.expand_dims(rows < seqlen_q, 1), sem="relaxed")
+
+    @gluon.jit
+    def store_key_rows(ptr, tile, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD: gl.constexpr,
+                       BLOCK_N: gl.constexpr, layout: gl.constexpr):
+        """Store a [BLOCK_N, HEAD] dK or dV tile; rows past the sequence (other sequences'
+        keys, or TMA zero fill) are not stored."""
+        keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
+        off = ((k_start + keys).to(gl.int64) * n_kv_heads + hk) * HEAD
+        gl.store(ptr + gl.expand_dims(off, 1) + gl.expand_dims(cols, 0),
+                 tile.to(ptr.dtype.element_ty), mask=gl.expand_dims(keys < seqlen_k, 1))

@@ -1,0 +1,219 @@
+"""FlashAttention backward for Hopper at head dim 256, in Gluon.
+
+The d <= 128 kernel (bwd.py) gives each warpgroup its own 64 keys and keeps that warpgroup's
+dK and dV rows in registers. At d = 256 one warpgroup's 64 × 256 dK and dV would take 256
+fp32 registers per thread, so here the two warpgroups share one block of 64 keys and split the
+head dim instead (FA3's hdim-256 shape):
+
+    Sᵀ, dPᵀ  [64 keys, 64 rows]    warpgroup w computes rows [32w, 32w + 32)
+    Pᵀ, dSᵀ                        each warpgroup writes its half to shared memory
+    dV += Pᵀ·dO   [64, 256]        warpgroup w owns columns [128w, 128w + 128)
+    dK += dSᵀ·Q   [64, 256]        likewise
+    dQ  = dS·K    [64, 256]        in two 128-column chunks, each split the same way
+
+so a thread holds 64 + 64 registers of dK/dV, 16 + 16 of Sᵀ/dPᵀ and 2 × 32 of dQ. The price
+is that Pᵀ and dSᵀ, formed in halves, go through shared memory before the dV/dK products read
+them whole, which takes two CTA barriers per step instead of one:
+
+    barrier 1 (Pᵀ published): every warpgroup has finished the previous step, so its Q/dO ring
+        slot is refilled here (one step ahead) and dSᵀ's single buffer may be rewritten;
+    barrier 2 (dSᵀ published): every warpgroup has retired its dV product, so Pᵀ's single
+        buffer may be rewritten in the next step.
+
+Everything else (the step walk over the GQA group's query blocks, masks only on edge blocks,
+lse/delta staging, dQ reductions and the deterministic turns) is bwd.py's, through bwd_parts.
+"""
+
+from __future__ import annotations
+
+from .fwd import _GLUON_ERROR
+
+if _GLUON_ERROR is None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from .bwd_parts import (
+        add_dq,
+        allowed,
+        load_qdo,
+        next_step,
+        query_range,
+        stage_stats,
+        step_needs_mask,
+        store_key_rows,
+        wait_dq_turn,
+    )
+    from .fwd import _sequence, _tanh
+
+    @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
+                                  "group", "window_left", "window_right", "num_m_blocks"])
+    def attn_bwd_wide_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr,
+                             dv_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, sem_ptr, seqlen_q,
+                             seqlen_k, total_q, n_heads, n_kv_heads, group, num_m_blocks,
+                             qk_scale, softmax_scale, softcap_pre, window_left, window_right,
+                             HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                             UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+                             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                             SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
+                             DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                             REVERSE_N: gl.constexpr):
+        # DV_OVERLAP / DP_EARLY are bwd.py's register trade-offs; here dPᵀ is always issued
+        # with Sᵀ and dV always retired before dSᵀ is published (barrier 2 relies on it).
+        DQ_COLS: gl.constexpr = HEAD_DIM // 2
+        # All four tiles split over the warpgroups by columns (warps_per_cta [4, 2]).
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                           instr_shape=[16, BLOCK_M // 2, 16])
+        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, HEAD_DIM // 2, 16])
+        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, HEAD_DIM_V // 2, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                            instr_shape=[16, DQ_COLS // 2, 16])
+        key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        dtype: gl.constexpr = q_desc.dtype
+
+        n_blk = gl.program_id(0)
+        hk = gl.program_id(1)
+        batch = gl.program_id(2)
+        q_start, k_start, seqlen_q, seqlen_k = _sequence(
+            batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr, UNIFORM, HAS_SEQUSED)
+        n_seq = (seqlen_k + BLOCK_N - 1) // BLOCK_N
+        if HAS_RIGHT and (DETERMINISTIC or REVERSE_N):
+            n_blk = n_seq - 1 - n_blk  # top key block first (bwd.py)
+        n0 = n_blk * BLOCK_N
+        if (n0 >= 0) & (n0 < seqlen_k):
+            shift = seqlen_k - seqlen_q
+            m_lo, group_blocks = query_range(n0, seqlen_q, shift, window_left, window_right,
+                                             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            n_steps = group_blocks * group
+            keys_oob = n0 + BLOCK_N > seqlen_k
+            m_full_lo = n0 + BLOCK_N - 1 - shift - window_right  # used only with HAS_RIGHT
+            m_full_hi = n0 - shift + window_left - BLOCK_M + 1  # used only with HAS_LEFT
+
+            k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+            v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V], v_desc.layout)
+            q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+            do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM_V],
+                                                do_desc.layout)
+            pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
+                                                                           dtype)
+            pt_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pt_layout)
+            ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pt_layout)
+            kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+            ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(kv_bar.index(0), count=1)
+            for st in gl.static_range(2):
+                mbarrier.init(ready.index(st), count=1)
+            fence_async_shared()
+
+            mbarrier.expect(kv_bar.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [k_start + n0, hk * HEAD_DIM],
+                                            kv_bar.index(0), k_smem)
+            tma.async_copy_global_to_shared(v_desc, [k_start + n0, hk * HEAD_DIM_V],
+                                            kv_bar.index(0), v_smem)
+            h = hk * group
+            m0 = m_lo
+            m_end = m_lo + group_blocks * BLOCK_M
+            load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 0, h, q_start + m0, HEAD_DIM,
+                     HEAD_DIM_V, n_steps > 0)
+
+            kloc = gl.arange(0, BLOCK_N, layout=key_layout)
+            n_valid = seqlen_k - n0
+            diag_right = shift + window_right - n0
+            diag_left = shift - window_left - n0
+            cols = gl.arange(0, BLOCK_M, layout=col_layout)
+            dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, dk_layout)
+            dv = gl.zeros([BLOCK_N, HEAD_DIM_V], gl.float32, dv_layout)
+            s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+            dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+            stat_layout: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
+            stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+            lse_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stat_smem_layout)
+            delta_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stat_smem_layout)
+            if n_steps > 0:
+                stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 0, h, m0, q_start,
+                            seqlen_q, total_q, BLOCK_M, stat_layout)
+            gl.thread_barrier()
+            mbarrier.wait(kv_bar.index(0), 0)
+
+            for it in range(n_steps):
+                slot = it % 2
+                h_next, m0_next = next_step(h, m0, m_lo, m_end, BLOCK_M)
+                mbarrier.wait(ready.index(slot), (it // 2) & 1)
+                q_s = q_smem.index(slot)
+                do_s = do_smem.index(slot)
+                s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)
+                dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
+                                       is_async=True)
+                # Next step's statistics (published by this step's barrier 1).
+                if it + 1 < n_steps:
+                    stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
+                                m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
+                s = warpgroup_mma_wait(1, deps=[s_tok])
+                lse2 = lse_smem.index(slot).load(col_layout)
+                if SOFTCAP:
+                    t = _tanh(s * softcap_pre)
+                    p = gl.exp2(t * qk_scale - gl.expand_dims(lse2, 0))
+                    p_dt = p * (1.0 - t * t)
+                else:
+                    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
+                if step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, HAS_LEFT, HAS_RIGHT):
+                    ok = allowed(kloc, cols, n_valid, m0, diag_right, diag_left, HAS_LEFT,
+                                 HAS_RIGHT)
+                    p = gl.where(ok, p, 0.0)
+                    if SOFTCAP:
+                        p_dt = gl.where(ok, p_dt, 0.0)
+                pt_smem.store(p.to(dtype))
+                if SOFTCAP:
+                    p = p_dt
+                fence_async_shared()
+                gl.thread_barrier()  # barrier 1
+                load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 1 - slot, h_next,
+                         q_start + m0_next, HEAD_DIM, HEAD_DIM_V, it + 1 < n_steps)
+                dv_tok = warpgroup_mma(pt_smem, do_s, dv, is_async=True)
+                dp, dv = warpgroup_mma_wait(0, deps=[dp_tok, dv_tok])
+                delta = delta_smem.index(slot).load(col_layout)
+                ds = p * (dp - gl.expand_dims(delta, 0))
+                ds_smem.store(ds.to(dtype))
+                fence_async_shared()
+                gl.thread_barrier()  # barrier 2
+                dk_tok = warpgroup_mma(ds_smem, q_s, dk, is_async=True)
+                dq_lo_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(0, DQ_COLS, 1),
+                                          dq_zero, use_acc=False, is_async=True)
+                dq_hi_tok = warpgroup_mma(ds_smem.permute((1, 0)),
+                                          k_smem.slice(DQ_COLS, DQ_COLS, 1), dq_zero,
+                                          use_acc=False, is_async=True)
+                # Groups retire in order: the low dQ half is added while the high one runs.
+                dk, dq_lo = warpgroup_mma_wait(1, deps=[dk_tok, dq_lo_tok])
+                if DETERMINISTIC:
+                    sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
+                                       n_seq, shift, window_left, window_right, BLOCK_M, BLOCK_N,
+                                       HAS_LEFT, HAS_RIGHT)
+                add_dq(dq_ptr, dq_lo * softmax_scale, m0, q_start, seqlen_q, n_heads, h, 0,
+                       HEAD_DIM, BLOCK_M, DQ_COLS, dq_layout)
+                dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
+                add_dq(dq_ptr, dq_hi * softmax_scale, m0, q_start, seqlen_q, n_heads, h,
+                       DQ_COLS, HEAD_DIM, BLOCK_M, DQ_COLS, dq_layout)
+                if DETERMINISTIC:
+                    gl.thread_barrier()
+                    gl.atomic_add(sem, 1, sem="release")
+                h = h_next
+                m0 = m0_next
+
+            for st in gl.static_range(2):
+                mbarrier.invalidate(ready.index(st))
+            mbarrier.invalidate(kv_bar.index(0))
+            store_key_rows(dk_ptr, dk * softmax_scale, n0, k_start, seqlen_k, n_kv_heads, hk,
+                           HEAD_DIM, BLOCK_N, dk_layout)
+            store_key_rows(dv_ptr, dv, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM_V,
+                           BLOCK_N, dv_layout)
