@@ -12,6 +12,7 @@
    backward and torch SDPA cuDNN (autograd.grad of its output). Every timed cell first checks
    ours against the portable gradients (max error relative to the largest gradient).
 
+--dims / --seqlens narrow the timed grid; --set FIELD=VALUE times a BwdConfig variant.
 Every step runs in a child process: a crash (illegal address, hang) costs its cell, never
 the table. The whole probe stays within --budget seconds (default 55).
 Prints a compact table; writes JSON to $OUT/sm90-bwd-probe.json when $OUT is set.
@@ -41,7 +42,8 @@ SEQLENS = (1024, 4096, 16384)
 CELL_TIMEOUT = 12.0  # seconds one timed cell may take (16k d=256 portable: the slowest)
 START_TIMEOUT = 20.0  # seconds a bench process may take to import torch and reach a cell
 QUICK_CASES = ("d128", "d64-causal-fp16", "d128-gqa-causal-sq<sk", "d128-local",
-               "d64-softcap-sink", "d128-varlen-causal", "d64-varlen-seqused")
+               "d64-softcap-sink", "d128-varlen-causal", "d64-varlen-seqused",
+               "d256-causal-fp16", "d256-local-softcap-sink")
 
 
 def _child_env():
@@ -174,7 +176,9 @@ def _bench_cell(d, causal, seqlen, warm_only):
                       for g, r in zip(got[:3], ref[:3]))
             nan = any(torch.isnan(g).any().item() for g in got[:3])
             res["rel_err"] = float(f"{rel:.2e}")
-            if nan or rel > 5e-2:
+            # ASYMFLASH_PROBE_NOCHECK=1 times a wrong result too: for diagnostic patches that
+            # drop work on purpose (e.g. the dQ reductions), never for numbers to report.
+            if (nan or rel > 5e-2) and not os.environ.get("ASYMFLASH_PROBE_NOCHECK"):
                 res["ours"] = f"WRONG rel {rel:.1e}"
             elif not warm_only:
                 res["ours"] = tflops(
@@ -247,6 +251,8 @@ def main():
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="time ours with this BwdConfig field changed (true/false or an integer), "
                          "e.g. --set reverse_causal=true")
+    ap.add_argument("--dims", default=",".join(map(str, DIMS)), help="head dims, e.g. 256")
+    ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)), help="e.g. 2048,16384")
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.set:  # the children read it
@@ -264,13 +270,15 @@ def main():
 
     t_start = time.time()
     deadline = t_start + args.budget
-    cells = [(d, c, s) for d in DIMS for c in (0, 1) for s in SEQLENS]
+    dims = [int(x) for x in args.dims.split(",")]
+    seqlens = [int(x) for x in args.seqlens.split(",")]
+    cells = [(d, c, s) for d in dims for c in (0, 1) for s in seqlens]
 
     # Phase 1, all in parallel: compiling the timed kernels (the 1k cell specialises like the
     # others: every length and count is a multiple of 16), and the correctness cases.
     phase1_end = t_start + 0.55 * args.budget
-    procs = [("warm", (d, c), _spawn(["--worker", "warm", json.dumps([[d, c, SEQLENS[0]]])]))
-             for d in DIMS for c in (0, 1)]
+    procs = [("warm", (d, c), _spawn(["--worker", "warm", json.dumps([[d, c, seqlens[0]]])]))
+             for d in dims for c in (0, 1)]
     if args.full:
         names = [c["name"] for c in _import_test_module().CASES]
     else:  # no torch import in the parent: it would only delay the children

@@ -33,6 +33,7 @@ print(_json.dumps(dict(
     hgmma=_sass.count("HGMMA"), mma=_sass.count("HGMMA") + _sass.count("HMMA"),
     local=len(_re.findall(r"\b(LDL|STL)\b", _sass)), mufu_ex2=_sass.count("MUFU.EX2"),
     red=len(_re.findall(r"\bREDG?\.E\.ADD\.F32", _sass)),
+    tma_reduce=_sass.count("UTMAREDG"),
     syncs=len(_re.findall(r"\bSYNCS\.(?:PHASECHK|ARRIVE)", _sass)),
     regs=int(_re.findall(r"REG:(\d+)", _res)[0]), shared=kernel.metadata.shared,
     maxnreg=sorted({int(x) for x in _re.findall(

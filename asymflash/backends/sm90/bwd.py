@@ -82,6 +82,7 @@ if _GLUON_ERROR is None:
         stage_stats,
         step_needs_mask,
         store_key_rows,
+        tma_reduce_add,
         wait_dq_turn,
     )
     from .fwd import _sequence, _tanh
@@ -103,6 +104,10 @@ class BwdConfig:
     # (H200) deterministic mode beat the default at d=128 causal 512 (146 vs 80 TFLOP/s):
     # to measure for the default too (scripts/sm90-bwd-probe.py --set reverse_causal=true).
     reverse_causal: bool = False
+    # dQ partials leave through one TMA reduce-add per step (cp.reduce.async.bulk.tensor)
+    # instead of per-thread fp32 atomics. Deterministic mode keeps the atomics (its turns
+    # need each add complete before the next key block's).
+    dq_tma: bool = True
 
 
 # Not tuned on a GPU yet: FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) for both.
@@ -152,9 +157,9 @@ if _GLUON_ERROR is None:
     # (found on the H200, 2026-11-29; tests/test_sm90_bwd_compile.py).
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
                                   "group", "window_left", "window_right", "num_m_blocks"])
-    def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr,
-                         dv_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, sem_ptr, seqlen_q, seqlen_k,
-                         total_q, n_heads, n_kv_heads, group, num_m_blocks, qk_scale,
+    def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dq_ptr,
+                         dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, sem_ptr, seqlen_q,
+                         seqlen_k, total_q, n_heads, n_kv_heads, group, num_m_blocks, qk_scale,
                          softmax_scale, softcap_pre, window_left, window_right,
                          HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -162,7 +167,7 @@ if _GLUON_ERROR is None:
                          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
                          DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                         REVERSE_N: gl.constexpr):
+                         REVERSE_N: gl.constexpr, DQ_TMA: gl.constexpr):
         # Keys on the M axis: warpgroup w owns keys [w·64, w·64 + 64) of the block.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
@@ -212,6 +217,10 @@ if _GLUON_ERROR is None:
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                            dtype)
             ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+            if DQ_TMA:
+                # dQ partials leave through one TMA reduce-add per step from here.
+                dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM],
+                                                    dq_desc.layout)
             kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
             ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             mbarrier.init(kv_bar.index(0), count=1)
@@ -316,8 +325,11 @@ if _GLUON_ERROR is None:
                 dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                 # dQ reads both warpgroups' halves of dSᵀ: make the stores visible to the
                 # async proxy, then wait for every warp. Past this barrier every warp has also
-                # retired all MMAs of step it-1, so that step's ring slot can be refilled.
+                # retired all MMAs of step it-1, so that step's ring slot can be refilled, and
+                # (DQ_TMA) the issuing thread has seen step it-1's dQ reduce read dq_smem.
                 fence_async_shared()
+                if DQ_TMA:
+                    tma.store_wait(0)
                 gl.thread_barrier()
                 load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 1 - slot, h_next,
                           q_start + m0_next, HEAD_DIM, HEAD_DIM_V, it + 1 < n_steps)
@@ -329,19 +341,29 @@ if _GLUON_ERROR is None:
                 else:
                     dk, dq, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, dq_tok, ds_op])
 
-                if DETERMINISTIC:
-                    sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
-                                       n_seq, shift, window_left, window_right, BLOCK_M, BLOCK_N,
-                                       HAS_LEFT, HAS_RIGHT)
-                add_dq(dq_ptr, dq * softmax_scale, m0, q_start, seqlen_q, n_heads, h, 0, HEAD_DIM,
-                       BLOCK_M, HEAD_DIM, dq_layout)
-                if DETERMINISTIC:
-                    # Every thread's adds are issued before the next block may start its own.
+                if DQ_TMA:
+                    # Rows past this sequence get exact zeros (P = 0 there): no row mask. Rows
+                    # past the tensor are clipped by the TMA unit.
+                    dq_smem.store(dq * softmax_scale)
+                    fence_async_shared()
                     gl.thread_barrier()
-                    gl.atomic_add(sem, 1, sem="release")
+                    tma_reduce_add(dq_desc, [q_start + m0, h * HEAD_DIM], dq_smem)
+                else:
+                    if DETERMINISTIC:
+                        sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
+                                           n_seq, shift, window_left, window_right, BLOCK_M,
+                                           BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                    add_dq(dq_ptr, dq * softmax_scale, m0, q_start, seqlen_q, n_heads, h, 0,
+                           HEAD_DIM, BLOCK_M, HEAD_DIM, dq_layout)
+                    if DETERMINISTIC:
+                        # Every thread's adds are issued before the next block starts its own.
+                        gl.thread_barrier()
+                        gl.atomic_add(sem, 1, sem="release")
                 h = h_next
                 m0 = m0_next
 
+            if DQ_TMA:
+                tma.store_wait(0)  # the last reduce reads dq_smem
             for st in gl.static_range(2):
                 mbarrier.invalidate(ready.index(st))
             mbarrier.invalidate(kv_bar.index(0))
@@ -365,7 +387,16 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
             "HAS_SEQUSED": has_seqused, "HAS_LEFT": has_left, "HAS_RIGHT": has_right,
             "SOFTCAP": softcap, "DV_OVERLAP": cfg.dv_overlap,
             "DP_EARLY": cfg.dp_early, "DETERMINISTIC": deterministic,
-            "REVERSE_N": cfg.reverse_causal}
+            "REVERSE_N": cfg.reverse_causal, "DQ_TMA": cfg.dq_tma and not deterministic}
+
+
+def _dq_block(head_dim: int, cfg: BwdConfig) -> list[int]:
+    """The dQ reduce box: the whole row block, or half of it at d=256 (bwd_wide)."""
+    return [cfg.block_m, head_dim // 2 if head_dim == 256 else head_dim]
+
+
+def _dq_layout(block):
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.float32)
 
 
 def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
@@ -386,9 +417,11 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
     def desc(block):
         return f"tensordesc<{ty}[{block[0]}, {block[1]}],{_fwd._smem_layout(block, dtype)!r}>"
 
+    dq_block = _dq_block(head_dim, cfg)
     signature = {
         "q_desc": desc([cfg.block_m, head_dim]), "k_desc": desc([cfg.block_n, head_dim]),
         "v_desc": desc([cfg.block_n, head_dim_v]), "do_desc": desc([cfg.block_m, head_dim_v]),
+        "dq_desc": f"tensordesc<fp32[{dq_block[0]}, {dq_block[1]}],{_dq_layout(dq_block)!r}>",
         "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "dk_ptr": f"*{ty}",
         "dv_ptr": f"*{ty}", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "used_k_ptr": "*i32",
         "sem_ptr": "*i32", "seqlen_q": "i32", "seqlen_k": "i32", "total_q": "i32",
@@ -460,6 +493,8 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
 
     q_desc = _fwd.tma_rows(q, (cfg.block_m, d))
     do_desc = _fwd.tma_rows(dout, (cfg.block_m, dvd))
+    dq_block = _dq_block(d, cfg)
+    dq_desc = _fwd.tma_rows(dq_acc, dq_block, _dq_layout(dq_block))
     k_desc = _fwd.tma_rows(k, (cfg.block_n, d))
     v_desc = _fwd.tma_rows(v, (cfg.block_n, dvd))
 
@@ -475,7 +510,7 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
                       dtype=torch.int32, device=q.device)
     grid = (cdiv(max(seq.max_seqlen_k, 1), cfg.block_n), hkv, seq.batch)
     _kernel_for(d)[grid](
-        q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk, dv, seq.cu_seqlens_q,
+        q_desc, k_desc, v_desc, do_desc, dq_desc, lse, delta, dq_acc, dk, dv, seq.cu_seqlens_q,
         seq.cu_seqlens_k, seq.seqused_k if has_seqused else seq.cu_seqlens_k, sem,
         seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, hkv, hq // hkv, num_m_blocks, qk_scale,
         params.softmax_scale, softcap_pre, wl, wr, **consts, num_warps=cfg.num_warps)

@@ -12,9 +12,22 @@ from __future__ import annotations
 from .fwd import _GLUON_ERROR
 
 if _GLUON_ERROR is None:
+    from triton._C.libtriton import ir
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+    @builtin
+    def tma_reduce_add(desc, coord, src, _semantic=None):
+        """global[box at coord] += shared memory `src` (cp.reduce.async.bulk.tensor .add).
+
+        Issued by one thread; its completion is tracked like a TMA store's (tma.store_wait).
+        Triton 3.6's Gluon Hopper `tma` module has no reduce, but its IR builder does.
+        """
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle,
+                                                  coord, src.handle)
 
     @gluon.jit
     def load_qdo(q_desc, do_desc, q_smem, do_smem, ready, slot, h, row,
@@ -26,6 +39,12 @@ if _GLUON_ERROR is None:
                                         q_smem.index(slot), pred=pred)
         tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM_V], ready.index(slot),
                                         do_smem.index(slot), pred=pred)
+
+    @gluon.jit
+    def load_rows(desc, dst, bar, row, col, pred):
+        """TMA-load one [rows, cols] box of `desc` at (row, col) into `dst`, arriving on `bar`."""
+        mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(desc, [row, col], bar, dst, pred=pred)
 
     @gluon.jit
     def stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, buf, h, m0, q_start, seqlen_q,

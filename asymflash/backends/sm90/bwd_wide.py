@@ -42,21 +42,23 @@ if _GLUON_ERROR is None:
     from .bwd_parts import (
         add_dq,
         allowed,
-        load_qdo,
+        load_rows,
         next_step,
         query_range,
         stage_stats,
         step_needs_mask,
         store_key_rows,
+        tma_reduce_add,
         wait_dq_turn,
     )
     from .fwd import _sequence, _tanh
 
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
                                   "group", "window_left", "window_right", "num_m_blocks"])
-    def attn_bwd_wide_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr,
-                             dv_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, sem_ptr, seqlen_q,
-                             seqlen_k, total_q, n_heads, n_kv_heads, group, num_m_blocks,
+    def attn_bwd_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
+                             dq_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, sem_ptr,
+                             seqlen_q, seqlen_k, total_q, n_heads, n_kv_heads, group,
+                             num_m_blocks,
                              qk_scale, softmax_scale, softcap_pre, window_left, window_right,
                              HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -64,9 +66,11 @@ if _GLUON_ERROR is None:
                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                              SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
                              DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                             REVERSE_N: gl.constexpr):
-        # DV_OVERLAP / DP_EARLY are bwd.py's register trade-offs; here dPᵀ is always issued
-        # with Sᵀ and dV always retired before dSᵀ is published (barrier 2 relies on it).
+                             REVERSE_N: gl.constexpr, DQ_TMA: gl.constexpr):
+        # dPᵀ is always issued with Sᵀ here (DP_EARLY is bwd.py's register trade-off), and dV
+        # is always retired before dSᵀ is published (barrier 2 relies on it); DV_OVERLAP keeps
+        # it in flight while dSᵀ is formed. DQ_TMA: dQ leaves by TMA reduce-add in two
+        # 128-column halves (dq_desc's box) through one staging tile.
         DQ_COLS: gl.constexpr = HEAD_DIM // 2
         # All four tiles split over the warpgroups by columns (warps_per_cta [4, 2]).
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -102,17 +106,23 @@ if _GLUON_ERROR is None:
             k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
             v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V], v_desc.layout)
             q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
-            do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM_V],
-                                                do_desc.layout)
+            # dO has one buffer: its readers (dPᵀ, dV) are retired by barrier 2, so the next
+            # step's dO lands while dK and dQ run. The 32 KB saved hold the dQ staging tile.
+            do_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM_V], do_desc.layout)
             pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                            dtype)
             pt_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pt_layout)
             ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pt_layout)
             kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-            ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            if DQ_TMA:
+                dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ_COLS],
+                                                    dq_desc.layout)
+            q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            do_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
             mbarrier.init(kv_bar.index(0), count=1)
+            mbarrier.init(do_ready.index(0), count=1)
             for st in gl.static_range(2):
-                mbarrier.init(ready.index(st), count=1)
+                mbarrier.init(q_ready.index(st), count=1)
             fence_async_shared()
 
             mbarrier.expect(kv_bar.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -123,8 +133,10 @@ if _GLUON_ERROR is None:
             h = hk * group
             m0 = m_lo
             m_end = m_lo + group_blocks * BLOCK_M
-            load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 0, h, q_start + m0, HEAD_DIM,
-                     HEAD_DIM_V, n_steps > 0)
+            load_rows(q_desc, q_smem.index(0), q_ready.index(0), q_start + m0, h * HEAD_DIM,
+                      n_steps > 0)
+            load_rows(do_desc, do_s, do_ready.index(0), q_start + m0, h * HEAD_DIM_V,
+                      n_steps > 0)
 
             kloc = gl.arange(0, BLOCK_N, layout=key_layout)
             n_valid = seqlen_k - n0
@@ -148,9 +160,9 @@ if _GLUON_ERROR is None:
             for it in range(n_steps):
                 slot = it % 2
                 h_next, m0_next = next_step(h, m0, m_lo, m_end, BLOCK_M)
-                mbarrier.wait(ready.index(slot), (it // 2) & 1)
+                mbarrier.wait(q_ready.index(slot), (it // 2) & 1)
+                mbarrier.wait(do_ready.index(0), it & 1)
                 q_s = q_smem.index(slot)
-                do_s = do_smem.index(slot)
                 s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False,
                                       is_async=True)
                 dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
@@ -177,16 +189,26 @@ if _GLUON_ERROR is None:
                 if SOFTCAP:
                     p = p_dt
                 fence_async_shared()
+                if DQ_TMA:
+                    tma.store_wait(0)  # the previous step's dQ reduce has read dq_smem
                 gl.thread_barrier()  # barrier 1
-                load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 1 - slot, h_next,
-                         q_start + m0_next, HEAD_DIM, HEAD_DIM_V, it + 1 < n_steps)
+                load_rows(q_desc, q_smem.index(1 - slot), q_ready.index(1 - slot),
+                          q_start + m0_next, h_next * HEAD_DIM, it + 1 < n_steps)
                 dv_tok = warpgroup_mma(pt_smem, do_s, dv, is_async=True)
-                dp, dv = warpgroup_mma_wait(0, deps=[dp_tok, dv_tok])
+                if DV_OVERLAP:
+                    # dV stays in flight while dSᵀ is formed (groups retire in order).
+                    dp = warpgroup_mma_wait(1, deps=[dp_tok])
+                else:
+                    dp, dv = warpgroup_mma_wait(0, deps=[dp_tok, dv_tok])
                 delta = delta_smem.index(slot).load(col_layout)
                 ds = p * (dp - gl.expand_dims(delta, 0))
                 ds_smem.store(ds.to(dtype))
+                if DV_OVERLAP:
+                    dv = warpgroup_mma_wait(0, deps=[dv_tok])  # before barrier 2 (Pᵀ reuse)
                 fence_async_shared()
                 gl.thread_barrier()  # barrier 2
+                load_rows(do_desc, do_s, do_ready.index(0), q_start + m0_next,
+                          h_next * HEAD_DIM_V, it + 1 < n_steps)
                 dk_tok = warpgroup_mma(ds_smem, q_s, dk, is_async=True)
                 dq_lo_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(0, DQ_COLS, 1),
                                           dq_zero, use_acc=False, is_async=True)
@@ -195,23 +217,42 @@ if _GLUON_ERROR is None:
                                           use_acc=False, is_async=True)
                 # Groups retire in order: the low dQ half is added while the high one runs.
                 dk, dq_lo = warpgroup_mma_wait(1, deps=[dk_tok, dq_lo_tok])
-                if DETERMINISTIC:
-                    sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
-                                       n_seq, shift, window_left, window_right, BLOCK_M, BLOCK_N,
-                                       HAS_LEFT, HAS_RIGHT)
-                add_dq(dq_ptr, dq_lo * softmax_scale, m0, q_start, seqlen_q, n_heads, h, 0,
-                       HEAD_DIM, BLOCK_M, DQ_COLS, dq_layout)
-                dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
-                add_dq(dq_ptr, dq_hi * softmax_scale, m0, q_start, seqlen_q, n_heads, h,
-                       DQ_COLS, HEAD_DIM, BLOCK_M, DQ_COLS, dq_layout)
-                if DETERMINISTIC:
+                if DQ_TMA:
+                    # One staging tile for both halves (bwd.py: rows past the sequence add
+                    # exact zeros): three more barriers, but no per-thread atomics.
+                    dq_row = q_start + m0
+                    dq_smem.store(dq_lo * softmax_scale)
+                    fence_async_shared()
                     gl.thread_barrier()
-                    gl.atomic_add(sem, 1, sem="release")
+                    tma_reduce_add(dq_desc, [dq_row, h * HEAD_DIM], dq_smem)
+                    dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
+                    tma.store_wait(0)
+                    gl.thread_barrier()
+                    dq_smem.store(dq_hi * softmax_scale)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    tma_reduce_add(dq_desc, [dq_row, h * HEAD_DIM + DQ_COLS], dq_smem)
+                else:
+                    if DETERMINISTIC:
+                        sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
+                                           n_seq, shift, window_left, window_right, BLOCK_M,
+                                           BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                    add_dq(dq_ptr, dq_lo * softmax_scale, m0, q_start, seqlen_q, n_heads, h, 0,
+                           HEAD_DIM, BLOCK_M, DQ_COLS, dq_layout)
+                    dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
+                    add_dq(dq_ptr, dq_hi * softmax_scale, m0, q_start, seqlen_q, n_heads, h,
+                           DQ_COLS, HEAD_DIM, BLOCK_M, DQ_COLS, dq_layout)
+                    if DETERMINISTIC:
+                        gl.thread_barrier()
+                        gl.atomic_add(sem, 1, sem="release")
                 h = h_next
                 m0 = m0_next
 
+            if DQ_TMA:
+                tma.store_wait(0)
             for st in gl.static_range(2):
-                mbarrier.invalidate(ready.index(st))
+                mbarrier.invalidate(q_ready.index(st))
+            mbarrier.invalidate(do_ready.index(0))
             mbarrier.invalidate(kv_bar.index(0))
             store_key_rows(dk_ptr, dk * softmax_scale, n0, k_start, seqlen_k, n_kv_heads, hk,
                            HEAD_DIM, BLOCK_N, dk_layout)

@@ -883,7 +883,7 @@ def exp2_scales(params: AttnParams) -> tuple[float, float]:
     return params.softmax_scale * LOG2E, 1.0
 
 
-def tma_rows(t: torch.Tensor, block) -> "TensorDescriptor":
+def tma_rows(t: torch.Tensor, block, layout=None) -> "TensorDescriptor":
     """TMA descriptor of a packed (rows, heads, dim) tensor seen as (rows, heads * dim), so
     a head is a column offset and one descriptor serves all heads and sequences.
 
@@ -894,7 +894,8 @@ def tma_rows(t: torch.Tensor, block) -> "TensorDescriptor":
     desc = object.__new__(TensorDescriptor)
     cols = t.shape[1] * t.shape[2]
     desc.base, desc.shape, desc.strides = t, [t.shape[0], cols], [cols, 1]
-    desc.block_shape, desc.layout, desc.padding = list(block), _smem_layout(block, t.dtype), "zero"
+    desc.block_shape, desc.padding = list(block), "zero"
+    desc.layout = _smem_layout(block, t.dtype) if layout is None else layout
     return desc
 
 
