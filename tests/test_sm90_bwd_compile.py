@@ -24,9 +24,9 @@ def compile_report(**kw) -> dict:
 
 
 # (features, most local-memory instructions allowed). Unmasked steps never touch local
-# memory. d=128 runs at the 255-register limit; deterministic mode (atomics and a turn wait
-# instead of the dQ TMA reduce) spills a few scalars around the turn wait (30 seen at d=128,
-# 107 at d=256); the bounds still catch a tile-sized spill in the main loop (hundreds).
+# memory. d=128 runs at the 255-register limit; deterministic mode spills scalars around its
+# turn wait (41 instructions seen at d=128, 126 at d=256, 2026-11-29); the bounds still catch
+# a tile-sized spill in the main loop (hundreds).
 CONFIGS = [
     ({"head_dim": 64}, 0),
     ({"head_dim": 64, "dtype": "float16", "has_right": True}, 0),
@@ -39,14 +39,15 @@ CONFIGS = [
       "uniform": False, "has_seqused": True}, 16),
     ({"head_dim": 128, "has_right": True, "softcap": True}, 16),
     ({"head_dim": 64, "has_left": True, "has_right": True, "deterministic": True}, 0),
-    ({"head_dim": 128, "has_right": True, "deterministic": True}, 32),
+    ({"head_dim": 128, "has_right": True, "deterministic": True}, 48),
+    ({"head_dim": 128, "has_right": True, "deterministic": True, "cfg": {"dq_tma": False}}, 32),
     ({"head_dim": 128, "cfg": {"dq_tma": False}}, 0),
     # d=256 (bwd_wide.py) sits at 252-255 registers
     ({"head_dim": 256}, 0),
     ({"head_dim": 256, "has_right": True}, 0),
     ({"head_dim": 256, "dtype": "float16", "has_left": True, "has_right": True,
       "softcap": True, "uniform": False, "has_seqused": True}, 8),
-    ({"head_dim": 256, "has_right": True, "deterministic": True}, 128),
+    ({"head_dim": 256, "has_right": True, "deterministic": True}, 144),
 ]
 
 
@@ -57,8 +58,8 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
     rep = compile_report(**kw)
     # Five MMAs per step (Sᵀ, dPᵀ, dV, dK, dQ), each several HGMMA instructions.
     assert rep["hgmma"] >= 20
-    if kw.get("deterministic") or not kw.get("cfg", {}).get("dq_tma", True):
-        # ordered fp32 atomics
+    if not kw.get("cfg", {}).get("dq_tma", True):
+        # fp32 atomics
         assert rep["red"] > 0 and rep["tma_reduce"] == 0, rep
     else:
         # dQ leaves through the TMA unit's reduce-add, no per-thread atomics

@@ -79,6 +79,7 @@ if _GLUON_ERROR is None:
         load_qdo,
         next_step,
         query_range,
+        release_dq_turn_after_tma,
         stage_stats,
         step_needs_mask,
         store_key_rows,
@@ -105,8 +106,8 @@ class BwdConfig:
     # to measure for the default too (scripts/sm90-bwd-probe.py --set reverse_causal=true).
     reverse_causal: bool = False
     # dQ partials leave through one TMA reduce-add per step (cp.reduce.async.bulk.tensor)
-    # instead of per-thread fp32 atomics. Deterministic mode keeps the atomics (its turns
-    # need each add complete before the next key block's).
+    # instead of per-thread fp32 atomics (deterministic mode: the turn passes on once the
+    # reduce has completed).
     dq_tma: bool = True
 
 
@@ -346,8 +347,14 @@ if _GLUON_ERROR is None:
                     # past the tensor are clipped by the TMA unit.
                     dq_smem.store(dq * softmax_scale)
                     fence_async_shared()
+                    if DETERMINISTIC:
+                        sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
+                                           n_seq, shift, window_left, window_right, BLOCK_M,
+                                           BLOCK_N, HAS_LEFT, HAS_RIGHT)
                     gl.thread_barrier()
                     tma_reduce_add(dq_desc, [q_start + m0, h * HEAD_DIM], dq_smem)
+                    if DETERMINISTIC:
+                        release_dq_turn_after_tma(sem, m0)
                 else:
                     if DETERMINISTIC:
                         sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
@@ -387,7 +394,7 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
             "HAS_SEQUSED": has_seqused, "HAS_LEFT": has_left, "HAS_RIGHT": has_right,
             "SOFTCAP": softcap, "DV_OVERLAP": cfg.dv_overlap,
             "DP_EARLY": cfg.dp_early, "DETERMINISTIC": deterministic,
-            "REVERSE_N": cfg.reverse_causal, "DQ_TMA": cfg.dq_tma and not deterministic}
+            "REVERSE_N": cfg.reverse_causal, "DQ_TMA": cfg.dq_tma}
 
 
 def _dq_block(head_dim: int, cfg: BwdConfig) -> list[int]:

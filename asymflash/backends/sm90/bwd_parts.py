@@ -137,6 +137,21 @@ if _GLUON_ERROR is None:
         return sem
 
     @gluon.jit
+    def release_dq_turn_after_tma(sem, x):
+        """Deterministic mode with TMA reduces: pass the turn on once this CTA's dQ adds are
+        complete in global memory.
+
+        tma.store_wait only waits until a reduce has *read* shared memory; `cp.async.bulk.
+        wait_group 0` waits until it has written, and the proxy fence orders those async-proxy
+        writes before the release (a generic-proxy atomic). `x` is any int32 scalar: inline
+        asm needs an operand."""
+        gl.inline_asm_elementwise(
+            "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.b32 $0, $1;",
+            "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+        gl.thread_barrier()
+        gl.atomic_add(sem, 1, sem="release")
+
+    @gluon.jit
     def add_dq(dq_ptr, dq, m0, q_start, seqlen_q, n_heads, h, col0, HEAD_DIM: gl.constexpr,
                BLOCK_M: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
         """dQ_acc[rows m0.., head h, cols col0..col0+COLS) += dq (fp32 reductions)."""

@@ -45,6 +45,7 @@ if _GLUON_ERROR is None:
         load_rows,
         next_step,
         query_range,
+        release_dq_turn_after_tma,
         stage_stats,
         step_needs_mask,
         store_key_rows,
@@ -223,6 +224,10 @@ if _GLUON_ERROR is None:
                     dq_row = q_start + m0
                     dq_smem.store(dq_lo * softmax_scale)
                     fence_async_shared()
+                    if DETERMINISTIC:
+                        sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
+                                           n_seq, shift, window_left, window_right, BLOCK_M,
+                                           BLOCK_N, HAS_LEFT, HAS_RIGHT)
                     gl.thread_barrier()
                     tma_reduce_add(dq_desc, [dq_row, h * HEAD_DIM], dq_smem)
                     dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
@@ -232,6 +237,8 @@ if _GLUON_ERROR is None:
                     fence_async_shared()
                     gl.thread_barrier()
                     tma_reduce_add(dq_desc, [dq_row, h * HEAD_DIM + DQ_COLS], dq_smem)
+                    if DETERMINISTIC:
+                        release_dq_turn_after_tma(sem, m0)
                 else:
                     if DETERMINISTIC:
                         sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
