@@ -18,6 +18,8 @@ if _GLUON_ERROR is None:
     from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+    from .fwd import _sequence
+
     @builtin
     def tma_reduce_add(desc, coord, src, _semantic=None):
         """global[box at coord] += shared memory `src` (cp.reduce.async.bulk.tensor .add).
@@ -28,6 +30,35 @@ if _GLUON_ERROR is None:
         coord = _semantic._convert_to_ir_values(coord, require_i64=False)
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle,
                                                   coord, src.handle)
+
+    @gluon.jit
+    def key_block(cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr,
+                  UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr, TOP_FIRST: gl.constexpr):
+        """This CTA's key block, kv head and sequence: (n_blk, n_seq, hk, batch, q_start,
+        k_start, seqlen_q, seqlen_k); n_seq key blocks in the sequence.
+
+        TOP_FIRST (causal masks, in deterministic mode): each CTA walks its query blocks
+        upward from its diagonal, so the highest key block reaches a query block first. It
+        takes the first turn there, and the grid runs from the top key block down, so a CTA
+        only ever waits for CTAs launched before it.
+        """
+        n_blk = gl.program_id(0)
+        hk = gl.program_id(1)
+        batch = gl.program_id(2)
+        q_start, k_start, seqlen_q, seqlen_k = _sequence(
+            batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr, UNIFORM, HAS_SEQUSED)
+        n_seq = (seqlen_k + BLOCK_N - 1) // BLOCK_N
+        if TOP_FIRST:
+            n_blk = n_seq - 1 - n_blk
+        return n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k
+
+    @gluon.jit
+    def load_kv(k_desc, v_desc, k_smem, v_smem, bar, row, hk, HEAD_DIM: gl.constexpr,
+                HEAD_DIM_V: gl.constexpr):
+        """TMA-load the CTA's K and V rows [row, row + BLOCK_N) of kv head hk."""
+        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, hk * HEAD_DIM], bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [row, hk * HEAD_DIM_V], bar, v_smem)
 
     @gluon.jit
     def load_qdo(q_desc, do_desc, q_smem, do_smem, ready, slot, h, row,
@@ -87,6 +118,17 @@ if _GLUON_ERROR is None:
             h_next = h + 1
             m0_next = m_lo
         return h_next, m0_next
+
+    @gluon.jit
+    def mask_edges(n0, seqlen_k, shift, window_left, window_right, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr):
+        """(keys_oob, m_full_lo, m_full_hi) of key block n0, for step_needs_mask: the block
+        runs past the keys; the first query block start that sees every key of the block
+        (right edge) and the last (left edge)."""
+        keys_oob = n0 + BLOCK_N > seqlen_k
+        m_full_lo = n0 + BLOCK_N - 1 - shift - window_right
+        m_full_hi = n0 - shift + window_left - BLOCK_M + 1
+        return keys_oob, m_full_lo, m_full_hi
 
     @gluon.jit
     def step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, HAS_LEFT: gl.constexpr,

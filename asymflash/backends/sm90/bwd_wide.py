@@ -42,7 +42,10 @@ if _GLUON_ERROR is None:
     from .bwd_parts import (
         add_dq,
         allowed,
+        key_block,
+        load_kv,
         load_rows,
+        mask_edges,
         next_step,
         query_range,
         release_dq_turn_after_tma,
@@ -52,7 +55,7 @@ if _GLUON_ERROR is None:
         tma_reduce_add,
         wait_dq_turn,
     )
-    from .fwd import _sequence, _tanh
+    from .fwd import _tanh
 
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
                                   "group", "window_left", "window_right", "num_m_blocks"])
@@ -86,23 +89,17 @@ if _GLUON_ERROR is None:
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
         dtype: gl.constexpr = q_desc.dtype
 
-        n_blk = gl.program_id(0)
-        hk = gl.program_id(1)
-        batch = gl.program_id(2)
-        q_start, k_start, seqlen_q, seqlen_k = _sequence(
-            batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr, UNIFORM, HAS_SEQUSED)
-        n_seq = (seqlen_k + BLOCK_N - 1) // BLOCK_N
-        if HAS_RIGHT and (DETERMINISTIC or REVERSE_N):
-            n_blk = n_seq - 1 - n_blk  # top key block first (bwd.py)
+        n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
+            cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
+            HAS_RIGHT and (DETERMINISTIC or REVERSE_N))
         n0 = n_blk * BLOCK_N
         if (n0 >= 0) & (n0 < seqlen_k):
             shift = seqlen_k - seqlen_q
             m_lo, group_blocks = query_range(n0, seqlen_q, shift, window_left, window_right,
                                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             n_steps = group_blocks * group
-            keys_oob = n0 + BLOCK_N > seqlen_k
-            m_full_lo = n0 + BLOCK_N - 1 - shift - window_right  # used only with HAS_RIGHT
-            m_full_hi = n0 - shift + window_left - BLOCK_M + 1  # used only with HAS_LEFT
+            keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, shift, window_left,
+                                                        window_right, BLOCK_M, BLOCK_N)
 
             k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
             v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V], v_desc.layout)
@@ -126,11 +123,8 @@ if _GLUON_ERROR is None:
                 mbarrier.init(q_ready.index(st), count=1)
             fence_async_shared()
 
-            mbarrier.expect(kv_bar.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [k_start + n0, hk * HEAD_DIM],
-                                            kv_bar.index(0), k_smem)
-            tma.async_copy_global_to_shared(v_desc, [k_start + n0, hk * HEAD_DIM_V],
-                                            kv_bar.index(0), v_smem)
+            load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(0), k_start + n0, hk, HEAD_DIM,
+                    HEAD_DIM_V)
             h = hk * group
             m0 = m_lo
             m_end = m_lo + group_blocks * BLOCK_M
