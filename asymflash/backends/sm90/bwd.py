@@ -75,12 +75,12 @@ if _GLUON_ERROR is None:
 
     from .bwd_parts import (
         add_dq,
-        allowed,
         key_block,
         load_kv,
         load_qdo,
         mask_edges,
         next_step,
+        probabilities,
         query_range,
         release_dq_turn_after_tma,
         stage_stats,
@@ -89,7 +89,6 @@ if _GLUON_ERROR is None:
         tma_reduce_add,
         wait_dq_turn,
     )
-    from .fwd import _tanh
 
 # 64 and 128 run `_attn_bwd_kernel` below, 256 `bwd_wide` (the warpgroups split the head dim).
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -273,22 +272,11 @@ if _GLUON_ERROR is None:
                     s = warpgroup_mma_wait(1, deps=[s_tok])
                 else:
                     s = warpgroup_mma_wait(0, deps=[s_tok])
-                if SOFTCAP:
-                    lse2 = lse_smem.index(slot).load(col_layout)
-                    t = _tanh(s * softcap_pre)
-                    p = gl.exp2(t * qk_scale - gl.expand_dims(lse2, 0))
-                    # Fold the chain-rule factor into a copy of P now, so that tanh does not
-                    # stay live (32 more registers) until dPᵀ arrives.
-                    p_dt = p * (1.0 - t * t)
-                else:
-                    lse2 = lse_smem.index(slot).load(col_layout)
-                    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
-                if step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, HAS_LEFT, HAS_RIGHT):
-                    ok = allowed(kloc, cols, n_valid, m0, diag_right, diag_left, HAS_LEFT,
-                                 HAS_RIGHT)
-                    p = gl.where(ok, p, 0.0)
-                    if SOFTCAP:
-                        p_dt = gl.where(ok, p_dt, 0.0)
+                lse2 = lse_smem.index(slot).load(col_layout)
+                p, p_ds = probabilities(
+                    s, lse2, qk_scale, softcap_pre,
+                    step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, HAS_LEFT, HAS_RIGHT),
+                    kloc, cols, n_valid, m0, diag_right, diag_left, SOFTCAP, HAS_LEFT, HAS_RIGHT)
                 if not DP_EARLY:
                     # Issued only now so that its 32 accumulator registers are not live while
                     # Pᵀ is formed; the other warpgroup keeps the tensor cores busy meanwhile.
@@ -296,8 +284,7 @@ if _GLUON_ERROR is None:
                                            is_async=True)
                 p_op = gl.convert_layout(p.to(dtype), pv_op_layout)
                 dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
-                if SOFTCAP:
-                    p = p_dt
+                p = p_ds
 
                 if DV_OVERLAP:
                     # Groups retire in order: with dV left in flight, dPᵀ is complete.

@@ -18,7 +18,7 @@ if _GLUON_ERROR is None:
     from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-    from .fwd import _sequence
+    from .fwd import _sequence, _tanh
 
     @builtin
     def tma_reduce_add(desc, coord, src, _semantic=None):
@@ -155,6 +155,30 @@ if _GLUON_ERROR is None:
         if HAS_LEFT:
             ok = ok & (gl.expand_dims(kloc - (m0 + diag_left), 1) >= c2)
         return ok
+
+    @gluon.jit
+    def probabilities(s, lse2, qk_scale, softcap_pre, needs_mask, kloc, cols, n_valid, m0,
+                      diag_right, diag_left, SOFTCAP: gl.constexpr, HAS_LEFT: gl.constexpr,
+                      HAS_RIGHT: gl.constexpr):
+        """(Pᵀ, Pᵀ for dSᵀ) of one step from Sᵀ and the rows' log2 lse, masked when
+        `needs_mask`. With softcap the second carries the chain-rule factor 1 − tanh², folded
+        in now so that tanh does not stay live (32 registers at d=128) until dPᵀ arrives;
+        without it, both are Pᵀ."""
+        if SOFTCAP:
+            t = _tanh(s * softcap_pre)
+            p = gl.exp2(t * qk_scale - gl.expand_dims(lse2, 0))
+            p_ds = p * (1.0 - t * t)
+        else:
+            p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
+            p_ds = p
+        if needs_mask:
+            ok = allowed(kloc, cols, n_valid, m0, diag_right, diag_left, HAS_LEFT, HAS_RIGHT)
+            p = gl.where(ok, p, 0.0)
+            if SOFTCAP:
+                p_ds = gl.where(ok, p_ds, 0.0)
+            else:
+                p_ds = p
+        return p, p_ds
 
     @gluon.jit
     def wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq, shift,

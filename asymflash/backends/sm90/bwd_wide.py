@@ -41,12 +41,12 @@ if _GLUON_ERROR is None:
 
     from .bwd_parts import (
         add_dq,
-        allowed,
         key_block,
         load_kv,
         load_rows,
         mask_edges,
         next_step,
+        probabilities,
         query_range,
         release_dq_turn_after_tma,
         stage_stats,
@@ -55,7 +55,6 @@ if _GLUON_ERROR is None:
         tma_reduce_add,
         wait_dq_turn,
     )
-    from .fwd import _tanh
 
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
                                   "group", "window_left", "window_right", "num_m_blocks"])
@@ -168,21 +167,12 @@ if _GLUON_ERROR is None:
                                 m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
                 s = warpgroup_mma_wait(1, deps=[s_tok])
                 lse2 = lse_smem.index(slot).load(col_layout)
-                if SOFTCAP:
-                    t = _tanh(s * softcap_pre)
-                    p = gl.exp2(t * qk_scale - gl.expand_dims(lse2, 0))
-                    p_dt = p * (1.0 - t * t)
-                else:
-                    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
-                if step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, HAS_LEFT, HAS_RIGHT):
-                    ok = allowed(kloc, cols, n_valid, m0, diag_right, diag_left, HAS_LEFT,
-                                 HAS_RIGHT)
-                    p = gl.where(ok, p, 0.0)
-                    if SOFTCAP:
-                        p_dt = gl.where(ok, p_dt, 0.0)
+                p, p_ds = probabilities(
+                    s, lse2, qk_scale, softcap_pre,
+                    step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, HAS_LEFT, HAS_RIGHT),
+                    kloc, cols, n_valid, m0, diag_right, diag_left, SOFTCAP, HAS_LEFT, HAS_RIGHT)
                 pt_smem.store(p.to(dtype))
-                if SOFTCAP:
-                    p = p_dt
+                p = p_ds
                 fence_async_shared()
                 if DQ_TMA:
                     tma.store_wait(0)  # the previous step's dQ reduce has read dq_smem
