@@ -24,8 +24,10 @@ if _GLUON_ERROR is None:
     def tma_reduce_add(desc, coord, src, _semantic=None):
         """global[box at coord] += shared memory `src` (cp.reduce.async.bulk.tensor .add).
 
-        Issued by one thread; its completion is tracked like a TMA store's (tma.store_wait).
-        Triton 3.6's Gluon Hopper `tma` module has no reduce, but its IR builder does.
+        A box wider than the 128-byte swizzle is split by the lowering into 128-byte column
+        boxes, each issued by one elected thread of its own warp of the first warpgroup (four
+        at d=128 fp32). Completion is tracked like a TMA store's (tma.store_wait, per issuing
+        thread). Triton 3.6's Gluon Hopper `tma` module has no reduce; its IR builder does.
         """
         coord = _semantic._convert_to_ir_values(coord, require_i64=False)
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle,
