@@ -15,13 +15,20 @@ so a thread holds 64 + 64 registers of dK/dV, 16 + 16 of Sᵀ/dPᵀ and 2 × 32 
 is that Pᵀ and dSᵀ, formed in halves, go through shared memory before the dV/dK products read
 them whole, which takes two CTA barriers per step instead of one:
 
-    barrier 1 (Pᵀ published): every warpgroup has finished the previous step, so its Q/dO ring
-        slot is refilled here (one step ahead) and dSᵀ's single buffer may be rewritten;
-    barrier 2 (dSᵀ published): every warpgroup has retired its dV product, so Pᵀ's single
-        buffer may be rewritten in the next step.
+    barrier 1 (Pᵀ published): every warpgroup has finished the previous step, so the next Q
+        is loaded into the free slot of its two-slot ring and dSᵀ's single buffer may be
+        rewritten;
+    barrier 2 (dSᵀ published): every warpgroup has retired its dPᵀ and dV products, so Pᵀ's
+        single buffer may be rewritten in the next step, and the next dO is loaded into its
+        single buffer (it lands while dK and dQ run).
+
+The 32 KB saved by that single dO buffer hold the fp32 staging tile of the dQ reduce (smem:
+214 KB of 227): each 128-column half of dQ is stored there and added into dQ_acc by one TMA
+reduce-add, which takes three more CTA barriers per step (publish the low half, wait for its
+reduce to read the tile, publish the high half).
 
 Everything else (the step walk over the GQA group's query blocks, masks only on edge blocks,
-lse/delta staging, dQ reductions and the deterministic turns) is bwd.py's, through bwd_parts.
+lse/delta staging, the deterministic turns) is bwd.py's, through bwd_parts.
 """
 
 from __future__ import annotations
