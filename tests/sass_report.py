@@ -34,6 +34,11 @@ print(_json.dumps(dict(
     local=len(_re.findall(r"\b(LDL|STL)\b", _sass)), mufu_ex2=_sass.count("MUFU.EX2"),
     red=len(_re.findall(r"\bREDG?\.E\.ADD\.F32", _sass)),
     tma_reduce=_sass.count("UTMAREDG"),
+    # deterministic backward: each release of a dQ turn waits for the TMA reduce to *write*
+    # (wait_group without .read) and fences the async proxy first
+    release_after_bulk_write=bool(_re.search(
+        r"cp\.async\.bulk\.wait_group 0;\s*fence\.proxy\.async\.global;(?:(?!atom\.)[\s\S])*"
+        r"atom\.global\.gpu\.release", kernel.asm["ptx"])),
     syncs=len(_re.findall(r"\bSYNCS\.(?:PHASECHK|ARRIVE)", _sass)),
     regs=int(_re.findall(r"REG:(\d+)", _res)[0]), shared=kernel.metadata.shared,
     maxnreg=sorted({int(x) for x in _re.findall(

@@ -64,6 +64,8 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
     else:
         # dQ leaves through the TMA unit's reduce-add, no per-thread atomics
         assert rep["tma_reduce"] > 0 and rep["red"] == 0, rep
+        if kw.get("deterministic"):
+            assert rep["release_after_bulk_write"], "a dQ turn passed on before its add landed"
     assert rep["local"] <= max_local, f"register spills: {rep}"
     assert rep["regs"] <= 255
     assert rep["shared"] <= 227 * 1024
