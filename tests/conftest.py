@@ -13,7 +13,28 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run only the I-th of N contiguous slices of the collected tests "
+                          "(scripts/gpu-check.sh spreads its slowest file over processes)")
+
+
+def _take_shard(config, items):
+    shard = config.getoption("--shard")
+    if not shard:
+        return
+    i, n = (int(x) for x in shard.split("/"))
+    if not 0 <= i < n:
+        raise pytest.UsageError(f"--shard {shard}: need 0 <= I < N")
+    # Contiguous slices keep neighbouring parametrizations, which share compiled kernels,
+    # in one process.
+    lo, hi = len(items) * i // n, len(items) * (i + 1) // n
+    config.hook.pytest_deselected(items=items[:lo] + items[hi:])
+    items[:] = items[lo:hi]
+
+
 def pytest_collection_modifyitems(config, items):
+    _take_shard(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
