@@ -179,6 +179,34 @@ def test_sm90_forward_padded_head_dims_match_reference(case):
     assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))  # inputs untouched
 
 
+# GQA packing (fwd.packs_gqa, off by default until timed): the q heads of a kv head as rows.
+PACKED_GQA_CASES = [
+    # (batch, sq, sk, hq, hkv, d, dtype, window, softcap, varlen)
+    (3, 1, 4000, 32, 4, 128, torch.bfloat16, (-1, 0), 0.0, True),  # decode, causal
+    (2, 17, 1000, 8, 2, 64, torch.float16, (-1, -1), 0.0, False),
+    (4, 64, 777, 16, 2, 256, torch.bfloat16, (-1, -1), 30.0, True),
+    (2, 33, 5000, 8, 1, 128, torch.bfloat16, (-1, -1), 0.0, False),
+]
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", PACKED_GQA_CASES,
+                         ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+def test_sm90_forward_packed_gqa_matches_reference(case, monkeypatch):
+    from asymflash.backends.sm90 import fwd
+
+    monkeypatch.setenv("ASYMFLASH_SM90_PACK_GQA", "1")
+    batch, sq, sk, hq, hkv, d, dtype, window, softcap, varlen = case
+    q, k, v, seq = make_inputs(batch, sq, sk, hq, hkv, d, d, dtype, varlen=varlen)
+    params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(*window), softcap=softcap)
+    assert fwd.packs_gqa(hq, hkv, seq, params, None)
+    before = q.clone()
+    out_err, lse_err, tol = check_forward(fwd, q, k, v, seq, params, None)
+    assert out_err <= tol, (out_err, tol)
+    assert lse_err <= 1e-3, lse_err
+    assert torch.equal(q, before)
+
+
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("emu,thr", [(4, 0.0), (2, 8.0)])
 def test_sm90_forward_fa4_switches(emu, thr):

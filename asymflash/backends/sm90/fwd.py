@@ -40,11 +40,12 @@ once per (dtype, head dims, config, feature switches).
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, replace
 
 import torch
 
-from asymflash.core.params import AttnParams, SeqInfo, cdiv
+from asymflash.core.params import AttnParams, MaskSpec, SeqInfo, cdiv
 
 try:  # Gluon is optional: a CPU-only or older triton must still import this module.
     import triton
@@ -1026,6 +1027,46 @@ def pad_head_dim(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
 
 
+# Short query blocks of a GQA group share their K/V: with seqlen_q <= this, the group's q heads
+# are packed into the query rows of one kv head (below).
+PACK_GQA_MAX_SEQLEN_Q = 64
+
+
+def packs_gqa(hq: int, hkv: int, seq: SeqInfo, params: AttnParams, sink) -> bool:
+    """Whether `forward` runs the q heads of each kv head as extra query rows (FA3's
+    pack_gqa): a 128-row tile then holds seqlen_q x group useful rows instead of seqlen_q,
+    and each K/V tile is read once per kv head instead of once per q head.
+
+    Exact only where every row of a sequence sees the same keys: no mask, or one query row
+    (bottom-right aligned, it sees every key unless a left window cuts them), and no sink
+    (a per-q-head logit). Off unless ASYMFLASH_SM90_PACK_GQA=1: written and checked on the
+    CPU (tests/test_sm90_host_transforms.py) but not yet run on a GPU (2026-11-29).
+    """
+    if os.environ.get("ASYMFLASH_SM90_PACK_GQA", "0") != "1":
+        return False
+    if hq == hkv or sink is not None or seq.max_seqlen_q > PACK_GQA_MAX_SEQLEN_Q:
+        return False
+    mask = params.mask
+    return mask.window_left < 0 and (mask.window_right < 0 or seq.max_seqlen_q == 1)
+
+
+def _forward_packed_gqa(q, k, v, seq: SeqInfo, params: AttnParams, cfg):
+    """`forward` with q head hk·g + j of row i moved to row i·g + j of kv head hk."""
+    total_q, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    q_rows = q.view(total_q, hkv, g, d).transpose(1, 2).reshape(total_q * g, hkv, d)
+    seq_rows = SeqInfo(seq.cu_seqlens_q * g, seq.cu_seqlens_k, seq.max_seqlen_q * g,
+                       seq.max_seqlen_k, seq.seqused_k, seq.uniform)
+    # Every row sees every key (packs_gqa), so no mask is needed: with more rows, the
+    # bottom-right alignment of a causal mask would cut keys it does not cut now.
+    out, lse = forward(q_rows, k, v, seq_rows, replace(params, mask=MaskSpec()), None, cfg)
+    dv = out.shape[-1]
+    out = out.view(total_q, g, hkv, dv).transpose(1, 2).reshape(total_q, hq, dv)
+    lse = lse.view(hkv, total_q, g).transpose(1, 2).reshape(hq, total_q)
+    return out, lse
+
+
 def unsupported(q, k, v, seq: SeqInfo, params: AttnParams, sink) -> str | None:
     """None when this kernel computes the call exactly, else why not (for the dispatcher)."""
     d, dv = q.shape[-1], v.shape[-1]
@@ -1053,6 +1094,8 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
         return out[..., :dv].contiguous(), lse
     total_q, hq, d = q.shape
     total_k, hkv, _ = k.shape
+    if packs_gqa(hq, hkv, seq, params, sink):
+        return _forward_packed_gqa(q, k, v, seq, params, cfg)
     dv = v.shape[-1]
     wl, wr = params.mask.window_left, params.mask.window_right
     softcap = params.softcap > 0

@@ -1,0 +1,133 @@
+"""Host-side transforms of the sm90 backend, checked on the CPU with the CPU backend standing
+in for the compiled kernel:
+
+- head dims other than 64/128/256 run on zero-padded copies (fwd.kernel_head_dim): q, k, v
+  (and dO, O for the backward) get zero columns up to the compiled width and the results'
+  extra columns are dropped; the sliced results must equal the unpadded ones;
+- GQA packing (fwd.packs_gqa): the q heads of a kv head become extra query rows; the
+  unpacked results must equal the unpacked computation, and calls it would change are not
+  packed.
+
+The kernels themselves are checked on the GPU (tests/test_sm90_gpu.py, test_sm90_bwd_gpu.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_sm90_bwd_gpu import make_case
+
+from asymflash.backends import cpu
+from asymflash.backends.sm90 import bwd, fwd
+from asymflash.core.params import AttnParams, MaskSpec
+
+CASES = [
+    dict(name="d96-causal-gqa", lens_q=[17, 113], lens_k=[33, 203], hq=4, hkv=2, d=96,
+         window=(-1, 0)),
+    dict(name="d192-dv128", lens_q=[113], lens_k=[113], hq=2, hkv=1, d=192, dv=128),
+    dict(name="d72-dv136-local-softcap-sink", lens_q=[1, 203], lens_k=[17, 203], hq=2, hkv=2,
+         d=72, dv=136, window=(40, 9), softcap=15.0, sink=True),
+]
+
+
+def _case(c):
+    q, k, v, dout, seq, params, sink = make_case(dict(c, dtype=torch.float32), device="cpu")
+    # scores of O(10): a padding bug would show far above fp32 rounding
+    return q * 2, k * 2, v, dout, seq, params, sink
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c["name"])
+def test_padded_forward_equals_unpadded(case, monkeypatch):
+    q, k, v, _, seq, params, sink = _case(case)
+    width = fwd.kernel_head_dim(q.shape[-1], v.shape[-1])
+    assert width in (128, 256)
+    inputs = [t.clone() for t in (q, k, v)]
+    padded_forward = fwd.forward
+
+    def kernel_stand_in(qp, kp, vp, seq_, params_, sink_, cfg=None):
+        assert qp.shape[-1] == kp.shape[-1] == vp.shape[-1] == width
+        assert qp.is_contiguous() and vp.is_contiguous()
+        return cpu.forward(qp, kp, vp, seq_, params_, sink_)
+
+    monkeypatch.setattr(fwd, "forward", kernel_stand_in)
+    out, lse = padded_forward(q, k, v, seq, params, sink)
+    ref_out, ref_lse = cpu.forward(q, k, v, seq, params, sink)
+    assert out.shape == ref_out.shape and out.is_contiguous()
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    for t, before in zip((q, k, v), inputs):
+        assert torch.equal(t, before), "inputs must not be modified"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c["name"])
+def test_padded_backward_equals_unpadded(case, monkeypatch):
+    q, k, v, dout, seq, params, sink = _case(case)
+    width = fwd.kernel_head_dim(q.shape[-1], v.shape[-1])
+    out, lse = cpu.forward(q, k, v, seq, params, sink)
+    padded_backward = bwd.backward
+
+    def kernel_stand_in(dout_, qp, kp, vp, outp, lse_, dlse_, seq_, params_, sink_, cfg=None):
+        assert {t.shape[-1] for t in (dout_, qp, kp, vp, outp)} == {width}
+        return cpu.backward(dout_, qp, kp, vp, outp, lse_, dlse_, seq_, params_, sink_)
+
+    monkeypatch.setattr(bwd, "backward", kernel_stand_in)
+    got = padded_backward(dout, q, k, v, out, lse, None, seq, params, sink)
+    ref = cpu.backward(dout, q, k, v, out, lse, None, seq, params, sink)
+    for name, g, r in zip(("dq", "dk", "dv"), got[:3], ref[:3]):
+        assert g.shape == r.shape and g.is_contiguous(), name
+        assert r.abs().max() > 0, name  # a vacuous comparison would pass anything
+        # fp32 sums over a different width round differently: ~3e-6 of the largest gradient
+        torch.testing.assert_close(g, r, atol=1e-5 * r.abs().max().item(), rtol=1e-5, msg=name)
+    if sink is not None:
+        torch.testing.assert_close(got[3], ref[3], atol=1e-5, rtol=1e-5)
+
+
+PACK_CASES = [
+    dict(name="gqa4-sq17-softcap", lens_q=[17] * 2, lens_k=[203] * 2, hq=8, hkv=2, d=128,
+         softcap=20.0),
+    dict(name="gqa4-decode-causal-varlen", lens_q=[1, 1, 1], lens_k=[113, 1, 203], hq=4,
+         hkv=1, d=64, window=(-1, 0)),
+    dict(name="gqa2-sq64-seqused", lens_q=[64, 33], lens_k=[100, 300], hq=4, hkv=2, d=128,
+         seqused=[50, 300]),
+]
+
+
+def _stand_in_forward(expect_heads):
+    def kernel_stand_in(q, k, v, seq, params, sink, cfg=None):
+        assert q.shape[1] == k.shape[1] == expect_heads, "q heads not packed into rows"
+        assert sink is None and not params.mask.is_local
+        return cpu.forward(q, k, v, seq, params, sink)
+    return kernel_stand_in
+
+
+@pytest.mark.parametrize("case", PACK_CASES, ids=lambda c: c["name"])
+def test_packed_gqa_forward_equals_unpacked(case, monkeypatch):
+    monkeypatch.setenv("ASYMFLASH_SM90_PACK_GQA", "1")
+    q, k, v, _, seq, params, sink = _case(case)
+    assert fwd.packs_gqa(q.shape[1], k.shape[1], seq, params, sink)
+    real_forward = fwd.forward
+    monkeypatch.setattr(fwd, "forward", _stand_in_forward(k.shape[1]))
+    q_before = q.clone()
+    out, lse = real_forward(q, k, v, seq, params, sink)
+    ref_out, ref_lse = cpu.forward(q, k, v, seq, params, sink)
+    assert out.shape == ref_out.shape and out.is_contiguous() and lse.shape == ref_lse.shape
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    assert torch.equal(q, q_before)
+
+
+def test_gqa_packing_only_where_every_row_sees_the_same_keys(monkeypatch):
+    _, _, _, _, seq1, _, _ = _case(PACK_CASES[1])  # one query row per sequence
+    _, _, _, _, seq17, _, _ = _case(PACK_CASES[0])  # 17
+    plain, causal = AttnParams(0.1), AttnParams(0.1, MaskSpec(-1, 0))
+    left = AttnParams(0.1, MaskSpec(30, 0))
+    sink = torch.zeros(8)
+    monkeypatch.setenv("ASYMFLASH_SM90_PACK_GQA", "1")
+    assert fwd.packs_gqa(8, 2, seq17, plain, None)
+    assert fwd.packs_gqa(8, 2, seq1, causal, None)
+    assert not fwd.packs_gqa(8, 2, seq17, causal, None)  # rows see different keys
+    assert not fwd.packs_gqa(8, 2, seq1, left, None)  # the left window cuts keys
+    assert not fwd.packs_gqa(8, 2, seq17, plain, sink)  # a per-q-head logit
+    assert not fwd.packs_gqa(8, 8, seq17, plain, None)  # no group
+    monkeypatch.setenv("ASYMFLASH_SM90_PACK_GQA", "0")
+    assert not fwd.packs_gqa(8, 2, seq17, plain, None)
