@@ -59,6 +59,7 @@ class Grid:
     nheads: int | None = None  # None: MODEL_DIM // hdim
     nheads_kv: int | None = None  # None: nheads (no GQA)
     hdim_v: int | None = None  # None: hdim
+    seqlen_k: int | None = None  # None: = seqlen (e.g. 4k keys behind one query: decode)
 
 
 FULL_GRID = Grid(hdims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384),
@@ -124,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hdim", type=_list(int), help="head dims (default 64,128,256)")
     p.add_argument("--hdim-v", type=int, help="head dim of V (default: = hdim)")
     p.add_argument("--seqlen", type=_list(_size), help="sequence lengths (default 512..16k)")
+    p.add_argument("--seqlen-k", type=_size,
+                   help="keys per sequence for every case (default: = seqlen); e.g. "
+                        "--seqlen 1 --seqlen-k 4k --batch 32 for decode-like calls")
     p.add_argument("--batch", type=int, help=f"batch size (default {TOKENS} / seqlen)")
     p.add_argument("--nheads", type=int, help=f"query heads (default {MODEL_DIM} / hdim)")
     p.add_argument("--nheads-kv", type=int, help="key/value heads, for GQA (default nheads)")
@@ -161,6 +165,7 @@ def resolve_grid(args: argparse.Namespace, cuda: bool) -> Grid:
         nheads=args.nheads or base.nheads,
         nheads_kv=args.nheads_kv or base.nheads_kv,
         hdim_v=args.hdim_v or base.hdim_v,
+        seqlen_k=args.seqlen_k or base.seqlen_k,
     )
 
 
@@ -179,7 +184,7 @@ def build_cases(grid: Grid) -> list:
         for causal in grid.causals:
             for seqlen in grid.seqlens:
                 batch = grid.batch or max(1, TOKENS // seqlen)
-                cases.append(Case(batch, seqlen, seqlen, nheads, nheads_kv, hdim,
+                cases.append(Case(batch, seqlen, grid.seqlen_k or seqlen, nheads, nheads_kv, hdim,
                                   grid.hdim_v or hdim, causal, grid.dtype))
     return cases
 

@@ -330,6 +330,14 @@ def test_grid_options():
                                 (128, 2048, True, 16, 4, 8, "fp16")]
 
 
+def test_seqlen_k_option_for_decode_like_cases():
+    args = bench.build_parser().parse_args(
+        ["--hdim", "128", "--seqlen", "1,17", "--seqlen-k", "4k", "--batch", "3", "--causal",
+         "0", "--nheads", "32", "--nheads-kv", "4"])
+    cases = bench.build_cases(bench.resolve_grid(args, cuda=True))
+    assert [(c.seqlen_q, c.seqlen_k, c.batch) for c in cases] == [(1, 4096, 3), (17, 4096, 3)]
+
+
 @pytest.mark.parametrize("argv", [["--nheads", "6", "--nheads-kv", "4"],
                                   ["--providers", "no-such-peer"], ["--mode", "sideways"],
                                   ["--causal", "maybe"]])
