@@ -199,7 +199,7 @@ def test_sm90_forward_packed_gqa_matches_reference(case, monkeypatch):
     batch, sq, sk, hq, hkv, d, dtype, window, softcap, varlen = case
     q, k, v, seq = make_inputs(batch, sq, sk, hq, hkv, d, d, dtype, varlen=varlen)
     params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(*window), softcap=softcap)
-    assert fwd.packs_gqa(hq, hkv, seq, params, None)
+    assert fwd.packs_gqa(q.shape[0], hq, hkv, seq, params, None)
     before = q.clone()
     out_err, lse_err, tol = check_forward(fwd, q, k, v, seq, params, None)
     assert out_err <= tol, (out_err, tol)

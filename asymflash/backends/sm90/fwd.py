@@ -1032,7 +1032,8 @@ def pad_head_dim(t: torch.Tensor, width: int) -> torch.Tensor:
 PACK_GQA_MAX_SEQLEN_Q = 64
 
 
-def packs_gqa(hq: int, hkv: int, seq: SeqInfo, params: AttnParams, sink) -> bool:
+def packs_gqa(total_q: int, hq: int, hkv: int, seq: SeqInfo, params: AttnParams,
+              sink) -> bool:
     """Whether `forward` runs the q heads of each kv head as extra query rows (FA3's
     pack_gqa): a 128-row tile then holds seqlen_q x group useful rows instead of seqlen_q,
     and each K/V tile is read once per kv head instead of once per q head.
@@ -1045,6 +1046,8 @@ def packs_gqa(hq: int, hkv: int, seq: SeqInfo, params: AttnParams, sink) -> bool
     if os.environ.get("ASYMFLASH_SM90_PACK_GQA", "0") != "1":
         return False
     if hq == hkv or sink is not None or seq.max_seqlen_q > PACK_GQA_MAX_SEQLEN_Q:
+        return False
+    if total_q * (hq // hkv) >= 2**31 - 3 * BLOCK_M:  # the packed rows' int32 TMA coordinates
         return False
     mask = params.mask
     return mask.window_left < 0 and (mask.window_right < 0 or seq.max_seqlen_q == 1)
@@ -1094,7 +1097,7 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
         return out[..., :dv].contiguous(), lse
     total_q, hq, d = q.shape
     total_k, hkv, _ = k.shape
-    if packs_gqa(hq, hkv, seq, params, sink):
+    if packs_gqa(total_q, hq, hkv, seq, params, sink):
         return _forward_packed_gqa(q, k, v, seq, params, cfg)
     dv = v.shape[-1]
     wl, wr = params.mask.window_left, params.mask.window_right
