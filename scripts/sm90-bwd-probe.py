@@ -13,6 +13,9 @@
    ours against the portable gradients (max error relative to the largest gradient).
 
 --dims / --seqlens narrow the timed grid; --set FIELD=VALUE times a BwdConfig variant.
+--variant NAME:FIELD=VALUE,... adds a column timing ours with those BwdConfig fields (and
+`deterministic`) changed, in the same process as the default; --no-peers skips the portable
+and cuDNN timings (portable still computes the reference gradients).
 Every step runs in a child process: a crash (illegal address, hang) costs its cell, never
 the table. The whole probe stays within --budget seconds (default 55).
 Prints a compact table; writes JSON to $OUT/sm90-bwd-probe.json when $OUT is set.
@@ -152,7 +155,7 @@ def _bench_cell(d, causal, seqlen, warm_only):
     try:
         out, lse = _forward(q, k, v, seq, params, batch, seqlen)
         ref = portable.backward(dout, q, k, v, out, lse, None, seq, params, None)
-        if not warm_only:
+        if not warm_only and not os.environ.get("ASYMFLASH_PROBE_NO_PEERS"):
             res["portable"] = tflops(
                 lambda: portable.backward(dout, q, k, v, out, lse, None, seq, params, None))
     except Exception as exc:  # noqa: BLE001 - report, go on
@@ -186,7 +189,10 @@ def _bench_cell(d, causal, seqlen, warm_only):
         except Exception as exc:  # noqa: BLE001 - report, go on
             traceback.print_exc(limit=3)
             res["ours"] = f"ERR {repr(exc)[:50]}"
-    if not warm_only:
+        for name, fields in _variants().items():
+            res[name] = _time_variant(fields, (dout, q, k, v, out, lse, seq, params), ref,
+                                      None if warm_only else tflops)
+    if not warm_only and not os.environ.get("ASYMFLASH_PROBE_NO_PEERS"):
         try:
             from torch.nn.attention import SDPBackend, sdpa_kernel
             from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -201,6 +207,38 @@ def _bench_cell(d, causal, seqlen, warm_only):
         except Exception as exc:  # noqa: BLE001 - report, go on
             res["cudnn"] = f"ERR {repr(exc)[:50]}"
     return res
+
+
+def _variants() -> dict:
+    return json.loads(os.environ.get("ASYMFLASH_PROBE_VARIANTS", "{}"))
+
+
+def _time_variant(fields, inputs, ref, tflops):
+    """TFLOP/s of ours with BwdConfig fields (and `deterministic`) changed, after checking it
+    against the reference gradients; tflops=None only compiles and checks."""
+    import torch
+
+    from asymflash.backends.sm90 import bwd
+
+    dout, q, k, v, out, lse, seq, params = inputs
+    fields = dict(fields)
+    params = dataclasses.replace(params, deterministic=bool(fields.pop("deterministic", False)))
+    cfg = dataclasses.replace(bwd.select_config(q.shape[-1]), **fields)
+    try:
+        got = bwd.backward(dout, q, k, v, out, lse, None, seq, params, None, cfg)
+        torch.cuda.synchronize()
+        rel = max(((g.float() - r.float()).abs().max()
+                   / r.float().abs().max().clamp_min(1e-6)).item()
+                  for g, r in zip(got[:3], ref[:3]))
+        if rel > 5e-2 or any(torch.isnan(g).any().item() for g in got[:3]):
+            return f"WRONG rel {rel:.1e}"
+        if tflops is None:
+            return "ok"
+        return tflops(lambda: bwd.backward(dout, q, k, v, out, lse, None, seq, params, None,
+                                           cfg))
+    except Exception as exc:  # noqa: BLE001 - report, go on
+        traceback.print_exc(limit=3)
+        return f"ERR {repr(exc)[:50]}"
 
 
 def worker_bench(cells, warm_only):
@@ -244,6 +282,10 @@ def _finish(proc, deadline):
         return out, err, True
 
 
+def _field_value(text):
+    return int(text) if text.isdigit() else text.lower() in ("true", "yes")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--full", action="store_true", help="every correctness case of the test")
@@ -251,6 +293,10 @@ def main():
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="time ours with this BwdConfig field changed (true/false or an integer), "
                          "e.g. --set reverse_causal=true")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
+                    help="an extra column: ours with these BwdConfig fields (or deterministic) "
+                         "changed, e.g. det:deterministic=true,stagger=false")
+    ap.add_argument("--no-peers", action="store_true", help="skip portable and cuDNN timings")
     ap.add_argument("--dims", default=",".join(map(str, DIMS)), help="head dims, e.g. 256")
     ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)), help="e.g. 2048,16384")
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
@@ -258,8 +304,13 @@ def main():
     if args.set:  # the children read it
         fields = dict(f.split("=", 1) for f in args.set)
         os.environ["ASYMFLASH_PROBE_CFG"] = json.dumps(
-            {k: int(v) if v.isdigit() else v.lower() in ("true", "yes")
-             for k, v in fields.items()})
+            {k: _field_value(v) for k, v in fields.items()})
+    if args.variant:
+        os.environ["ASYMFLASH_PROBE_VARIANTS"] = json.dumps(
+            {name: {k: _field_value(v) for k, v in (f.split("=", 1) for f in rest.split(","))}
+             for name, rest in (spec.split(":", 1) for spec in args.variant)})
+    if args.no_peers:
+        os.environ["ASYMFLASH_PROBE_NO_PEERS"] = "1"
     if args.worker:
         kind, rest = args.worker[0], args.worker[1:]
         if kind == "case":
@@ -308,7 +359,8 @@ def main():
         threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
         in_cell, failure = False, None
         while True:
-            limit = min(deadline, time.time() + (CELL_TIMEOUT if in_cell else START_TIMEOUT))
+            cell_limit = CELL_TIMEOUT * (1 + len(_variants()))
+            limit = min(deadline, time.time() + (cell_limit if in_cell else START_TIMEOUT))
             try:
                 line = lines.get(timeout=max(0.1, limit - time.time()))
             except queue.Empty:
@@ -356,7 +408,8 @@ def main():
             ratio = f"{r['ours'] / r['cudnn']:.2f}"
         print(f"{r['d']:>4} {r['causal']:>6} {r['seqlen']:>6} {str(r.get('ours', '')):>16} "
               f"{str(r.get('portable', '')):>10} {str(r.get('cudnn', '')):>10} {ratio:>10} "
-              f"{str(r.get('rel_err', '')):>9}")
+              f"{str(r.get('rel_err', '')):>9}"
+              + "".join(f" {name}={r.get(name, '')}" for name in _variants()))
     for note in results["notes"]:
         print("note:", note)
     print(f"total {time.time() - t_start:.1f} s")

@@ -57,6 +57,7 @@ CASES = [
     dict(name="d256-varlen-seqused", lens_q=[1, 130, 0, 203], lens_k=[17, 129, 77, 300],
          hq=2, hkv=1, d=256, seqused=[17, 100, 50, 300], window=(-1, 0)),
     dict(name="d256-q1-k1", lens_q=[1], lens_k=[1], hq=1, hkv=1, d=256),
+    dict(name="d128-gqa", lens_q=[300] * 2, lens_k=[300] * 2, hq=8, hkv=2, d=128),
     # other widths run zero-padded on the 128 / 256 kernels
     dict(name="d96-causal", lens_q=[300] * 2, lens_k=[300] * 2, hq=4, hkv=2, d=96,
          window=(-1, 0)),
@@ -165,12 +166,14 @@ def test_sm90_backward_matches_reference(case):
         assert_fa_close(name, g, r32, rlow, atol=atol)
 
 
-# Deterministic mode: the ordered dQ turns over every mask shape the turn formula handles.
+# Deterministic mode: the ordered dQ turns over every mask shape the turn formula handles
+# (non-causal ones walk staggered: d128, d128-gqa across the group's heads, d256,
+# d64-varlen-seqused with a different key-block count per sequence).
 DET_CASES = [dict(c, deterministic=True) for c in CASES
-             if c["name"] in ("d128", "d64-causal-fp16", "d128-gqa-causal-sq<sk", "d128-local",
-                              "d64-softcap-sink", "d128-varlen-causal", "d64-varlen-seqused",
-                             "d256-causal-fp16", "d256-local-softcap-sink",
-                             "d256-varlen-seqused")]
+             if c["name"] in ("d128", "d128-gqa", "d256", "d64-causal-fp16",
+                              "d128-gqa-causal-sq<sk", "d128-local", "d64-softcap-sink",
+                              "d128-varlen-causal", "d64-varlen-seqused", "d256-causal-fp16",
+                              "d256-local-softcap-sink", "d256-varlen-seqused")]
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")

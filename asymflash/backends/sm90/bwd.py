@@ -49,9 +49,17 @@ mask), so "my turn" is counter == j - n_first (ascending order), or n_last - j f
 masks (descending: there the top key block reaches each query block first, so ascending turns
 would serialise the CTAs into a wavefront; measured +110-130 % vs +20-35 % for non-causal).
 The grid runs in turn order (x), so every CTA waited on has started earlier: no deadlock.
-With TMA reduces the turn passes on only once the reduce has written (bwd_parts.
-release_dq_turn_after_tma). fp32 sums in a fixed order make dQ bitwise reproducible; dK and
-dV are written once anyway.
+Masks without a window walk staggered instead (BwdConfig.stagger, bwd_parts.walk_start): key
+block j starts at step j·(steps // key blocks), and a query block's turns follow the order in
+which that schedule visits it, so CTAs running at the same pace never wait; a CTA then may
+wait for one launched after it, so this needs every key block of a sequence resident at once
+(key blocks <= SMs; else ascending turns). With TMA reduces a turn passes on only once the
+reduce has written (bwd_parts.release_dq_turn_after_tma), in the same step or one step later
+(BwdConfig.turn_release), and a CTA waits for its turn while its last MMAs run. fp32 sums in
+a fixed order make dQ bitwise reproducible; dK and dV are written once anyway. Cost, H200
+2026-11-29: +28-46 % at d=64/128, +60-80 % at d=256 (the semaphore round trips and barriers
+sit on every step's critical path: taking them off needs a warp of its own for the dQ
+reduce, which the 255-register budget of d=128/256 does not leave room for).
 
 The postprocess (dQ_acc -> q.dtype; the softmax scale is applied before the reduction) and the
 preprocess (delta = rowsum(dO∘O) − dlse, the portable tl kernel) are separate small launches.
@@ -98,6 +106,7 @@ if _GLUON_ERROR is None:
         store_key_rows,
         tma_reduce_add,
         wait_dq_turn,
+        walk_start,
     )
 
 # 64 and 128 run `_attn_bwd_kernel` below, 256 `bwd_wide` (the warpgroups split the head dim).
@@ -121,6 +130,22 @@ class BwdConfig:
     # instead of per-thread fp32 atomics (deterministic mode: the turn passes on once the
     # reduce has completed).
     dq_tma: bool = True
+    # Masks without a window: key block j starts its walk over the query blocks at step
+    # j·(steps // key blocks) instead of 0 (bwd_parts.walk_start), so the CTAs of a sequence
+    # do not all reduce into the same dQ rows at once, and deterministic turns follow that
+    # schedule instead of queueing every CTA behind the one before it.
+    stagger: bool = True
+    # Deterministic mode, when a CTA passes a dQ turn on (its TMA reduce must have landed):
+    # 0 in the step that issued it (waiting for the reduce there), 1 at the next step's main
+    # barrier, 2 at the next step's reduce point (the reduce has had a whole step to land, but
+    # the turn is held that much longer). H200, deterministic TFLOP/s at 2k / 16k non-causal
+    # (2026-11-29, sm90-bwd-probe --variant): d=128 0: 308 / 343, 1: 341 / 391, 2: 340 / 385;
+    # d=256 0: 192 / 207, 1: 180 / 184, 2: 176 / 181 (64-key blocks: a query block's next
+    # visitor arrives one step later, so a late release makes it wait); d=64 within 2 %.
+    turn_release: int = 1
+    # Deterministic mode: wait for the dQ turn while the step's last MMAs run (the semaphore's
+    # round trip overlaps them) instead of after they retire.
+    turn_wait_early: bool = True
 
 
 # Not tuned on a GPU yet: FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) for both.
@@ -130,7 +155,8 @@ class BwdConfig:
 _DEFAULT_CONFIGS = {
     64: BwdConfig(block_m=64, block_n=128),
     128: BwdConfig(block_m=64, block_n=128, dv_overlap=False),
-    256: BwdConfig(block_m=64, block_n=64, dv_overlap=False),  # FA3's hdim-256 tile
+    256: BwdConfig(block_m=64, block_n=64, dv_overlap=False,  # FA3's hdim-256 tile
+                   turn_release=0),
 }
 
 
@@ -180,7 +206,9 @@ if _GLUON_ERROR is None:
                          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
                          DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                         REVERSE_N: gl.constexpr, DQ_TMA: gl.constexpr):
+                         REVERSE_N: gl.constexpr, DQ_TMA: gl.constexpr,
+                         STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
+                         WAIT_EARLY: gl.constexpr):
         # Keys on the M axis: warpgroup w owns keys [w·64, w·64 + 64) of the block.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
@@ -234,9 +262,11 @@ if _GLUON_ERROR is None:
                     HEAD_DIM_V)
             # Steps walk (q head of the group, query block) in order; (h, m0) is the current
             # step's pair, carried rather than divided out of the step counter.
-            h = hk * group
-            m0 = m_lo
+            h_first = hk * group
+            h, m0, stride = walk_start(n_blk, n_seq, n_steps, group_blocks, h_first, m_lo,
+                                       STAGGER, BLOCK_M)
             m_end = m_lo + group_blocks * BLOCK_M
+            held = sem_ptr  # deferred release: the dQ turn this CTA still holds
             load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 0, h, q_start + m0, HEAD_DIM,
                       HEAD_DIM_V, n_steps > 0)
 
@@ -261,7 +291,8 @@ if _GLUON_ERROR is None:
 
             for it in range(n_steps):
                 slot = it % 2
-                h_next, m0_next = next_step(h, m0, m_lo, m_end, BLOCK_M)
+                h_next, m0_next = next_step(h, m0, m_lo, m_end, h_first, h_first + group,
+                                            BLOCK_M)
                 mbarrier.wait(ready.index(slot), (it // 2) & 1)
                 q_s = q_smem.index(slot)
                 do_s = do_smem.index(slot)
@@ -316,12 +347,25 @@ if _GLUON_ERROR is None:
                 # (DQ_TMA) the issuing thread has seen step it-1's dQ reduce read dq_smem.
                 fence_async_shared()
                 if DQ_TMA:
+                    if DETERMINISTIC:
+                        if RELEASE_AT == 1:
+                            if it > 0:  # the previous step's turn (see the reduce below)
+                                release_dq_turn_after_tma(held, m0)
                     tma.store_wait(0)
                 gl.thread_barrier()
                 load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 1 - slot, h_next,
                           q_start + m0_next, HEAD_DIM, HEAD_DIM_V, it + 1 < n_steps)
                 dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, dq_zero, use_acc=False,
                                        is_async=True)
+                if DETERMINISTIC:
+                    if WAIT_EARLY:
+                        if RELEASE_AT == 2:
+                            if it > 0:  # never hold a turn while waiting for one
+                                release_dq_turn_after_tma(held, m0)
+                        sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
+                                           n_seq, shift, window_left, window_right, h_first,
+                                           m_lo, group_blocks, stride, BLOCK_M, BLOCK_N,
+                                           HAS_LEFT, HAS_RIGHT, STAGGER)
                 if DV_OVERLAP:
                     dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(
                         0, deps=[dv_tok, dk_tok, dq_tok, p_op, ds_op])
@@ -334,18 +378,29 @@ if _GLUON_ERROR is None:
                     dq_smem.store(dq * softmax_scale)
                     fence_async_shared()
                     if DETERMINISTIC:
-                        sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
-                                           n_seq, shift, window_left, window_right, BLOCK_M,
-                                           BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                        if not WAIT_EARLY:
+                            if RELEASE_AT == 2:
+                                # Release the previous step's turn before waiting for this
+                                # one: a CTA never holds a turn while it waits.
+                                if it > 0:
+                                    release_dq_turn_after_tma(held, m0)
+                            sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0,
+                                               n_blk, n_seq, shift, window_left, window_right,
+                                               h_first, m_lo, group_blocks, stride, BLOCK_M,
+                                               BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER)
                     gl.thread_barrier()
                     tma_reduce_add(dq_desc, [q_start + m0, h * HEAD_DIM], dq_smem)
                     if DETERMINISTIC:
-                        release_dq_turn_after_tma(sem, m0)
+                        if RELEASE_AT == 0:
+                            release_dq_turn_after_tma(sem, m0)
+                        else:
+                            held = sem
                 else:
                     if DETERMINISTIC:
                         sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
-                                           n_seq, shift, window_left, window_right, BLOCK_M,
-                                           BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                                           n_seq, shift, window_left, window_right, h_first,
+                                           m_lo, group_blocks, stride, BLOCK_M, BLOCK_N,
+                                           HAS_LEFT, HAS_RIGHT, STAGGER)
                     add_dq(dq_ptr, dq * softmax_scale, m0, q_start, seqlen_q, n_heads, h, 0,
                            HEAD_DIM, BLOCK_M, HEAD_DIM, dq_layout)
                     if DETERMINISTIC:
@@ -356,6 +411,10 @@ if _GLUON_ERROR is None:
                 m0 = m0_next
 
             if DQ_TMA:
+                if DETERMINISTIC:
+                    if RELEASE_AT != 0:
+                        if n_steps > 0:
+                            release_dq_turn_after_tma(held, n_steps)
                 tma.store_wait(0)  # the last reduce reads dq_smem
             for st in gl.static_range(2):
                 mbarrier.invalidate(ready.index(st))
@@ -374,13 +433,20 @@ if _GLUON_ERROR is None:
 
 
 def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, has_left,
-                has_right, softcap, deterministic=False):
+                has_right, softcap, deterministic=False, max_key_blocks=1, resident_ctas=1):
+    # A staggered deterministic walk makes key block j wait for j + 1 at some query blocks, so
+    # every key block of a sequence must be resident at once (one CTA per SM): otherwise
+    # ascending turns, where a CTA only waits for CTAs launched before it.
+    stagger = (cfg.stagger and not has_left and not has_right
+               and (not deterministic or max_key_blocks <= resident_ctas))
     return {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim_v, "BLOCK_M": cfg.block_m,
             "BLOCK_N": cfg.block_n, "UNIFORM": uniform,
             "HAS_SEQUSED": has_seqused, "HAS_LEFT": has_left, "HAS_RIGHT": has_right,
             "SOFTCAP": softcap, "DV_OVERLAP": cfg.dv_overlap,
             "DP_EARLY": cfg.dp_early, "DETERMINISTIC": deterministic,
-            "REVERSE_N": cfg.reverse_causal, "DQ_TMA": cfg.dq_tma}
+            "REVERSE_N": cfg.reverse_causal, "DQ_TMA": cfg.dq_tma,
+            "STAGGER": stagger, "RELEASE_AT": cfg.turn_release if cfg.dq_tma else 0,
+            "WAIT_EARLY": cfg.turn_wait_early and cfg.dq_tma}
 
 
 def _dq_block(head_dim: int, cfg: BwdConfig) -> list[int]:
@@ -494,14 +560,15 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
     wl, wr = params.mask.window_left, params.mask.window_right
     softcap = params.softcap > 0
     qk_scale, softcap_pre = _fwd.exp2_scales(params)
+    grid = (cdiv(max(seq.max_seqlen_k, 1), cfg.block_n), hkv, seq.batch)
     consts = _constexprs(d, dvd, cfg, uniform=uniform, has_seqused=has_seqused,
                          has_left=wl >= 0, has_right=wr >= 0, softcap=softcap,
-                         deterministic=params.deterministic)
+                         deterministic=params.deterministic, max_key_blocks=grid[0],
+                         resident_ctas=_fwd._num_sms(q.device.index))
     num_m_blocks = cdiv(max(seq.max_seqlen_q, 1), cfg.block_m)
     # One dQ turn counter per (sequence, q head, query block); only read when deterministic.
     sem = torch.zeros((seq.batch, hq, num_m_blocks) if params.deterministic else (1,),
                       dtype=torch.int32, device=q.device)
-    grid = (cdiv(max(seq.max_seqlen_k, 1), cfg.block_n), hkv, seq.batch)
     _kernel_for(d)[grid](
         q_desc, k_desc, v_desc, do_desc, dq_desc, lse, delta, dq_acc, dk, dv, seq.cu_seqlens_q,
         seq.cu_seqlens_k, seq.seqused_k if has_seqused else seq.cu_seqlens_k, sem,

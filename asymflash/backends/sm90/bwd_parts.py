@@ -112,14 +112,40 @@ if _GLUON_ERROR is None:
         return m_lo, (gl.maximum(m_hi - m_lo, 0) + BLOCK_M - 1) // BLOCK_M
 
     @gluon.jit
-    def next_step(h, m0, m_lo, m_end, BLOCK_M: gl.constexpr):
-        """The (q head, query block start) after (h, m0): blocks first, then heads."""
+    def next_step(h, m0, m_lo, m_end, h_first, h_end, BLOCK_M: gl.constexpr):
+        """The (q head, query block start) after (h, m0): blocks first, then heads, wrapping
+        from the last head to the first (a staggered walk starts mid-way)."""
         h_next = h
         m0_next = m0 + BLOCK_M
         if m0_next >= m_end:
             h_next = h + 1
             m0_next = m_lo
+            if h_next >= h_end:
+                h_next = h_first
         return h_next, m0_next
+
+    @gluon.jit
+    def walk_start(n_blk, n_seq, n_steps, group_blocks, h_first, m_lo, STAGGER: gl.constexpr,
+                   BLOCK_M: gl.constexpr):
+        """(h, m0, stride): the first step of this key block's walk, and the stagger stride.
+
+        STAGGER (masks without a window: every key block walks the same n_steps steps): key
+        block j starts at step j·stride, stride = n_steps // n_seq, so at any time the CTAs of
+        one sequence work on different query blocks. Without it they all start at block 0 and
+        (deterministic mode) queue for its dQ turn one after the other; with it each query
+        block's visits are `stride` steps apart in the ideal schedule, and the turn order
+        (`wait_dq_turn`) follows that schedule. stride = 0: no stagger (n_steps < n_seq).
+        """
+        stride = 0
+        h = h_first
+        m0 = m_lo
+        if STAGGER:
+            stride = n_steps // n_seq
+            e0 = stride * n_blk
+            blocks = gl.maximum(group_blocks, 1)  # 0 for an empty query sequence
+            h = h_first + e0 // blocks
+            m0 = m_lo + (e0 % blocks) * BLOCK_M
+        return h, m0, stride
 
     @gluon.jit
     def mask_edges(n0, seqlen_k, shift, window_left, window_right, BLOCK_M: gl.constexpr,
@@ -184,12 +210,16 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq, shift,
-                     window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+                     window_left, window_right, h_first, m_lo, group_blocks, stride,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                     HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr):
         """Deterministic mode: spin until key block n_blk may add its dQ partial of query
-        block m0 (bwd.py's docstring), return that block's turn counter.
+        block m0 of head h (bwd.py's docstring), return that block's turn counter.
 
         Key blocks [n_first, n_last] see the query block; causal turns run from n_last down.
+        Staggered walks (`walk_start`, stride > 0): the step index e of (h, m0) is visited
+        first by key block j* = min(e // stride, n_seq - 1), then j* - 1, ..., 0, n_seq - 1,
+        ..., j* + 1 (ascending start offsets, wrapped): turn (j* - n_blk) mod n_seq.
         """
         if HAS_RIGHT:
             n_last = gl.minimum((m0 + BLOCK_M - 1 + shift + window_right) // BLOCK_N, n_seq - 1)
@@ -199,6 +229,11 @@ if _GLUON_ERROR is None:
             if HAS_LEFT:
                 n_first = gl.maximum(m0 + shift - window_left, 0) // BLOCK_N
             turn = n_blk - n_first
+            if STAGGER:
+                if stride > 0:
+                    e = (h - h_first) * group_blocks + (m0 - m_lo) // BLOCK_M
+                    first = gl.minimum(e // stride, n_seq - 1)
+                    turn = (first - n_blk + n_seq) % n_seq
         sem = sem_ptr + (batch * n_heads + h) * num_m_blocks + m0 // BLOCK_M
         while gl.atomic_add(sem, 0, sem="acquire") != turn:
             pass

@@ -61,6 +61,7 @@ if _GLUON_ERROR is None:
         store_key_rows,
         tma_reduce_add,
         wait_dq_turn,
+        walk_start,
     )
 
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
@@ -76,7 +77,9 @@ if _GLUON_ERROR is None:
                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                              SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
                              DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                             REVERSE_N: gl.constexpr, DQ_TMA: gl.constexpr):
+                             REVERSE_N: gl.constexpr, DQ_TMA: gl.constexpr,
+                             STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
+                             WAIT_EARLY: gl.constexpr):
         # dPᵀ is always issued with Sᵀ here (DP_EARLY is bwd.py's register trade-off), and dV
         # is always retired before dSᵀ is published (barrier 2 relies on it); DV_OVERLAP keeps
         # it in flight while dSᵀ is formed. DQ_TMA: dQ leaves by TMA reduce-add in two
@@ -131,9 +134,11 @@ if _GLUON_ERROR is None:
 
             load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(0), k_start + n0, hk, HEAD_DIM,
                     HEAD_DIM_V)
-            h = hk * group
-            m0 = m_lo
+            h_first = hk * group
+            h, m0, stride = walk_start(n_blk, n_seq, n_steps, group_blocks, h_first, m_lo,
+                                       STAGGER, BLOCK_M)
             m_end = m_lo + group_blocks * BLOCK_M
+            held = sem_ptr  # deferred release: the dQ turn this CTA still holds
             load_rows(q_desc, q_smem.index(0), q_ready.index(0), q_start + m0, h * HEAD_DIM,
                       n_steps > 0)
             load_rows(do_desc, do_s, do_ready.index(0), q_start + m0, h * HEAD_DIM_V,
@@ -160,7 +165,8 @@ if _GLUON_ERROR is None:
 
             for it in range(n_steps):
                 slot = it % 2
-                h_next, m0_next = next_step(h, m0, m_lo, m_end, BLOCK_M)
+                h_next, m0_next = next_step(h, m0, m_lo, m_end, h_first, h_first + group,
+                                            BLOCK_M)
                 mbarrier.wait(q_ready.index(slot), (it // 2) & 1)
                 mbarrier.wait(do_ready.index(0), it & 1)
                 q_s = q_smem.index(slot)
@@ -182,6 +188,10 @@ if _GLUON_ERROR is None:
                 p = p_ds
                 fence_async_shared()
                 if DQ_TMA:
+                    if DETERMINISTIC:
+                        if RELEASE_AT == 1:
+                            if it > 0:  # the previous step's turn (bwd.py)
+                                release_dq_turn_after_tma(held, m0)
                     tma.store_wait(0)  # the previous step's dQ reduce has read dq_smem
                 gl.thread_barrier()  # barrier 1
                 load_rows(q_desc, q_smem.index(1 - slot), q_ready.index(1 - slot),
@@ -207,6 +217,15 @@ if _GLUON_ERROR is None:
                 dq_hi_tok = warpgroup_mma(ds_smem.permute((1, 0)),
                                           k_smem.slice(DQ_COLS, DQ_COLS, 1), dq_zero,
                                           use_acc=False, is_async=True)
+                if DETERMINISTIC:
+                    if WAIT_EARLY:  # the semaphore's round trip under the MMAs (bwd.py)
+                        if RELEASE_AT == 2:
+                            if it > 0:
+                                release_dq_turn_after_tma(held, m0)
+                        sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
+                                           n_seq, shift, window_left, window_right, h_first,
+                                           m_lo, group_blocks, stride, BLOCK_M, BLOCK_N,
+                                           HAS_LEFT, HAS_RIGHT, STAGGER)
                 # Groups retire in order: the low dQ half is added while the high one runs.
                 dk, dq_lo = warpgroup_mma_wait(1, deps=[dk_tok, dq_lo_tok])
                 if DQ_TMA:
@@ -216,9 +235,14 @@ if _GLUON_ERROR is None:
                     dq_smem.store(dq_lo * softmax_scale)
                     fence_async_shared()
                     if DETERMINISTIC:
-                        sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
-                                           n_seq, shift, window_left, window_right, BLOCK_M,
-                                           BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                        if not WAIT_EARLY:
+                            if RELEASE_AT == 2:
+                                if it > 0:  # the previous step's turn (bwd.py)
+                                    release_dq_turn_after_tma(held, m0)
+                            sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0,
+                                               n_blk, n_seq, shift, window_left, window_right,
+                                               h_first, m_lo, group_blocks, stride, BLOCK_M,
+                                               BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER)
                     gl.thread_barrier()
                     tma_reduce_add(dq_desc, [dq_row, h * HEAD_DIM], dq_smem)
                     dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
@@ -229,12 +253,16 @@ if _GLUON_ERROR is None:
                     gl.thread_barrier()
                     tma_reduce_add(dq_desc, [dq_row, h * HEAD_DIM + DQ_COLS], dq_smem)
                     if DETERMINISTIC:
-                        release_dq_turn_after_tma(sem, m0)
+                        if RELEASE_AT == 0:
+                            release_dq_turn_after_tma(sem, m0)
+                        else:
+                            held = sem
                 else:
                     if DETERMINISTIC:
                         sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
-                                           n_seq, shift, window_left, window_right, BLOCK_M,
-                                           BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                                           n_seq, shift, window_left, window_right, h_first,
+                                           m_lo, group_blocks, stride, BLOCK_M, BLOCK_N,
+                                           HAS_LEFT, HAS_RIGHT, STAGGER)
                     add_dq(dq_ptr, dq_lo * softmax_scale, m0, q_start, seqlen_q, n_heads, h, 0,
                            HEAD_DIM, BLOCK_M, DQ_COLS, dq_layout)
                     dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
@@ -247,6 +275,10 @@ if _GLUON_ERROR is None:
                 m0 = m0_next
 
             if DQ_TMA:
+                if DETERMINISTIC:
+                    if RELEASE_AT != 0:
+                        if n_steps > 0:
+                            release_dq_turn_after_tma(held, n_steps)
                 tma.store_wait(0)
             for st in gl.static_range(2):
                 mbarrier.invalidate(q_ready.index(st))
