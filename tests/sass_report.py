@@ -34,6 +34,7 @@ print(_json.dumps(dict(
     local=len(_re.findall(r"\b(LDL|STL)\b", _sass)), mufu_ex2=_sass.count("MUFU.EX2"),
     red=len(_re.findall(r"\bREDG?\.E\.ADD\.F32", _sass)),
     tma_reduce=_sass.count("UTMAREDG"),
+    tma_load_3d=kernel.asm["ptx"].count("cp.async.bulk.tensor.3d.shared"),
     # deterministic backward: each release of a dQ turn waits for the TMA reduce to *write*
     # (wait_group without .read) and fences the async proxy first
     release_after_bulk_write=bool(_re.search(

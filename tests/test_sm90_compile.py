@@ -112,6 +112,20 @@ def test_three_consumer_warpgroups_compile(kw, max_local):
     assert rep["shared"] <= 227 * 1024
 
 
+# Head dims between the widths (96, 192/128, ...) read q, k, v through (rows, heads, dim)
+# descriptors whose box zero-fills the missing columns: the same kernel with 3-D TMA loads.
+@pytest.mark.parametrize("kw", [
+    {"head_dim": 128, "heads_axis": True, "has_right": True},
+    {"head_dim": 256, "heads_axis": True, "has_sink": True},
+    {"head_dim": 128, "heads_axis": True, "uniform": False, "has_seqused": True},
+], ids=["128-causal", "256-sink", "128-varlen"])
+def test_heads_axis_descriptors_compile(kw):
+    rep = compile_report(**kw)
+    assert rep["tma_load_3d"] >= 3, rep  # Q, K and V each through a 3-D box
+    assert rep["hgmma"] > 0 and rep["local"] == 0, rep
+    assert compile_report(head_dim=kw["head_dim"])["tma_load_3d"] == 0
+
+
 def test_kernel_head_dim_pads_to_the_next_compiled_width():
     from asymflash.backends.sm90.fwd import kernel_head_dim
 

@@ -274,10 +274,37 @@ if _GLUON_ERROR is None:
     # ------------------------------------------------------------------------------------------
     # load role
     # ------------------------------------------------------------------------------------------
+    @gluon.constexpr_function
+    def _heads_axis(block_shape) -> bool:
+        """A (rows, heads, dim) descriptor (`tma_heads`) rather than (rows, heads·dim)."""
+        return len(block_shape) == 3
+
+    @gluon.constexpr_function
+    def _tile_layout(layout):
+        """The 2-D shared layout of a descriptor's tile (the same bytes as its 3-D box)."""
+        return gl.NVMMASharedLayout(layout.swizzle_byte_width, layout.element_bitwidth, 2,
+                                    layout.transposed, layout.fp4_padded)
+
+    @gluon.jit
+    def _copy_rows(desc, row, head, WIDTH: gl.constexpr, bar, dst):
+        """TMA-load one tile of head `head` from rows [row, row + box) into dst [box, WIDTH].
+
+        A (rows, heads·dim) descriptor reads column head·WIDTH; a (rows, heads, dim) one reads
+        (row, head, 0), and the TMA unit zero-fills the columns from dim up to WIDTH (head
+        dims between the compiled widths, without padded copies of q, k, v).
+        """
+        if _heads_axis(desc.block_shape):
+            tma.async_copy_global_to_shared(
+                desc, [row, head, 0], bar, dst._reinterpret(desc.dtype, desc.block_shape,
+                                                            desc.layout))
+        else:
+            tma.async_copy_global_to_shared(desc, [row, head * WIDTH], bar, dst)
+
     @gluon.jit
     def _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                   k_empty, v_ready, v_empty, q_row, q_col, kv_row, k_col, v_col, n_lo, n_hi, it0,
-                   q_phase, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WAIT_Q: gl.constexpr,
+                   k_empty, v_ready, v_empty, q_row, q_head, kv_row, kv_head, n_lo, n_hi, it0,
+                   q_phase, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WAIT_Q: gl.constexpr,
                    NUM_WG: gl.constexpr):
         """Q of one tile (NUM_WG x 64 rows), then its key blocks [n_lo, n_hi) at ring
         positions it0, ...
@@ -289,8 +316,8 @@ if _GLUON_ERROR is None:
             if WAIT_Q:
                 mbarrier.wait(q_empty.index(wg), q_phase ^ 1)
             mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row + wg * 64, q_col], q_bar.index(wg),
-                                            q_smem.index(wg))
+            _copy_rows(q_desc, q_row + wg * 64, q_head, HEAD_DIM, q_bar.index(wg),
+                       q_smem.index(wg))
         for i in range(n_hi - n_lo):
             pos = it0 + i
             slot = pos % STAGES
@@ -300,12 +327,11 @@ if _GLUON_ERROR is None:
             row = kv_row + (n_lo + i) * BLOCK_N
             mbarrier.wait(k_empty.index(slot), phase)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row, k_col], k_ready.index(slot),
-                                            k_smem.index(slot))
+            _copy_rows(k_desc, row, kv_head, HEAD_DIM, k_ready.index(slot), k_smem.index(slot))
             mbarrier.wait(v_empty.index(slot), phase)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [row, v_col], v_ready.index(slot),
-                                            v_smem.index(slot))
+            _copy_rows(v_desc, row, kv_head, HEAD_DIM_V, v_ready.index(slot),
+                       v_smem.index(slot))
 
     # ------------------------------------------------------------------------------------------
     # tile schedule: which (query block, head, sequence) a tile index is, and its key blocks
@@ -669,9 +695,9 @@ if _GLUON_ERROR is None:
                                                    HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_M)
                 kv_head = head // group
                 _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
-                           k_ready, k_empty, v_ready, v_empty, q_start + m0, head * HEAD_DIM,
-                           k_start, kv_head * HEAD_DIM, kv_head * HEAD_DIM_V, n_lo, n_hi, it,
-                           tc & 1, BLOCK_N, STAGES, True, NUM_WG)
+                           k_ready, k_empty, v_ready, v_empty, q_start + m0, head, k_start,
+                           kv_head, n_lo, n_hi, it, tc & 1, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+                           STAGES, True, NUM_WG)
                 it += n_hi - n_lo
                 tc += 1
 
@@ -729,11 +755,12 @@ if _GLUON_ERROR is None:
                          LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
                          PINGPONG: gl.constexpr, NUM_WG: gl.constexpr):
         # NUM_WG = 3 only with PERSISTENT and without PINGPONG (checked on the host).
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG, 64, HEAD_DIM], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG, 64, HEAD_DIM],
+                                           _tile_layout(q_desc.layout))
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
-                                           k_desc.layout)
+                                           _tile_layout(k_desc.layout))
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM_V],
-                                           v_desc.layout)
+                                           _tile_layout(v_desc.layout))
         # Q barriers of the consumer warpgroups, then (ping-pong only) their turn barriers.
         q_bar = gl.allocate_shared_memory(gl.int64, [4 if PINGPONG else NUM_WG, 1],
                                           mbarrier.MBarrierLayout())
@@ -850,10 +877,9 @@ if _GLUON_ERROR is None:
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
                                       False, PINGPONG)),
                     (_load_tile, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
-                                  k_ready, k_empty, v_ready, v_empty, q_start + m0,
-                                  head * HEAD_DIM, k_start, kv_head * HEAD_DIM,
-                                  kv_head * HEAD_DIM_V, n_lo, n_hi, 0, 0, BLOCK_N, STAGES,
-                                  False, 2)),
+                                  k_ready, k_empty, v_ready, v_empty, q_start + m0, head,
+                                  k_start, kv_head, n_lo, n_hi, 0, 0, HEAD_DIM, HEAD_DIM_V,
+                                  BLOCK_N, STAGES, False, 2)),
                 ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -900,6 +926,19 @@ def tma_rows(t: torch.Tensor, block, layout=None) -> "TensorDescriptor":
     return desc
 
 
+def tma_heads(t: torch.Tensor, rows: int, width: int) -> "TensorDescriptor":
+    """TMA descriptor of a packed (rows, heads, dim) tensor as it is, with a box of `rows`
+    rows of one head, `width` >= dim wide: the TMA unit fills the columns past dim with
+    zeros, so head dims between the compiled widths need no zero-padded copy. Needs 16-byte
+    row strides (dim a multiple of 8 at 16 bits)."""
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape = t, list(t.shape)
+    desc.strides = [t.shape[1] * t.shape[2], t.shape[2], 1]
+    desc.block_shape, desc.padding = [rows, 1, width], "zero"
+    desc.layout = _smem_layout(desc.block_shape, t.dtype)
+    return desc
+
+
 def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, has_left,
                 has_right, softcap, has_sink):
     return {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim_v, "BLOCK_N": cfg.block_n,
@@ -935,8 +974,9 @@ def _launch_options(cfg: FwdConfig):
 
 
 def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
-                       cfg: FwdConfig | None = None, arch=90, **features):
-    """Compile the kernel without a GPU (CI check); returns triton's CompiledKernel."""
+                       cfg: FwdConfig | None = None, arch=90, heads_axis=False, **features):
+    """Compile the kernel without a GPU (CI check); returns triton's CompiledKernel.
+    heads_axis: with the (rows, heads, dim) descriptors of head dims between the widths."""
     if _GLUON_ERROR is not None:
         raise RuntimeError(_GLUON_ERROR)
     from triton.backends.compiler import GPUTarget
@@ -950,7 +990,10 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
     ty = _SIG_DTYPES[dtype]
 
     def desc(block):
-        return f"tensordesc<{ty}[{block[0]}, {block[1]}],{_smem_layout(block, dtype)!r}>"
+        if heads_axis:
+            block = [block[0], 1, block[1]]
+        dims = ", ".join(map(str, block))
+        return f"tensordesc<{ty}[{dims}],{_smem_layout(block, dtype)!r}>"
 
     signature = {
         "q_desc": desc([64, head_dim]), "k_desc": desc([cfg.block_n, head_dim]),
@@ -1091,16 +1134,20 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
     """out (total_q, Hq, Dv) in q.dtype and lse (Hq, total_q) fp32 (natural log)."""
     d, dv = q.shape[-1], v.shape[-1]
     width = kernel_head_dim(d, dv)
-    if (d, dv) != (width, width):
-        # Zero-padded copies (see kernel_head_dim); softmax_scale already holds d's default.
+    # Head dims between the compiled widths (see kernel_head_dim) run the next width's kernel:
+    # read through (rows, heads, dim) descriptors that zero-fill the missing columns, or,
+    # where TMA cannot address the rows (dim not a multiple of 8), from zero-padded copies.
+    # softmax_scale already holds d's default.
+    padded = (d, dv) != (width, width)
+    if padded and (d % 8 or dv % 8):
         out, lse = forward(*(pad_head_dim(t, width) for t in (q, k, v)), seq, params, sink,
                            cfg)
         return out[..., :dv].contiguous(), lse
-    total_q, hq, d = q.shape
+    total_q, hq, _ = q.shape
     total_k, hkv, _ = k.shape
     if packs_gqa(total_q, hq, hkv, seq, params, sink):
         return _forward_packed_gqa(q, k, v, seq, params, cfg)
-    dv = v.shape[-1]
+    d = dv = width
     wl, wr = params.mask.window_left, params.mask.window_right
     softcap = params.softcap > 0
     plain = not softcap and sink is None and wl < 0
@@ -1111,14 +1158,20 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
     cfg = select_config(d, dv, params, cfg)
     if cfg.consumer_wgs != 2:
         check_config(cfg, d)
+    # The kernel writes all `width` columns: padded dims get a wider output, cut below.
     out = torch.empty((total_q, hq, dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
 
     # 2-D views (rows, heads*dim): a head is a column offset, so one descriptor serves all
     # heads and sequences; rows past a sequence end are masked (keys) or not stored (queries).
-    q_desc = tma_rows(q, (64, d))
-    k_desc = tma_rows(k, (cfg.block_n, d))
-    v_desc = tma_rows(v, (cfg.block_n, dv))
+    if padded:
+        q_desc = tma_heads(q, 64, d)
+        k_desc = tma_heads(k, cfg.block_n, d)
+        v_desc = tma_heads(v, cfg.block_n, dv)
+    else:
+        q_desc = tma_rows(q, (64, d))
+        k_desc = tma_rows(k, (cfg.block_n, d))
+        v_desc = tma_rows(v, (cfg.block_n, dv))
 
     qk_scale, softcap_pre = exp2_scales(params)
     batch = seq.batch
@@ -1136,4 +1189,6 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
         seq.seqused_k if has_seqused else dummy_i32, sink if sink is not None else lse,
         seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, batch, num_m_blocks, hq // hkv,
         qk_scale, softcap_pre, wl, wr, num_tiles, hb_chunk, **consts, **_launch_options(cfg))
+    if padded:
+        return out[..., :v.shape[-1]].contiguous(), lse
     return out, lse
