@@ -58,11 +58,14 @@ CASES = [
          hq=2, hkv=1, d=256, seqused=[17, 100, 50, 300], window=(-1, 0)),
     dict(name="d256-q1-k1", lens_q=[1], lens_k=[1], hq=1, hkv=1, d=256),
     dict(name="d128-gqa", lens_q=[300] * 2, lens_k=[300] * 2, hq=8, hkv=2, d=128),
-    # other widths run zero-padded on the 128 / 256 kernels
+    # other widths run zero-padded on the 128 / 256 kernels (3-D TMA boxes fill the zeros)
     dict(name="d96-causal", lens_q=[300] * 2, lens_k=[300] * 2, hq=4, hkv=2, d=96,
          window=(-1, 0)),
     dict(name="d192-dv128", lens_q=[257], lens_k=[257], hq=2, hkv=1, d=192, dv=128),
     dict(name="d80-dv96-varlen", lens_q=[17, 113], lens_k=[33, 203], hq=2, hkv=2, d=80, dv=96,
+         window=(-1, 0)),
+    # not a multiple of 8 (only reachable by calling the backend): zero-padded copies
+    dict(name="d100-pad-copies", lens_q=[257], lens_k=[257], hq=2, hkv=1, d=100,
          window=(-1, 0)),
 ]
 

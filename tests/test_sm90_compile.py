@@ -118,12 +118,23 @@ def test_three_consumer_warpgroups_compile(kw, max_local):
     {"head_dim": 128, "heads_axis": True, "has_right": True},
     {"head_dim": 256, "heads_axis": True, "has_sink": True},
     {"head_dim": 128, "heads_axis": True, "uniform": False, "has_seqused": True},
-], ids=["128-causal", "256-sink", "128-varlen"])
+    {"head_dim": 256, "head_dim_v": 128, "heads_axis": True, "has_right": True},
+], ids=["128-causal", "256-sink", "128-varlen", "256-128-causal"])
 def test_heads_axis_descriptors_compile(kw):
     rep = compile_report(**kw)
     assert rep["tma_load_3d"] >= 3, rep  # Q, K and V each through a 3-D box
     assert rep["hgmma"] > 0 and rep["local"] == 0, rep
     assert compile_report(head_dim=kw["head_dim"])["tma_load_3d"] == 0
+
+
+def test_forward_widths_keep_a_narrow_v_narrow():
+    from asymflash.backends.sm90.fwd import forward_widths
+
+    assert forward_widths(192, 128) == (256, 128)  # DeepSeek: V not padded to 256
+    assert forward_widths(256, 128) == (256, 128) and forward_widths(160, 96) == (256, 128)
+    assert forward_widths(96, 96) == (128, 128) and forward_widths(128, 64) == (128, 128)
+    assert forward_widths(160, 160) == (256, 256) and forward_widths(200, 136) == (256, 256)
+    assert forward_widths(64, 64) == (64, 64) and forward_widths(40, 40) is None
 
 
 def test_kernel_head_dim_pads_to_the_next_compiled_width():

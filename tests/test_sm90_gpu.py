@@ -147,10 +147,10 @@ def test_sm90_forward_matches_reference(case):
     assert lse_err <= 1e-3, lse_err
 
 
-# Head dims the kernel runs zero-padded (fwd.kernel_head_dim): 96 -> 128, 80 -> 128,
-# 128/64 -> 128, 160 -> 256, 192/128 -> 256, through (rows, heads, dim) TMA descriptors that
-# zero-fill the missing columns; 100 (not a multiple of 8, only reachable by calling the
-# backend directly) from zero-padded copies.
+# Head dims the kernel runs zero-padded (fwd.forward_widths): 96 -> 128, 80 -> 128,
+# 128/64 -> 128, 160 -> 256, 192/128 -> 256/128, through (rows, heads, dim) TMA descriptors
+# that zero-fill the missing columns; 100 (not a multiple of 8, only reachable by calling
+# the backend directly) from zero-padded copies.
 PADDED_CASES = [
     # (batch, sq, sk, hq, hkv, d, dv, dtype, window, softcap, sink, varlen)
     (2, 1000, 1000, 4, 2, 96, 96, torch.bfloat16, (-1, 0), 0.0, False, False),
@@ -161,6 +161,7 @@ PADDED_CASES = [
     (1, 300, 700, 4, 1, 160, 160, torch.bfloat16, (-1, 0), 0.0, False, False),
     (3, 16, 1000, 16, 2, 96, 96, torch.bfloat16, (-1, -1), 0.0, False, False),  # GQA packed
     (2, 333, 333, 2, 2, 100, 100, torch.bfloat16, (-1, 0), 0.0, False, False),
+    (2, 300, 300, 4, 2, 256, 128, torch.bfloat16, (-1, 0), 0.0, False, False),  # 256/128
 ]
 
 

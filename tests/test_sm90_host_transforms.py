@@ -3,8 +3,8 @@ in for the compiled kernel:
 
 - head dims other than 64/128/256 run on zero-padded copies (fwd.kernel_head_dim): q, k, v
   (and dO, O for the backward) get zero columns up to the compiled width and the results'
-  extra columns are dropped; the sliced results must equal the unpadded ones. (The forward
-  pads this way only dims that are not multiples of 8, reachable by calling the backend
+  extra columns are dropped; the sliced results must equal the unpadded ones. (Only dims
+  that are not multiples of 8 are padded this way, reachable by calling the backend
   directly; the others read through zero-filling 3-D TMA boxes, checked on the GPU.)
 - GQA packing (fwd.packs_gqa): the q heads of a kv head become extra query rows; the
   unpacked results must equal the unpacked computation, and calls it would change are not
@@ -23,17 +23,8 @@ from asymflash.backends import cpu
 from asymflash.backends.sm90 import bwd, fwd
 from asymflash.core.params import AttnParams, MaskSpec
 
+# Dims TMA cannot address per head (not multiples of 8), so the padded-copy path.
 CASES = [
-    dict(name="d96-causal-gqa", lens_q=[17, 113], lens_k=[33, 203], hq=4, hkv=2, d=96,
-         window=(-1, 0)),
-    dict(name="d192-dv128", lens_q=[113], lens_k=[113], hq=2, hkv=1, d=192, dv=128),
-    dict(name="d72-dv136-local-softcap-sink", lens_q=[1, 203], lens_k=[17, 203], hq=2, hkv=2,
-         d=72, dv=136, window=(40, 9), softcap=15.0, sink=True),
-]
-
-
-# Forward: dims TMA cannot address per head (not multiples of 8), so the padded-copy path.
-FWD_CASES = [
     dict(name="d100-causal-gqa", lens_q=[17, 113], lens_k=[33, 203], hq=4, hkv=2, d=100,
          window=(-1, 0)),
     dict(name="d190-dv126", lens_q=[113], lens_k=[113], hq=2, hkv=1, d=190, dv=126),
@@ -48,16 +39,16 @@ def _case(c):
     return q * 2, k * 2, v, dout, seq, params, sink
 
 
-@pytest.mark.parametrize("case", FWD_CASES, ids=lambda c: c["name"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c["name"])
 def test_padded_forward_equals_unpadded(case, monkeypatch):
     q, k, v, _, seq, params, sink = _case(case)
-    width = fwd.kernel_head_dim(q.shape[-1], v.shape[-1])
-    assert width in (128, 256)
+    widths = fwd.forward_widths(q.shape[-1], v.shape[-1])
+    assert widths in ((128, 128), (256, 128), (256, 256))
     inputs = [t.clone() for t in (q, k, v)]
     padded_forward = fwd.forward
 
     def kernel_stand_in(qp, kp, vp, seq_, params_, sink_, cfg=None):
-        assert qp.shape[-1] == kp.shape[-1] == vp.shape[-1] == width
+        assert (qp.shape[-1], vp.shape[-1]) == widths and kp.shape[-1] == widths[0]
         assert qp.is_contiguous() and vp.is_contiguous()
         return cpu.forward(qp, kp, vp, seq_, params_, sink_)
 

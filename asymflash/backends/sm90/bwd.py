@@ -108,6 +108,7 @@ if _GLUON_ERROR is None:
         wait_dq_turn,
         walk_start,
     )
+    from .fwd import _tile_layout
 
 # 64 and 128 run `_attn_bwd_kernel` below, 256 `bwd_wide` (the warpgroups split the head dim).
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -239,11 +240,14 @@ if _GLUON_ERROR is None:
             keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, shift, window_left,
                                                         window_right, BLOCK_M, BLOCK_N)
 
-            k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-            v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V], v_desc.layout)
-            q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+            k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM],
+                                               _tile_layout(k_desc.layout))
+            v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V],
+                                               _tile_layout(v_desc.layout))
+            q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM],
+                                               _tile_layout(q_desc.layout))
             do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM_V],
-                                                do_desc.layout)
+                                                _tile_layout(do_desc.layout))
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                            dtype)
             ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
@@ -459,8 +463,9 @@ def _dq_layout(block):
 
 
 def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
-                       cfg: BwdConfig | None = None, arch=90, **features):
-    """Compile the backward kernel without a GPU (CI check); returns triton's CompiledKernel."""
+                       cfg: BwdConfig | None = None, arch=90, heads_axis=False, **features):
+    """Compile the backward kernel without a GPU (CI check); returns triton's CompiledKernel.
+    heads_axis: with the (rows, heads, dim) descriptors of head dims between the widths."""
     if _GLUON_ERROR is not None:
         raise RuntimeError(_GLUON_ERROR)
     from triton.backends.compiler import GPUTarget
@@ -474,7 +479,10 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
     ty = _fwd._SIG_DTYPES[dtype]
 
     def desc(block):
-        return f"tensordesc<{ty}[{block[0]}, {block[1]}],{_fwd._smem_layout(block, dtype)!r}>"
+        if heads_axis:  # q, k, v, dO through fwd.tma_heads (head dims between the widths)
+            block = [block[0], 1, block[1]]
+        dims = ", ".join(map(str, block))
+        return f"tensordesc<{ty}[{dims}],{_fwd._smem_layout(block, dtype)!r}>"
 
     dq_block = _dq_block(head_dim, cfg)
     signature = {
@@ -516,9 +524,12 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
     """(dq, dk, dv, dsink) for out = attention(q, k, v); shapes as in `core/params.py`."""
     d, dvd = q.shape[-1], v.shape[-1]
     width = _fwd.kernel_head_dim(d, dvd)
-    if (d, dvd) != (width, width):
-        # As the forward: zero columns add nothing to q·k, dO·vᵀ or rowsum(dO∘O), and the
-        # gradients' padded columns are dropped.
+    # As the forward: zero columns add nothing to q·k, dO·vᵀ or rowsum(dO∘O), and the
+    # gradients' padded columns are dropped. q, k, v and dO are read through (rows, heads,
+    # dim) TMA boxes that zero-fill them (fwd.tma_heads), or, for dims TMA cannot address
+    # per head (not multiples of 8), padded copies.
+    padded = (d, dvd) != (width, width)
+    if padded and (d % 8 or dvd % 8):
         pad = _fwd.pad_head_dim
         dq, dk, dv, dsink = backward(pad(dout, width), pad(q, width), pad(k, width),
                                      pad(v, width), pad(out, width), lse, dlse, seq, params,
@@ -531,7 +542,7 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
 
     total_q, hq, _ = q.shape
     hkv = k.shape[1]
-    cfg = select_config(d, cfg, params.softcap > 0)
+    cfg = select_config(width, cfg, params.softcap > 0)
     # The dO descriptor shares Q's compiled element type and needs TMA-friendly strides.
     # (Each no-op conversion still costs host time: convert only what needs it.)
     if dout.dtype != q.dtype or not dout.is_contiguous() or dout.data_ptr() % 16:
@@ -542,20 +553,29 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
         dlse = dlse.contiguous()
     delta = _delta(out, dout, dlse)
 
-    dq_acc = torch.zeros((total_q, hq, d), dtype=torch.float32, device=q.device)
+    # The kernel's tensors are `width` wide (dQ_acc, dK, dV: cut below when padded).
+    dq_acc = torch.zeros((total_q, hq, width), dtype=torch.float32, device=q.device)
     # Varlen rows that belong to no sequence are never written: they must read as zero.
     has_seqused = seq.seqused_k is not None
     uniform = bool(seq.uniform and not has_seqused)
     alloc = torch.empty if uniform else torch.zeros
-    dk = alloc(k.shape, dtype=k.dtype, device=k.device)
-    dv = alloc(v.shape, dtype=v.dtype, device=v.device)
+    dk = alloc((k.shape[0], hkv, width), dtype=k.dtype, device=k.device)
+    dv = alloc((v.shape[0], hkv, width), dtype=v.dtype, device=v.device)
 
-    q_desc = _fwd.tma_rows(q, (cfg.block_m, d))
-    do_desc = _fwd.tma_rows(dout, (cfg.block_m, dvd))
+    if padded:
+        q_desc = _fwd.tma_heads(q, cfg.block_m, width)
+        do_desc = _fwd.tma_heads(dout, cfg.block_m, width)
+        k_desc = _fwd.tma_heads(k, cfg.block_n, width)
+        v_desc = _fwd.tma_heads(v, cfg.block_n, width)
+    else:
+        q_desc = _fwd.tma_rows(q, (cfg.block_m, d))
+        do_desc = _fwd.tma_rows(dout, (cfg.block_m, dvd))
+        k_desc = _fwd.tma_rows(k, (cfg.block_n, d))
+        v_desc = _fwd.tma_rows(v, (cfg.block_n, dvd))
+    d_real, dv_real = d, dvd
+    d = dvd = width
     dq_block = _dq_block(d, cfg)
     dq_desc = _fwd.tma_rows(dq_acc, dq_block, _dq_layout(dq_block))
-    k_desc = _fwd.tma_rows(k, (cfg.block_n, d))
-    v_desc = _fwd.tma_rows(v, (cfg.block_n, dvd))
 
     wl, wr = params.mask.window_left, params.mask.window_right
     softcap = params.softcap > 0
@@ -574,6 +594,9 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
         seq.cu_seqlens_k, seq.seqused_k if has_seqused else seq.cu_seqlens_k, sem,
         seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, hkv, hq // hkv, num_m_blocks, qk_scale,
         params.softmax_scale, softcap_pre, wl, wr, **consts, num_warps=cfg.num_warps)
-    dq = dq_acc.to(q.dtype)  # the kernel folded softmax_scale into its dQ partial sums
+    # The kernel folded softmax_scale into its dQ partial sums.
+    dq = dq_acc[..., :d_real].to(q.dtype, memory_format=torch.contiguous_format)
     dsink = sink_grad(sink, lse, delta)
+    if padded:
+        dk, dv = dk[..., :d_real].contiguous(), dv[..., :dv_real].contiguous()
     return dq, dk, dv, dsink

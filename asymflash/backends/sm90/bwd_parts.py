@@ -16,9 +16,9 @@ if _GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language._core import builtin
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    from .fwd import _sequence, _tanh
+    from .fwd import _copy_rows, _sequence, _tanh
 
     @builtin
     def tma_reduce_add(desc, coord, src, _semantic=None):
@@ -57,10 +57,11 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def load_kv(k_desc, v_desc, k_smem, v_smem, bar, row, hk, HEAD_DIM: gl.constexpr,
                 HEAD_DIM_V: gl.constexpr):
-        """TMA-load the CTA's K and V rows [row, row + BLOCK_N) of kv head hk."""
+        """TMA-load the CTA's K and V rows [row, row + BLOCK_N) of kv head hk (any of
+        fwd._copy_rows's descriptors)."""
         mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, hk * HEAD_DIM], bar, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [row, hk * HEAD_DIM_V], bar, v_smem)
+        _copy_rows(k_desc, row, hk, HEAD_DIM, bar, k_smem, True)
+        _copy_rows(v_desc, row, hk, HEAD_DIM_V, bar, v_smem, True)
 
     @gluon.jit
     def load_qdo(q_desc, do_desc, q_smem, do_smem, ready, slot, h, row,
@@ -68,16 +69,14 @@ if _GLUON_ERROR is None:
         """TMA-load the Q and dO rows [row, row + BLOCK_M) of q head h into ring slot `slot`."""
         mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes,
                         pred=pred)
-        tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], ready.index(slot),
-                                        q_smem.index(slot), pred=pred)
-        tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM_V], ready.index(slot),
-                                        do_smem.index(slot), pred=pred)
+        _copy_rows(q_desc, row, h, HEAD_DIM, ready.index(slot), q_smem.index(slot), pred)
+        _copy_rows(do_desc, row, h, HEAD_DIM_V, ready.index(slot), do_smem.index(slot), pred)
 
     @gluon.jit
-    def load_rows(desc, dst, bar, row, col, pred):
-        """TMA-load one [rows, cols] box of `desc` at (row, col) into `dst`, arriving on `bar`."""
+    def load_rows(desc, dst, bar, row, head, WIDTH: gl.constexpr, pred):
+        """TMA-load the rows [row, row + box) of head `head` into `dst`, arriving on `bar`."""
         mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(desc, [row, col], bar, dst, pred=pred)
+        _copy_rows(desc, row, head, WIDTH, bar, dst, pred)
 
     @gluon.jit
     def stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, buf, h, m0, q_start, seqlen_q,

@@ -63,6 +63,7 @@ if _GLUON_ERROR is None:
         wait_dq_turn,
         walk_start,
     )
+    from .fwd import _tile_layout
 
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
                                   "group", "window_left", "window_right", "num_m_blocks"])
@@ -110,12 +111,16 @@ if _GLUON_ERROR is None:
             keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, shift, window_left,
                                                         window_right, BLOCK_M, BLOCK_N)
 
-            k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-            v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V], v_desc.layout)
-            q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+            k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM],
+                                               _tile_layout(k_desc.layout))
+            v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V],
+                                               _tile_layout(v_desc.layout))
+            q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM],
+                                               _tile_layout(q_desc.layout))
             # dO has one buffer: its readers (dPᵀ, dV) are retired by barrier 2, so the next
             # step's dO lands while dK and dQ run. The 32 KB saved hold the dQ staging tile.
-            do_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM_V], do_desc.layout)
+            do_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM_V],
+                                             _tile_layout(do_desc.layout))
             pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                            dtype)
             pt_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pt_layout)
@@ -139,9 +144,9 @@ if _GLUON_ERROR is None:
                                        STAGGER, BLOCK_M)
             m_end = m_lo + group_blocks * BLOCK_M
             held = sem_ptr  # deferred release: the dQ turn this CTA still holds
-            load_rows(q_desc, q_smem.index(0), q_ready.index(0), q_start + m0, h * HEAD_DIM,
+            load_rows(q_desc, q_smem.index(0), q_ready.index(0), q_start + m0, h, HEAD_DIM,
                       n_steps > 0)
-            load_rows(do_desc, do_s, do_ready.index(0), q_start + m0, h * HEAD_DIM_V,
+            load_rows(do_desc, do_s, do_ready.index(0), q_start + m0, h, HEAD_DIM_V,
                       n_steps > 0)
 
             kloc = gl.arange(0, BLOCK_N, layout=key_layout)
@@ -195,7 +200,7 @@ if _GLUON_ERROR is None:
                     tma.store_wait(0)  # the previous step's dQ reduce has read dq_smem
                 gl.thread_barrier()  # barrier 1
                 load_rows(q_desc, q_smem.index(1 - slot), q_ready.index(1 - slot),
-                          q_start + m0_next, h_next * HEAD_DIM, it + 1 < n_steps)
+                          q_start + m0_next, h_next, HEAD_DIM, it + 1 < n_steps)
                 dv_tok = warpgroup_mma(pt_smem, do_s, dv, is_async=True)
                 if DV_OVERLAP:
                     # dV stays in flight while dSᵀ is formed (groups retire in order).
@@ -209,8 +214,8 @@ if _GLUON_ERROR is None:
                     dv = warpgroup_mma_wait(0, deps=[dv_tok])  # before barrier 2 (Pᵀ reuse)
                 fence_async_shared()
                 gl.thread_barrier()  # barrier 2
-                load_rows(do_desc, do_s, do_ready.index(0), q_start + m0_next,
-                          h_next * HEAD_DIM_V, it + 1 < n_steps)
+                load_rows(do_desc, do_s, do_ready.index(0), q_start + m0_next, h_next,
+                          HEAD_DIM_V, it + 1 < n_steps)
                 dk_tok = warpgroup_mma(ds_smem, q_s, dk, is_async=True)
                 dq_lo_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(0, DQ_COLS, 1),
                                           dq_zero, use_acc=False, is_async=True)

@@ -286,7 +286,7 @@ if _GLUON_ERROR is None:
                                     layout.transposed, layout.fp4_padded)
 
     @gluon.jit
-    def _copy_rows(desc, row, head, WIDTH: gl.constexpr, bar, dst):
+    def _copy_rows(desc, row, head, WIDTH: gl.constexpr, bar, dst, pred):
         """TMA-load one tile of head `head` from rows [row, row + box) into dst [box, WIDTH].
 
         A (rows, heads·dim) descriptor reads column head·WIDTH; a (rows, heads, dim) one reads
@@ -296,9 +296,9 @@ if _GLUON_ERROR is None:
         if _heads_axis(desc.block_shape):
             tma.async_copy_global_to_shared(
                 desc, [row, head, 0], bar, dst._reinterpret(desc.dtype, desc.block_shape,
-                                                            desc.layout))
+                                                            desc.layout), pred=pred)
         else:
-            tma.async_copy_global_to_shared(desc, [row, head * WIDTH], bar, dst)
+            tma.async_copy_global_to_shared(desc, [row, head * WIDTH], bar, dst, pred=pred)
 
     @gluon.jit
     def _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
@@ -317,7 +317,7 @@ if _GLUON_ERROR is None:
                 mbarrier.wait(q_empty.index(wg), q_phase ^ 1)
             mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
             _copy_rows(q_desc, q_row + wg * 64, q_head, HEAD_DIM, q_bar.index(wg),
-                       q_smem.index(wg))
+                       q_smem.index(wg), True)
         for i in range(n_hi - n_lo):
             pos = it0 + i
             slot = pos % STAGES
@@ -327,11 +327,12 @@ if _GLUON_ERROR is None:
             row = kv_row + (n_lo + i) * BLOCK_N
             mbarrier.wait(k_empty.index(slot), phase)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            _copy_rows(k_desc, row, kv_head, HEAD_DIM, k_ready.index(slot), k_smem.index(slot))
+            _copy_rows(k_desc, row, kv_head, HEAD_DIM, k_ready.index(slot), k_smem.index(slot),
+                       True)
             mbarrier.wait(v_empty.index(slot), phase)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
             _copy_rows(v_desc, row, kv_head, HEAD_DIM_V, v_ready.index(slot),
-                       v_smem.index(slot))
+                       v_smem.index(slot), True)
 
     # ------------------------------------------------------------------------------------------
     # tile schedule: which (query block, head, sequence) a tile index is, and its key blocks
@@ -1066,6 +1067,18 @@ def kernel_head_dim(d: int, dv: int) -> int | None:
     return 128 if width <= 128 else 256
 
 
+def forward_widths(d: int, dv: int) -> tuple[int, int] | None:
+    """(head dim, head dim of V) of the forward kernel that computes (d, dv), or None.
+
+    kernel_head_dim's width on both sides, except that a V of at most 128 next to a wider
+    q·k (DeepSeek's 192/128) runs the 256/128 kernel: padding V to 256 would double the P·V
+    work for nothing."""
+    width = kernel_head_dim(d, dv)
+    if width == 256 and dv <= 128 and d != dv:
+        return 256, 128
+    return None if width is None else (width, width)
+
+
 def pad_head_dim(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
 
@@ -1133,21 +1146,22 @@ def unsupported(q, k, v, seq: SeqInfo, params: AttnParams, sink) -> str | None:
 def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | None = None):
     """out (total_q, Hq, Dv) in q.dtype and lse (Hq, total_q) fp32 (natural log)."""
     d, dv = q.shape[-1], v.shape[-1]
-    width = kernel_head_dim(d, dv)
-    # Head dims between the compiled widths (see kernel_head_dim) run the next width's kernel:
+    dv_out = dv
+    widths = forward_widths(d, dv)
+    # Head dims between the compiled widths (see forward_widths) run the next widths' kernel:
     # read through (rows, heads, dim) descriptors that zero-fill the missing columns, or,
     # where TMA cannot address the rows (dim not a multiple of 8), from zero-padded copies.
     # softmax_scale already holds d's default.
-    padded = (d, dv) != (width, width)
+    padded = (d, dv) != widths
     if padded and (d % 8 or dv % 8):
-        out, lse = forward(*(pad_head_dim(t, width) for t in (q, k, v)), seq, params, sink,
-                           cfg)
+        out, lse = forward(pad_head_dim(q, widths[0]), pad_head_dim(k, widths[0]),
+                           pad_head_dim(v, widths[1]), seq, params, sink, cfg)
         return out[..., :dv].contiguous(), lse
     total_q, hq, _ = q.shape
     total_k, hkv, _ = k.shape
     if packs_gqa(total_q, hq, hkv, seq, params, sink):
         return _forward_packed_gqa(q, k, v, seq, params, cfg)
-    d = dv = width
+    d, dv = widths
     wl, wr = params.mask.window_left, params.mask.window_right
     softcap = params.softcap > 0
     plain = not softcap and sink is None and wl < 0
@@ -1189,6 +1203,6 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
         seq.seqused_k if has_seqused else dummy_i32, sink if sink is not None else lse,
         seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, batch, num_m_blocks, hq // hkv,
         qk_scale, softcap_pre, wl, wr, num_tiles, hb_chunk, **consts, **_launch_options(cfg))
-    if padded:
-        return out[..., :v.shape[-1]].contiguous(), lse
+    if dv_out != dv:
+        return out[..., :dv_out].contiguous(), lse
     return out, lse
