@@ -79,7 +79,8 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
 @pytest.mark.parametrize("kw", [
     {"head_dim": 128, "heads_axis": True, "has_right": True},
     {"head_dim": 256, "heads_axis": True},
-], ids=["128-causal", "256"])
+    {"head_dim": 256, "head_dim_v": 128, "heads_axis": True, "has_right": True},
+], ids=["128-causal", "256", "256-128-causal"])
 def test_heads_axis_descriptors_compile(kw):
     rep = compile_report(**kw)
     assert rep["tma_load_3d"] >= 4, rep  # K, V, Q and dO

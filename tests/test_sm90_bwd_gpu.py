@@ -62,6 +62,9 @@ CASES = [
     dict(name="d96-causal", lens_q=[300] * 2, lens_k=[300] * 2, hq=4, hkv=2, d=96,
          window=(-1, 0)),
     dict(name="d192-dv128", lens_q=[257], lens_k=[257], hq=2, hkv=1, d=192, dv=128),
+    # 256/128 runs as it is (fwd.forward_widths: V is not padded to 256)
+    dict(name="d256-dv128-causal", lens_q=[300] * 2, lens_k=[300] * 2, hq=4, hkv=2, d=256,
+         dv=128, window=(-1, 0)),
     dict(name="d80-dv96-varlen", lens_q=[17, 113], lens_k=[33, 203], hq=2, hkv=2, d=80, dv=96,
          window=(-1, 0)),
     # not a multiple of 8 (only reachable by calling the backend): zero-padded copies
@@ -176,7 +179,8 @@ DET_CASES = [dict(c, deterministic=True) for c in CASES
              if c["name"] in ("d128", "d128-gqa", "d256", "d64-causal-fp16",
                               "d128-gqa-causal-sq<sk", "d128-local", "d64-softcap-sink",
                               "d128-varlen-causal", "d64-varlen-seqused", "d256-causal-fp16",
-                              "d256-local-softcap-sink", "d256-varlen-seqused")]
+                              "d256-local-softcap-sink", "d256-varlen-seqused",
+                              "d256-dv128-causal")]
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")

@@ -65,12 +65,13 @@ def test_padded_forward_equals_unpadded(case, monkeypatch):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c["name"])
 def test_padded_backward_equals_unpadded(case, monkeypatch):
     q, k, v, dout, seq, params, sink = _case(case)
-    width = fwd.kernel_head_dim(q.shape[-1], v.shape[-1])
+    width, width_v = fwd.forward_widths(q.shape[-1], v.shape[-1])
     out, lse = cpu.forward(q, k, v, seq, params, sink)
     padded_backward = bwd.backward
 
     def kernel_stand_in(dout_, qp, kp, vp, outp, lse_, dlse_, seq_, params_, sink_, cfg=None):
-        assert {t.shape[-1] for t in (dout_, qp, kp, vp, outp)} == {width}
+        assert qp.shape[-1] == kp.shape[-1] == width
+        assert vp.shape[-1] == dout_.shape[-1] == outp.shape[-1] == width_v
         return cpu.backward(dout_, qp, kp, vp, outp, lse_, dlse_, seq_, params_, sink_)
 
     monkeypatch.setattr(bwd, "backward", kernel_stand_in)

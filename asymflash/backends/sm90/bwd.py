@@ -523,16 +523,16 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
              cfg: BwdConfig | None = None):
     """(dq, dk, dv, dsink) for out = attention(q, k, v); shapes as in `core/params.py`."""
     d, dvd = q.shape[-1], v.shape[-1]
-    width = _fwd.kernel_head_dim(d, dvd)
+    width, width_v = _fwd.forward_widths(d, dvd)  # 192/128 runs 256/128, as the forward
     # As the forward: zero columns add nothing to q·k, dO·vᵀ or rowsum(dO∘O), and the
     # gradients' padded columns are dropped. q, k, v and dO are read through (rows, heads,
     # dim) TMA boxes that zero-fill them (fwd.tma_heads), or, for dims TMA cannot address
     # per head (not multiples of 8), padded copies.
-    padded = (d, dvd) != (width, width)
+    padded = (d, dvd) != (width, width_v)
     if padded and (d % 8 or dvd % 8):
         pad = _fwd.pad_head_dim
-        dq, dk, dv, dsink = backward(pad(dout, width), pad(q, width), pad(k, width),
-                                     pad(v, width), pad(out, width), lse, dlse, seq, params,
+        dq, dk, dv, dsink = backward(pad(dout, width_v), pad(q, width), pad(k, width),
+                                     pad(v, width_v), pad(out, width_v), lse, dlse, seq, params,
                                      sink, cfg)
         return (dq[..., :d].contiguous(), dk[..., :d].contiguous(), dv[..., :dvd].contiguous(),
                 dsink)
@@ -553,27 +553,27 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
         dlse = dlse.contiguous()
     delta = _delta(out, dout, dlse)
 
-    # The kernel's tensors are `width` wide (dQ_acc, dK, dV: cut below when padded).
+    # The kernel's tensors are `width` (V side: width_v) wide: dQ_acc, dK, dV are cut below.
     dq_acc = torch.zeros((total_q, hq, width), dtype=torch.float32, device=q.device)
     # Varlen rows that belong to no sequence are never written: they must read as zero.
     has_seqused = seq.seqused_k is not None
     uniform = bool(seq.uniform and not has_seqused)
     alloc = torch.empty if uniform else torch.zeros
     dk = alloc((k.shape[0], hkv, width), dtype=k.dtype, device=k.device)
-    dv = alloc((v.shape[0], hkv, width), dtype=v.dtype, device=v.device)
+    dv = alloc((v.shape[0], hkv, width_v), dtype=v.dtype, device=v.device)
 
     if padded:
         q_desc = _fwd.tma_heads(q, cfg.block_m, width)
-        do_desc = _fwd.tma_heads(dout, cfg.block_m, width)
+        do_desc = _fwd.tma_heads(dout, cfg.block_m, width_v)
         k_desc = _fwd.tma_heads(k, cfg.block_n, width)
-        v_desc = _fwd.tma_heads(v, cfg.block_n, width)
+        v_desc = _fwd.tma_heads(v, cfg.block_n, width_v)
     else:
         q_desc = _fwd.tma_rows(q, (cfg.block_m, d))
         do_desc = _fwd.tma_rows(dout, (cfg.block_m, dvd))
         k_desc = _fwd.tma_rows(k, (cfg.block_n, d))
         v_desc = _fwd.tma_rows(v, (cfg.block_n, dvd))
     d_real, dv_real = d, dvd
-    d = dvd = width
+    d, dvd = width, width_v
     dq_block = _dq_block(d, cfg)
     dq_desc = _fwd.tma_rows(dq_acc, dq_block, _dq_layout(dq_block))
 
