@@ -149,12 +149,14 @@ class BwdConfig:
     turn_wait_early: bool = True
 
 
-# Not tuned on a GPU yet: FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) for both.
-# d=128 (ptxas, sm_90a) runs at the 255-register limit: it retires dV before forming dSᵀ
-# (dv_overlap=False: 252 registers unmasked, 2-14 spill instructions on the masked path
-# only, vs 254 and 10-22 with the overlap). d=64 has room for both overlaps (182 registers).
+# FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,
+# sm_90a) runs at the 255-register limit: it retires dV before forming dSᵀ (dv_overlap=False:
+# 252 registers unmasked, 2-14 spill instructions on the masked path only, vs 254 and 10-22
+# with the overlap); 128 query rows per step would need 256 accumulator registers. d=64 takes 128 query rows per step (half the steps, so half the per-step barriers, waits
+# and dQ reduces; 255 registers): H200 2026-11-29, TFLOP/s non-causal 1k / 2k / 16k 288 / 332
+# / 377 -> 339 / 401 / 465, causal 2k / 16k 280 / 385 -> 329 / 471 (cuDNN 426 / 455 non-causal).
 _DEFAULT_CONFIGS = {
-    64: BwdConfig(block_m=64, block_n=128),
+    64: BwdConfig(block_m=128, block_n=128),
     128: BwdConfig(block_m=64, block_n=128, dv_overlap=False),
     256: BwdConfig(block_m=64, block_n=64, dv_overlap=False,  # FA3's hdim-256 tile
                    turn_release=0),
@@ -172,16 +174,18 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
         cfg = override
     else:
         cfg = _DEFAULT_CONFIGS[head_dim]
-        if softcap and head_dim >= 128:
-            # The softcap chain-rule tile takes the registers dPᵀ's early issue needs
-            # (2 spill instructions in the unmasked loop otherwise).
+        if softcap:
+            # The softcap chain-rule tile takes the registers dPᵀ's early issue needs (d=128:
+            # 2 spill instructions in the unmasked loop otherwise; d=64 with 128-row steps:
+            # ~200).
             cfg = replace(cfg, dp_early=False)
-    # The MMA layouts hard-wire two warpgroups and 64 query rows; d <= 128 gives each
-    # warpgroup 64 keys, d = 256 has them share 64 keys.
+    # The MMA layouts hard-wire two warpgroups; d <= 128 gives each warpgroup 64 keys, d = 256
+    # has them share 64 keys. 64 query rows per step, or 128 at d = 64 (registers allow it).
     block_n = 64 if head_dim == 256 else 128
-    if cfg.num_warps != 8 or cfg.block_n != block_n or cfg.block_m != 64:
+    block_ms = (64, 128) if head_dim == 64 else (64,)
+    if cfg.num_warps != 8 or cfg.block_n != block_n or cfg.block_m not in block_ms:
         raise ValueError(f"unsupported sm90 backward config {cfg} at head dim {head_dim}: "
-                         f"needs 8 warps, block_n {block_n}, block_m 64")
+                         f"needs 8 warps, block_n {block_n}, block_m in {block_ms}")
     return cfg
 
 
@@ -190,6 +194,16 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
 # ----------------------------------------------------------------------------------------------
 
 if _GLUON_ERROR is None:
+
+    @gluon.constexpr_function
+    def _dq_mma_layout(block_m, head_dim):
+        """Accumulator layout of dQ = dS·K [block_m rows, head_dim]: with 64 rows (one wgmma
+        M) the two warpgroups split its columns, with 128 its rows."""
+        if block_m == 64:
+            return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                             instr_shape=[16, head_dim // 2, 16])
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                         instr_shape=[16, head_dim, 16])
 
     # Lengths, head counts and windows stay runtime values: Triton would otherwise compile a
     # variant per value 1 (and per divisibility by 16), and with seqlen_q = group = 1 folded
@@ -217,9 +231,7 @@ if _GLUON_ERROR is None:
                                                             instr_shape=[16, HEAD_DIM, 16])
         dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                             instr_shape=[16, HEAD_DIM_V, 16])
-        # dQ has only BLOCK_M = 64 rows (one wgmma M): the warpgroups split its columns.
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                            instr_shape=[16, HEAD_DIM // 2, 16])
+        dq_layout: gl.constexpr = _dq_mma_layout(BLOCK_M, HEAD_DIM)
         pv_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout,
                                                          k_width=2)
         dsq_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout,
