@@ -152,9 +152,10 @@ class BwdConfig:
 # FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,
 # sm_90a) runs at the 255-register limit: it retires dV before forming dSᵀ (dv_overlap=False:
 # 252 registers unmasked, 2-14 spill instructions on the masked path only, vs 254 and 10-22
-# with the overlap); 128 query rows per step would need 256 accumulator registers. d=64 takes 128 query rows per step (half the steps, so half the per-step barriers, waits
-# and dQ reduces; 255 registers): H200 2026-11-29, TFLOP/s non-causal 1k / 2k / 16k 288 / 332
-# / 377 -> 339 / 401 / 465, causal 2k / 16k 280 / 385 -> 329 / 471 (cuDNN 426 / 455 non-causal).
+# with the overlap); 128 query rows per step would need 256 accumulator registers. d=64 takes
+# 128 query rows per step (half the steps, so half the per-step barriers, waits and dQ
+# reduces; 255 registers): H200 2026-11-29, TFLOP/s non-causal 1k / 2k / 16k 288 / 332 / 377
+# -> 339 / 401 / 465, causal 2k / 16k 280 / 385 -> 329 / 471 (cuDNN 426 / 455 non-causal).
 _DEFAULT_CONFIGS = {
     64: BwdConfig(block_m=128, block_n=128),
     128: BwdConfig(block_m=64, block_n=128, dv_overlap=False),
