@@ -5,8 +5,11 @@ event_us = CUDA-event time per call in a back-to-back loop (the larger of host a
 time), bench_us = triton's do_bench median as `asymflash bench` takes it (L2 flushed before
 each call), graph_us = the same call captured in a CUDA graph and replayed (GPU time alone,
 no Python). With --profile, a cProfile of the issuing code, heaviest functions first.
+--rounds N measures every call N times, each round on freshly allocated inputs (the 512-row
+benchmark cells of ours moved by 35-55 % between two runs of the same code, 2026-11-29);
+--only SUBSTR keeps the calls whose name contains it.
 
-    PYTHONPATH=. python scripts/host-overhead.py [--profile]
+    PYTHONPATH=. python scripts/host-overhead.py [--profile] [--rounds N] [--only s512]
 """
 
 from __future__ import annotations
@@ -33,6 +36,13 @@ def cases():
     k, v = torch.randn_like(q), torch.randn_like(q)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     dout = torch.randn_like(q)
+    q64 = torch.randn(32, 512, 32, 64, device=dev, dtype=bf, requires_grad=True)
+    k64, v64 = (torch.randn_like(q64).requires_grad_() for _ in range(2))
+    out64 = flash_attn_func(q64, k64, v64, causal=True)
+    dout64 = torch.randn_like(out64)
+    # read 86 TFLOP/s in one benchmark run, below its deterministic mode (144), 165 in the next
+    yield ("bwd d64 s512 b32 c1 det0",
+           lambda: out64.backward(dout64, retain_graph=True), False)
 
     def fwd_bwd():
         out = flash_attn_func(qg, kg, vg, causal=True)
@@ -86,15 +96,24 @@ def measure(fn, graphable, n=200):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--only", default="")
     args = ap.parse_args()
     rows = []
-    for name, fn, graphable in cases():
-        rows.append((name, *measure(fn, graphable)))
-        if args.profile:
-            print(f"== {name}\n{profile_calls(fn)}")
-    print(f"{'call':28s} {'host_us':>8s} {'event_us':>9s} {'bench_us':>9s} {'graph_us':>9s}")
-    for name, host, event, bench, graph in rows:
-        print(f"{name:28s} {host:8.1f} {event:9.1f} {bench:9.1f} {graph:9.1f}")
+    for r in range(args.rounds):
+        for name, fn, graphable in cases():
+            if args.only not in name:
+                continue
+            rows.append((r, name, *measure(fn, graphable)))
+            if args.profile:
+                # autograd runs CUDA backwards on a thread of its own, which cProfile (one
+                # thread) would not see: run them in this one while profiling
+                with torch.autograd.set_multithreading_enabled(False):
+                    print(f"== {name}\n{profile_calls(fn)}")
+    print(f"{'round':>5s} {'call':28s} {'host_us':>8s} {'event_us':>9s} {'bench_us':>9s} "
+          f"{'graph_us':>9s}")
+    for r, name, host, event, bench, graph in sorted(rows, key=lambda x: (x[1], x[0])):
+        print(f"{r:5d} {name:28s} {host:8.1f} {event:9.1f} {bench:9.1f} {graph:9.1f}")
 
 
 if __name__ == "__main__":
