@@ -32,6 +32,10 @@ _os.unlink(_f.name)
 print(_json.dumps(dict(
     hgmma=_sass.count("HGMMA"), mma=_sass.count("HGMMA") + _sass.count("HMMA"),
     local=len(_re.findall(r"\b(LDL|STL)\b", _sass)), mufu_ex2=_sass.count("MUFU.EX2"),
+    # local-memory instructions between the first and the last HGMMA: the main loop's body
+    # (spills around the loop, in the prologue or the epilogue, cost once per CTA)
+    local_in_loop=len(_re.findall(r"\b(LDL|STL)\b", _sass[_sass.find("HGMMA"):
+                                                            _sass.rfind("HGMMA")])),
     red=len(_re.findall(r"\bREDG?\.E\.ADD\.F32", _sass)),
     tma_reduce=_sass.count("UTMAREDG"),
     tma_load_3d=kernel.asm["ptx"].count("cp.async.bulk.tensor.3d.shared"),

@@ -72,6 +72,11 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
         if kw.get("deterministic"):
             assert rep["release_after_bulk_write"], "a dQ turn passed on before its add landed"
     assert rep["local"] <= max_local, f"register spills: {rep}"
+    if not (kw.get("deterministic") or kw.get("softcap") or kw.get("has_left")):
+        # default mode, no softcap, no sliding window: nothing in local memory inside the
+        # main loop (the few spills counted above sit in the prologue / epilogue; d=128 with a
+        # window spills ~10 on its masked edge blocks)
+        assert rep["local_in_loop"] == 0, f"spills in the main loop: {rep}"
     assert rep["regs"] <= 255
     assert rep["shared"] <= 227 * 1024
 
