@@ -137,6 +137,16 @@ def _forward(q, k, v, seq, params, batch, seqlen):
         return portable.forward(q, k, v, seq, params, None)
 
 
+def _grad_error(got, ref):
+    """(largest error of dq, dk, dv relative to the largest reference value, any NaN)."""
+    import torch
+
+    torch.cuda.synchronize()
+    rel = max(((g.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-6))
+              .item() for g, r in zip(got[:3], ref[:3]))
+    return rel, any(torch.isnan(g).any().item() for g in got[:3])
+
+
 def _bench_cell(d, causal, seqlen, warm_only):
     import torch
     import triton
@@ -172,12 +182,8 @@ def _bench_cell(d, causal, seqlen, warm_only):
         res["why"] = why
     else:
         try:
-            got = bwd.backward(dout, q, k, v, out, lse, None, seq, params, None, cfg)
-            torch.cuda.synchronize()
-            rel = max(((g.float() - r.float()).abs().max()
-                       / r.float().abs().max().clamp_min(1e-6)).item()
-                      for g, r in zip(got[:3], ref[:3]))
-            nan = any(torch.isnan(g).any().item() for g in got[:3])
+            rel, nan = _grad_error(
+                bwd.backward(dout, q, k, v, out, lse, None, seq, params, None, cfg), ref)
             res["rel_err"] = float(f"{rel:.2e}")
             # ASYMFLASH_PROBE_NOCHECK=1 times a wrong result too: for diagnostic patches that
             # drop work on purpose (e.g. the dQ reductions), never for numbers to report.
@@ -216,7 +222,6 @@ def _variants() -> dict:
 def _time_variant(fields, inputs, ref, tflops):
     """TFLOP/s of ours with BwdConfig fields (and `deterministic`) changed, after checking it
     against the reference gradients; tflops=None only compiles and checks."""
-    import torch
 
     from asymflash.backends.sm90 import bwd
 
@@ -225,12 +230,9 @@ def _time_variant(fields, inputs, ref, tflops):
     params = dataclasses.replace(params, deterministic=bool(fields.pop("deterministic", False)))
     cfg = dataclasses.replace(bwd.select_config(q.shape[-1]), **fields)
     try:
-        got = bwd.backward(dout, q, k, v, out, lse, None, seq, params, None, cfg)
-        torch.cuda.synchronize()
-        rel = max(((g.float() - r.float()).abs().max()
-                   / r.float().abs().max().clamp_min(1e-6)).item()
-                  for g, r in zip(got[:3], ref[:3]))
-        if rel > 5e-2 or any(torch.isnan(g).any().item() for g in got[:3]):
+        rel, nan = _grad_error(
+            bwd.backward(dout, q, k, v, out, lse, None, seq, params, None, cfg), ref)
+        if rel > 5e-2 or nan:
             return f"WRONG rel {rel:.1e}"
         if tflops is None:
             return "ok"

@@ -105,6 +105,7 @@ if _GLUON_ERROR is None:
         stage_stats,
         step_needs_mask,
         store_key_rows,
+        take_dq_turn,
         tma_reduce_add,
         wait_dq_turn,
         walk_start,
@@ -376,14 +377,11 @@ if _GLUON_ERROR is None:
                 dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, dq_zero, use_acc=False,
                                        is_async=True)
                 if DETERMINISTIC:
-                    if WAIT_EARLY:
-                        if RELEASE_AT == 2:
-                            if it > 0:  # never hold a turn while waiting for one
-                                release_dq_turn_after_tma(held, m0)
-                        sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
-                                           n_seq, shift, window_left, window_right, h_first,
-                                           m_lo, group_blocks, stride, BLOCK_M, BLOCK_N,
-                                           HAS_LEFT, HAS_RIGHT, STAGGER)
+                    if WAIT_EARLY:  # the semaphore's round trip under the dK/dQ MMAs
+                        sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
+                                           m0, n_blk, n_seq, shift, window_left, window_right,
+                                           h_first, m_lo, group_blocks, stride, BLOCK_M,
+                                           BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT)
                 if DV_OVERLAP:
                     dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(
                         0, deps=[dv_tok, dk_tok, dq_tok, p_op, ds_op])
@@ -397,15 +395,11 @@ if _GLUON_ERROR is None:
                     fence_async_shared()
                     if DETERMINISTIC:
                         if not WAIT_EARLY:
-                            if RELEASE_AT == 2:
-                                # Release the previous step's turn before waiting for this
-                                # one: a CTA never holds a turn while it waits.
-                                if it > 0:
-                                    release_dq_turn_after_tma(held, m0)
-                            sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0,
-                                               n_blk, n_seq, shift, window_left, window_right,
-                                               h_first, m_lo, group_blocks, stride, BLOCK_M,
-                                               BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER)
+                            sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
+                                               num_m_blocks, m0, n_blk, n_seq, shift,
+                                               window_left, window_right, h_first, m_lo,
+                                               group_blocks, stride, BLOCK_M, BLOCK_N,
+                                               HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT)
                     gl.thread_barrier()
                     tma_reduce_add(dq_desc, [q_start + m0, h * HEAD_DIM], dq_smem)
                     if DETERMINISTIC:

@@ -239,6 +239,22 @@ if _GLUON_ERROR is None:
         return sem
 
     @gluon.jit
+    def take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq,
+                     shift, window_left, window_right, h_first, m_lo, group_blocks, stride,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                     HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr,
+                     RELEASE_AT: gl.constexpr):
+        """Deterministic mode, before step `it`'s dQ reduce: with RELEASE_AT == 2 first pass
+        on the previous step's turn (`held`: a CTA never holds a turn while it waits for
+        another), then wait for this step's; returns its counter (wait_dq_turn)."""
+        if RELEASE_AT == 2:
+            if it > 0:
+                release_dq_turn_after_tma(held, m0)
+        return wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq, shift,
+                            window_left, window_right, h_first, m_lo, group_blocks, stride,
+                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER)
+
+    @gluon.jit
     def release_dq_turn_after_tma(sem, x):
         """Deterministic mode with TMA reduces: pass the turn on once this CTA's dQ adds are
         complete in global memory.

@@ -59,6 +59,7 @@ if _GLUON_ERROR is None:
         stage_stats,
         step_needs_mask,
         store_key_rows,
+        take_dq_turn,
         tma_reduce_add,
         wait_dq_turn,
         walk_start,
@@ -224,13 +225,10 @@ if _GLUON_ERROR is None:
                                           use_acc=False, is_async=True)
                 if DETERMINISTIC:
                     if WAIT_EARLY:  # the semaphore's round trip under the MMAs (bwd.py)
-                        if RELEASE_AT == 2:
-                            if it > 0:
-                                release_dq_turn_after_tma(held, m0)
-                        sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
-                                           n_seq, shift, window_left, window_right, h_first,
-                                           m_lo, group_blocks, stride, BLOCK_M, BLOCK_N,
-                                           HAS_LEFT, HAS_RIGHT, STAGGER)
+                        sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
+                                           m0, n_blk, n_seq, shift, window_left, window_right,
+                                           h_first, m_lo, group_blocks, stride, BLOCK_M,
+                                           BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT)
                 # Groups retire in order: the low dQ half is added while the high one runs.
                 dk, dq_lo = warpgroup_mma_wait(1, deps=[dk_tok, dq_lo_tok])
                 if DQ_TMA:
@@ -241,13 +239,11 @@ if _GLUON_ERROR is None:
                     fence_async_shared()
                     if DETERMINISTIC:
                         if not WAIT_EARLY:
-                            if RELEASE_AT == 2:
-                                if it > 0:  # the previous step's turn (bwd.py)
-                                    release_dq_turn_after_tma(held, m0)
-                            sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0,
-                                               n_blk, n_seq, shift, window_left, window_right,
-                                               h_first, m_lo, group_blocks, stride, BLOCK_M,
-                                               BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER)
+                            sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
+                                               num_m_blocks, m0, n_blk, n_seq, shift,
+                                               window_left, window_right, h_first, m_lo,
+                                               group_blocks, stride, BLOCK_M, BLOCK_N,
+                                               HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT)
                     gl.thread_barrier()
                     tma_reduce_add(dq_desc, [dq_row, h * HEAD_DIM], dq_smem)
                     dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
