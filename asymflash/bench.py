@@ -274,7 +274,7 @@ def _result_from_record(rec: dict) -> Result:
     case = Case(**{f.name: rec[f.name] for f in dataclasses.fields(Case)})
     errors = {k: (e["max_abs_err"], e["bound"]) for k, e in rec.get("errors", {}).items()}
     return Result(case, rec["mode"], rec["provider"], rec["status"], rec["ms"], rec["tflops"],
-                  rec.get("reason", ""), errors)
+                  rec.get("reason", ""), errors, rec.get("host_us"))
 
 
 def merge(dirs: list, out_dir: Path | None, plots: bool = True) -> int:

@@ -126,6 +126,9 @@ class Result:
     reason: str = ""
     # tensor name -> (max abs error vs fp32 reference, allowed bound)
     errors: dict = field(default_factory=dict)
+    # Python time to issue one call (CUDA only): close to ms * 1000, the cell measured the
+    # host, not the kernel (H200 2026-11-29: our 512-row backwards, 430-900 us per call)
+    host_us: float | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -393,15 +396,31 @@ def check_cell(mode: str, fn: FwdFn, leaves, inputs: Inputs, ref: Reference, cas
     return errors, reason
 
 
-def time_cell(mode: str, fn: FwdFn, leaves, dout: torch.Tensor, timer: Timer) -> float:
+def cell_call(mode: str, fn: FwdFn, dout: torch.Tensor) -> Callable[[], object]:
+    """What a cell times: the forward, the backward alone, or both."""
     if mode == "fwd":
-        return timer(fn, ())
+        return fn
     if mode == "bwd":
         # The forward runs once here, outside the timed region; the graph is kept so the
         # same backward can be replayed (grads are reset to None by the timer each time).
         out = fn()
-        return timer(lambda: out.backward(dout, retain_graph=True), leaves)
-    return timer(lambda: fn().backward(dout), leaves)
+        return lambda: out.backward(dout, retain_graph=True)
+    return lambda: fn().backward(dout)
+
+
+def time_cell(mode: str, fn: FwdFn, leaves, dout: torch.Tensor, timer: Timer) -> float:
+    return timer(cell_call(mode, fn, dout), leaves if mode != "fwd" else ())
+
+
+def cell_host_us(mode: str, fn: FwdFn, leaves, dout: torch.Tensor, n: int = 20) -> float:
+    """host_issue_us of a cell's call, grads reset between calls as the timer does."""
+    call = cell_call(mode, fn, dout)
+
+    def issue():
+        for t in leaves:
+            t.grad = None
+        call()
+    return host_issue_us(issue, n)
 
 
 @dataclass
@@ -440,6 +459,15 @@ class Runner:
                 results.append(self.run_cell(provider, case, mode, inputs, ref))
         return results
 
+    def _host_us(self, mode, fn, leaves, dout) -> float | None:
+        """cell_host_us on CUDA; None elsewhere or if it fails (the timing stands)."""
+        if self.device != "cuda":
+            return None
+        try:
+            return cell_host_us(mode, fn, leaves, dout)
+        except Exception:  # noqa: BLE001 - a diagnostic, never a reason to drop a cell
+            return None
+
     def run_cell(self, provider: Provider, case: Case, mode: str, inputs: Inputs,
                  ref: Reference) -> Result:
         def result(status, **kw):
@@ -458,10 +486,12 @@ class Runner:
                 if wrong:
                     return result(WRONG, reason=wrong, errors=errors)
                 ms = time_cell(mode, fn, leaves, inputs.dout, self.timer)
+                host = self._host_us(mode, fn, leaves, inputs.dout)
         except NotImplementedError as exc:
             return result(NA, reason=short_reason(exc))
         except Exception as exc:  # noqa: BLE001 - a failing peer is a result, not a crash
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # an OOM in one cell should not doom the next ones
             return result(ERROR, reason=short_reason(exc))
-        return result(OK, ms=ms, tflops=tflops(attention_flops(case, mode), ms), errors=errors)
+        return result(OK, ms=ms, tflops=tflops(attention_flops(case, mode), ms), errors=errors,
+                      host_us=host)

@@ -120,6 +120,21 @@ def _where(cells: list, total: int) -> str:
     return shown + (f" and {len(cells) - 3} more" if len(cells) > 3 else "")
 
 
+HOST_BOUND = 0.9
+
+
+def host_bound_notes(results: list) -> list:
+    """One line per provider whose host issue time reached HOST_BOUND of a cell's time."""
+    groups: OrderedDict = OrderedDict()
+    for r in results:
+        if r.status == OK and r.host_us is not None and r.ms and \
+                r.host_us >= HOST_BOUND * r.ms * 1e3:
+            groups.setdefault(r.provider, []).append(r)
+    return [f"- {provider}: " + ", ".join(
+        f"{r.case.label} {r.mode} ({r.host_us:.0f} of {r.ms * 1e3:.0f} us)" for r in cells)
+        for provider, cells in groups.items()]
+
+
 def problem_notes(results: list) -> list:
     """Each distinct (provider, status, reason) once, with the cells it covers."""
     groups: OrderedDict = OrderedDict()
@@ -145,6 +160,11 @@ def markdown_report(results: list, asymflash_names: set, title: str = "") -> str
         parts.append("Cells not measured (n/a: cannot run; error: raised; "
                      "WRONG: disagrees with the fp32 reference, not timed):")
         parts.append("\n".join(notes))
+    bound = host_bound_notes(results)
+    if bound:
+        parts.append(f"Host-bound cells (issuing one call took >= {HOST_BOUND:.0%} of its "
+                     "measured time, so the time is the host's, not the kernel's):")
+        parts.append("\n".join(bound))
     return "\n\n".join(parts) + "\n"
 
 
@@ -229,7 +249,7 @@ def _finite(x):
 def result_record(r: Result, flops: float) -> dict:
     rec = dataclasses.asdict(r.case)
     rec.update(mode=r.mode, provider=r.provider, status=r.status, ms=r.ms, tflops=r.tflops,
-               flops=flops, reason=r.reason,
+               flops=flops, reason=r.reason, host_us=r.host_us,
                errors={k: {"max_abs_err": _finite(e), "bound": _finite(b)}
                        for k, (e, b) in r.errors.items()})
     return rec

@@ -300,6 +300,19 @@ def test_json_record_has_no_inf_or_nan():
     assert '"max_abs_err": "inf"' in text and '"max_abs_err": "nan"' in text
 
 
+def test_host_bound_cells_are_named_and_kept_through_json():
+    slow_host = Result(SMALL, "bwd", "ours", OK, ms=0.5, tflops=1.0, host_us=480.0)
+    gpu_bound = Result(SMALL, "fwd", "ours", OK, ms=0.5, tflops=1.0, host_us=120.0)
+    untimed = Result(SMALL, "fwd", "peer", OK, ms=0.5, tflops=1.0)
+    notes = bench_report.host_bound_notes([slow_host, gpu_bound, untimed])
+    assert notes == [f"- ours: {SMALL.label} bwd (480 of 500 us)"]
+    md = bench_report.markdown_report([slow_host, gpu_bound, untimed], {"ours"}, "t")
+    assert "Host-bound cells" in md and "480 of 500 us" in md
+    rec = json.loads(json.dumps(bench_report.result_record(slow_host, 1.0)))
+    assert rec["host_us"] == 480.0
+    assert bench._result_from_record(rec).host_us == 480.0
+
+
 def test_device_slug():
     assert bench_report.device_slug("NVIDIA H200") == "h200"
     assert bench_report.device_slug("NVIDIA GeForce RTX 4090") == "geforce-rtx-4090"
