@@ -136,3 +136,18 @@ def test_gqa_packing_only_where_every_row_sees_the_same_keys(monkeypatch):
     assert not fwd.packs_gqa(2**29, 8, 2, seq17, plain, None)  # rows past int32 coordinates
     monkeypatch.setenv("ASYMFLASH_SM90_PACK_GQA", "0")
     assert not fwd.packs_gqa(100, 8, 2, seq17, plain, None)
+    monkeypatch.delenv("ASYMFLASH_SM90_PACK_GQA")  # on by default (timed on the H200)
+    assert fwd.packs_gqa(100, 8, 2, seq17, plain, None)
+
+
+@pytest.mark.skipif(fwd._GLUON_ERROR is not None, reason="no Gluon")
+@pytest.mark.parametrize("d,width", [(96, 128), (192, 256), (80, 128)])
+def test_heads_axis_descriptor_reads_one_head_at_full_width(d, width):
+    # fwd.tma_heads: the (rows, heads, dim) tensor as it is, a box of one head that is
+    # `width` wide (the TMA unit zero-fills columns d..width), rows strided by heads * dim.
+    t = torch.zeros(300, 6, d, dtype=torch.bfloat16)
+    desc = fwd.tma_heads(t, 64, width)
+    assert desc.base is t and desc.shape == [300, 6, d] and desc.strides == [6 * d, d, 1]
+    assert desc.block_shape == [64, 1, width] and desc.padding == "zero"
+    assert desc.layout.rank == 3 and desc.layout.swizzle_byte_width == 128
+    assert (d * t.element_size()) % 16 == 0  # TMA row strides: the forward's precondition
