@@ -255,6 +255,15 @@ if _GLUON_ERROR is None:
                             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER)
 
     @gluon.jit
+    def after_dq_reduce(sem, x, RELEASE_AT: gl.constexpr):
+        """Deterministic mode, right after this step's TMA reduce: pass the turn on now
+        (RELEASE_AT == 0, once the reduce has landed) or keep holding it; returns the turn
+        held (the same counter: read only when RELEASE_AT != 0)."""
+        if RELEASE_AT == 0:
+            release_dq_turn_after_tma(sem, x)
+        return sem
+
+    @gluon.jit
     def release_dq_turn_after_tma(sem, x):
         """Deterministic mode with TMA reduces: pass the turn on once this CTA's dQ adds are
         complete in global memory.

@@ -48,6 +48,7 @@ if _GLUON_ERROR is None:
 
     from .bwd_parts import (
         add_dq,
+        after_dq_reduce,
         key_block,
         load_kv,
         load_rows,
@@ -61,7 +62,6 @@ if _GLUON_ERROR is None:
         store_key_rows,
         take_dq_turn,
         tma_reduce_add,
-        wait_dq_turn,
         walk_start,
     )
     from .fwd import _tile_layout
@@ -254,16 +254,13 @@ if _GLUON_ERROR is None:
                     gl.thread_barrier()
                     tma_reduce_add(dq_desc, [dq_row, h * HEAD_DIM + DQ_COLS], dq_smem)
                     if DETERMINISTIC:
-                        if RELEASE_AT == 0:
-                            release_dq_turn_after_tma(sem, m0)
-                        else:
-                            held = sem
+                        held = after_dq_reduce(sem, m0, RELEASE_AT)
                 else:
-                    if DETERMINISTIC:
-                        sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
-                                           n_seq, shift, window_left, window_right, h_first,
-                                           m_lo, group_blocks, stride, BLOCK_M, BLOCK_N,
-                                           HAS_LEFT, HAS_RIGHT, STAGGER)
+                    if DETERMINISTIC:  # atomics: each turn is released in its own step
+                        sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
+                                           m0, n_blk, n_seq, shift, window_left, window_right,
+                                           h_first, m_lo, group_blocks, stride, BLOCK_M,
+                                           BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, 0)
                     add_dq(dq_ptr, dq_lo * softmax_scale, m0, q_start, seqlen_q, n_heads, h, 0,
                            HEAD_DIM, BLOCK_M, DQ_COLS, dq_layout)
                     dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
