@@ -15,6 +15,7 @@ import triton
 
 from ...core.params import AttnParams, SeqInfo, cdiv
 from ...dispatch import interpreting
+from ..launch import DirectLaunch
 from .bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
 from .fwd import attn_fwd_kernel
 
@@ -166,15 +167,23 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink):
     return out, lse
 
 
-def _delta(out, dout, dlse):
+_PREPROCESS = DirectLaunch(bwd_preprocess_kernel)
+
+
+def _delta(out, dout, dlse, zero=None):
+    """delta (hq, total_q) fp32 = rowsum(dO * O) - dlse; also zeroes `zero`, a contiguous
+    fp32 (total_q, hq, width) tensor with a power-of-two width, when given."""
     total_q, hq, dv = out.shape
     delta = torch.empty(hq, total_q, dtype=torch.float32, device=out.device)
     block_t = 16 if interpreting() else 64
     grid = (cdiv(total_q, block_t), hq)
-    bwd_preprocess_kernel[grid](
+    z = delta if zero is None else zero
+    _PREPROCESS[grid](
         out, dout, dlse if dlse is not None else delta, delta, total_q,
         out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0),
+        z, z.stride(0), z.stride(1) if zero is not None else 0,
         DV=dv, BLOCK_DV=pow2_block(dv), BLOCK_T=block_t, HAS_DLSE=dlse is not None,
+        ZERO_D=0 if zero is None else zero.shape[2],
     )
     return delta
 

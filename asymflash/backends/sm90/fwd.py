@@ -47,6 +47,8 @@ import torch
 
 from asymflash.core.params import AttnParams, MaskSpec, SeqInfo, cdiv
 
+from ..launch import DirectLaunch, descriptor_token
+
 try:  # Gluon is optional: a CPU-only or older triton must still import this module.
     import triton
     from triton.experimental import gluon
@@ -902,6 +904,11 @@ def _smem_layout(block, dtype):
     return _smem_layout_cached(tuple(block), dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _token(block: tuple, dtype, layout):
+    return descriptor_token(dtype, block, layout)
+
+
 def exp2_scales(params: AttnParams) -> tuple[float, float]:
     """(qk_scale, softcap_pre) of the Gluon kernels: exp2 takes s·qk_scale, s = q·k, or with
     softcap s = tanh(q·k·softcap_pre) (so S = c·tanh(q·k·scale/c) in log2 units, and the
@@ -924,6 +931,7 @@ def tma_rows(t: torch.Tensor, block, layout=None) -> "TensorDescriptor":
     desc.base, desc.shape, desc.strides = t, [t.shape[0], cols], [cols, 1]
     desc.block_shape, desc.padding = list(block), "zero"
     desc.layout = _smem_layout(block, t.dtype) if layout is None else layout
+    desc.asym_token = _token(tuple(block), t.dtype, desc.layout)  # launch.specialization_key
     return desc
 
 
@@ -937,6 +945,7 @@ def tma_heads(t: torch.Tensor, rows: int, width: int) -> "TensorDescriptor":
     desc.strides = [t.shape[1] * t.shape[2], t.shape[2], 1]
     desc.block_shape, desc.padding = [rows, 1, width], "zero"
     desc.layout = _smem_layout(desc.block_shape, t.dtype)
+    desc.asym_token = _token((rows, 1, width), t.dtype, desc.layout)
     return desc
 
 
@@ -1143,6 +1152,12 @@ def unsupported(q, k, v, seq: SeqInfo, params: AttnParams, sink) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _launcher() -> DirectLaunch:
+    """The forward kernel, launched without Triton's per-call binding once compiled."""
+    return DirectLaunch(_attn_fwd_kernel)
+
+
 def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | None = None):
     """out (total_q, Hq, Dv) in q.dtype and lse (Hq, total_q) fp32 (natural log)."""
     d, dv = q.shape[-1], v.shape[-1]
@@ -1198,7 +1213,7 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
     cfg, grid, hb_chunk = persistent_launch(cfg, seq, num_tiles, hq, hkv, d, dv, q.device,
                                             plain)
     consts["PERSISTENT"] = bool(cfg.persistent)
-    _attn_fwd_kernel[(grid, )](
+    _launcher()[(grid, )](
         q_desc, k_desc, v_desc, out, lse, seq.cu_seqlens_q, seq.cu_seqlens_k,
         seq.seqused_k if has_seqused else dummy_i32, sink if sink is not None else lse,
         seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, batch, num_m_blocks, hq // hkv,

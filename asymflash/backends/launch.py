@@ -1,0 +1,152 @@
+"""Launch a Triton/Gluon kernel's compiled binary directly once it has been compiled.
+
+`kernel[grid](*args, **constexprs)` costs 25-90 us of host time per call on the H200
+machine (2026-11-29, `scripts/host-breakdown.py`): binding the arguments, specialising each
+one, building a cache key, then the launcher. At 512-row shapes our calls are host-bound,
+so that time is kernel time lost. `DirectLaunch` keeps the binary Triton compiled for each
+distinct call signature and launches it through its launcher (15-28 us measured).
+
+The signature has to be exactly what Triton specialises on, or a binary compiled under one
+assumption would run under another. Triton 3.6 (the version the sm90 backend is pinned to,
+`dispatch.SM90_TESTED_TRITON`) specialises: an int on == 1, on divisibility by 16 and on
+its width (i32 / i64); a tensor on its dtype and on a 16-byte aligned data pointer; a
+tensor descriptor on its dtype, box and shared layout; floats and bools only on their type.
+`specialization_key` encodes the same classes (tests/test_direct_launch.py checks it
+against Triton's own `native_specialize_impl`). Any other kind of argument, a launch hook
+(profilers) or ASYMFLASH_DIRECT_LAUNCH=0 takes Triton's normal path;
+ASYMFLASH_DIRECT_LAUNCH=check also runs Triton's binder on every direct launch and fails
+if its specialisation differs from the one the binary was compiled for (GPU tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_Tensor = torch.Tensor
+_TOKENS: dict = {}
+
+
+def descriptor_token(dtype, block: tuple, layout) -> int:
+    """A small int naming a descriptor class (dtype, box, shared layout): descriptors built
+    by asymflash carry one as `.asym_token`, so keying them costs no layout hashing."""
+    return _TOKENS.setdefault((dtype, tuple(block), layout), len(_TOKENS))
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+def _other_class(a):
+    token = getattr(a, "asym_token", None)
+    if token is not None:
+        return token
+    if type(a).__name__ == "TensorDescriptor":  # built elsewhere: key it in full
+        return descriptor_token(a.base.dtype, tuple(a.block_shape), a.layout)
+    if isinstance(a, bool):
+        return "u1"
+    raise _Unkeyable(type(a).__name__)
+
+
+def specialization_key(args) -> tuple:
+    """What Triton's compiled binary depends on among `args` (see the module docstring);
+    raises _Unkeyable for an argument whose specialisation is not modelled here."""
+    key = []
+    add = key.append
+    for a in args:
+        ty = type(a)
+        if ty is int:
+            # strings, not bools: True == 1 would merge the classes "== 1" and "% 16 == 0"
+            if a == 1:
+                add("one")
+            elif -(2**31) <= a < 2**31:
+                add("D" if a % 16 == 0 else "i32")
+            elif -(2**63) <= a < 2**64:
+                add(("i64" if a < 2**63 else "u64", a % 16 == 0))
+            else:
+                raise _Unkeyable(repr(a))
+        elif ty is _Tensor:
+            add(a.dtype)
+            add(a.data_ptr() % 16 == 0)
+        elif ty is float:
+            add("fp32")
+        elif a is None:
+            add(None)
+        else:
+            add(_other_class(a))
+    return tuple(key)
+
+
+def mode() -> str:
+    """'on' (default), 'off' (ASYMFLASH_DIRECT_LAUNCH=0) or 'check'."""
+    value = os.environ.get("ASYMFLASH_DIRECT_LAUNCH", "1")
+    return {"0": "off", "check": "check"}.get(value, "on")
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook (a profiler's) is installed: triton 3.6 keeps an empty
+    HookChain there when none is."""
+    return hook is not None and getattr(hook, "calls", True) != []
+
+
+class DirectLaunch:
+    """`DirectLaunch(jit)[grid](*args, **kwargs)` behaves as `jit[grid](*args, **kwargs)`:
+    runtime arguments positional, constexprs and launch options (num_warps, ...) by keyword,
+    always the same keywords in the same order at one call site."""
+
+    def __init__(self, jit):
+        self.jit = jit
+        self.name = getattr(getattr(jit, "fn", jit), "__name__", "kernel")
+        # Under TRITON_INTERPRET=1 kernels are interpreted functions: nothing to launch.
+        self.compiles = hasattr(jit, "device_caches")
+        self._compiled: dict = {}
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid, args, kwargs):
+        from triton import knobs
+
+        how = mode()
+        hooked = _hooked(knobs.runtime.launch_enter_hook) or _hooked(
+            knobs.runtime.launch_exit_hook)
+        if how == "off" or hooked or not self.compiles:
+            self.jit[grid](*args, **kwargs)
+            return
+        device = torch.cuda.current_device()
+        try:
+            key = (device, tuple(kwargs.items()), specialization_key(args))
+        except _Unkeyable:
+            self.jit[grid](*args, **kwargs)
+            return
+        entry = self._compiled.get(key)
+        if entry is None:
+            self._compiled[key] = self._compile_and_launch(device, grid, args, kwargs)
+            return
+        kernel, tail, spec = entry
+        if how == "check":
+            self._check(device, args, kwargs, spec)
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        kernel.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device),
+                   kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+
+    def _binder(self, device):
+        return self.jit.device_caches[device][4]
+
+    def _compile_and_launch(self, device, grid, args, kwargs):
+        """Triton's normal path (compiles on a miss, launches); keeps the binary, the
+        launcher's trailing arguments (the constexprs, in signature order) and Triton's
+        specialisation (for check mode)."""
+        kernel = self.jit[grid](*args, **kwargs)
+        if hasattr(kernel, "result"):  # an asynchronous compile
+            kernel = kernel.result()
+        _, spec, _ = self._binder(device)(*args, **kwargs)
+        tail = tuple(kwargs[n] for n in self.jit.arg_names[len(args):])
+        return kernel, tail, spec
+
+    def _check(self, device, args, kwargs, spec):
+        _, now, _ = self._binder(device)(*args, **kwargs)
+        if now != spec:
+            raise AssertionError(f"asymflash direct launch of {self.name}: Triton "
+                                 f"specialises {now}, the cached binary was built for {spec}")

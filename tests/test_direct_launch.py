@@ -1,0 +1,171 @@
+"""The direct launcher (backends/launch.py) keys compiled binaries exactly as Triton
+specialises them: checked against Triton's own `native_specialize_impl`, on the CPU."""
+
+import itertools
+
+import pytest
+import torch
+
+from asymflash.backends import launch
+
+triton = pytest.importorskip("triton")
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
+
+
+def triton_spec(a):
+    return native_specialize_impl(CUDABackend, a, False, True, True)
+
+
+def assert_same_partition(values):
+    """Two arguments share a key exactly when Triton specialises them the same way."""
+    for a, b in itertools.combinations(values, 2):
+        ours = launch.specialization_key([a]) == launch.specialization_key([b])
+        theirs = triton_spec(a) == triton_spec(b)
+        assert ours == theirs, (a, b, triton_spec(a), triton_spec(b))
+
+
+def test_int_classes_match_triton():
+    values = [0, 1, 2, 3, 15, 16, 17, 32, 113, 203, 4096, -1, -16, -17, 2**31 - 16, 2**31 - 1,
+              2**31, 2**31 + 16, 2**31 + 17, -(2**31), -(2**31) - 1, 2**63 - 1, 2**63,
+              2**63 + 16, 2**64 - 16]
+    assert_same_partition(values)
+
+
+def test_tensor_classes_match_triton():
+    buf = torch.randn(4096, dtype=torch.float32)
+    views = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int32):
+        base = buf.view(dtype)
+        views += [base[i:] for i in (0, 1, 2, 3, 4, 8, 16, 17)]
+    assert_same_partition(views)
+
+
+def test_scalars_match_triton():
+    assert_same_partition([1.5, -0.0, 1e30, float("inf"), True, False, None])
+
+
+def test_descriptor_classes_match_triton():
+    fwd = pytest.importorskip("asymflash.backends.sm90.fwd")
+    if fwd._GLUON_ERROR is not None:
+        pytest.skip(fwd._GLUON_ERROR)
+    t = torch.randn(64, 4, 128).to(torch.bfloat16)
+    h = torch.randn(64, 4, 128).to(torch.float16)
+    descs = [fwd.tma_rows(t, (64, 128)), fwd.tma_rows(t[1:], (64, 128)),
+             fwd.tma_rows(t, (128, 128)), fwd.tma_rows(h, (64, 128)),
+             fwd.tma_heads(t, 64, 128), fwd.tma_heads(t, 128, 128), fwd.tma_heads(h, 64, 128)]
+    assert_same_partition(descs)
+    # asymflash's own descriptors carry a token; one built without keys the same way
+    bare = fwd.tma_rows(t, (64, 128))
+    del bare.asym_token
+    assert launch.specialization_key([bare]) == launch.specialization_key([descs[0]])
+
+
+class FakeCompiled:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, g0, g1, g2, stream, function, packed, metadata, enter, leave, *args):
+        self.log.append(("direct", (g0, g1, g2), args))
+
+
+class FakeJit:
+    """Stands in for a JITFunction: records each launch through Triton's path."""
+
+    arg_names = ["x", "n", "scale", "BLOCK", "FLAG"]
+    device_caches: dict = {}  # what marks a compiling (not interpreted) kernel
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("jit", grid, args, dict(kwargs)))
+            return FakeCompiled(self.log)
+        return run
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 7, raising=False)
+
+
+def test_direct_launch_compiles_once_per_class(fake_cuda, monkeypatch):
+    monkeypatch.setattr(launch.DirectLaunch, "_binder",
+                        lambda self, d: lambda *a, **k: (None, "spec", None))
+    jit = FakeJit()
+    kernel = launch.DirectLaunch(jit)
+    x = torch.randn(64)
+    kernel[(3, 2)](x, 32, 0.5, BLOCK=64, FLAG=True, num_warps=4)
+    kernel[(5, )](x, 48, 0.25, BLOCK=64, FLAG=True, num_warps=4)   # same class: direct
+    kernel[(5, )](x, 17, 0.25, BLOCK=64, FLAG=True, num_warps=4)   # 17 % 16 != 0: compile
+    kernel[(5, )](x, 32, 0.25, BLOCK=128, FLAG=True, num_warps=4)  # new constexpr: compile
+    kernel[(5, )](x[1:], 32, 0.25, BLOCK=128, FLAG=True, num_warps=4)  # misaligned: compile
+    kinds = [entry[0] for entry in jit.log]
+    assert kinds == ["jit", "direct", "jit", "jit", "jit"]
+    # the direct launch passes runtime args then the constexprs in signature order
+    assert jit.log[1] == ("direct", (5, 1, 1), (x, 48, 0.25, 64, True))
+
+
+def test_direct_launch_off_and_unkeyable(fake_cuda, monkeypatch):
+    monkeypatch.setattr(launch.DirectLaunch, "_binder",
+                        lambda self, d: lambda *a, **k: (None, "spec", None))
+    jit = FakeJit()
+    kernel = launch.DirectLaunch(jit)
+    x = torch.randn(64)
+    monkeypatch.setenv("ASYMFLASH_DIRECT_LAUNCH", "0")
+    for _ in range(2):
+        kernel[(1, )](x, 32, 0.5, BLOCK=64, FLAG=True)
+    monkeypatch.setenv("ASYMFLASH_DIRECT_LAUNCH", "1")
+    for _ in range(2):  # an argument kind the key does not model: Triton's path every time
+        kernel[(1, )](x, 32, object(), BLOCK=64, FLAG=True)
+    assert [entry[0] for entry in jit.log] == ["jit"] * 4
+
+
+def test_check_mode_catches_a_wrong_key(fake_cuda, monkeypatch):
+    specs = iter(["built", "different"])
+    monkeypatch.setattr(launch.DirectLaunch, "_binder",
+                        lambda self, d: lambda *a, **k: (None, next(specs), None))
+    monkeypatch.setenv("ASYMFLASH_DIRECT_LAUNCH", "check")
+    kernel = launch.DirectLaunch(FakeJit())
+    x = torch.randn(64)
+    kernel[(1, )](x, 32, 0.5, BLOCK=64, FLAG=True)
+    with pytest.raises(AssertionError, match="specialises"):
+        kernel[(1, )](x, 32, 0.5, BLOCK=64, FLAG=True)
+
+
+def test_profiler_hooks_take_tritons_path(fake_cuda, monkeypatch):
+    from triton import knobs
+
+    monkeypatch.setattr(launch.DirectLaunch, "_binder",
+                        lambda self, d: lambda *a, **k: (None, "spec", None))
+    hook = knobs.HookChain()
+    hook.add(lambda metadata: None)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
+    jit = FakeJit()
+    kernel = launch.DirectLaunch(jit)
+    x = torch.randn(64)
+    for _ in range(2):
+        kernel[(1, )](x, 32, 0.5, BLOCK=64, FLAG=True)
+    assert [entry[0] for entry in jit.log] == ["jit", "jit"]
+
+
+@pytest.mark.parametrize("total_q,width", [(1, 64), (113, 128), (203, 256)])
+def test_preprocess_zeroes_the_dq_accumulator(total_q, width):
+    """The backward preprocess writes delta = rowsum(dO * O) - dlse and, for the sm90
+    backward, zeroes its fp32 dQ accumulator in the same launch."""
+    from asymflash.backends.portable import _delta
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hq, dv = 3, 72
+    out = torch.randn(total_q, hq, dv, device=device).to(torch.bfloat16)
+    dout = torch.randn(total_q, hq, dv, device=device).to(torch.bfloat16)
+    dlse = torch.randn(hq, total_q, device=device)
+    acc = torch.full((total_q, hq, width), float("nan"), device=device)
+    delta = _delta(out, dout, dlse, zero=acc)
+    want = (out.float() * dout.float()).sum(-1).transpose(0, 1) - dlse
+    torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(acc, torch.zeros_like(acc))
