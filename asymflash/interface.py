@@ -119,10 +119,12 @@ def _backward(ctx, dout, dlse, bwd=_bwd_op):
     Eager calls pass bwd=_bwd_impl (see _AttnFunction)."""
     q, k, v, out, lse, cu_q, cu_k, seqused_k, sink = ctx.saved_tensors
     forced = ctx.forced_backend
+    # Eager calls do not materialise unused output gradients: dout is None when only lse
+    # reaches the loss (dlse is None when only out does, the usual case: no zero fill).
+    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
     with dispatch.use_backend(forced) if forced else contextlib.nullcontext():
         dq, dk, dv, dsink = bwd(
-            dout.contiguous(), dlse, q, k, v, out, lse, cu_q, cu_k, seqused_k, sink,
-            *ctx.scalars,
+            dout, dlse, q, k, v, out, lse, cu_q, cu_k, seqused_k, sink, *ctx.scalars,
         )
     dsink = dsink if ctx.has_sink else None
     return (dq, dk, dv) + (None,) * 3 + (dsink,) + (None,) * 8
@@ -139,6 +141,7 @@ class _AttnFunction(torch.autograd.Function):
     def forward(ctx, *inputs):
         output = _fwd_impl(*inputs)
         _setup_context(ctx, inputs, output)
+        ctx.set_materialize_grads(False)
         return output
 
     @staticmethod
@@ -146,13 +149,54 @@ class _AttnFunction(torch.autograd.Function):
         return _backward(ctx, dout, dlse, bwd=_bwd_impl)
 
 
-def _call(q, k, v, seq: SeqInfo, scale, causal, window_size, softcap, sink, deterministic):
+def _rows(t: Tensor) -> Tensor:
+    """(batch, seqlen, heads, dim) -> (batch * seqlen, heads, dim), the packed row form."""
+    return t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
+
+
+class _DenseAttnFunction(torch.autograd.Function):
+    """flash_attn_func's eager path: as _AttnFunction, but on (batch, seqlen, heads, dim)
+    tensors, reshaped inside. Reshaping outside would put four ViewBackward nodes around the
+    attention node, ~14 us of host time each per backward (H200 profile, 2026-11-29), and
+    short backwards are host-bound."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, *rest):
+        inputs = (_rows(q), _rows(k), _rows(v), *rest)
+        out, lse = _fwd_impl(*inputs)
+        _setup_context(ctx, inputs, (out, lse))
+        ctx.set_materialize_grads(False)
+        ctx.dense_shapes = q.shape, k.shape, v.shape
+        return out.view(q.shape[0], q.shape[1], out.shape[1], out.shape[2]), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        grads = _backward(ctx, None if dout is None else _rows(dout), dlse, bwd=_bwd_impl)
+        q_shape, k_shape, v_shape = ctx.dense_shapes
+        return (grads[0].view(q_shape), grads[1].view(k_shape), grads[2].view(v_shape),
+                *grads[3:])
+
+
+def _call(q, k, v, seq: SeqInfo, scale, causal, window_size, softcap, sink, deterministic,
+          dense=False):
+    """Attention over packed rows (varlen), or with dense=True over (batch, seqlen, heads,
+    dim) tensors: then out is (batch, seqlen, heads, dv) too. lse is (heads, total_q)."""
     mask = normalize_window(causal, window_size)
     if sink is not None:  # kernels read fp32 logits; autograd casts the gradient back
         sink = sink.float().contiguous()
     # torch.compile traces the custom op (opaque to the compiler, with its fake and autograd
     # rules); eager calls go straight to the implementation, through autograd only when a
     # gradient can flow (the autograd.Function costs ~30 us of host time per call).
+    rest = (seq.cu_seqlens_q, seq.cu_seqlens_k, seq.seqused_k, sink, seq.max_seqlen_q,
+            seq.max_seqlen_k, float(scale), mask.window_left, mask.window_right,
+            float(softcap), seq.uniform, bool(deterministic))
+    if dense and torch.is_grad_enabled() and not torch.compiler.is_compiling() and (
+            q.requires_grad or k.requires_grad or v.requires_grad or
+            (sink is not None and sink.requires_grad)):
+        return _DenseAttnFunction.apply(q, k, v, *rest)
+    shape = q.shape
+    if dense:
+        q, k, v = _rows(q), _rows(k), _rows(v)
     if torch.compiler.is_compiling():
         fn = torch.ops.asymflash.fwd
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
@@ -160,11 +204,10 @@ def _call(q, k, v, seq: SeqInfo, scale, causal, window_size, softcap, sink, dete
         fn = _AttnFunction.apply
     else:
         fn = _fwd_impl
-    return fn(
-        q, k, v, seq.cu_seqlens_q, seq.cu_seqlens_k, seq.seqused_k, sink,
-        seq.max_seqlen_q, seq.max_seqlen_k, float(scale), mask.window_left,
-        mask.window_right, float(softcap), seq.uniform, bool(deterministic),
-    )
+    out, lse = fn(q, k, v, *rest)
+    if dense:
+        out = out.view(shape[0], shape[1], out.shape[1], out.shape[2])
+    return out, lse
 
 
 def _check_common(q, k, v, softmax_scale, window_size, softcap, learnable_sink):
@@ -200,11 +243,8 @@ def flash_attn_func(
     batch, seqlen_q, nheads_q, _ = q.shape
     seqlen_k = k.shape[1]
     seq = SeqInfo.dense(batch, seqlen_q, seqlen_k, q.device)
-    out, lse = _call(q.reshape(batch * seqlen_q, nheads_q, q.shape[-1]),
-                     k.reshape(batch * seqlen_k, k.shape[2], k.shape[3]),
-                     v.reshape(batch * seqlen_k, v.shape[2], v.shape[3]),
-                     seq, scale, causal, window_size, softcap, learnable_sink, deterministic)
-    out = out.view(batch, seqlen_q, nheads_q, v.shape[-1])
+    out, lse = _call(q, k, v, seq, scale, causal, window_size, softcap, learnable_sink,
+                     deterministic, dense=True)
     if not return_lse:
         return out
     return out, lse.view(nheads_q, batch, seqlen_q).transpose(0, 1)

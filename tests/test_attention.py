@@ -95,6 +95,43 @@ def test_lse_gradient(backend):
         assert (g.float() - r).abs().max().item() < 2e-2 * max(1.0, r.abs().max().item())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("used", ["lse", "out"])
+def test_gradient_through_one_output(backend, used):
+    """Only one of out / lse reaches the loss: the other's gradient is never materialised
+    (eager calls) and must count as zero, for flash_attn_func and the varlen entry point."""
+    from asymflash import flash_attn_varlen_func
+    from asymflash.reference import attention_ref
+
+    q, k, v = make_qkv(2, 17, 29, 2, 1, 32, 32, torch.float16, DEVICE)
+    w = torch.randn(2, 17, 2, 32, device=DEVICE)
+    lse_w = torch.randn(2, 2, 17, device=DEVICE)
+
+    def loss(out, lse):
+        return (out.float() * w).sum() if used == "out" else (lse * lse_w).sum()
+
+    with forced(backend):
+        grads = torch.autograd.grad(loss(*flash_attn_func(q, k, v, causal=True,
+                                                          return_lse=True)), [q, k, v])
+        cu_q = torch.tensor([0, 17, 34], dtype=torch.int32, device=DEVICE)
+        cu_k = torch.tensor([0, 29, 58], dtype=torch.int32, device=DEVICE)
+        out, lse = flash_attn_varlen_func(
+            q.reshape(34, 2, 32), k.reshape(58, 1, 32), v.reshape(58, 1, 32), cu_q, cu_k,
+            17, 29, causal=True, return_lse=True)
+        # varlen lse is (heads, total_q): as (batch, heads, seqlen) for the same loss
+        varlen_grads = torch.autograd.grad(
+            loss(out.view(2, 17, 2, 32), lse.view(2, 2, 17).transpose(0, 1)), [q, k, v])
+    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    # lse does not depend on v: the reference's dv is then None, i.e. zero
+    r_grads = torch.autograd.grad(loss(*attention_ref(*leaves, causal=True)), leaves,
+                                  allow_unused=True)
+    r_grads = [torch.zeros_like(t) if r is None else r for t, r in zip(leaves, r_grads)]
+    for g, vg, r in zip(grads, varlen_grads, r_grads):
+        tol = 2e-2 * max(1.0, r.abs().max().item())
+        assert (g.float() - r).abs().max().item() < tol
+        assert (vg.float() - r).abs().max().item() < tol
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's tile shape is a CPU-run knob")
 @pytest.mark.parametrize("split", [False, True], ids=["one-loop", "split-masks"])
 @pytest.mark.parametrize("tiles", [(32, 16), (16, 32)])
