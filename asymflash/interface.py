@@ -190,20 +190,16 @@ def _call(q, k, v, seq: SeqInfo, scale, causal, window_size, softcap, sink, dete
     rest = (seq.cu_seqlens_q, seq.cu_seqlens_k, seq.seqused_k, sink, seq.max_seqlen_q,
             seq.max_seqlen_k, float(scale), mask.window_left, mask.window_right,
             float(softcap), seq.uniform, bool(deterministic))
-    if dense and torch.is_grad_enabled() and not torch.compiler.is_compiling() and (
-            q.requires_grad or k.requires_grad or v.requires_grad or
-            (sink is not None and sink.requires_grad)):
+    compiling = torch.compiler.is_compiling()
+    grad = not compiling and torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or
+        (sink is not None and sink.requires_grad))
+    if dense and grad:
         return _DenseAttnFunction.apply(q, k, v, *rest)
     shape = q.shape
     if dense:
         q, k, v = _rows(q), _rows(k), _rows(v)
-    if torch.compiler.is_compiling():
-        fn = torch.ops.asymflash.fwd
-    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
-                                      (sink is not None and sink.requires_grad)):
-        fn = _AttnFunction.apply
-    else:
-        fn = _fwd_impl
+    fn = torch.ops.asymflash.fwd if compiling else _AttnFunction.apply if grad else _fwd_impl
     out, lse = fn(q, k, v, *rest)
     if dense:
         out = out.view(shape[0], shape[1], out.shape[1], out.shape[2])

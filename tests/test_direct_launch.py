@@ -91,6 +91,9 @@ class FakeJit:
 def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 7, raising=False)
+    launch.reset_mode()
+    yield
+    launch.reset_mode()
 
 
 def test_direct_launch_compiles_once_per_class(fake_cuda, monkeypatch):
@@ -117,9 +120,11 @@ def test_direct_launch_off_and_unkeyable(fake_cuda, monkeypatch):
     kernel = launch.DirectLaunch(jit)
     x = torch.randn(64)
     monkeypatch.setenv("ASYMFLASH_DIRECT_LAUNCH", "0")
+    launch.reset_mode()
     for _ in range(2):
         kernel[(1, )](x, 32, 0.5, BLOCK=64, FLAG=True)
     monkeypatch.setenv("ASYMFLASH_DIRECT_LAUNCH", "1")
+    launch.reset_mode()
     for _ in range(2):  # an argument kind the key does not model: Triton's path every time
         kernel[(1, )](x, 32, object(), BLOCK=64, FLAG=True)
     assert [entry[0] for entry in jit.log] == ["jit"] * 4
@@ -130,6 +135,7 @@ def test_check_mode_catches_a_wrong_key(fake_cuda, monkeypatch):
     monkeypatch.setattr(launch.DirectLaunch, "_binder",
                         lambda self, d: lambda *a, **k: (None, next(specs), None))
     monkeypatch.setenv("ASYMFLASH_DIRECT_LAUNCH", "check")
+    launch.reset_mode()
     kernel = launch.DirectLaunch(FakeJit())
     x = torch.randn(64)
     kernel[(1, )](x, 32, 0.5, BLOCK=64, FLAG=True)

@@ -15,7 +15,8 @@ tensor descriptor on its dtype, box and shared layout; floats and bools only on 
 against Triton's own `native_specialize_impl`). Any other kind of argument, a launch hook
 (profilers) or ASYMFLASH_DIRECT_LAUNCH=0 takes Triton's normal path;
 ASYMFLASH_DIRECT_LAUNCH=check also runs Triton's binder on every direct launch and fails
-if its specialisation differs from the one the binary was compiled for (GPU tests).
+if its specialisation differs from the one the binary was compiled for (GPU tests). The
+variable is read once, at the first launch.
 """
 
 from __future__ import annotations
@@ -78,10 +79,21 @@ def specialization_key(args) -> tuple:
     return tuple(key)
 
 
+_mode: list = []
+
+
 def mode() -> str:
-    """'on' (default), 'off' (ASYMFLASH_DIRECT_LAUNCH=0) or 'check'."""
-    value = os.environ.get("ASYMFLASH_DIRECT_LAUNCH", "1")
-    return {"0": "off", "check": "check"}.get(value, "on")
+    """'on' (default), 'off' (ASYMFLASH_DIRECT_LAUNCH=0) or 'check'; read from the
+    environment at the first launch (an environment lookup costs ~2 us per call)."""
+    if not _mode:
+        value = os.environ.get("ASYMFLASH_DIRECT_LAUNCH", "1")
+        _mode.append({"0": "off", "check": "check"}.get(value, "on"))
+    return _mode[0]
+
+
+def reset_mode() -> None:
+    """Read ASYMFLASH_DIRECT_LAUNCH again at the next launch (tests that change it)."""
+    _mode.clear()
 
 
 def _hooked(hook) -> bool:
