@@ -4,8 +4,9 @@
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then (DECODE=1)
 #   decode-bench.py and host-overhead.py. One device call within its 600 s limit: ~230 s of
-#   benchmark, ~270 s of tests (2026-11-29: 446 s without decode). It leaves 5 files (8 with
-#   DECODE=1) under $OUT; 8 is the device tool's limit: write nothing else there.
+#   benchmark, ~270 s of tests (2026-11-29: 446 s without decode). It leaves 6 files (9 with
+#   DECODE=1: too many for one device call, which brings 8 back) under $OUT.
+#   BENCH_WARMUP=100 gives the README's 100 ms warm-up per cell (default 10 ms).
 set -uo pipefail
 mode=${1:-quick}
 out=${OUT:-out}
@@ -52,8 +53,11 @@ if [ "$mode" = session ]; then
   # The benchmark first: if the call runs out of time, the table is what matters most.
   timeout "${BENCH_TIMEOUT:-240}" python3 -m asymflash bench --hdim 64,128,256 \
     --seqlen 512,2k,16k --providers FA2,cuDNN,FA4,asymflash-sm90,asymflash-sm90-det \
-    --warmup 10 --rep 40 --no-plots --out "$out/bench" > "$out/bench.log" 2>&1
+    --warmup "${BENCH_WARMUP:-10}" --rep 40 --no-plots --out "$out/bench" > "$out/bench.log" 2>&1
   TEST_TIMEOUT=${TEST_TIMEOUT:-270} run_tests
+  # Host time per piece of a 512-row call (the calls the benchmark finds host-bound).
+  timeout 90 python3 scripts/host-breakdown.py > "$out/host-breakdown.log" 2>&1
+  tail -24 "$out/host-breakdown.log"
   if [ "${DECODE:-0}" = 1 ]; then
     timeout 120 python3 scripts/host-overhead.py > "$out/host-overhead.log" 2>&1
     timeout 120 python3 scripts/decode-bench.py --out "$out/decode" > "$out/decode.log" 2>&1

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from ...core.params import cdiv
 from ...dispatch import interpreting
+from ..launch import DirectLaunch
 from . import pow2_block, unsupported_input
 from .common import dot, finish_rows, key_block_range, log2_scores, online_softmax_step, tile_valid
 
@@ -403,6 +404,10 @@ def _workspace(device: torch.device, n_work: int, n_tiles: int):
     return ws
 
 
+# Decode calls are short: launched without Triton's per-call binding once compiled.
+_DECODE = DirectLaunch(decode_kernel)
+
+
 def decode(q, cache, params, sink, num_splits: int = 0, config: DecodeConfig | None = None,
            need_lse: bool = True):
     """(out, lse) for q over `cache` (a kvcache.CacheSpec); num_splits 0 = heuristic.
@@ -460,7 +465,7 @@ def decode(q, cache, params, sink, num_splits: int = 0, config: DecodeConfig | N
     table = cache.page_table if paged else cache.seqlens_k
     seqlens = cache.seqlens_k
     mask = params.mask
-    decode_kernel[grid](
+    _DECODE[grid](
         q, kc, vc, k_new, v_new, out, lse_arg, work, counters,
         sink if sink is not None else out, cache.cu_seqlens_q if varlen else seqlens,
         seqlens, table, cache.batch_idx if cache.batch_idx is not None else seqlens,
