@@ -48,9 +48,16 @@ _forced: contextvars.ContextVar = contextvars.ContextVar("asymflash_backend", de
 _warned: set = set()
 
 
+_INTERPRETING: list = []
+
+
 def interpreting() -> bool:
-    """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1). Read once: Triton
+    itself reads it when it decorates the kernels, at import, so a later change would not
+    take effect anyway (and an environment lookup costs ~2 us per call)."""
+    if not _INTERPRETING:
+        _INTERPRETING.append(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+    return _INTERPRETING[0]
 
 
 def _sm90_allowed() -> bool:

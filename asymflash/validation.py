@@ -16,6 +16,9 @@ def _fail(exc, arg, got, allowed):
     raise exc(f"asymflash: {arg} {got}; {allowed}")
 
 
+_GPU_DTYPES = (torch.float16, torch.bfloat16)  # allowed_dtypes on CUDA (the CPU adds fp32)
+
+
 def allowed_dtypes(device: torch.device):
     # fp32 only on the CPU path: the GPU kernels are tensor-core kernels for 16-bit inputs.
     base = (torch.float16, torch.bfloat16)
@@ -32,7 +35,9 @@ def _tensors_ok(q, k, v, rank: int, q_rank: int) -> bool:
     if q.dim() != q_rank or k.dim() != rank or v.dim() != rank:
         return False
     device, dtype = q.device, q.dtype
-    if k.device != device or v.device != device or dtype not in allowed_dtypes(device):
+    if k.device != device or v.device != device:
+        return False
+    if dtype not in _GPU_DTYPES and not (dtype == torch.float32 and device.type == "cpu"):
         return False
     if k.dtype != dtype or v.dtype != dtype:
         return False

@@ -37,7 +37,7 @@ print(_json.dumps(dict(
     local_in_loop=len(_re.findall(r"\b(LDL|STL)\b", _sass[_sass.find("HGMMA"):
                                                             _sass.rfind("HGMMA")])),
     red=len(_re.findall(r"\bREDG?\.E\.ADD\.F32", _sass)),
-    tma_reduce=_sass.count("UTMAREDG"),
+    tma_reduce=_sass.count("UTMAREDG"), tma_store=_sass.count("UTMASTG"),
     tma_load_3d=kernel.asm["ptx"].count("cp.async.bulk.tensor.3d.shared"),
     # deterministic backward: each release of a dQ turn waits for the TMA reduce to *write*
     # (wait_group without .read) and fences the async proxy first

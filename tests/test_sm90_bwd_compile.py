@@ -24,9 +24,10 @@ def compile_report(**kw) -> dict:
 
 
 # (features, most local-memory instructions allowed). Unmasked steps never touch local
-# memory. d=128 runs at the 255-register limit; deterministic mode spills scalars around its
-# turn wait (up to 36 instructions seen at d=128, 160 at d=256, 2026-11-29); the bounds catch
-# a tile-sized spill in the main loop (hundreds).
+# memory. d=128 runs at the 255-register limit; deterministic mode spilled around its turn
+# wait until every warp polled the turn (bwd_parts.spin_until_equal; d=128 causal 47 -> 6,
+# d=256 103-134 -> 0, 2026-11-29); the bounds catch a tile-sized spill in the main loop
+# (hundreds).
 CONFIGS = [
     # d=64 steps over 128 query rows at the 255-register limit (3 seen, 10 with softcap)
     ({"head_dim": 64}, 8),
@@ -41,18 +42,19 @@ CONFIGS = [
     ({"head_dim": 128, "has_right": True, "softcap": True}, 16),
     ({"head_dim": 64, "has_left": True, "has_right": True, "deterministic": True}, 32),
     ({"head_dim": 64, "cfg": {"block_m": 64}}, 0),  # the 64-row step
-    ({"head_dim": 128, "has_right": True, "deterministic": True}, 48),
-    ({"head_dim": 128, "has_right": True, "deterministic": True, "cfg": {"dq_tma": False}}, 40),
-    # non-causal: staggered walk, turns released one step late (20 seen)
-    ({"head_dim": 128, "deterministic": True}, 32),
+    ({"head_dim": 128, "has_right": True, "deterministic": True}, 16),  # 6 seen
+    # fp32 atomics (10 seen)
+    ({"head_dim": 128, "has_right": True, "deterministic": True, "cfg": {"dq_tma": False}}, 16),
+    # non-causal: staggered walk, turns released one step late (0 seen)
+    ({"head_dim": 128, "deterministic": True}, 8),
     ({"head_dim": 128, "cfg": {"dq_tma": False}}, 0),
     # d=256 (bwd_wide.py) sits at 252-255 registers
     ({"head_dim": 256}, 0),
     ({"head_dim": 256, "has_right": True}, 0),
     ({"head_dim": 256, "dtype": "float16", "has_left": True, "has_right": True,
       "softcap": True, "uniform": False, "has_seqused": True}, 8),
-    ({"head_dim": 256, "has_right": True, "deterministic": True}, 176),
-    ({"head_dim": 256, "deterministic": True}, 160),
+    ({"head_dim": 256, "has_right": True, "deterministic": True}, 8),  # 0 seen
+    ({"head_dim": 256, "deterministic": True}, 8),  # 0 seen
 ]
 
 
@@ -76,6 +78,9 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
         # default mode, no softcap, no sliding window: nothing in local memory inside the
         # main loop (the few spills counted above sit in the prologue / epilogue; d=128 with a
         # window spills ~10 on its masked edge blocks)
+        assert rep["local_in_loop"] == 0, f"spills in the main loop: {rep}"
+    if kw["head_dim"] == 256 and kw.get("deterministic") and not kw.get("softcap"):
+        # the dQ turn's wait inside the loop (bwd_parts.spin_until_equal) costs no spills
         assert rep["local_in_loop"] == 0, f"spills in the main loop: {rep}"
     assert rep["regs"] <= 255
     assert rep["shared"] <= 227 * 1024

@@ -127,6 +127,19 @@ def test_heads_axis_descriptors_compile(kw):
     assert compile_report(head_dim=kw["head_dim"])["tma_load_3d"] == 0
 
 
+@pytest.mark.parametrize("kw", [
+    {"head_dim": 128, "has_right": True, "cfg": {"persistent": True, "lpt": True}},
+    {"head_dim": 64, "cfg": {"persistent": True, "consumer_wgs": 3}},
+])
+def test_output_leaves_through_a_tma_store(kw):
+    # Sequences that fill whole 64-row tiles store O from shared memory by TMA; the others
+    # (tma_store=False: `output_box_width`) keep the masked per-thread stores. Neither spills.
+    rep = compile_report(**kw)
+    assert rep["tma_store"] >= 1 and rep["local"] == 0, rep
+    masked = compile_report(**kw, tma_store=False)
+    assert masked["tma_store"] == 0 and masked["local"] == 0, masked
+
+
 def test_forward_widths_keep_a_narrow_v_narrow():
     from asymflash.backends.sm90.fwd import forward_widths
 
@@ -200,33 +213,35 @@ def test_unsupported_reports_reason_on_cpu():
 @pytest.mark.parametrize("d,causal,seqlen,batch", [(64, False, 512, 32), (128, True, 512, 32),
                                                    (256, True, 16384, 1), (128, False, 16384, 1),
                                                    (64, True, 1000, 3)])
-def test_persistent_launch_plan(monkeypatch, d, causal, seqlen, batch):
+def test_persistent_launch_plan(d, causal, seqlen, batch):
     # Host side of the persistent grid (no GPU needed): one CTA per SM at most, (sequence,
     # head) chunks within [1, all pairs], and the plain grid wherever the rule says so.
-    import torch
-
-    from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
-
-    monkeypatch.setattr(fwd, "_num_sms", lambda index: 132)
     hq = 2048 // d
-    params = AttnParams(d ** -0.5, MaskSpec(-1, 0 if causal else -1))
-    seq = SeqInfo.dense(batch, seqlen, seqlen, "cpu")
-    cfg = fwd.select_config(d, d, params)
-    num_m = -(-seqlen // fwd.BLOCK_M)
-    tiles = num_m * hq * batch
-    plan, grid, chunk = fwd.persistent_launch(cfg, seq, tiles, hq, hq, d, d,
-                                              torch.device("cuda", 0), True)
-    want = fwd.use_persistent(d, cfg.lpt, seqlen, True, True)
-    assert plan.persistent is want
+    wr = 0 if causal else -1
+
+    def plan(**kw):
+        args = dict(d=d, dv=d, max_seqlen_q=seqlen, max_seqlen_k=seqlen, uniform=True,
+                    has_seqused=False, window_left=-1, window_right=wr, softcap=False,
+                    has_sink=False, batch=batch, hq=hq, hkv=hq, sms=132, cfg=None)
+        args.update(kw)
+        return fwd.launch_plan(**args)
+
+    p = plan()
+    wgs = 3 if fwd.use_three_warpgroups(d, causal, seqlen, True, True) else 2
+    assert p.cfg.consumer_wgs == wgs
+    assert p.num_tiles == -(-seqlen // (64 * wgs)) * hq * batch
+    want = wgs == 3 or fwd.use_persistent(d, causal, seqlen, True, True)
+    assert p.cfg.persistent is want and p.constexprs["PERSISTENT"] is want
     if want:
-        assert grid == min(tiles, 132) and 1 <= chunk <= hq * batch
+        assert p.grid == min(p.num_tiles, 132) and 1 <= p.hb_chunk <= hq * batch
     else:
-        assert (grid, chunk) == (tiles, 1)
+        assert (p.grid, p.hb_chunk) == (p.num_tiles, 1)
+    # The TMA-store epilogue wherever every 64-row tile is whole (dv <= 128).
+    assert p.o_width == (d if d <= 128 and seqlen % 64 == 0 else 32)
     # Ragged batches, softcap, sinks or a left window always take the plain grid.
-    ragged = SeqInfo(seq.cu_seqlens_q, seq.cu_seqlens_k, seqlen, seqlen, None, False)
-    plan, grid, _ = fwd.persistent_launch(cfg, ragged, tiles, hq, hq, d, d,
-                                          torch.device("cuda", 0), True)
-    assert plan.persistent is False and grid == tiles
-    plan, _, _ = fwd.persistent_launch(cfg, seq, tiles, hq, hq, d, d, torch.device("cuda", 0),
-                                       False)
-    assert plan.persistent is False
+    for kw in ({"uniform": False}, {"softcap": True}, {"has_sink": True},
+               {"window_left": 100}):
+        p = plan(**kw)
+        assert p.cfg.persistent is False and p.grid == p.num_tiles, kw
+        assert p.cfg.consumer_wgs == 2
+    assert plan(uniform=False).o_width == 32

@@ -246,6 +246,10 @@ if _GLUON_ERROR is None:
                                                          k_width=2)
         dsq_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout,
                                                           k_width=2)
+        # Deterministic mode, how the dQ turn is polled (bwd_parts.wait_dq_turn): by every
+        # warp at d=128 (local-memory instructions, ptxas 2026-11-29: causal 47 -> 6,
+        # non-causal 18 -> 0), by thread 0 at d=64 (there the windowed build went 22 -> 30).
+        WARP_SPIN: gl.constexpr = HEAD_DIM == 128
         key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
         dtype: gl.constexpr = q_desc.dtype
@@ -388,7 +392,8 @@ if _GLUON_ERROR is None:
                         sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
                                            m0, n_blk, n_seq, shift, window_left, window_right,
                                            h_first, m_lo, group_blocks, stride, BLOCK_M,
-                                           BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT)
+                                           BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
+                                           WARP_SPIN)
                 if DV_OVERLAP:
                     dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(
                         0, deps=[dv_tok, dk_tok, dq_tok, p_op, ds_op])
@@ -406,7 +411,8 @@ if _GLUON_ERROR is None:
                                                num_m_blocks, m0, n_blk, n_seq, shift,
                                                window_left, window_right, h_first, m_lo,
                                                group_blocks, stride, BLOCK_M, BLOCK_N,
-                                               HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT)
+                                               HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
+                                               WARP_SPIN)
                     gl.thread_barrier()
                     tma_reduce_add(dq_desc, [q_start + m0, h * HEAD_DIM], dq_smem)
                     if DETERMINISTIC:
@@ -416,7 +422,8 @@ if _GLUON_ERROR is None:
                         sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
                                            m0, n_blk, n_seq, shift, window_left, window_right,
                                            h_first, m_lo, group_blocks, stride, BLOCK_M,
-                                           BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, 0)
+                                           BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, 0,
+                                           WARP_SPIN)
                     add_dq(dq_ptr, dq * softmax_scale, m0, q_start, seqlen_q, n_heads, h, 0,
                            HEAD_DIM, BLOCK_M, HEAD_DIM, dq_layout)
                     if DETERMINISTIC:

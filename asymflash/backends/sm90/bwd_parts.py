@@ -211,9 +211,10 @@ if _GLUON_ERROR is None:
     def wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq, shift,
                      window_left, window_right, h_first, m_lo, group_blocks, stride,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                     HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr):
+                     HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr, WARP_SPIN: gl.constexpr):
         """Deterministic mode: spin until key block n_blk may add its dQ partial of query
         block m0 of head h (bwd.py's docstring), return that block's turn counter.
+        WARP_SPIN: every warp polls (`spin_until_equal`), else thread 0 polls and broadcasts.
 
         Key blocks [n_first, n_last] see the query block; causal turns run from n_last down.
         Staggered walks (`walk_start`, stride > 0): the step index e of (h, m0) is visited
@@ -234,16 +235,44 @@ if _GLUON_ERROR is None:
                     first = gl.minimum(e // stride, n_seq - 1)
                     turn = (first - n_blk + n_seq) % n_seq
         sem = sem_ptr + (batch * n_heads + h) * num_m_blocks + m0 // BLOCK_M
-        while gl.atomic_add(sem, 0, sem="acquire") != turn:
-            pass
+        if WARP_SPIN:
+            spin_until_equal(sem, turn)
+        else:
+            while gl.atomic_add(sem, 0, sem="acquire") != turn:
+                pass
         return sem
+
+    @gluon.jit
+    def spin_until_equal(ptr, value):
+        """Spin until the int32 at `ptr` reads `value` (acquire loads, gpu scope), then wait
+        for every thread of the CTA.
+
+        Every warp polls on its own (one load per warp: its threads read the same word) and
+        leaves the loop on a warp vote, so the loop is warp-uniform by construction. The
+        obvious form, `while gl.atomic_add(ptr, 0, sem="acquire") != value`, has one thread
+        poll and broadcast through shared memory; ptxas cannot prove that loop warp-uniform
+        and, inside a step loop, then keeps the loop-invariant wgmma descriptors in vector
+        registers: at d=256 they spilled (ptxas, 2026-11-29: 103 / 134 local-memory
+        instructions non-causal / causal, 35 / 54 between the MMAs; 0 with this loop). One
+        thread or one warp polling behind a branch on the thread index, or thread 0 with a
+        predicated load, still spilled 60-77 in the non-causal build.
+        """
+        gl.inline_asm_elementwise(
+            "{\n\t.reg .pred %spin_busy;\n\t.reg .b32 %spin_now;"
+            "\nSPIN_POLL:\n\tld.acquire.gpu.global.b32 %spin_now, [$1];"
+            "\n\tsetp.ne.s32 %spin_busy, %spin_now, $2;"
+            "\n\tvote.sync.any.pred %spin_busy, %spin_busy, -1;"
+            "\n\t@%spin_busy bra.uni SPIN_POLL;"
+            "\n\tmov.b32 $0, 0;\n\t}",
+            "=r,l,r", [ptr, value], dtype=gl.int32, is_pure=False, pack=1)
+        gl.thread_barrier()
 
     @gluon.jit
     def take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq,
                      shift, window_left, window_right, h_first, m_lo, group_blocks, stride,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                      HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr,
-                     RELEASE_AT: gl.constexpr):
+                     RELEASE_AT: gl.constexpr, WARP_SPIN: gl.constexpr):
         """Deterministic mode, before step `it`'s dQ reduce: with RELEASE_AT == 2 first pass
         on the previous step's turn (`held`: a CTA never holds a turn while it waits for
         another), then wait for this step's; returns its counter (wait_dq_turn)."""
@@ -252,7 +281,7 @@ if _GLUON_ERROR is None:
                 release_dq_turn_after_tma(held, m0)
         return wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq, shift,
                             window_left, window_right, h_first, m_lo, group_blocks, stride,
-                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER)
+                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, WARP_SPIN)
 
     @gluon.jit
     def after_dq_reduce(sem, x, RELEASE_AT: gl.constexpr):

@@ -228,7 +228,8 @@ if _GLUON_ERROR is None:
                         sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
                                            m0, n_blk, n_seq, shift, window_left, window_right,
                                            h_first, m_lo, group_blocks, stride, BLOCK_M,
-                                           BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT)
+                                           BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
+                                           True)
                 # Groups retire in order: the low dQ half is added while the high one runs.
                 dk, dq_lo = warpgroup_mma_wait(1, deps=[dk_tok, dq_lo_tok])
                 if DQ_TMA:
@@ -243,7 +244,8 @@ if _GLUON_ERROR is None:
                                                num_m_blocks, m0, n_blk, n_seq, shift,
                                                window_left, window_right, h_first, m_lo,
                                                group_blocks, stride, BLOCK_M, BLOCK_N,
-                                               HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT)
+                                               HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
+                                               True)
                     gl.thread_barrier()
                     tma_reduce_add(dq_desc, [dq_row, h * HEAD_DIM], dq_smem)
                     dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
@@ -260,7 +262,8 @@ if _GLUON_ERROR is None:
                         sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
                                            m0, n_blk, n_seq, shift, window_left, window_right,
                                            h_first, m_lo, group_blocks, stride, BLOCK_M,
-                                           BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, 0)
+                                           BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, 0,
+                                           True)
                     add_dq(dq_ptr, dq_lo * softmax_scale, m0, q_start, seqlen_q, n_heads, h, 0,
                            HEAD_DIM, BLOCK_M, DQ_COLS, dq_layout)
                     dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])

@@ -193,27 +193,71 @@ def use_three_warpgroups(head_dim: int, masked: bool, max_seqlen_q: int, uniform
     return head_dim == 64 and not masked and max_seqlen_q >= 2048 and uniform and plain
 
 
-def persistent_launch(cfg: FwdConfig, seq: SeqInfo, num_tiles: int, hq: int, hkv: int,
-                      d: int, dv: int, device, plain: bool) -> tuple[FwdConfig, int, int]:
+def persistent_launch(cfg: FwdConfig, max_seqlen_q: int, max_seqlen_k: int, uniform: bool,
+                      batch: int, num_tiles: int, hq: int, hkv: int, d: int, dv: int, sms: int,
+                      plain: bool) -> tuple[FwdConfig, int, int]:
     """(config with `persistent` decided, grid size, hb_chunk) of one call.
 
     hb_chunk: how many (sequence, head) pairs a persistent grid works on together, so that
     their K/V (shared by a GQA group) fit in `L2_KV_BUDGET` (and, with LPT, the chunk spans
-    `chunk_waves` waves). plain: no softcap, sink or left window.
+    `chunk_waves` waves). uniform: dense sequences without seqused_k; plain: no softcap,
+    sink or left window.
     """
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if cfg.persistent is None:
-        uniform = bool(seq.uniform) and seq.seqused_k is None
         cfg = _with_persistent(cfg, cfg.consumer_wgs == 3 or use_persistent(
-            d, cfg.lpt, seq.max_seqlen_q, uniform, plain))
+            d, cfg.lpt, max_seqlen_q, uniform, plain))
     if not cfg.persistent:
         return cfg, num_tiles, 1
     grid = min(num_tiles, sms)
-    num_m_blocks = num_tiles // (hq * seq.batch)
-    kv_bytes = max(seq.max_seqlen_k, 1) * (d + dv) * 2 * hkv // hq
+    num_m_blocks = num_tiles // (hq * batch)
+    kv_bytes = max(max_seqlen_k, 1) * (d + dv) * 2 * hkv // hq
     waves = cfg.chunk_waves if cfg.lpt else 0
     hb_chunk = max(L2_KV_BUDGET // max(kv_bytes, 1), -(-waves * grid // num_m_blocks), 1)
-    return cfg, grid, min(hb_chunk, hq * seq.batch)
+    return cfg, grid, min(hb_chunk, hq * batch)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything a forward launch needs that depends on shapes and switches only, not on
+    the tensors' data: built once per distinct call (`launch_plan`), so a repeated call
+    pays for descriptors, two allocations and the launch alone (host time is what 512-row
+    calls were bound by, H200 2026-11-29)."""
+
+    cfg: FwdConfig
+    grid: int
+    hb_chunk: int
+    num_m_blocks: int
+    num_tiles: int
+    constexprs: dict
+    o_width: int  # output_box_width
+
+
+@functools.lru_cache(maxsize=4096)
+def launch_plan(d: int, dv: int, max_seqlen_q: int, max_seqlen_k: int, uniform: bool,
+                has_seqused: bool, window_left: int, window_right: int, softcap: bool,
+                has_sink: bool, batch: int, hq: int, hkv: int, sms: int,
+                cfg: FwdConfig | None) -> LaunchPlan:
+    """The config, grid and constexprs of one call (cfg: an override, or None)."""
+    plain = not softcap and not has_sink and window_left < 0
+    local = window_left >= 0 or window_right >= 0
+    dense = uniform and not has_seqused
+    if cfg is None and use_three_warpgroups(d, window_right >= 0, max_seqlen_q, dense, plain):
+        cfg = _three_warpgroups(_default_config(d, local))
+    if cfg is None:
+        cfg = _default_config(d, local)
+    if cfg.consumer_wgs != 2:
+        check_config(cfg, d)
+    num_m_blocks = cdiv(max_seqlen_q, BLOCK_M_WG * cfg.consumer_wgs)
+    num_tiles = num_m_blocks * hq * batch
+    cfg, grid, hb_chunk = persistent_launch(cfg, max_seqlen_q, max_seqlen_k, dense, batch,
+                                            num_tiles, hq, hkv, d, dv, sms, plain)
+    consts = _constexprs(d, dv, cfg, uniform=dense, has_seqused=has_seqused,
+                         has_left=window_left >= 0, has_right=window_right >= 0,
+                         softcap=softcap, has_sink=has_sink)
+    consts.update(_launch_options(cfg))
+    full_tiles = uniform and max_seqlen_q % 64 == 0
+    return LaunchPlan(cfg, grid, hb_chunk, num_m_blocks, num_tiles, consts,
+                      output_box_width(dv, full_tiles))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -542,7 +586,8 @@ if _GLUON_ERROR is None:
     # ------------------------------------------------------------------------------------------
     @gluon.jit
     def _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                       v_empty, out_ptr, lse_ptr, sink_ptr, q_start, m0, seqlen_q, seqlen_k,
+                       v_empty, out_ptr, o_desc, o_smem,
+                       lse_ptr, sink_ptr, q_start, m0, seqlen_q, seqlen_k,
                        total_q, head, n_heads, n_lo, n_a, n_b, n_hi, it0, q_phase, window_left,
                        window_right, qk_scale, softcap_pre, WG: gl.constexpr,
                        HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -643,12 +688,46 @@ if _GLUON_ERROR is None:
         gl.store(lse_ptr + lse_off, lse, mask=valid)
 
         out = (acc * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1))
+        out = out.to(out_ptr.dtype.element_ty)
+        if _full_width(o_desc.block_shape, HEAD_DIM_V):
+            # Every sequence's rows fill whole 64-row tiles (the host checked): O leaves
+            # through shared memory and one TMA store. Issuing the masked per-thread stores
+            # below took ~2300 of a ~16600-cycle tile at d=128, 512 rows
+            # (scripts/fwd-timeline.py, H200). A warpgroup whose rows all lie past the
+            # sequence (192-row tiles) stores nothing.
+            if m0 + WG * 64 < seqlen_q:
+                tma.store_wait(0)  # this warpgroup's previous store has read o_smem
+                gl.thread_barrier()
+                o_smem.index(WG).store(out)
+                fence_async_shared()
+                gl.thread_barrier()
+                tma.async_copy_shared_to_global(
+                    o_desc, [q_start + m0 + WG * 64, head * HEAD_DIM_V], o_smem.index(WG))
+            if not RELEASE_Q:  # a one-tile CTA: the store must finish before it exits
+                tma.store_wait(0)
+        else:
+            _store_rows(out_ptr, out, rows, q_start, seqlen_q, head, n_heads, HEAD_DIM_V,
+                        o_layout)
+
+    @gluon.constexpr_function
+    def _stacked(n, block_shape):
+        return [n] + [int(x) for x in block_shape]
+
+    @gluon.constexpr_function
+    def _full_width(block_shape, width):
+        """Whether the output descriptor's box spans a whole row of O (TMA-store epilogue);
+        a narrower box only carries the layout of an unused buffer (see `forward`)."""
+        return block_shape[1] == width
+
+    @gluon.jit
+    def _store_rows(out_ptr, out, rows, q_start, seqlen_q, head, n_heads,
+                    HEAD_DIM_V: gl.constexpr, o_layout: gl.constexpr):
+        """O rows of a tile, rows at or past seqlen_q masked off (per-thread stores)."""
         o_rows = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
         o_cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
         row_off = ((q_start + o_rows).to(gl.int64) * n_heads + head) * HEAD_DIM_V
         offs = gl.expand_dims(row_off, 1) + gl.expand_dims(o_cols, 0)
-        gl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty),
-                 mask=gl.expand_dims(o_rows < seqlen_q, 1))
+        gl.store(out_ptr + offs, out, mask=gl.expand_dims(o_rows < seqlen_q, 1))
 
     # ------------------------------------------------------------------------------------------
     # persistent grid: each role walks the same tile sequence, ring positions carried over
@@ -706,7 +785,8 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _consumer_role_persistent(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
-                                  v_ready, v_empty, out_ptr, lse_ptr, sink_ptr, cu_q_ptr,
+                                  v_ready, v_empty, out_ptr, o_desc, o_smem,
+                                  lse_ptr, sink_ptr, cu_q_ptr,
                                   cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, total_q, n_heads,
                                   n_batch, num_m_blocks, num_tiles, hb_chunk, window_left,
                                   window_right, qk_scale, softcap_pre, WG: gl.constexpr,
@@ -729,13 +809,15 @@ if _GLUON_ERROR is None:
                 n_lo, n_a, n_b, n_hi = _key_blocks(m0, sq, sk, window_left, window_right,
                                                    HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_M)
                 _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                               v_empty, out_ptr, lse_ptr, sink_ptr, q_start, m0, sq, sk, total_q,
+                               v_empty, out_ptr, o_desc, o_smem,
+                               lse_ptr, sink_ptr, q_start, m0, sq, sk, total_q,
                                head, n_heads, n_lo, n_a, n_b, n_hi, it, tc & 1, window_left,
                                window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V, BLOCK_N,
                                STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY,
                                RESCALE_THRESHOLD, True, PINGPONG)
                 it += n_hi - n_lo
                 tc += 1
+        tma.store_wait(0)  # the last tile's O store reads o_smem
 
     # ------------------------------------------------------------------------------------------
     # kernel: tile schedule, block ranges, shared memory, role launch
@@ -745,7 +827,7 @@ if _GLUON_ERROR is None:
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_batch",
                                   "num_m_blocks", "group", "window_left", "window_right",
                                   "num_tiles", "hb_chunk"])
-    def _attn_fwd_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+    def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
                          used_k_ptr, sink_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_batch,
                          num_m_blocks, group, qk_scale, softcap_pre, window_left, window_right,
                          num_tiles, hb_chunk,
@@ -764,6 +846,10 @@ if _GLUON_ERROR is None:
                                            _tile_layout(k_desc.layout))
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM_V],
                                            _tile_layout(v_desc.layout))
+        # O staging for the TMA-store epilogue, one tile per consumer warpgroup (a 32-column
+        # stand-in, optimised away, when the host left it off: `output_box_width`).
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, _stacked(NUM_WG, o_desc.block_shape),
+                                           _tile_layout(o_desc.layout))
         # Q barriers of the consumer warpgroups, then (ping-pong only) their turn barriers.
         q_bar = gl.allocate_shared_memory(gl.int64, [4 if PINGPONG else NUM_WG, 1],
                                           mbarrier.MBarrierLayout())
@@ -791,21 +877,24 @@ if _GLUON_ERROR is None:
                 gl.warp_specialize([
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, out_ptr, lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
+                        v_empty, out_ptr, o_desc, o_smem,
+                        lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 0,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
                         SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, out_ptr, lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
+                        v_empty, out_ptr, o_desc, o_smem,
+                        lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 1,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
                         SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, out_ptr, lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
+                        v_empty, out_ptr, o_desc, o_smem,
+                        lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 2,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
@@ -821,14 +910,16 @@ if _GLUON_ERROR is None:
                 gl.warp_specialize([
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                        out_ptr, lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
+                        out_ptr, o_desc, o_smem,
+                        lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 0, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
                         EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                        out_ptr, lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
+                        out_ptr, o_desc, o_smem,
+                        lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 1, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
@@ -866,14 +957,16 @@ if _GLUON_ERROR is None:
                 # kernel turns its constexpr entries into runtime values.
                 gl.warp_specialize([
                     (_consumer_tile, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
-                                      v_ready, v_empty, out_ptr, lse_ptr, sink_ptr, q_start, m0,
+                                      v_ready, v_empty, out_ptr, o_desc, o_smem,
+                                      lse_ptr, sink_ptr, q_start, m0,
                                       seqlen_q, seqlen_k, total_q, head, n_heads, n_lo, n_a, n_b,
                                       n_hi, 0, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 0, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
                                       False, PINGPONG)),
                     (_consumer_tile, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
-                                      v_ready, v_empty, out_ptr, lse_ptr, sink_ptr, q_start, m0,
+                                      v_ready, v_empty, out_ptr, o_desc, o_smem,
+                                      lse_ptr, sink_ptr, q_start, m0,
                                       seqlen_q, seqlen_k, total_q, head, n_heads, n_lo, n_a, n_b,
                                       n_hi, 0, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 1, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
@@ -905,8 +998,11 @@ def _smem_layout(block, dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def _token(block: tuple, dtype, layout):
-    return descriptor_token(dtype, block, layout)
+def _layout_and_token(block: tuple, dtype):
+    """(shared layout, launch.descriptor_token) of a default descriptor: one cache lookup on
+    a (tuple, dtype) key per descriptor (hashing the layout itself costs more)."""
+    layout = _smem_layout_cached(block, dtype)
+    return layout, descriptor_token(dtype, block, layout)
 
 
 def exp2_scales(params: AttnParams) -> tuple[float, float]:
@@ -930,8 +1026,11 @@ def tma_rows(t: torch.Tensor, block, layout=None) -> "TensorDescriptor":
     cols = t.shape[1] * t.shape[2]
     desc.base, desc.shape, desc.strides = t, [t.shape[0], cols], [cols, 1]
     desc.block_shape, desc.padding = list(block), "zero"
-    desc.layout = _smem_layout(block, t.dtype) if layout is None else layout
-    desc.asym_token = _token(tuple(block), t.dtype, desc.layout)  # launch.specialization_key
+    if layout is None:  # the layout and its launch.specialization_key token, cached
+        desc.layout, desc.asym_token = _layout_and_token(tuple(block), t.dtype)
+    else:
+        desc.layout = layout
+        desc.asym_token = descriptor_token(t.dtype, tuple(block), layout)
     return desc
 
 
@@ -944,9 +1043,17 @@ def tma_heads(t: torch.Tensor, rows: int, width: int) -> "TensorDescriptor":
     desc.base, desc.shape = t, list(t.shape)
     desc.strides = [t.shape[1] * t.shape[2], t.shape[2], 1]
     desc.block_shape, desc.padding = [rows, 1, width], "zero"
-    desc.layout = _smem_layout(desc.block_shape, t.dtype)
-    desc.asym_token = _token((rows, 1, width), t.dtype, desc.layout)
+    desc.layout, desc.asym_token = _layout_and_token((rows, 1, width), t.dtype)
     return desc
+
+
+def output_box_width(dv: int, full_tiles: bool = True) -> int:
+    """Columns of the output descriptor's box: the whole row (the kernel's TMA-store
+    epilogue) where every sequence fills whole 64-row tiles (`full_tiles`: uniform lengths, a
+    multiple of 64, so no tile holds rows of two sequences) and the staging tiles fit in
+    shared memory (dv <= 128: +16 / +32 KB next to 148-192 KB of rings); else 32, never a
+    whole row: a box the kernel only takes the layout of (masked per-thread stores)."""
+    return dv if dv <= 128 and full_tiles else 32
 
 
 def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, has_left,
@@ -984,9 +1091,11 @@ def _launch_options(cfg: FwdConfig):
 
 
 def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
-                       cfg: FwdConfig | None = None, arch=90, heads_axis=False, **features):
+                       cfg: FwdConfig | None = None, arch=90, heads_axis=False,
+                       tma_store=True, **features):
     """Compile the kernel without a GPU (CI check); returns triton's CompiledKernel.
-    heads_axis: with the (rows, heads, dim) descriptors of head dims between the widths."""
+    heads_axis: with the (rows, heads, dim) descriptors of head dims between the widths;
+    tma_store: the TMA-store epilogue (where `output_box_width` allows it)."""
     if _GLUON_ERROR is not None:
         raise RuntimeError(_GLUON_ERROR)
     from triton.backends.compiler import GPUTarget
@@ -1005,9 +1114,12 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
         dims = ", ".join(map(str, block))
         return f"tensordesc<{ty}[{dims}],{_smem_layout(block, dtype)!r}>"
 
+    o_width = output_box_width(head_dim_v) if tma_store else 32
     signature = {
         "q_desc": desc([64, head_dim]), "k_desc": desc([cfg.block_n, head_dim]),
-        "v_desc": desc([cfg.block_n, head_dim_v]), "out_ptr": f"*{ty}", "lse_ptr": "*fp32",
+        "v_desc": desc([cfg.block_n, head_dim_v]),
+        "o_desc": f"tensordesc<{ty}[64, {o_width}],{_smem_layout((64, o_width), dtype)!r}>",
+        "out_ptr": f"*{ty}", "lse_ptr": "*fp32",
         "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "used_k_ptr": "*i32", "sink_ptr": "*fp32",
         "seqlen_q": "i32", "seqlen_k": "i32", "total_q": "i32", "n_heads": "i32", "n_batch": "i32",
         "num_m_blocks": "i32", "group": "i32", "qk_scale": "fp32", "softcap_pre": "fp32",
@@ -1109,9 +1221,9 @@ def packs_gqa(total_q: int, hq: int, hkv: int, seq: SeqInfo, params: AttnParams,
     --seqlen-k): 76 -> 152 TFLOP/s at seqlen_q 16, 295 -> 521 at 64 (cuDNN 86 / 312).
     ASYMFLASH_SM90_PACK_GQA=0 turns it off.
     """
-    if os.environ.get("ASYMFLASH_SM90_PACK_GQA", "1") == "0":
-        return False
     if hq == hkv or sink is not None or seq.max_seqlen_q > PACK_GQA_MAX_SEQLEN_Q:
+        return False
+    if os.environ.get("ASYMFLASH_SM90_PACK_GQA", "1") == "0":
         return False
     if total_q * (hq // hkv) >= 2**31 - 3 * BLOCK_M:  # the packed rows' int32 TMA coordinates
         return False
@@ -1178,46 +1290,34 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
         return _forward_packed_gqa(q, k, v, seq, params, cfg)
     d, dv = widths
     wl, wr = params.mask.window_left, params.mask.window_right
-    softcap = params.softcap > 0
-    plain = not softcap and sink is None and wl < 0
     has_seqused = seq.seqused_k is not None
-    if cfg is None and use_three_warpgroups(d, wr >= 0, seq.max_seqlen_q,
-                                            bool(seq.uniform) and not has_seqused, plain):
-        cfg = _three_warpgroups(select_config(d, dv, params))
-    cfg = select_config(d, dv, params, cfg)
-    if cfg.consumer_wgs != 2:
-        check_config(cfg, d)
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    plan = launch_plan(d, dv, seq.max_seqlen_q, seq.max_seqlen_k, bool(seq.uniform),
+                       has_seqused, wl, wr, params.softcap > 0, sink is not None, seq.batch,
+                       hq, hkv, _num_sms(device), cfg)
     # The kernel writes all `width` columns: padded dims get a wider output, cut below.
     out = torch.empty((total_q, hq, dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
 
     # 2-D views (rows, heads*dim): a head is a column offset, so one descriptor serves all
     # heads and sequences; rows past a sequence end are masked (keys) or not stored (queries).
+    block_n = plan.cfg.block_n
     if padded:
         q_desc = tma_heads(q, 64, d)
-        k_desc = tma_heads(k, cfg.block_n, d)
-        v_desc = tma_heads(v, cfg.block_n, dv)
+        k_desc = tma_heads(k, block_n, d)
+        v_desc = tma_heads(v, block_n, dv)
     else:
         q_desc = tma_rows(q, (64, d))
-        k_desc = tma_rows(k, (cfg.block_n, d))
-        v_desc = tma_rows(v, (cfg.block_n, dv))
-
+        k_desc = tma_rows(k, (block_n, d))
+        v_desc = tma_rows(v, (block_n, dv))
+    o_desc = tma_rows(out, (64, plan.o_width))
     qk_scale, softcap_pre = exp2_scales(params)
-    batch = seq.batch
-    num_m_blocks = cdiv(seq.max_seqlen_q, BLOCK_M_WG * cfg.consumer_wgs)
-    dummy_i32 = seq.cu_seqlens_q
-    consts = _constexprs(d, dv, cfg, uniform=bool(seq.uniform and not has_seqused),
-                         has_seqused=has_seqused, has_left=wl >= 0, has_right=wr >= 0,
-                         softcap=softcap, has_sink=sink is not None)
-    num_tiles = num_m_blocks * hq * batch
-    cfg, grid, hb_chunk = persistent_launch(cfg, seq, num_tiles, hq, hkv, d, dv, q.device,
-                                            plain)
-    consts["PERSISTENT"] = bool(cfg.persistent)
-    _launcher()[(grid, )](
-        q_desc, k_desc, v_desc, out, lse, seq.cu_seqlens_q, seq.cu_seqlens_k,
-        seq.seqused_k if has_seqused else dummy_i32, sink if sink is not None else lse,
-        seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, batch, num_m_blocks, hq // hkv,
-        qk_scale, softcap_pre, wl, wr, num_tiles, hb_chunk, **consts, **_launch_options(cfg))
+    _launcher()[(plan.grid, )](
+        q_desc, k_desc, v_desc, o_desc, out, lse, seq.cu_seqlens_q, seq.cu_seqlens_k,
+        seq.seqused_k if has_seqused else seq.cu_seqlens_q,
+        sink if sink is not None else lse, seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq,
+        seq.batch, plan.num_m_blocks, hq // hkv, qk_scale, softcap_pre, wl, wr,
+        plan.num_tiles, plan.hb_chunk, **plan.constexprs)
     if dv_out != dv:
         return out[..., :dv_out].contiguous(), lse
     return out, lse
