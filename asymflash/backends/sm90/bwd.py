@@ -571,7 +571,14 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
 
     total_q, hq, _ = q.shape
     hkv = k.shape[1]
-    cfg = select_config(width, cfg, params.softcap > 0)
+    wl, wr = params.mask.window_left, params.mask.window_right
+    has_seqused = seq.seqused_k is not None
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    plan = launch_plan(width, width_v, seq.max_seqlen_q, seq.max_seqlen_k,
+                       bool(seq.uniform and not has_seqused), has_seqused, wl, wr,
+                       params.softcap > 0, params.deterministic, seq.batch, hkv,
+                       _fwd._num_sms(device), cfg)
+    cfg = plan.cfg
     # The dO descriptor shares Q's compiled element type and needs TMA-friendly strides.
     # (Each no-op conversion still costs host time: convert only what needs it.)
     if dout.dtype != q.dtype or not dout.is_contiguous() or dout.data_ptr() % 16:
@@ -585,9 +592,7 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
     dq_acc = torch.empty((total_q, hq, width), dtype=torch.float32, device=q.device)
     delta = _delta(out, dout, dlse, zero=dq_acc)
     # Varlen rows that belong to no sequence are never written: they must read as zero.
-    has_seqused = seq.seqused_k is not None
-    uniform = bool(seq.uniform and not has_seqused)
-    alloc = torch.empty if uniform else torch.zeros
+    alloc = torch.empty if seq.uniform and not has_seqused else torch.zeros
     dk = alloc((k.shape[0], hkv, width), dtype=k.dtype, device=k.device)
     dv = alloc((v.shape[0], hkv, width_v), dtype=v.dtype, device=v.device)
 
@@ -601,33 +606,54 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
         do_desc = _fwd.tma_rows(dout, (cfg.block_m, dvd))
         k_desc = _fwd.tma_rows(k, (cfg.block_n, d))
         v_desc = _fwd.tma_rows(v, (cfg.block_n, dvd))
-    d_real, dv_real = d, dvd
-    d, dvd = width, width_v
-    dq_block = _dq_block(d, cfg)
-    dq_desc = _fwd.tma_rows(dq_acc, dq_block, _dq_layout(dq_block))
+    dq_desc = _fwd.tma_rows(dq_acc, plan.dq_block, plan.dq_layout)
 
-    wl, wr = params.mask.window_left, params.mask.window_right
-    softcap = params.softcap > 0
     qk_scale, softcap_pre = _fwd.exp2_scales(params)
-    grid = (cdiv(max(seq.max_seqlen_k, 1), cfg.block_n), hkv, seq.batch)
-    consts = _constexprs(d, dvd, cfg, uniform=uniform, has_seqused=has_seqused,
-                         has_left=wl >= 0, has_right=wr >= 0, softcap=softcap,
-                         deterministic=params.deterministic, max_key_blocks=grid[0],
-                         resident_ctas=_fwd._num_sms(q.device.index))
-    num_m_blocks = cdiv(max(seq.max_seqlen_q, 1), cfg.block_m)
     # One dQ turn counter per (sequence, q head, query block); only read when deterministic.
     if params.deterministic:
-        sem = torch.zeros((seq.batch, hq, num_m_blocks), dtype=torch.int32, device=q.device)
+        sem = torch.zeros((seq.batch, hq, plan.num_m_blocks), dtype=torch.int32,
+                          device=q.device)
     else:
         sem = _unused_semaphore(q.device)
-    _launcher_for(d)[grid](
+    _launcher_for(width)[plan.grid](
         q_desc, k_desc, v_desc, do_desc, dq_desc, lse, delta, dq_acc, dk, dv, seq.cu_seqlens_q,
         seq.cu_seqlens_k, seq.seqused_k if has_seqused else seq.cu_seqlens_k, sem,
-        seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, hkv, hq // hkv, num_m_blocks, qk_scale,
-        params.softmax_scale, softcap_pre, wl, wr, **consts, num_warps=cfg.num_warps)
+        seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, hkv, hq // hkv, plan.num_m_blocks,
+        qk_scale, params.softmax_scale, softcap_pre, wl, wr, **plan.constexprs)
     # The kernel folded softmax_scale into its dQ partial sums.
-    dq = dq_acc[..., :d_real].to(q.dtype, memory_format=torch.contiguous_format)
+    dq = dq_acc[..., :d].to(q.dtype, memory_format=torch.contiguous_format)
     dsink = sink_grad(sink, lse, delta)
     if padded:
-        dk, dv = dk[..., :d_real].contiguous(), dv[..., :dv_real].contiguous()
+        dk, dv = dk[..., :d].contiguous(), dv[..., :dvd].contiguous()
     return dq, dk, dv, dsink
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What a backward launch needs that depends on shapes and switches only (as the
+    forward's `fwd.LaunchPlan`): built once per distinct call by `launch_plan`."""
+
+    cfg: BwdConfig
+    grid: tuple
+    num_m_blocks: int
+    constexprs: dict  # and num_warps
+    dq_block: tuple
+    dq_layout: object
+
+
+@functools.lru_cache(maxsize=4096)
+def launch_plan(width: int, width_v: int, max_seqlen_q: int, max_seqlen_k: int,
+                uniform: bool, has_seqused: bool, window_left: int, window_right: int,
+                softcap: bool, deterministic: bool, batch: int, hkv: int, sms: int,
+                cfg: BwdConfig | None) -> LaunchPlan:
+    """Config, grid and constexprs of one backward call (cfg: an override, or None)."""
+    cfg = select_config(width, cfg, softcap)
+    grid = (cdiv(max(max_seqlen_k, 1), cfg.block_n), hkv, batch)
+    consts = _constexprs(width, width_v, cfg, uniform=uniform, has_seqused=has_seqused,
+                         has_left=window_left >= 0, has_right=window_right >= 0,
+                         softcap=softcap, deterministic=deterministic,
+                         max_key_blocks=grid[0], resident_ctas=sms)
+    consts["num_warps"] = cfg.num_warps
+    dq_block = _dq_block(width, cfg)
+    return LaunchPlan(cfg, grid, cdiv(max(max_seqlen_q, 1), cfg.block_m), consts, dq_block,
+                      _dq_layout(dq_block))
