@@ -125,18 +125,18 @@ def main():
         with torch.autograd.set_multithreading_enabled(False):
             out.backward(dout, retain_graph=True)
     add("bwd: out.backward, calling thread", same_thread)
-    # How long the implementation itself takes on autograd's device thread.
-    inner, impl = [], interface._bwd_impl
+    # How long our backward node's Python takes on autograd's device thread.
+    inner, impl = [], interface._eager_backward
 
     def timed_impl(*args):
         t0 = time.perf_counter()
         result = impl(*args)
         inner.append(time.perf_counter() - t0)
         return result
-    interface._bwd_impl = timed_impl
+    interface._eager_backward = timed_impl
     timed(lambda: out.backward(dout, retain_graph=True), a.n, a.busy)
-    interface._bwd_impl = impl
-    rows.append(("bwd: _bwd_impl inside out.backward", statistics.median(inner) * 1e6,
+    interface._eager_backward = impl
+    rows.append(("bwd: node inside out.backward", statistics.median(inner) * 1e6,
                  min(inner) * 1e6))
     o2, lse = fwd.forward(q2, k2, v2, seq, params, None)
     do2 = dout.view(b * s, h, d)
