@@ -96,12 +96,16 @@ def fake_cuda(monkeypatch):
     launch.reset_mode()
 
 
-def test_direct_launch_compiles_once_per_class(fake_cuda, monkeypatch):
+def fake_kernel(monkeypatch):
+    """A DirectLaunch over FakeJit whose binder always reports one specialisation."""
     monkeypatch.setattr(launch.DirectLaunch, "_binder",
                         lambda self, d: lambda *a, **k: (None, "spec", None))
     jit = FakeJit()
-    kernel = launch.DirectLaunch(jit)
-    x = torch.randn(64)
+    return jit, launch.DirectLaunch(jit), torch.randn(64)
+
+
+def test_direct_launch_compiles_once_per_class(fake_cuda, monkeypatch):
+    jit, kernel, x = fake_kernel(monkeypatch)
     kernel[(3, 2)](x, 32, 0.5, BLOCK=64, FLAG=True, num_warps=4)
     kernel[(5, )](x, 48, 0.25, BLOCK=64, FLAG=True, num_warps=4)   # same class: direct
     kernel[(5, )](x, 17, 0.25, BLOCK=64, FLAG=True, num_warps=4)   # 17 % 16 != 0: compile
@@ -114,11 +118,7 @@ def test_direct_launch_compiles_once_per_class(fake_cuda, monkeypatch):
 
 
 def test_direct_launch_off_and_unkeyable(fake_cuda, monkeypatch):
-    monkeypatch.setattr(launch.DirectLaunch, "_binder",
-                        lambda self, d: lambda *a, **k: (None, "spec", None))
-    jit = FakeJit()
-    kernel = launch.DirectLaunch(jit)
-    x = torch.randn(64)
+    jit, kernel, x = fake_kernel(monkeypatch)
     monkeypatch.setenv("ASYMFLASH_DIRECT_LAUNCH", "0")
     launch.reset_mode()
     for _ in range(2):
@@ -146,14 +146,10 @@ def test_check_mode_catches_a_wrong_key(fake_cuda, monkeypatch):
 def test_profiler_hooks_take_tritons_path(fake_cuda, monkeypatch):
     from triton import knobs
 
-    monkeypatch.setattr(launch.DirectLaunch, "_binder",
-                        lambda self, d: lambda *a, **k: (None, "spec", None))
     hook = knobs.HookChain()
     hook.add(lambda metadata: None)
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
-    jit = FakeJit()
-    kernel = launch.DirectLaunch(jit)
-    x = torch.randn(64)
+    jit, kernel, x = fake_kernel(monkeypatch)
     for _ in range(2):
         kernel[(1, )](x, 32, 0.5, BLOCK=64, FLAG=True)
     assert [entry[0] for entry in jit.log] == ["jit", "jit"]
