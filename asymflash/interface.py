@@ -30,17 +30,23 @@ def _seq(cu_q, cu_k, seqused_k, max_q, max_k, uniform) -> SeqInfo:
     return SeqInfo(cu_q, cu_k, max_q, max_k, seqused_k, uniform)
 
 
-def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, sink, max_seqlen_q,
-              max_seqlen_k, softmax_scale, window_left, window_right, softcap, uniform,
-              deterministic):
+def _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, sink, max_seqlen_q,
+                 max_seqlen_k, softmax_scale, window_left, window_right, softcap, uniform,
+                 deterministic):
+    """(out, lse, seq, params) of one call; seq and params are None for no query rows."""
     total_q, nheads_q = q.shape[0], q.shape[1]
     if total_q == 0:
         return (q.new_empty(0, nheads_q, v.shape[-1]),
-                torch.empty(nheads_q, 0, dtype=torch.float32, device=q.device))
+                torch.empty(nheads_q, 0, dtype=torch.float32, device=q.device), None, None)
     seq = _seq(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, uniform)
     params = _params(softmax_scale, window_left, window_right, softcap, deterministic)
     backend = dispatch.pick_forward(q, k, v, seq, params, sink)
-    return backend.forward(q, k, v, seq, params, sink)
+    return (*backend.forward(q, k, v, seq, params, sink), seq, params)
+
+
+def _fwd_impl(*inputs):
+    """(out, lse): the custom op's implementation and the no-grad eager path."""
+    return _run_forward(*inputs)[:2]
 
 
 @torch.library.custom_op("asymflash::fwd", mutates_args=())
@@ -119,51 +125,53 @@ def _backward(ctx, dout, dlse, bwd=_bwd_op):
     Eager calls pass bwd=_bwd_impl (see _AttnFunction)."""
     q, k, v, out, lse, cu_q, cu_k, seqused_k, sink = ctx.saved_tensors
     forced = ctx.forced_backend
-    # Eager calls do not materialise unused output gradients: dout is None when only lse
-    # reaches the loss (dlse is None when only out does, the usual case: no zero fill).
-    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
     with dispatch.use_backend(forced) if forced else contextlib.nullcontext():
-        dq, dk, dv, dsink = bwd(
-            dout, dlse, q, k, v, out, lse, cu_q, cu_k, seqused_k, sink, *ctx.scalars,
-        )
-    dsink = dsink if ctx.has_sink else None
-    return (dq, dk, dv) + (None,) * 3 + (dsink,) + (None,) * 8
+        grads = bwd(_dout(dout, out), dlse, q, k, v, out, lse, cu_q, cu_k, seqused_k, sink,
+                    *ctx.scalars)
+    return _input_grads(ctx, *grads)
+
+
+def _dout(dout, out):
+    """Eager calls do not materialise unused output gradients: dout is None when only lse
+    reaches the loss (dlse is None when only out does, the usual case: no zero fill)."""
+    return torch.zeros_like(out) if dout is None else dout.contiguous()
+
+
+def _input_grads(ctx, dq, dk, dv, dsink):
+    """One gradient per forward input (_FWD_ARGS): q, k, v, the sink; None elsewhere."""
+    return (dq, dk, dv) + (None,) * 3 + (dsink if ctx.has_sink else None,) + (None,) * 8
 
 torch.library.register_autograd("asymflash::fwd", _backward, setup_context=_setup_context)
 
 
-def _prepare_backward(ctx, inputs):
-    """Eager autograd: pick the backward's backend and build its arguments now, in the
-    forward, on the caller's thread. Autograd runs a CUDA backward on a device thread of its
-    own, where the same Python measured about twice as slow as on the calling thread (H200,
-    2026-11-29: 250-311 vs 116-137 us for the sm90 backward's host work), and short
-    backwards are host-bound. A call no backend can differentiate raises in the backward,
-    as before (NotImplementedError from the dispatcher)."""
+def _eager_forward(ctx, inputs):
+    """The eager Functions' forward: (out, lse), with the backward's backend picked now, on
+    the caller's thread. Autograd runs a CUDA backward on a device thread of its own, where
+    the same Python measured about twice as slow as on the calling thread (H200, 2026-11-29:
+    250-311 vs 116-137 us for the sm90 backward's host work). A call no backend can
+    differentiate still raises in the backward (NotImplementedError from the dispatcher)."""
+    out, lse, seq, params = _run_forward(*inputs)
+    _setup_context(ctx, inputs, (out, lse))
+    ctx.set_materialize_grads(False)
     ctx.eager_backward = None
-    q, k = inputs[0], inputs[1]
-    if q.shape[0] == 0 or k.shape[0] == 0:
-        return
-    cu_q, cu_k, seqused_k, sink, max_q, max_k, scale, wl, wr, softcap, uniform, det = \
-        inputs[3:]
-    seq = _seq(cu_q, cu_k, seqused_k, max_q, max_k, uniform)
-    params = _params(scale, wl, wr, softcap, det)
-    try:
-        backend = dispatch.pick_backward(q, k, inputs[2], seq, params, sink)
-    except NotImplementedError:
-        return
-    ctx.eager_backward = (backend.backward, seq, params)
+    q, k, v, sink = inputs[0], inputs[1], inputs[2], inputs[6]
+    if seq is not None and k.shape[0] > 0:
+        try:
+            backend = dispatch.pick_backward(q, k, v, seq, params, sink)
+            ctx.eager_backward = (backend.backward, seq, params)
+        except NotImplementedError:
+            pass
+    return out, lse
 
 
 def _eager_backward(ctx, dout, dlse):
-    """The eager Functions' backward: the backend chosen in the forward, called directly."""
+    """The eager Functions' backward: the backend picked in the forward, called directly."""
     if ctx.eager_backward is None:
         return _backward(ctx, dout, dlse, bwd=_bwd_impl)
     backward, seq, params = ctx.eager_backward
     q, k, v, out, lse, _, _, _, sink = ctx.saved_tensors
-    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-    dq, dk, dv, dsink = backward(dout, q, k, v, out, lse, dlse, seq, params, sink)
-    dsink = dsink if ctx.has_sink else None
-    return (dq, dk, dv) + (None,) * 3 + (dsink,) + (None,) * 8
+    return _input_grads(ctx, *backward(_dout(dout, out), q, k, v, out, lse, dlse, seq, params,
+                                       sink))
 
 
 class _AttnFunction(torch.autograd.Function):
@@ -173,11 +181,7 @@ class _AttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        output = _fwd_impl(*inputs)
-        _setup_context(ctx, inputs, output)
-        _prepare_backward(ctx, inputs)
-        ctx.set_materialize_grads(False)
-        return output
+        return _eager_forward(ctx, inputs)
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -197,11 +201,7 @@ class _DenseAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, *rest):
-        inputs = (_rows(q), _rows(k), _rows(v), *rest)
-        out, lse = _fwd_impl(*inputs)
-        _setup_context(ctx, inputs, (out, lse))
-        _prepare_backward(ctx, inputs)
-        ctx.set_materialize_grads(False)
+        out, lse = _eager_forward(ctx, (_rows(q), _rows(k), _rows(v), *rest))
         ctx.dense_shapes = q.shape, k.shape, v.shape
         return out.view(q.shape[0], q.shape[1], out.shape[1], out.shape[2]), lse
 
