@@ -130,6 +130,15 @@ def test_direct_launch_off_and_unkeyable(fake_cuda, monkeypatch):
     assert [entry[0] for entry in jit.log] == ["jit"] * 4
 
 
+def test_left_out_defaults_take_tritons_path(fake_cuda, monkeypatch):
+    # A trailing parameter left to its default: the launcher's argument list cannot be
+    # rebuilt from the call, so every call goes through Triton.
+    jit, kernel, x = fake_kernel(monkeypatch)
+    for _ in range(2):
+        kernel[(1, )](x, 32, 0.5, BLOCK=64)
+    assert [entry[0] for entry in jit.log] == ["jit", "jit"]
+
+
 def test_check_mode_catches_a_wrong_key(fake_cuda, monkeypatch):
     specs = iter(["built", "different"])
     monkeypatch.setattr(launch.DirectLaunch, "_binder",

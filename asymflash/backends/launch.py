@@ -12,8 +12,10 @@ assumption would run under another. Triton 3.6 (the version the sm90 backend is 
 its width (i32 / i64); a tensor on its dtype and on a 16-byte aligned data pointer; a
 tensor descriptor on its dtype, box and shared layout; floats and bools only on their type.
 `specialization_key` encodes the same classes (tests/test_direct_launch.py checks it
-against Triton's own `native_specialize_impl`). Any other kind of argument, a launch hook
-(profilers) or ASYMFLASH_DIRECT_LAUNCH=0 takes Triton's normal path;
+against Triton's own `native_specialize_impl`); for parameters a kernel marks
+`do_not_specialize` it is finer than Triton's, which only costs an extra cache entry.
+Any other kind of argument, a launch hook (profilers), a call leaving a defaulted parameter
+out or ASYMFLASH_DIRECT_LAUNCH=0 takes Triton's normal path;
 ASYMFLASH_DIRECT_LAUNCH=check also runs Triton's binder on every direct launch and fails
 if its specialisation differs from the one the binary was compiled for (GPU tests). The
 variable is read once, at the first launch.
@@ -102,6 +104,9 @@ def _hooked(hook) -> bool:
     return hook is not None and getattr(hook, "calls", True) != []
 
 
+_MISSING = object()
+
+
 class DirectLaunch:
     """`DirectLaunch(jit)[grid](*args, **kwargs)` behaves as `jit[grid](*args, **kwargs)`:
     runtime arguments positional, constexprs and launch options (num_warps, ...) by keyword,
@@ -132,9 +137,12 @@ class DirectLaunch:
         except _Unkeyable:
             self.jit[grid](*args, **kwargs)
             return
-        entry = self._compiled.get(key)
-        if entry is None:
+        entry = self._compiled.get(key, _MISSING)
+        if entry is _MISSING:
             self._compiled[key] = self._compile_and_launch(device, grid, args, kwargs)
+            return
+        if entry is None:  # a call shape the launcher's argument list cannot be rebuilt for
+            self.jit[grid](*args, **kwargs)
             return
         kernel, tail, spec = entry
         if how == "check":
@@ -154,8 +162,10 @@ class DirectLaunch:
         if hasattr(kernel, "result"):  # an asynchronous compile
             kernel = kernel.result()
         _, spec, _ = self._binder(device)(*args, **kwargs)
-        tail = tuple(kwargs[n] for n in self.jit.arg_names[len(args):])
-        return kernel, tail, spec
+        names = self.jit.arg_names[len(args):]
+        if any(n not in kwargs for n in names):  # a defaulted parameter left out
+            return None
+        return kernel, tuple(kwargs[n] for n in names), spec
 
     def _check(self, device, args, kwargs, spec):
         _, now, _ = self._binder(device)(*args, **kwargs)
