@@ -34,13 +34,14 @@ CONFIGS = [
     ({"head_dim": 64, "dtype": "float16", "has_right": True}, 8),
     ({"head_dim": 64, "has_left": True, "has_right": True, "softcap": True, "uniform": False,
       "has_seqused": True}, 16),
-    ({"head_dim": 128}, 0),
-    ({"head_dim": 128, "softcap": True}, 0),
+    # the dK/dV TMA-store epilogue (uniform calls) costs d=128 4 around the loop, 1 inside
+    ({"head_dim": 128}, 8),
+    ({"head_dim": 128, "softcap": True}, 8),
     ({"head_dim": 128, "has_right": True}, 16),
     ({"head_dim": 128, "dtype": "float16", "has_left": True, "has_right": True,
       "uniform": False, "has_seqused": True}, 16),
     ({"head_dim": 128, "has_right": True, "softcap": True}, 16),
-    ({"head_dim": 64, "has_left": True, "has_right": True, "deterministic": True}, 32),
+    ({"head_dim": 64, "has_left": True, "has_right": True, "deterministic": True}, 48),  # 40
     ({"head_dim": 64, "cfg": {"block_m": 64}}, 0),  # the 64-row step
     ({"head_dim": 128, "has_right": True, "deterministic": True}, 16),  # 6 seen
     # fp32 atomics (10 seen)
@@ -75,13 +76,16 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
             assert rep["release_after_bulk_write"], "a dQ turn passed on before its add landed"
     assert rep["local"] <= max_local, f"register spills: {rep}"
     if not (kw.get("deterministic") or kw.get("softcap") or kw.get("has_left")):
-        # default mode, no softcap, no sliding window: nothing in local memory inside the
-        # main loop (the few spills counted above sit in the prologue / epilogue; d=128 with a
-        # window spills ~10 on its masked edge blocks)
-        assert rep["local_in_loop"] == 0, f"spills in the main loop: {rep}"
+        # default mode, no softcap, no sliding window: (almost) nothing in local memory inside
+        # the main loop (the spills counted above sit in the prologue / epilogue; d=128 with a
+        # window spills ~10 on its masked edge blocks; with the dK/dV TMA-store epilogue
+        # d=128 takes 1 unmasked, 6 causal: sm_90a, 2026-11-29)
+        in_loop = 8 if kw.get("has_right") else 2
+        assert rep["local_in_loop"] <= in_loop, f"spills in the main loop: {rep}"
     if kw["head_dim"] == 256 and kw.get("deterministic") and not kw.get("softcap"):
-        # the dQ turn's wait inside the loop (bwd_parts.spin_until_equal) costs no spills
-        assert rep["local_in_loop"] == 0, f"spills in the main loop: {rep}"
+        # the dQ turn's wait inside the loop (bwd_parts.spin_until_equal) costs no spills (it
+        # cost 35-54 polling from one thread); causal takes 2 with the dK/dV TMA epilogue
+        assert rep["local_in_loop"] <= 2, f"spills in the main loop: {rep}"
     assert rep["regs"] <= 255
     assert rep["shared"] <= 227 * 1024
 
@@ -134,3 +138,22 @@ def test_lengths_and_counts_are_not_specialised(kernel):
                     "window_right"}
     unspecialised = {p.name for p in fn.params if p.do_not_specialize}
     assert runtime_ints <= unspecialised
+
+
+def test_dk_dv_tma_store_only_where_no_key_block_straddles_sequences():
+    # uniform lengths, a multiple of the key block: every block is whole
+    assert bwd.kv_tma_store(True, 512, 4, 128)
+    assert bwd.kv_tma_store(True, 320, 2, 64)
+    # 700 keys in each of 2 sequences: block 5 would hold keys of both (masked stores)
+    assert not bwd.kv_tma_store(True, 700, 2, 128)
+    # one sequence: the rows past its end lie past the tensor, clipped by the TMA unit
+    assert bwd.kv_tma_store(True, 700, 1, 128)
+    assert not bwd.kv_tma_store(False, 512, 2, 128)  # varlen / seqused_k
+
+    def plan(max_k, batch, uniform=True, cfg=None):
+        return bwd.launch_plan(128, 128, max_k, max_k, uniform, not uniform, -1, -1, False,
+                               False, batch, 4, 132, cfg).constexprs["KV_TMA_STORE"]
+
+    assert plan(512, 4) and not plan(700, 2) and not plan(512, 4, uniform=False)
+    assert not plan(512, 4, cfg=bwd.BwdConfig(block_m=64, dv_overlap=False,
+                                              kv_tma_store=False))

@@ -58,6 +58,11 @@ CASES = [
          hq=2, hkv=1, d=256, seqused=[17, 100, 50, 300], window=(-1, 0)),
     dict(name="d256-q1-k1", lens_q=[1], lens_k=[1], hq=1, hkv=1, d=256),
     dict(name="d128-gqa", lens_q=[300] * 2, lens_k=[300] * 2, hq=8, hkv=2, d=128),
+    # whole key blocks in every sequence: dK/dV leave by TMA stores (bwd.kv_tma_store)
+    dict(name="d128-gqa-causal-tma", lens_q=[256] * 3, lens_k=[256] * 3, hq=8, hkv=2, d=128,
+         window=(-1, 0)),
+    dict(name="d256-causal-tma", lens_q=[320] * 2, lens_k=[320] * 2, hq=2, hkv=2, d=256,
+         window=(-1, 0)),
     # other widths run zero-padded on the 128 / 256 kernels (3-D TMA boxes fill the zeros)
     dict(name="d96-causal", lens_q=[300] * 2, lens_k=[300] * 2, hq=4, hkv=2, d=96,
          window=(-1, 0)),
@@ -180,7 +185,7 @@ DET_CASES = [dict(c, deterministic=True) for c in CASES
                               "d128-gqa-causal-sq<sk", "d128-local", "d64-softcap-sink",
                               "d128-varlen-causal", "d64-varlen-seqused", "d256-causal-fp16",
                               "d256-local-softcap-sink", "d256-varlen-seqused",
-                              "d256-dv128-causal")]
+                              "d256-dv128-causal", "d128-gqa-causal-tma")]
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")

@@ -97,6 +97,7 @@ if _GLUON_ERROR is None:
         add_dq,
         after_dq_reduce,
         key_block,
+        key_block_origin,
         load_kv,
         load_qdo,
         mask_edges,
@@ -107,6 +108,7 @@ if _GLUON_ERROR is None:
         stage_stats,
         step_needs_mask,
         store_key_rows,
+        store_key_tiles,
         take_dq_turn,
         tma_reduce_add,
         walk_start,
@@ -150,6 +152,9 @@ class BwdConfig:
     # Deterministic mode: wait for the dQ turn while the step's last MMAs run (the semaphore's
     # round trip overlaps them) instead of after they retire.
     turn_wait_early: bool = True
+    # dK and dV leave through shared memory and TMA stores where no key block straddles two
+    # sequences (`kv_tma_store`), instead of masked per-thread stores.
+    kv_tma_store: bool = True
 
 
 # FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,
@@ -221,8 +226,9 @@ if _GLUON_ERROR is None:
     # (found on the H200, 2026-11-29; tests/test_sm90_bwd_compile.py).
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
                                   "group", "window_left", "window_right", "num_m_blocks"])
-    def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dq_ptr,
-                         dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, sem_ptr, seqlen_q,
+    def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
+                         delta_ptr, dq_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
+                         sem_ptr, seqlen_q,
                          seqlen_k, total_q, n_heads, n_kv_heads, group, num_m_blocks, qk_scale,
                          softmax_scale, softcap_pre, window_left, window_right,
                          HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
@@ -233,7 +239,7 @@ if _GLUON_ERROR is None:
                          DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
                          REVERSE_N: gl.constexpr, DQ_TMA: gl.constexpr,
                          STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
-                         WAIT_EARLY: gl.constexpr):
+                         WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr):
         # Keys on the M axis: warpgroup w owns keys [w·64, w·64 + 64) of the block.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
@@ -444,10 +450,19 @@ if _GLUON_ERROR is None:
             mbarrier.invalidate(kv_bar.index(0))
 
             # Epilogue: dK carries the softmax scale of S = scale·Q·Kᵀ.
-            store_key_rows(dk_ptr, dk * softmax_scale, n0, k_start, seqlen_k, n_kv_heads, hk,
-                           HEAD_DIM, BLOCK_N, dk_layout)
-            store_key_rows(dv_ptr, dv, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM_V,
-                           BLOCK_N, dv_layout)
+            if KV_TMA_STORE:  # the Q and dO rings (32 KB each) hold the two tiles
+                key_row, key_head = key_block_origin(
+                    seqlen_k, BLOCK_N, HAS_RIGHT and (DETERMINISTIC or REVERSE_N))
+                store_key_tiles(dk_desc, dv_desc, dk * softmax_scale, dv,
+                                q_smem._reinterpret(dtype, [BLOCK_N, HEAD_DIM], dk_desc.layout),
+                                do_smem._reinterpret(dtype, [BLOCK_N, HEAD_DIM_V],
+                                                     dv_desc.layout),
+                                key_row, key_head, HEAD_DIM, HEAD_DIM_V)
+            else:
+                store_key_rows(dk_ptr, dk * softmax_scale, n0, k_start, seqlen_k, n_kv_heads,
+                               hk, HEAD_DIM, BLOCK_N, dk_layout)
+                store_key_rows(dv_ptr, dv, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM_V,
+                               BLOCK_N, dv_layout)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -456,7 +471,8 @@ if _GLUON_ERROR is None:
 
 
 def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, has_left,
-                has_right, softcap, deterministic=False, max_key_blocks=1, resident_ctas=1):
+                has_right, softcap, deterministic=False, max_key_blocks=1, resident_ctas=1,
+                kv_tma_store=False):
     # A staggered deterministic walk makes key block j wait for j + 1 at some query blocks, so
     # every key block of a sequence must be resident at once (one CTA per SM): otherwise
     # ascending turns, where a CTA only waits for CTAs launched before it.
@@ -469,7 +485,14 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
             "DP_EARLY": cfg.dp_early, "DETERMINISTIC": deterministic,
             "REVERSE_N": cfg.reverse_causal, "DQ_TMA": cfg.dq_tma,
             "STAGGER": stagger, "RELEASE_AT": cfg.turn_release if cfg.dq_tma else 0,
-            "WAIT_EARLY": cfg.turn_wait_early and cfg.dq_tma}
+            "WAIT_EARLY": cfg.turn_wait_early and cfg.dq_tma, "KV_TMA_STORE": kv_tma_store}
+
+
+def kv_tma_store(uniform: bool, max_seqlen_k: int, batch: int, block_n: int) -> bool:
+    """Whether dK and dV can leave by TMA stores of whole key blocks: no block may hold
+    keys of two sequences (dense lengths, a multiple of block_n), except the tensor's last,
+    whose rows past the end the TMA unit clips."""
+    return uniform and (max_seqlen_k % block_n == 0 or batch == 1)
 
 
 def _dq_block(head_dim: int, cfg: BwdConfig) -> tuple[int, int]:
@@ -505,19 +528,26 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
              "softcap": False, "deterministic": False}
     feats.update(features)
     cfg = select_config(head_dim, cfg, feats["softcap"])
+    feats.setdefault("kv_tma_store", cfg.kv_tma_store and feats["uniform"]
+                     and not feats["has_seqused"])
     ty = _fwd._SIG_DTYPES[dtype]
+
+    def rows_desc(block):
+        dims = ", ".join(map(str, block))
+        return f"tensordesc<{ty}[{dims}],{_fwd._smem_layout(block, dtype)!r}>"
 
     def desc(block):
         if heads_axis:  # q, k, v, dO through fwd.tma_heads (head dims between the widths)
-            block = [block[0], 1, block[1]]
-        dims = ", ".join(map(str, block))
-        return f"tensordesc<{ty}[{dims}],{_fwd._smem_layout(block, dtype)!r}>"
+            return rows_desc([block[0], 1, block[1]])
+        return rows_desc(block)
 
     dq_block = _dq_block(head_dim, cfg)
     signature = {
         "q_desc": desc([cfg.block_m, head_dim]), "k_desc": desc([cfg.block_n, head_dim]),
         "v_desc": desc([cfg.block_n, head_dim_v]), "do_desc": desc([cfg.block_m, head_dim_v]),
         "dq_desc": f"tensordesc<fp32[{dq_block[0]}, {dq_block[1]}],{_dq_layout(dq_block)!r}>",
+        "dk_desc": rows_desc([cfg.block_n, head_dim]),
+        "dv_desc": rows_desc([cfg.block_n, head_dim_v]),
         "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "dk_ptr": f"*{ty}",
         "dv_ptr": f"*{ty}", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "used_k_ptr": "*i32",
         "sem_ptr": "*i32", "seqlen_q": "i32", "seqlen_k": "i32", "total_q": "i32",
@@ -607,6 +637,8 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
         k_desc = _fwd.tma_rows(k, (cfg.block_n, d))
         v_desc = _fwd.tma_rows(v, (cfg.block_n, dvd))
     dq_desc = _fwd.tma_rows(dq_acc, plan.dq_block, plan.dq_layout)
+    dk_desc = _fwd.tma_rows(dk, (cfg.block_n, width))
+    dv_desc = _fwd.tma_rows(dv, (cfg.block_n, width_v))
 
     qk_scale, softcap_pre = _fwd.exp2_scales(params)
     # One dQ turn counter per (sequence, q head, query block); only read when deterministic.
@@ -616,7 +648,8 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
     else:
         sem = _unused_semaphore(q.device)
     _launcher_for(width)[plan.grid](
-        q_desc, k_desc, v_desc, do_desc, dq_desc, lse, delta, dq_acc, dk, dv, seq.cu_seqlens_q,
+        q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse, delta, dq_acc, dk, dv,
+        seq.cu_seqlens_q,
         seq.cu_seqlens_k, seq.seqused_k if has_seqused else seq.cu_seqlens_k, sem,
         seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, hkv, hq // hkv, plan.num_m_blocks,
         qk_scale, params.softmax_scale, softcap_pre, wl, wr, **plan.constexprs)
@@ -652,7 +685,9 @@ def launch_plan(width: int, width_v: int, max_seqlen_q: int, max_seqlen_k: int,
     consts = _constexprs(width, width_v, cfg, uniform=uniform, has_seqused=has_seqused,
                          has_left=window_left >= 0, has_right=window_right >= 0,
                          softcap=softcap, deterministic=deterministic,
-                         max_key_blocks=grid[0], resident_ctas=sms)
+                         max_key_blocks=grid[0], resident_ctas=sms,
+                         kv_tma_store=cfg.kv_tma_store and kv_tma_store(
+                             uniform, max_seqlen_k, batch, cfg.block_n))
     consts["num_warps"] = cfg.num_warps
     dq_block = _dq_block(width, cfg)
     return LaunchPlan(cfg, grid, cdiv(max(max_seqlen_q, 1), cfg.block_m), consts, dq_block,

@@ -16,7 +16,7 @@ if _GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language._core import builtin
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
     from .fwd import _copy_rows, _sequence, _tanh
 
@@ -327,3 +327,51 @@ if _GLUON_ERROR is None:
         off = ((k_start + keys).to(gl.int64) * n_kv_heads + hk) * HEAD
         gl.store(ptr + gl.expand_dims(off, 1) + gl.expand_dims(cols, 0),
                  tile.to(ptr.dtype.element_ty), mask=gl.expand_dims(keys < seqlen_k, 1))
+
+    @gluon.constexpr_function
+    def _ctaid_asm(axis):
+        return f"mov.u32 $0, %ctaid.{'xyz'[axis]};"
+
+    @gluon.jit
+    def _ctaid_again(x, AXIS: gl.constexpr):
+        """program_id(AXIS) read anew (x: any int32 operand, unused). The compiler cannot
+        merge this read with the prologue's, so nothing derived from it is kept in a register
+        through the main loop."""
+        return gl.inline_asm_elementwise(_ctaid_asm(AXIS), "=r,r", [x], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
+    def key_block_origin(seqlen_k, BLOCK_N: gl.constexpr, TOP_FIRST: gl.constexpr):
+        """(first packed key row, kv head) of this CTA's key block in a uniform call,
+        recomputed for the epilogue (`key_block`'s values, derived again). Reusing the
+        prologue's would keep them live through the loop: at d <= 128 the kernels run at
+        the 255-register limit and ptxas spilled inside the loop (sm_90a, up to 40 local
+        instructions)."""
+        n_blk = _ctaid_again(seqlen_k, 0)
+        hk = _ctaid_again(seqlen_k, 1)
+        batch = _ctaid_again(seqlen_k, 2)
+        if TOP_FIRST:
+            n_blk = (seqlen_k + BLOCK_N - 1) // BLOCK_N - 1 - n_blk
+        return batch * seqlen_k + n_blk * BLOCK_N, hk
+
+    @gluon.jit
+    def store_key_tiles(dk_desc, dv_desc, dk, dv, dk_buf, dv_buf, row, hk,
+                        HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr):
+        """The dK and dV tiles through shared memory and one TMA store each, where every key
+        block lies whole in its sequence or at the end of the tensor (the host decides:
+        `kv_tma_store`). dk_buf / dv_buf alias the Q / dO rings, free once every warpgroup
+        has retired its last MMA (the first barrier). The masked per-thread stores of
+        `store_key_rows` are what the forward's O epilogue replaced (2316 -> 433 cycles a
+        tile at d=128, H200)."""
+        gl.thread_barrier()
+        # Through a blocked layout (the conversion's scratch reuses the dead rings): stored
+        # straight from the wgmma layout, ptxas spilled inside the main loop (sm_90a, d=64
+        # causal fp16: 40 local-memory instructions there; this way 0).
+        rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        dk_buf.store(gl.convert_layout(dk.to(dk_desc.dtype), rows_layout))
+        dv_buf.store(gl.convert_layout(dv.to(dv_desc.dtype), rows_layout))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(dk_desc, [row, hk * HEAD_DIM], dk_buf)
+        tma.async_copy_shared_to_global(dv_desc, [row, hk * HEAD_DIM_V], dv_buf)
+        tma.store_wait(0)  # shared memory must outlive the stores' reads

@@ -50,6 +50,7 @@ if _GLUON_ERROR is None:
         add_dq,
         after_dq_reduce,
         key_block,
+        key_block_origin,
         load_kv,
         load_rows,
         mask_edges,
@@ -60,6 +61,7 @@ if _GLUON_ERROR is None:
         stage_stats,
         step_needs_mask,
         store_key_rows,
+        store_key_tiles,
         take_dq_turn,
         tma_reduce_add,
         walk_start,
@@ -68,8 +70,9 @@ if _GLUON_ERROR is None:
 
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
                                   "group", "window_left", "window_right", "num_m_blocks"])
-    def attn_bwd_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
-                             dq_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, sem_ptr,
+    def attn_bwd_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc,
+                             lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr,
+                             used_k_ptr, sem_ptr,
                              seqlen_q, seqlen_k, total_q, n_heads, n_kv_heads, group,
                              num_m_blocks,
                              qk_scale, softmax_scale, softcap_pre, window_left, window_right,
@@ -81,7 +84,7 @@ if _GLUON_ERROR is None:
                              DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
                              REVERSE_N: gl.constexpr, DQ_TMA: gl.constexpr,
                              STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
-                             WAIT_EARLY: gl.constexpr):
+                             WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr):
         # dPᵀ is always issued with Sᵀ here (DP_EARLY is bwd.py's register trade-off), and dV
         # is always retired before dSᵀ is published (barrier 2 relies on it); DV_OVERLAP keeps
         # it in flight while dSᵀ is formed. DQ_TMA: dQ leaves by TMA reduce-add in two
@@ -285,7 +288,15 @@ if _GLUON_ERROR is None:
                 mbarrier.invalidate(q_ready.index(st))
             mbarrier.invalidate(do_ready.index(0))
             mbarrier.invalidate(kv_bar.index(0))
-            store_key_rows(dk_ptr, dk * softmax_scale, n0, k_start, seqlen_k, n_kv_heads, hk,
-                           HEAD_DIM, BLOCK_N, dk_layout)
-            store_key_rows(dv_ptr, dv, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM_V,
-                           BLOCK_N, dv_layout)
+            if KV_TMA_STORE:  # Q's ring (64 KB) and dO's buffer (32 KB) hold the two tiles
+                key_row, key_head = key_block_origin(
+                    seqlen_k, BLOCK_N, HAS_RIGHT and (DETERMINISTIC or REVERSE_N))
+                store_key_tiles(dk_desc, dv_desc, dk * softmax_scale, dv,
+                                q_smem._reinterpret(dtype, [BLOCK_N, HEAD_DIM], dk_desc.layout),
+                                do_s._reinterpret(dtype, [BLOCK_N, HEAD_DIM_V], dv_desc.layout),
+                                key_row, key_head, HEAD_DIM, HEAD_DIM_V)
+            else:
+                store_key_rows(dk_ptr, dk * softmax_scale, n0, k_start, seqlen_k, n_kv_heads,
+                               hk, HEAD_DIM, BLOCK_N, dk_layout)
+                store_key_rows(dv_ptr, dv, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM_V,
+                               BLOCK_N, dv_layout)
