@@ -123,6 +123,10 @@ CASES = [
     (1, 700, 300, 4, 4, 64, torch.bfloat16, (-1, 0), 0.0, False, False),
     (2, 777, 777, 2, 2, 256, torch.bfloat16, (-1, -1), 0.0, False, False),
     (2, 512, 512, 2, 2, 256, torch.float16, (-1, 0), 0.0, False, False),
+    # whole 64-row tiles at d=256: O leaves by TMA through the Q buffer (fwd._o_in_q); 64
+    # rows leave the second warpgroup without rows
+    (3, 384, 384, 2, 2, 256, torch.bfloat16, (-1, -1), 0.0, False, False),
+    (4, 64, 64, 2, 1, 256, torch.bfloat16, (-1, 0), 0.0, False, False),
     (2, 640, 900, 4, 2, 128, torch.bfloat16, (100, 50), 0.0, False, False),
     (2, 640, 640, 4, 4, 64, torch.bfloat16, (-1, -1), 30.0, True, False),
     (5, 300, 400, 4, 2, 128, torch.bfloat16, (-1, 0), 0.0, True, True),
@@ -159,6 +163,7 @@ PADDED_CASES = [
     (2, 512, 512, 4, 4, 80, 80, torch.bfloat16, (100, 50), 20.0, False, False),
     (2, 700, 700, 4, 4, 128, 64, torch.bfloat16, (-1, 0), 0.0, False, False),
     (1, 300, 700, 4, 1, 160, 160, torch.bfloat16, (-1, 0), 0.0, False, False),
+    (2, 192, 192, 4, 2, 160, 160, torch.bfloat16, (-1, 0), 0.0, False, False),  # O in Q
     (3, 16, 1000, 16, 2, 96, 96, torch.bfloat16, (-1, -1), 0.0, False, False),  # GQA packed
     (2, 333, 333, 2, 2, 100, 100, torch.bfloat16, (-1, 0), 0.0, False, False),
     (2, 300, 300, 4, 2, 256, 128, torch.bfloat16, (-1, 0), 0.0, False, False),  # 256/128

@@ -257,7 +257,7 @@ def launch_plan(d: int, dv: int, max_seqlen_q: int, max_seqlen_k: int, uniform: 
     consts.update(_launch_options(cfg))
     full_tiles = uniform and max_seqlen_q % 64 == 0
     return LaunchPlan(cfg, grid, hb_chunk, num_m_blocks, num_tiles, consts,
-                      output_box_width(dv, full_tiles))
+                      output_box_width(d, dv, full_tiles))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -695,16 +695,28 @@ if _GLUON_ERROR is None:
             # below took ~2300 of a ~16600-cycle tile at d=128, 512 rows
             # (scripts/fwd-timeline.py, H200). A warpgroup whose rows all lie past the
             # sequence (192-row tiles) stores nothing.
+            # Wide rows on the persistent grid: one staging tile, the warpgroups take turns
+            # (`_o_staging`); the turn barrier sits after the Q (and ping-pong) barriers.
+            SHARED: gl.constexpr = _o_staging(o_desc.block_shape, HEAD_DIM_V, RELEASE_Q) == 2
+            o_tile = o_smem.index(0 if SHARED else WG)
+            if SHARED:
+                # Warpgroup w's k-th turn follows 2k + w arrivals: parity 1 - w every time.
+                o_turn = q_bar.index(_o_turn_index(PINGPONG))
+                mbarrier.wait(o_turn, 1 - WG)
             if m0 + WG * 64 < seqlen_q:
                 tma.store_wait(0)  # this warpgroup's previous store has read o_smem
                 gl.thread_barrier()
-                o_smem.index(WG).store(out)
+                o_tile.store(out)
                 fence_async_shared()
                 gl.thread_barrier()
                 tma.async_copy_shared_to_global(
-                    o_desc, [q_start + m0 + WG * 64, head * HEAD_DIM_V], o_smem.index(WG))
+                    o_desc, [q_start + m0 + WG * 64, head * HEAD_DIM_V], o_tile)
             if not RELEASE_Q:  # a one-tile CTA: the store must finish before it exits
                 tma.store_wait(0)
+            elif SHARED:  # the other warpgroup's turn once the store has read the tile
+                tma.store_wait(0)
+                gl.thread_barrier()
+                mbarrier.arrive(o_turn, count=1)
         else:
             _store_rows(out_ptr, out, rows, q_start, seqlen_q, head, n_heads, HEAD_DIM_V,
                         o_layout)
@@ -718,6 +730,29 @@ if _GLUON_ERROR is None:
         """Whether the output descriptor's box spans a whole row of O (TMA-store epilogue);
         a narrower box only carries the layout of an unused buffer (see `forward`)."""
         return block_shape[1] == width
+
+    @gluon.constexpr_function
+    def _o_staging(block_shape, width, persistent):
+        """Where the TMA-store epilogue stages O: 0, one tile per warpgroup of its own
+        (dv <= 128, or no TMA store at all); wide rows (d = dv = 256: a tile each does not
+        fit next to the 192 KB of Q and the K/V rings; the host gives such a box only where
+        dv = d, `output_box_width`) 1: in the warpgroup's Q buffer on the plain grid, where
+        Q is dead after the last S; 2: on the persistent grid, in one 32 KB tile the
+        warpgroups take turns at (there the next tile's Q lands during the epilogue; staged
+        in the Q buffer it had to wait for the store: d=256 causal 512 rows 216 -> 111
+        TFLOP/s, H200 2026-11-29)."""
+        if block_shape[1] != width or width <= 128:
+            return 0
+        return 2 if persistent else 1
+
+    @gluon.constexpr_function
+    def _o_turn_index(pingpong):
+        """Index in q_bar of the staging turn barrier (`_o_staging` 2, two warpgroups)."""
+        return 4 if pingpong else 2
+
+    @gluon.constexpr_function
+    def _q_bar_count(num_wg, pingpong, o_staging):
+        return (4 if pingpong else num_wg) + (1 if o_staging == 2 else 0)
 
     @gluon.jit
     def _store_rows(out_ptr, out, rows, q_start, seqlen_q, head, n_heads,
@@ -848,11 +883,20 @@ if _GLUON_ERROR is None:
                                            _tile_layout(v_desc.layout))
         # O staging for the TMA-store epilogue, one tile per consumer warpgroup (a 32-column
         # stand-in, optimised away, when the host left it off: `output_box_width`).
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, _stacked(NUM_WG, o_desc.block_shape),
-                                           _tile_layout(o_desc.layout))
-        # Q barriers of the consumer warpgroups, then (ping-pong only) their turn barriers.
-        q_bar = gl.allocate_shared_memory(gl.int64, [4 if PINGPONG else NUM_WG, 1],
-                                          mbarrier.MBarrierLayout())
+        O_STAGING: gl.constexpr = _o_staging(o_desc.block_shape, HEAD_DIM_V, PERSISTENT)
+        if O_STAGING == 1:
+            o_smem = q_smem
+        elif O_STAGING == 2:
+            o_smem = gl.allocate_shared_memory(o_desc.dtype, _stacked(1, o_desc.block_shape),
+                                               _tile_layout(o_desc.layout))
+        else:
+            o_smem = gl.allocate_shared_memory(o_desc.dtype,
+                                               _stacked(NUM_WG, o_desc.block_shape),
+                                               _tile_layout(o_desc.layout))
+        # Q barriers of the consumer warpgroups, then (ping-pong only) their turn barriers,
+        # then (O_STAGING 2) the staging tile's turn barrier.
+        q_bar = gl.allocate_shared_memory(
+            gl.int64, [_q_bar_count(NUM_WG, PINGPONG, O_STAGING), 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -864,6 +908,8 @@ if _GLUON_ERROR is None:
             # the consumers released the current one, its K/V as ring slots free up).
             for wg in gl.static_range(4 if PINGPONG else NUM_WG):
                 mbarrier.init(q_bar.index(wg), count=1)
+            if O_STAGING == 2:
+                mbarrier.init(q_bar.index(_o_turn_index(PINGPONG)), count=1)
             for wg in gl.static_range(NUM_WG):
                 mbarrier.init(q_empty.index(wg), count=1)
             for st in gl.static_range(STAGES):
@@ -1047,13 +1093,14 @@ def tma_heads(t: torch.Tensor, rows: int, width: int) -> "TensorDescriptor":
     return desc
 
 
-def output_box_width(dv: int, full_tiles: bool = True) -> int:
+def output_box_width(d: int, dv: int, full_tiles: bool = True) -> int:
     """Columns of the output descriptor's box: the whole row (the kernel's TMA-store
     epilogue) where every sequence fills whole 64-row tiles (`full_tiles`: uniform lengths, a
     multiple of 64, so no tile holds rows of two sequences) and the staging tiles fit in
-    shared memory (dv <= 128: +16 / +32 KB next to 148-192 KB of rings); else 32, never a
-    whole row: a box the kernel only takes the layout of (masked per-thread stores)."""
-    return dv if dv <= 128 and full_tiles else 32
+    shared memory: dv <= 128 (+16 / +32 KB next to 148-192 KB of rings), or dv = d (O is
+    staged in the warpgroup's Q buffer, `_o_in_q`); else 32, never a whole row: a box the
+    kernel only takes the layout of (masked per-thread stores)."""
+    return dv if full_tiles and (dv <= 128 or dv == d) else 32
 
 
 def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, has_left,
@@ -1114,7 +1161,7 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
         dims = ", ".join(map(str, block))
         return f"tensordesc<{ty}[{dims}],{_smem_layout(block, dtype)!r}>"
 
-    o_width = output_box_width(head_dim_v) if tma_store else 32
+    o_width = output_box_width(head_dim, head_dim_v) if tma_store else 32
     signature = {
         "q_desc": desc([64, head_dim]), "k_desc": desc([cfg.block_n, head_dim]),
         "v_desc": desc([cfg.block_n, head_dim_v]),
