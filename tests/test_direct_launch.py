@@ -164,6 +164,53 @@ def test_profiler_hooks_take_tritons_path(fake_cuda, monkeypatch):
     assert [entry[0] for entry in jit.log] == ["jit", "jit"]
 
 
+def test_cached_map_launch_passes_what_tritons_launcher_passes(monkeypatch):
+    # Triton's own descriptor expansion (wrap_handle_tensordesc) and the cached one must hand
+    # the C launch the same argument list; the encode runs once per buffer and shape.
+    from types import SimpleNamespace
+
+    from triton.backends.nvidia import driver as nv
+
+    encodes = []
+
+    def fake_encode(arg, meta):  # stands in for the CUDA tensor-map encode
+        encodes.append(arg.base.data_ptr())
+        return [("map", arg.base.data_ptr(), tuple(arg.shape), meta["swizzle"]), *arg.shape,
+                *arg.strides]
+
+    monkeypatch.setattr(nv, "make_tensordesc_arg", fake_encode)
+    launched = []
+    signature = {"a": "tensordesc<bf16[64, 32]>", "x": "*fp32", "b": "tensordesc<bf16[64, 32]>",
+                 "n": "i32", "BLOCK": "constexpr"}
+    run = SimpleNamespace(global_scratch_size=0, profile_scratch_size=0,
+                          launch_cooperative_grid=False, launch_pdl=True,
+                          launch=nv.wrap_handle_tensordesc(lambda *a: launched.append(a),
+                                                           signature,
+                                                           [{"swizzle": 128}, {"swizzle": 64}]))
+    kernel = SimpleNamespace(function=11, packed_metadata=22, run=run)
+    fast = launch._CachedMapLaunch.build(kernel)
+    assert fast is not None
+
+    def desc(t):
+        return SimpleNamespace(base=t, shape=[t.shape[0], t.shape[1]], strides=[t.shape[1], 1],
+                               padding="zero")
+
+    x, ta, tb = torch.randn(8), torch.randn(128, 32), torch.randn(256, 32)
+    args = (desc(ta), x, desc(tb), 5, 64)
+    run.launch(3, 2, 1, 7, 11, False, True, None, None, 22, None, None, None, *args)
+    fast(3, 2, 1, 7, args)
+    assert launched[0] == launched[1]
+    assert len(encodes) == 4  # two by Triton's path, two on the first cached launch
+    fast(3, 2, 1, 7, (desc(ta), x, desc(tb), 9, 64))  # same buffers: no encode
+    assert len(encodes) == 4 and launched[2][-2:] == (9, 64)
+    tc = torch.randn(128, 32)
+    fast(3, 2, 1, 7, (desc(tc), x, desc(tb), 9, 64))  # a new buffer: encoded once
+    assert encodes[4:] == [tc.data_ptr()] and launched[3][13][1] == tc.data_ptr()
+    # a launcher this was not written for (scratch memory): Triton's own
+    run.global_scratch_size = 64
+    assert launch._CachedMapLaunch.build(kernel) is None
+
+
 @pytest.mark.parametrize("total_q,width", [(1, 64), (113, 128), (203, 256)])
 def test_preprocess_zeroes_the_dq_accumulator(total_q, width):
     """The backward preprocess writes delta = rowsum(dO * O) - dlse and, for the sm90
