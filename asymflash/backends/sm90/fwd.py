@@ -169,6 +169,10 @@ def use_persistent(head_dim: int, lpt: bool, max_seqlen_q: int, uniform: bool,
         d=256  381 / 486 / 563 / 658  vs 397 / 500 / 568 / 651
       (chunks of >= 8 waves without LPT lost 3-9 % at d=128 / d=256 non-causal; L2-only
       chunks with LPT lost 7 % / 26 % at d=128 / d=256 causal 16k: load imbalance.)
+    Again with the TMA-store epilogues (2026-11-29 21:41, plain vs persistent): d=256
+      non-causal 512 / 2k / 16k 480 / 626 / 672 vs 458 / 614 / 700; d=128 non-causal 2k / 16k
+      561 / 633 vs 558 / 631; d=128 causal 2k / 16k 382 / 593 vs 442 / 586; 512 rows d=64
+      268 / 153 vs 331 / 175 (non-causal / causal), d=128 non-causal 395 vs 431.
     Not measured, so on the plain grid: varlen / seqused_k, softcap, sink, sliding windows
     (those persistent builds also keep a few values in local memory around the tile loop).
     """
@@ -178,6 +182,8 @@ def use_persistent(head_dim: int, lpt: bool, max_seqlen_q: int, uniform: bool,
         return not (head_dim == 128 and max_seqlen_q >= 8192)
     if head_dim == 64:
         return True
+    if head_dim == 256:
+        return max_seqlen_q >= 16384
     return head_dim == 128 and max_seqlen_q <= 1024
 
 
