@@ -97,7 +97,6 @@ if _GLUON_ERROR is None:
         add_dq,
         after_dq_reduce,
         key_block,
-        key_block_origin,
         load_kv,
         load_qdo,
         mask_edges,
@@ -107,8 +106,7 @@ if _GLUON_ERROR is None:
         release_dq_turn_after_tma,
         stage_stats,
         step_needs_mask,
-        store_key_rows,
-        store_key_tiles,
+        store_key_grads,
         take_dq_turn,
         tma_reduce_add,
         walk_start,
@@ -450,19 +448,10 @@ if _GLUON_ERROR is None:
             mbarrier.invalidate(kv_bar.index(0))
 
             # Epilogue: dK carries the softmax scale of S = scale·Q·Kᵀ.
-            if KV_TMA_STORE:  # the Q and dO rings (32 KB each) hold the two tiles
-                key_row, key_head = key_block_origin(
-                    seqlen_k, BLOCK_N, HAS_RIGHT and (DETERMINISTIC or REVERSE_N))
-                store_key_tiles(dk_desc, dv_desc, dk * softmax_scale, dv,
-                                q_smem._reinterpret(dtype, [BLOCK_N, HEAD_DIM], dk_desc.layout),
-                                do_smem._reinterpret(dtype, [BLOCK_N, HEAD_DIM_V],
-                                                     dv_desc.layout),
-                                key_row, key_head, HEAD_DIM, HEAD_DIM_V)
-            else:
-                store_key_rows(dk_ptr, dk * softmax_scale, n0, k_start, seqlen_k, n_kv_heads,
-                               hk, HEAD_DIM, BLOCK_N, dk_layout)
-                store_key_rows(dv_ptr, dv, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM_V,
-                               BLOCK_N, dv_layout)
+            store_key_grads(dk_desc, dv_desc, dk_ptr, dv_ptr, dk * softmax_scale, dv, q_smem,
+                            do_smem, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM, HEAD_DIM_V,
+                            BLOCK_N, KV_TMA_STORE, HAS_RIGHT and (DETERMINISTIC or REVERSE_N),
+                            dk_layout, dv_layout)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -375,3 +375,26 @@ if _GLUON_ERROR is None:
         tma.async_copy_shared_to_global(dk_desc, [row, hk * HEAD_DIM], dk_buf)
         tma.async_copy_shared_to_global(dv_desc, [row, hk * HEAD_DIM_V], dv_buf)
         tma.store_wait(0)  # shared memory must outlive the stores' reads
+
+    @gluon.jit
+    def store_key_grads(dk_desc, dv_desc, dk_ptr, dv_ptr, dk, dv, q_smem, do_smem, n0, k_start,
+                        seqlen_k, n_kv_heads, hk, HEAD_DIM: gl.constexpr,
+                        HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
+                        KV_TMA_STORE: gl.constexpr, TOP_FIRST: gl.constexpr,
+                        dk_layout: gl.constexpr, dv_layout: gl.constexpr):
+        """Both kernels' epilogue: the CTA's dK (already scaled) and dV tiles, by TMA through
+        the Q and dO buffers (free once the loop is over: d <= 128 two 32 KB rings, d = 256
+        Q's 64 KB ring and dO's 32 KB buffer) where the host allows it (`kv_tma_store`), else
+        by masked per-thread stores."""
+        if KV_TMA_STORE:
+            dtype: gl.constexpr = dk_desc.dtype
+            key_row, key_head = key_block_origin(seqlen_k, BLOCK_N, TOP_FIRST)
+            store_key_tiles(dk_desc, dv_desc, dk, dv,
+                            q_smem._reinterpret(dtype, [BLOCK_N, HEAD_DIM], dk_desc.layout),
+                            do_smem._reinterpret(dtype, [BLOCK_N, HEAD_DIM_V], dv_desc.layout),
+                            key_row, key_head, HEAD_DIM, HEAD_DIM_V)
+        else:
+            store_key_rows(dk_ptr, dk, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM, BLOCK_N,
+                           dk_layout)
+            store_key_rows(dv_ptr, dv, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM_V, BLOCK_N,
+                           dv_layout)

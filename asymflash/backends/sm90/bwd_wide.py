@@ -50,7 +50,6 @@ if _GLUON_ERROR is None:
         add_dq,
         after_dq_reduce,
         key_block,
-        key_block_origin,
         load_kv,
         load_rows,
         mask_edges,
@@ -60,8 +59,7 @@ if _GLUON_ERROR is None:
         release_dq_turn_after_tma,
         stage_stats,
         step_needs_mask,
-        store_key_rows,
-        store_key_tiles,
+        store_key_grads,
         take_dq_turn,
         tma_reduce_add,
         walk_start,
@@ -288,15 +286,7 @@ if _GLUON_ERROR is None:
                 mbarrier.invalidate(q_ready.index(st))
             mbarrier.invalidate(do_ready.index(0))
             mbarrier.invalidate(kv_bar.index(0))
-            if KV_TMA_STORE:  # Q's ring (64 KB) and dO's buffer (32 KB) hold the two tiles
-                key_row, key_head = key_block_origin(
-                    seqlen_k, BLOCK_N, HAS_RIGHT and (DETERMINISTIC or REVERSE_N))
-                store_key_tiles(dk_desc, dv_desc, dk * softmax_scale, dv,
-                                q_smem._reinterpret(dtype, [BLOCK_N, HEAD_DIM], dk_desc.layout),
-                                do_s._reinterpret(dtype, [BLOCK_N, HEAD_DIM_V], dv_desc.layout),
-                                key_row, key_head, HEAD_DIM, HEAD_DIM_V)
-            else:
-                store_key_rows(dk_ptr, dk * softmax_scale, n0, k_start, seqlen_k, n_kv_heads,
-                               hk, HEAD_DIM, BLOCK_N, dk_layout)
-                store_key_rows(dv_ptr, dv, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM_V,
-                               BLOCK_N, dv_layout)
+            store_key_grads(dk_desc, dv_desc, dk_ptr, dv_ptr, dk * softmax_scale, dv, q_smem,
+                            do_s, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM, HEAD_DIM_V,
+                            BLOCK_N, KV_TMA_STORE, HAS_RIGHT and (DETERMINISTIC or REVERSE_N),
+                            dk_layout, dv_layout)
