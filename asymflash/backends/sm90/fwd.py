@@ -795,9 +795,36 @@ if _GLUON_ERROR is None:
         m0 = m_blk * BLOCK_M
         return (tile < num_tiles) & (m0 < sq), m0, head, q_start, k_start, sq, sk
 
+    @gluon.constexpr_function
+    def _sched_layout(num_warps):
+        return gl.BlockedLayout([4], [32], [num_warps], [0])
+
+    @gluon.jit
+    def _publish_tile(sched, q_empty, tc, m0, head, q_start, NUM_WG: gl.constexpr):
+        """Loader, uniform lengths: hand this tile's (m0, head, q_start) to the consumers in
+        shared memory slot tc % 2, so they need not work out the schedule's integer divisions
+        between two tiles (~600 cycles, d=128 512 rows, scripts/fwd-timeline.py). The slot was
+        last read at the start of tile tc - 2: every warpgroup has released tile tc - 1's Q
+        since. The Q barriers' arrivals (after the stores, and a warp barrier) publish it."""
+        for wg in gl.static_range(NUM_WG):
+            mbarrier.wait(q_empty.index(wg), (tc & 1) ^ 1)
+        idx = gl.arange(0, 4, layout=_sched_layout(gl.num_warps()))
+        sched.index(tc & 1).store(gl.where(idx == 0, m0, gl.where(idx == 1, head, q_start)))
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _read_tile(sched, tc):
+        """Consumer side of `_publish_tile`, once the tile's Q barrier has completed."""
+        layout: gl.constexpr = _sched_layout(gl.num_warps())
+        idx = gl.arange(0, 4, layout=layout)
+        v = sched.index(tc & 1).load(layout)
+        return (gl.sum(gl.where(idx == 0, v, 0), 0), gl.sum(gl.where(idx == 1, v, 0), 0),
+                gl.sum(gl.where(idx == 2, v, 0), 0))
+
     @gluon.jit
     def _load_role_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
-                              k_ready, k_empty, v_ready, v_empty, cu_q_ptr, cu_k_ptr, used_k_ptr,
+                              k_ready, k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr,
+                              used_k_ptr,
                               seqlen_q, seqlen_k, n_heads, n_batch, num_m_blocks, num_tiles,
                               hb_chunk, group, window_left, window_right,
                               HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
@@ -817,6 +844,8 @@ if _GLUON_ERROR is None:
                 n_lo, n_a, n_b, n_hi = _key_blocks(m0, sq, sk, window_left, window_right,
                                                    HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_M)
                 kv_head = head // group
+                if UNIFORM:
+                    _publish_tile(sched, q_empty, tc, m0, head, q_start, NUM_WG)
                 _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                            k_ready, k_empty, v_ready, v_empty, q_start + m0, head, k_start,
                            kv_head, n_lo, n_hi, it, tc & 1, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
@@ -826,7 +855,7 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _consumer_role_persistent(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
-                                  v_ready, v_empty, out_ptr, o_desc, o_smem,
+                                  v_ready, v_empty, sched, out_ptr, o_desc, o_smem,
                                   lse_ptr, sink_ptr, cu_q_ptr,
                                   cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, total_q, n_heads,
                                   n_batch, num_m_blocks, num_tiles, hb_chunk, window_left,
@@ -843,10 +872,18 @@ if _GLUON_ERROR is None:
         tc = 0
         nprog = gl.num_programs(0)
         for wave in range(0, (num_tiles + nprog - 1) // nprog):
-            live, m0, head, q_start, k_start, sq, sk = _persistent_tile(
-                wave, num_tiles, n_heads, n_batch, num_m_blocks, hb_chunk, seqlen_q, seqlen_k,
-                cu_q_ptr, cu_k_ptr, used_k_ptr, LPT, UNIFORM, HAS_SEQUSED, BLOCK_M)
+            if UNIFORM:  # the tile's coordinates come from the loader (`_publish_tile`)
+                live = _wave_tile(wave, gl.program_id(0), nprog) < num_tiles
+            else:
+                live, m0, head, q_start, k_start, sq, sk = _persistent_tile(
+                    wave, num_tiles, n_heads, n_batch, num_m_blocks, hb_chunk, seqlen_q,
+                    seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr, LPT, UNIFORM, HAS_SEQUSED, BLOCK_M)
             if live:
+                if UNIFORM:
+                    mbarrier.wait(q_bar.index(WG), tc & 1)
+                    m0, head, q_start = _read_tile(sched, tc)
+                    sq = seqlen_q
+                    sk = seqlen_k
                 n_lo, n_a, n_b, n_hi = _key_blocks(m0, sq, sk, window_left, window_right,
                                                    HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_M)
                 _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
@@ -908,6 +945,9 @@ if _GLUON_ERROR is None:
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # The persistent loader's tile coordinates for the consumers (`_publish_tile`).
+        sched = gl.allocate_shared_memory(gl.int32, [2, 4],
+                                          gl.SwizzledSharedLayout(1, 1, 1, [0]))
         if PERSISTENT:
             # grid = min(#SMs, #tiles); every role walks tiles pid, pid + grid, ... and keeps
             # its own ring position, so the loader runs ahead into the next tile (its Q once
@@ -929,7 +969,7 @@ if _GLUON_ERROR is None:
                 gl.warp_specialize([
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, out_ptr, o_desc, o_smem,
+                        v_empty, sched, out_ptr, o_desc, o_smem,
                         lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 0,
@@ -937,7 +977,7 @@ if _GLUON_ERROR is None:
                         SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, out_ptr, o_desc, o_smem,
+                        v_empty, sched, out_ptr, o_desc, o_smem,
                         lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 1,
@@ -945,7 +985,7 @@ if _GLUON_ERROR is None:
                         SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, out_ptr, o_desc, o_smem,
+                        v_empty, sched, out_ptr, o_desc, o_smem,
                         lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 2,
@@ -953,7 +993,7 @@ if _GLUON_ERROR is None:
                         SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                        k_empty, v_ready, v_empty, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
+                        k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
                         seqlen_k, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk, group,
                         window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES,
                         UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, LPT, 3)),
@@ -962,7 +1002,7 @@ if _GLUON_ERROR is None:
                 gl.warp_specialize([
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                        out_ptr, o_desc, o_smem,
+                        sched, out_ptr, o_desc, o_smem,
                         lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 0, HEAD_DIM_V, BLOCK_N,
@@ -970,7 +1010,7 @@ if _GLUON_ERROR is None:
                         EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                        out_ptr, o_desc, o_smem,
+                        sched, out_ptr, o_desc, o_smem,
                         lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 1, HEAD_DIM_V, BLOCK_N,
@@ -978,7 +1018,7 @@ if _GLUON_ERROR is None:
                         EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                        k_empty, v_ready, v_empty, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
+                        k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
                         seqlen_k, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk, group,
                         window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM,
                         HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, LPT, 2)),
