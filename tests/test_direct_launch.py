@@ -209,6 +209,10 @@ def test_cached_map_launch_passes_what_tritons_launcher_passes(monkeypatch):
     # a launcher this was not written for (scratch memory): Triton's own
     run.global_scratch_size = 64
     assert launch._CachedMapLaunch.build(kernel) is None
+    # no descriptor arguments (Triton's launch is the C function): nothing to cache
+    run.global_scratch_size = 0
+    run.launch = len  # a builtin, as the compiled launcher's C function
+    assert launch._CachedMapLaunch.build(kernel) is None
 
 
 @pytest.mark.parametrize("total_q,width", [(1, 64), (113, 128), (203, 256)])

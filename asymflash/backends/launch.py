@@ -189,14 +189,14 @@ class _CachedMapLaunch:
     step's, a benchmark's, the caching allocator's recycled blocks) skip the encode. The C
     `launch` copies the map into the kernel's parameters, so reuse is safe.
 
-    `build` returns None, and the caller keeps Triton's own launcher, wherever this
-    launcher's layout differs from the one this was written against (scratch buffers,
-    another wrapper).
+    `build` returns None, and the caller keeps Triton's own launcher, for kernels without
+    descriptor arguments and wherever this launcher's layout differs from the one this was
+    written against (scratch buffers, another wrapper).
     """
 
     _LIMIT = 512  # cached maps per kernel; cleared when full
 
-    def __init__(self, kernel, c_launch, slots, expand=None):
+    def __init__(self, kernel, c_launch, slots, expand):
         run = kernel.run
         self.head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
                      kernel.packed_metadata, None, None, None)
@@ -215,8 +215,10 @@ class _CachedMapLaunch:
                     nv._BASE_ARGS_FORMAT_LEN != 13:
                 return None
             inner = run.launch
-            if inner.__closure__ is None:  # no descriptors: Triton launches the C function
-                return cls(kernel, inner, ())
+            # Without descriptor arguments Triton's launch is the C function itself (no
+            # closure) and there is nothing to cache: its own launcher stays.
+            if getattr(inner, "__closure__", None) is None:
+                return None
             free = dict(zip(inner.__code__.co_freevars,
                             (c.cell_contents for c in inner.__closure__)))
             indices = sorted(free["tensordesc_indices"])
@@ -229,16 +231,15 @@ class _CachedMapLaunch:
             return None
 
     def __call__(self, gx, gy, gz, stream, args):
-        if self.slots:
-            args = list(args)
-            maps = self.maps
-            for i, meta in self.slots:
-                d = args[i]
-                key = (i, d.base.data_ptr(), *d.shape, *d.strides, d.padding)
-                expanded = maps.get(key)
-                if expanded is None:
-                    if len(maps) >= self._LIMIT:
-                        maps.clear()
-                    expanded = maps[key] = self.expand(d, meta)
-                args[i:i + 1] = expanded
+        args = list(args)
+        maps = self.maps
+        for i, meta in self.slots:
+            d = args[i]
+            key = (i, d.base.data_ptr(), *d.shape, *d.strides, d.padding)
+            expanded = maps.get(key)
+            if expanded is None:
+                if len(maps) >= self._LIMIT:
+                    maps.clear()
+                expanded = maps[key] = self.expand(d, meta)
+            args[i:i + 1] = expanded
         self.c_launch(gx, gy, gz, stream, *self.head, *args)
