@@ -9,6 +9,10 @@ empty kernel (the launch floor of a one-node graph); a read-only kernel streamin
 K/V bytes with the decode's grid; the decode per split count; 8 decode calls on 8 caches in
 one graph (the per-call cost inside a serving step's graph).
 
+--once runs three eager calls (contiguous, first length) and exits: the target for a profiler,
+e.g. `ncu --section SpeedOfLight --section MemoryWorkloadAnalysis -k regex:decode_kernel -s 2
+-c 1 python3 scripts/decode-probe.py --once --lengths 4096`.
+
 --timeline builds a copy of the portable decode kernel with %globaltimer stamps (program
 start, loop start, loop end, split ticket, merge end), runs it eagerly and prints the
 min / median / max over programs of each phase.
@@ -233,10 +237,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--timeline", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--once", action="store_true")
     ap.add_argument("--lengths", default="4096,16384")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    if args.timeline:
+    if args.once:
+        q, k, v, kw = make_cache(lengths[0], False)
+        for _ in range(3):
+            flash_attn_with_kvcache(q, k, v, **kw)
+        torch.cuda.synchronize()
+    elif args.timeline:
         timeline(lengths)
     elif args.sweep:
         sweep(lengths)

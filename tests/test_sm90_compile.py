@@ -69,6 +69,35 @@ def test_persistent_compiles_with_hgmma_and_no_spills(kw):
     assert rep["shared"] <= 227 * 1024
 
 
+# A second Q buffer per warpgroup (persistent grid, d <= 128): the same kernel with the Q
+# barriers and buffers indexed by the tile's parity; up to 224 KB of shared memory at d=128.
+@pytest.mark.parametrize("kw", [
+    {"head_dim": 64, "has_right": True, "cfg": {"persistent": True, "lpt": True,
+                                                "q_buffers": 2}},
+    {"head_dim": 128, "cfg": {"persistent": True, "q_buffers": 2}},
+    {"head_dim": 128, "has_right": True, "cfg": {"persistent": True, "lpt": True,
+                                                 "q_buffers": 2}},
+    {"head_dim": 128, "dtype": "float16", "has_right": True, "uniform": False,
+     "has_seqused": True, "cfg": {"persistent": True, "q_buffers": 2}},
+], ids=["64-causal", "128", "128-causal", "128-varlen"])
+def test_second_q_buffers_compile(kw):
+    rep = compile_report(**kw)
+    one = compile_report(**{k: v for k, v in kw.items() if k != "cfg"},
+                         cfg={**kw["cfg"], "q_buffers": 1})
+    q_bytes = 2 * 64 * kw["head_dim"] * 2  # two warpgroups' second 64-row Q tiles
+    assert rep["shared"] >= one["shared"] + q_bytes
+    assert rep["shared"] <= 227 * 1024
+    assert rep["hgmma"] == one["hgmma"] > 0
+    assert rep["local"] <= one["local"], f"register spills: {rep} vs {one}"
+
+
+@pytest.mark.parametrize("cfg,d", [({"q_buffers": 2, "pingpong": True}, 128),
+                                   ({"q_buffers": 2}, 256), ({"q_buffers": 3}, 64)])
+def test_second_q_buffers_refused_where_not_built(cfg, d):
+    with pytest.raises(ValueError, match="q_buffers"):
+        fwd.check_config(fwd.FwdConfig(persistent=True, **cfg), d)
+
+
 def test_persistent_all_features_compiles():
     # Window + softcap + sink + varlen: a few values spill around the tile loop (seen: 33
     # LDL/STL, one pair inside the key loop), so the default keeps these calls on the plain
@@ -79,10 +108,10 @@ def test_persistent_all_features_compiles():
     assert rep["hgmma"] > 0 and rep["shared"] <= 227 * 1024
 
 
-PINGPONG_CONFIGS = [
+PINGPONG_CONFIGS = [  # (one Q buffer per warpgroup: the turns count from its parity)
     {"head_dim": 64, "cfg": {"pingpong": True}},
     {"head_dim": 128, "has_right": True, "cfg": {"pingpong": True, "lpt": True}},
-    {"head_dim": 64, "cfg": {"pingpong": True, "persistent": True}},
+    {"head_dim": 64, "cfg": {"pingpong": True, "persistent": True, "q_buffers": 1}},
     {"head_dim": 256, "has_right": True, "cfg": {"pingpong": True, "persistent": True,
                                                   "lpt": True}},
 ]
@@ -136,7 +165,8 @@ def test_heads_axis_descriptors_compile(kw):
 
 @pytest.mark.parametrize("kw", [
     {"head_dim": 128, "has_right": True, "cfg": {"persistent": True, "lpt": True}},
-    {"head_dim": 64, "cfg": {"persistent": True, "consumer_wgs": 3}},
+    # (three warpgroups: one Q buffer each where the stores are masked, as `launch_plan`)
+    {"head_dim": 64, "cfg": {"persistent": True, "consumer_wgs": 3, "q_buffers": 1}},
     {"head_dim": 256},  # staged in Q's buffer
     {"head_dim": 256, "has_right": True, "cfg": {"persistent": True, "lpt": True}},
 ])
@@ -223,7 +253,8 @@ def test_unsupported_reports_reason_on_cpu():
 @pytest.mark.parametrize("d,causal,seqlen,batch", [(64, False, 512, 32), (128, True, 512, 32),
                                                    (256, True, 16384, 1), (128, False, 16384, 1),
                                                    (256, False, 16384, 1), (256, False, 2048, 8),
-                                                   (64, True, 1000, 3)])
+                                                   (64, True, 1000, 3), (64, False, 2048, 8),
+                                                   (64, False, 2050, 2)])
 def test_persistent_launch_plan(d, causal, seqlen, batch):
     # Host side of the persistent grid (no GPU needed): one CTA per SM at most, (sequence,
     # head) chunks within [1, all pairs], and the plain grid wherever the rule says so.
@@ -250,6 +281,10 @@ def test_persistent_launch_plan(d, causal, seqlen, batch):
     # The TMA-store epilogue wherever every 64-row tile is whole (d = 256 stages O in Q's
     # buffer, 256/128 in a buffer of its own).
     assert p.o_width == (d if seqlen % 64 == 0 else 32)
+    # Two Q buffers per warpgroup on the persistent grid at d <= 128, except three
+    # warpgroups with masked stores (that build spills).
+    q_bufs = 2 if want and d <= 128 and (wgs == 2 or p.o_width == d) else 1
+    assert p.constexprs["Q_BUFS"] == q_bufs
     assert fwd.output_box_width(256, 128) == 128 and fwd.output_box_width(128, 256) == 32
     # Ragged batches, softcap, sinks or a left window always take the plain grid.
     for kw in ({"uniform": False}, {"softcap": True}, {"has_sink": True},

@@ -247,25 +247,30 @@ PERSISTENT_CASES = CASES + [
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("grid", ["plain-grid", "persistent", "plain-pingpong",
-                                  "persistent-pingpong", "persistent-3wg"])
+                                  "persistent-pingpong", "persistent-3wg", "persistent-2q",
+                                  "persistent-3wg-2q"])
 @pytest.mark.parametrize("case", PERSISTENT_CASES,
                          ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
 def test_sm90_forward_grid_matches_reference(case, grid):
-    # Both grids forced, each with and without ping-pong between the consumer warpgroups:
+    # Both grids forced, each with and without ping-pong between the consumer warpgroups,
+    # the persistent one also with three consumer warpgroups and/or a second Q buffer each:
     # the default (`use_persistent`, pingpong off) picks one per shape.
     from dataclasses import replace
 
     from asymflash.backends.sm90 import fwd
 
     batch, sq, sk, hq, hkv, d, dtype, window, softcap, use_sink, varlen = case
-    if grid.endswith("3wg") and d != 64:
+    if "3wg" in grid and d != 64:
         pytest.skip("three consumer warpgroups are built for d=64 only")
+    if grid.endswith("2q") and d > 128:
+        pytest.skip("a second Q buffer is built for d <= 128 only")
     q, k, v, seq = make_inputs(batch, sq, sk, hq, hkv, d, d, dtype, varlen=varlen)
     params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(*window), softcap=softcap)
     sink = torch.randn(hq, device="cuda") if use_sink else None
     cfg = replace(fwd.select_config(d, d, params), persistent=grid.startswith("persistent"),
                   pingpong=grid.endswith("pingpong"),
-                  consumer_wgs=3 if grid.endswith("3wg") else 2)
+                  consumer_wgs=3 if "3wg" in grid else 2,
+                  q_buffers=2 if grid.endswith("2q") else 1)
     out_err, lse_err, tol = check_forward(fwd, q, k, v, seq, params, sink, cfg=cfg)
     assert out_err <= tol, (out_err, tol)
     assert lse_err <= 1e-3, lse_err

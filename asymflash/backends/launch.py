@@ -23,12 +23,27 @@ variable is read once, at the first launch.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
 _Tensor = torch.Tensor
 _TOKENS: dict = {}
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs of `device` (cached per device): what persistent grids and split heuristics size
+    themselves by. On the CPU (the interpreter) an H200's 132, so those heuristics run there
+    as on the GPU."""
+    if device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def descriptor_token(dtype, block: tuple, layout) -> int:

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ...core.params import cdiv
 from ...dispatch import interpreting
-from ..launch import DirectLaunch
+from ..launch import DirectLaunch, sm_count
 from . import pow2_block, unsupported_input
 from .common import dot, finish_rows, key_block_range, log2_scores, online_softmax_step, tile_valid
 
@@ -93,18 +93,6 @@ def select_config(seqlen_q: int, group: int, d: int, dv: int,
     else:
         block_n = 128 if block_m <= 32 else 64
     return DecodeConfig(block_m, block_n, pack, 4, 3)
-
-
-@functools.cache
-def _sm_count(index) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else
-                         torch.cuda.current_device())
-    return 132  # the interpreter has no SMs: pretend to be an H200 so splitting is exercised
 
 
 def num_splits_heuristic(tiles: int, key_blocks: int, sms: int,

@@ -76,7 +76,7 @@ import torch
 
 from asymflash.core.params import AttnParams, SeqInfo, cdiv
 
-from ..launch import DirectLaunch
+from ..launch import DirectLaunch, sm_count
 from . import bwd_wide
 from . import fwd as _fwd
 from .fwd import _GLUON_ERROR
@@ -592,11 +592,10 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
     hkv = k.shape[1]
     wl, wr = params.mask.window_left, params.mask.window_right
     has_seqused = seq.seqused_k is not None
-    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     plan = launch_plan(width, width_v, seq.max_seqlen_q, seq.max_seqlen_k,
                        bool(seq.uniform and not has_seqused), has_seqused, wl, wr,
                        params.softcap > 0, params.deterministic, seq.batch, hkv,
-                       _fwd._num_sms(device), cfg)
+                       sm_count(q.device), cfg)
     cfg = plan.cfg
     # The dO descriptor shares Q's compiled element type and needs TMA-friendly strides.
     # (Each no-op conversion still costs host time: convert only what needs it.)

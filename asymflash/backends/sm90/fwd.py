@@ -47,7 +47,7 @@ import torch
 
 from asymflash.core.params import AttnParams, MaskSpec, SeqInfo, cdiv
 
-from ..launch import DirectLaunch, descriptor_token
+from ..launch import DirectLaunch, descriptor_token, sm_count
 
 try:  # Gluon is optional: a CPU-only or older triton must still import this module.
     import triton
@@ -102,6 +102,10 @@ class FwdConfig:
     # tile for d=64: a third instruction stream per SM sub-partition to hide MUFU and wgmma
     # latencies; needs the persistent grid, registers drop to 160 per consumer thread).
     consumer_wgs: int = 2
+    # Q buffers per consumer warpgroup on the persistent grid: with 2 the loader brings the
+    # next tile's Q (and so its K/V) while this tile still runs, instead of after its last
+    # S = Q·Kᵀ; costs 16 / 32 KB more shared memory at d = 64 / 128 (none left at d = 256).
+    q_buffers: int = 1
 
 
 # Tuning table. Measured on the H200 (2026-11-29, bf16, model dim 2048, batch 16384/seqlen,
@@ -113,9 +117,13 @@ class FwdConfig:
 #          682 / 660 at 16k (cuDNN 694 / 608)
 #   FA4 switches, 16k non-causal, all slower here, so off: d=64 emu8 396-391, emu4 401-394,
 #   rescale8 401-402 (base 426-436); d=128 emu8 597, emu4 557, rescale8 619 (base 640).
+#   A second Q buffer per warpgroup (persistent grid, graph replay, 2026-11-29 23:12, one vs
+#   two): d=64 causal 512 / 2k / 16k 200 / 338 / 420 -> 207 / 340 / 428, non-causal 512 / 2k
+#   319 / 397 -> 349 / 416 (3 warpgroups at 2k / 16k: 415 / 482 -> 429 / 479); d=128 causal
+#   512 / 2k 248 / 422 -> 268 / 445, non-causal 512 419 -> 437.
 _DEFAULT_CONFIGS = {
-    64: FwdConfig(block_n=128, stages=4),
-    128: FwdConfig(block_n=128, stages=2),
+    64: FwdConfig(block_n=128, stages=4, q_buffers=2),
+    128: FwdConfig(block_n=128, stages=2, q_buffers=2),
     256: FwdConfig(block_n=64, stages=2),
 }
 
@@ -134,13 +142,9 @@ def _default_config(head_dim: int, local: bool) -> FwdConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
-def _three_warpgroups(cfg: FwdConfig) -> FwdConfig:
-    return replace(cfg, consumer_wgs=3, persistent=True)
+def _three_warpgroups(cfg: FwdConfig, tma_store: bool) -> FwdConfig:
+    return replace(cfg, consumer_wgs=3, persistent=True,
+                   q_buffers=cfg.q_buffers if tma_store else 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,13 +177,16 @@ def use_persistent(head_dim: int, lpt: bool, max_seqlen_q: int, uniform: bool,
       non-causal 512 / 2k / 16k 480 / 626 / 672 vs 458 / 614 / 700; d=128 non-causal 2k / 16k
       561 / 633 vs 558 / 631; d=128 causal 2k / 16k 382 / 593 vs 442 / 586; 512 rows d=64
       268 / 153 vs 331 / 175 (non-causal / causal), d=128 non-causal 395 vs 431.
+    With a second Q buffer per warpgroup on the persistent grid (2026-11-29 23:17, plain vs
+      persistent): d=128 causal 8k / 16k 541 / 579 vs 565 / 567; non-causal 1k / 2k / 4k / 16k
+      492 / 549 / 587 / 612 vs 505 / 548 / 572 / 599.
     Not measured, so on the plain grid: varlen / seqused_k, softcap, sink, sliding windows
     (those persistent builds also keep a few values in local memory around the tile loop).
     """
     if not (uniform and plain):
         return False
     if lpt:
-        return not (head_dim == 128 and max_seqlen_q >= 8192)
+        return not (head_dim == 128 and max_seqlen_q >= 16384)
     if head_dim == 64:
         return True
     if head_dim == 256:
@@ -247,23 +254,23 @@ def launch_plan(d: int, dv: int, max_seqlen_q: int, max_seqlen_k: int, uniform: 
     plain = not softcap and not has_sink and window_left < 0
     local = window_left >= 0 or window_right >= 0
     dense = uniform and not has_seqused
+    o_width = output_box_width(d, dv, uniform and max_seqlen_q % 64 == 0)
     if cfg is None and use_three_warpgroups(d, window_right >= 0, max_seqlen_q, dense, plain):
-        cfg = _three_warpgroups(_default_config(d, local))
+        # Three warpgroups with two Q buffers each spill (76 local-memory instructions,
+        # sm_90a) unless O leaves by TMA store: lengths that are not a multiple of 64 get one.
+        cfg = _three_warpgroups(_default_config(d, local), o_width == dv)
     if cfg is None:
         cfg = _default_config(d, local)
-    if cfg.consumer_wgs != 2:
-        check_config(cfg, d)
-    num_m_blocks = cdiv(max_seqlen_q, BLOCK_M_WG * cfg.consumer_wgs)
+    num_m_blocks = cdiv(max_seqlen_q, BLOCK_M_WG * max(cfg.consumer_wgs, 1))
     num_tiles = num_m_blocks * hq * batch
     cfg, grid, hb_chunk = persistent_launch(cfg, max_seqlen_q, max_seqlen_k, dense, batch,
                                             num_tiles, hq, hkv, d, dv, sms, plain)
+    check_config(cfg, d)
     consts = _constexprs(d, dv, cfg, uniform=dense, has_seqused=has_seqused,
                          has_left=window_left >= 0, has_right=window_right >= 0,
                          softcap=softcap, has_sink=has_sink)
     consts.update(_launch_options(cfg))
-    full_tiles = uniform and max_seqlen_q % 64 == 0
-    return LaunchPlan(cfg, grid, hb_chunk, num_m_blocks, num_tiles, consts,
-                      output_box_width(d, dv, full_tiles))
+    return LaunchPlan(cfg, grid, hb_chunk, num_m_blocks, num_tiles, consts, o_width)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -355,21 +362,21 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                    k_empty, v_ready, v_empty, q_row, q_head, kv_row, kv_head, n_lo, n_hi, it0,
-                   q_phase, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                   q_slot0, q_phase, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WAIT_Q: gl.constexpr,
                    NUM_WG: gl.constexpr):
-        """Q of one tile (NUM_WG x 64 rows), then its key blocks [n_lo, n_hi) at ring
-        positions it0, ...
+        """Q of one tile (NUM_WG x 64 rows) into Q buffers q_slot0, q_slot0 + 1, ..., then
+        its key blocks [n_lo, n_hi) at ring positions it0, ...
 
-        With WAIT_Q (persistent grid) each Q half is refilled only after its warpgroup released
-        the previous tile's Q (q_empty, parity q_phase ^ 1: the first wait passes at once).
+        With WAIT_Q (persistent grid) a Q buffer is refilled only after its warpgroup released
+        the tile it last held (q_empty, parity q_phase ^ 1: the first wait passes at once).
         """
         for wg in gl.static_range(NUM_WG):
             if WAIT_Q:
-                mbarrier.wait(q_empty.index(wg), q_phase ^ 1)
-            mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
-            _copy_rows(q_desc, q_row + wg * 64, q_head, HEAD_DIM, q_bar.index(wg),
-                       q_smem.index(wg), True)
+                mbarrier.wait(q_empty.index(q_slot0 + wg), q_phase ^ 1)
+            mbarrier.expect(q_bar.index(q_slot0 + wg), q_desc.block_type.nbytes)
+            _copy_rows(q_desc, q_row + wg * 64, q_head, HEAD_DIM, q_bar.index(q_slot0 + wg),
+                       q_smem.index(q_slot0 + wg), True)
         for i in range(n_hi - n_lo):
             pos = it0 + i
             slot = pos % STAGES
@@ -594,17 +601,19 @@ if _GLUON_ERROR is None:
     def _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
                        v_empty, out_ptr, o_desc, o_smem,
                        lse_ptr, sink_ptr, q_start, m0, seqlen_q, seqlen_k,
-                       total_q, head, n_heads, n_lo, n_a, n_b, n_hi, it0, q_phase, window_left,
-                       window_right, qk_scale, softcap_pre, WG: gl.constexpr,
+                       total_q, head, n_heads, n_lo, n_a, n_b, n_hi, it0, q_slot, q_phase,
+                       window_left, window_right, qk_scale, softcap_pre, WG: gl.constexpr,
                        HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                        HAS_SINK: gl.constexpr, EMU_EVERY: gl.constexpr,
                        RESCALE_THRESHOLD: gl.constexpr, RELEASE_Q: gl.constexpr,
                        PINGPONG: gl.constexpr):
         """One 64-row query tile of warpgroup WG: key blocks [n_lo, n_hi) sit at K/V ring
-        positions it0, it0 + 1, ...; its Q arrives on q_bar[WG] with parity q_phase. With
-        RELEASE_Q (persistent grid) q_empty[WG] is arrived on as soon as the last S = Q·Kᵀ has
-        retired, so the loader can bring the next tile's Q during the last P·V and the store.
+        positions it0, it0 + 1, ...; its Q arrives in Q buffer q_slot, on q_bar[q_slot] with
+        parity q_phase (q_slot = WG, but for the persistent grid's second Q buffers). With
+        RELEASE_Q (persistent grid) q_empty[q_slot] is arrived on as soon as the last S = Q·Kᵀ
+        has retired, so the loader can bring a later tile's Q during the last P·V and the store.
+        Ping-pong (one Q buffer per warpgroup only) counts its turns from q_phase.
         """
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -619,8 +628,8 @@ if _GLUON_ERROR is None:
         l_i = gl.zeros([64], gl.float32, row_layout)
         acc = gl.zeros([64, HEAD_DIM_V], gl.float32, o_layout)
 
-        mbarrier.wait(q_bar.index(WG), q_phase)
-        q = q_smem.index(WG)
+        mbarrier.wait(q_bar.index(q_slot), q_phase)
+        q = q_smem.index(q_slot)
 
         # Peeled first block: no P·V to overlap with yet, and always masked.
         slot0 = it0 % STAGES
@@ -661,7 +670,7 @@ if _GLUON_ERROR is None:
 
         if RELEASE_Q:
             # Every S wgmma of this tile has retired (each step ends with a full wait).
-            mbarrier.arrive(q_empty.index(WG), count=1)
+            mbarrier.arrive(q_empty.index(q_slot), count=1)
 
         # Last P·V.
         last = n_hi - 1 + base
@@ -707,7 +716,7 @@ if _GLUON_ERROR is None:
             o_tile = o_smem.index(0 if SHARED else WG)
             if SHARED:
                 # Warpgroup w's k-th turn follows 2k + w arrivals: parity 1 - w every time.
-                o_turn = q_bar.index(_o_turn_index(PINGPONG))
+                o_turn = q_bar.index(_o_turn_index(PINGPONG, 2, 1))
                 mbarrier.wait(o_turn, 1 - WG)
             if m0 + WG * 64 < seqlen_q:
                 tma.store_wait(0)  # this warpgroup's previous store has read o_smem
@@ -752,13 +761,14 @@ if _GLUON_ERROR is None:
         return 2 if persistent else 1
 
     @gluon.constexpr_function
-    def _o_turn_index(pingpong):
-        """Index in q_bar of the staging turn barrier (`_o_staging` 2, two warpgroups)."""
-        return 4 if pingpong else 2
+    def _o_turn_index(pingpong, num_wg, q_bufs):
+        """Index in q_bar of the staging turn barrier (`_o_staging` 2: two warpgroups, one Q
+        buffer each): after the Q barriers and the ping-pong turn barriers."""
+        return num_wg * q_bufs + (2 if pingpong else 0)
 
     @gluon.constexpr_function
-    def _q_bar_count(num_wg, pingpong, o_staging):
-        return (4 if pingpong else num_wg) + (1 if o_staging == 2 else 0)
+    def _q_bar_count(num_wg, pingpong, o_staging, q_bufs):
+        return _o_turn_index(pingpong, num_wg, q_bufs) + (1 if o_staging == 2 else 0)
 
     @gluon.jit
     def _store_rows(out_ptr, out, rows, q_start, seqlen_q, head, n_heads,
@@ -800,14 +810,17 @@ if _GLUON_ERROR is None:
         return gl.BlockedLayout([4], [32], [num_warps], [0])
 
     @gluon.jit
-    def _publish_tile(sched, q_empty, tc, m0, head, q_start, NUM_WG: gl.constexpr):
+    def _publish_tile(sched, q_empty, tc, m0, head, q_start, NUM_WG: gl.constexpr,
+                      Q_BUFS: gl.constexpr):
         """Loader, uniform lengths: hand this tile's (m0, head, q_start) to the consumers in
         shared memory slot tc % 2, so they need not work out the schedule's integer divisions
         between two tiles (~600 cycles, d=128 512 rows, scripts/fwd-timeline.py). The slot was
-        last read at the start of tile tc - 2: every warpgroup has released tile tc - 1's Q
-        since. The Q barriers' arrivals (after the stores, and a warp barrier) publish it."""
+        last read at the start of tile tc - 2, before its Q was released: wait until every
+        warpgroup has released tile tc - Q_BUFS's Q (tc - 1 or tc - 2). The Q barriers'
+        arrivals (after the stores, and a warp barrier) publish it."""
+        slot0 = (tc % Q_BUFS) * NUM_WG
         for wg in gl.static_range(NUM_WG):
-            mbarrier.wait(q_empty.index(wg), (tc & 1) ^ 1)
+            mbarrier.wait(q_empty.index(slot0 + wg), ((tc // Q_BUFS) & 1) ^ 1)
         idx = gl.arange(0, 4, layout=_sched_layout(gl.num_warps()))
         sched.index(tc & 1).store(gl.where(idx == 0, m0, gl.where(idx == 1, head, q_start)))
         gl.thread_barrier()
@@ -831,10 +844,10 @@ if _GLUON_ERROR is None:
                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                               UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr,
                               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                              LPT: gl.constexpr, NUM_WG: gl.constexpr):
+                              LPT: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr):
         BLOCK_M: gl.constexpr = 64 * NUM_WG
         it = 0  # K/V ring position of the next tile's first key block
-        tc = 0  # tiles done by this CTA: the parity of the Q barriers
+        tc = 0  # tiles done by this CTA: tile tc's Q goes to buffer set tc % Q_BUFS
         nprog = gl.num_programs(0)
         for wave in range(0, (num_tiles + nprog - 1) // nprog):
             live, m0, head, q_start, k_start, sq, sk = _persistent_tile(
@@ -845,11 +858,12 @@ if _GLUON_ERROR is None:
                                                    HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_M)
                 kv_head = head // group
                 if UNIFORM:
-                    _publish_tile(sched, q_empty, tc, m0, head, q_start, NUM_WG)
+                    _publish_tile(sched, q_empty, tc, m0, head, q_start, NUM_WG, Q_BUFS)
                 _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                            k_ready, k_empty, v_ready, v_empty, q_start + m0, head, k_start,
-                           kv_head, n_lo, n_hi, it, tc & 1, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-                           STAGES, True, NUM_WG)
+                           kv_head, n_lo, n_hi, it, (tc % Q_BUFS) * NUM_WG,
+                           (tc // Q_BUFS) & 1, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, True,
+                           NUM_WG)
                 it += n_hi - n_lo
                 tc += 1
 
@@ -866,7 +880,8 @@ if _GLUON_ERROR is None:
                                   HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                                   HAS_SINK: gl.constexpr, LPT: gl.constexpr,
                                   EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
-                                  PINGPONG: gl.constexpr, NUM_WG: gl.constexpr):
+                                  PINGPONG: gl.constexpr, NUM_WG: gl.constexpr,
+                                  Q_BUFS: gl.constexpr):
         BLOCK_M: gl.constexpr = 64 * NUM_WG
         it = 0
         tc = 0
@@ -879,8 +894,10 @@ if _GLUON_ERROR is None:
                     wave, num_tiles, n_heads, n_batch, num_m_blocks, hb_chunk, seqlen_q,
                     seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr, LPT, UNIFORM, HAS_SEQUSED, BLOCK_M)
             if live:
+                q_slot = (tc % Q_BUFS) * NUM_WG + WG
+                q_phase = (tc // Q_BUFS) & 1
                 if UNIFORM:
-                    mbarrier.wait(q_bar.index(WG), tc & 1)
+                    mbarrier.wait(q_bar.index(q_slot), q_phase)
                     m0, head, q_start = _read_tile(sched, tc)
                     sq = seqlen_q
                     sk = seqlen_k
@@ -889,8 +906,9 @@ if _GLUON_ERROR is None:
                 _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
                                v_empty, out_ptr, o_desc, o_smem,
                                lse_ptr, sink_ptr, q_start, m0, sq, sk, total_q,
-                               head, n_heads, n_lo, n_a, n_b, n_hi, it, tc & 1, window_left,
-                               window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V, BLOCK_N,
+                               head, n_heads, n_lo, n_a, n_b, n_hi, it, q_slot, q_phase,
+                               window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V,
+                               BLOCK_N,
                                STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY,
                                RESCALE_THRESHOLD, True, PINGPONG)
                 it += n_hi - n_lo
@@ -916,9 +934,11 @@ if _GLUON_ERROR is None:
                          LPT: gl.constexpr, EMU_EVERY: gl.constexpr,
                          RESCALE_THRESHOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                          LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
-                         PINGPONG: gl.constexpr, NUM_WG: gl.constexpr):
-        # NUM_WG = 3 only with PERSISTENT and without PINGPONG (checked on the host).
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG, 64, HEAD_DIM],
+                         PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr):
+        # NUM_WG = 3 only with PERSISTENT and without PINGPONG, Q_BUFS = 2 (a second Q buffer
+        # per warpgroup: the loader brings the next tile's Q a whole tile ahead) only with
+        # PERSISTENT, without PINGPONG and O_STAGING 2 (checked on the host).
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFS * NUM_WG, 64, HEAD_DIM],
                                            _tile_layout(q_desc.layout))
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
                                            _tile_layout(k_desc.layout))
@@ -939,8 +959,10 @@ if _GLUON_ERROR is None:
         # Q barriers of the consumer warpgroups, then (ping-pong only) their turn barriers,
         # then (O_STAGING 2) the staging tile's turn barrier.
         q_bar = gl.allocate_shared_memory(
-            gl.int64, [_q_bar_count(NUM_WG, PINGPONG, O_STAGING), 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+            gl.int64, [_q_bar_count(NUM_WG, PINGPONG, O_STAGING, Q_BUFS), 1],
+            mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS * NUM_WG, 1],
+                                            mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -952,11 +974,11 @@ if _GLUON_ERROR is None:
             # grid = min(#SMs, #tiles); every role walks tiles pid, pid + grid, ... and keeps
             # its own ring position, so the loader runs ahead into the next tile (its Q once
             # the consumers released the current one, its K/V as ring slots free up).
-            for wg in gl.static_range(4 if PINGPONG else NUM_WG):
+            for wg in gl.static_range(_o_turn_index(PINGPONG, NUM_WG, Q_BUFS)):
                 mbarrier.init(q_bar.index(wg), count=1)
             if O_STAGING == 2:
-                mbarrier.init(q_bar.index(_o_turn_index(PINGPONG)), count=1)
-            for wg in gl.static_range(NUM_WG):
+                mbarrier.init(q_bar.index(_o_turn_index(PINGPONG, NUM_WG, Q_BUFS)), count=1)
+            for wg in gl.static_range(Q_BUFS * NUM_WG):
                 mbarrier.init(q_empty.index(wg), count=1)
             for st in gl.static_range(STAGES):
                 mbarrier.init(k_ready.index(st), count=1)
@@ -974,7 +996,7 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 0,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3)),
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3, Q_BUFS)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
                         v_empty, sched, out_ptr, o_desc, o_smem,
@@ -982,7 +1004,7 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 1,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3)),
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3, Q_BUFS)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
                         v_empty, sched, out_ptr, o_desc, o_smem,
@@ -990,13 +1012,13 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 2,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3)),
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3, Q_BUFS)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                         k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
                         seqlen_k, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk, group,
                         window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES,
-                        UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, LPT, 3)),
+                        UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, LPT, 3, Q_BUFS)),
                 ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
             else:
                 gl.warp_specialize([
@@ -1007,7 +1029,7 @@ if _GLUON_ERROR is None:
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 0, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2)),
+                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
                         sched, out_ptr, o_desc, o_smem,
@@ -1015,13 +1037,13 @@ if _GLUON_ERROR is None:
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 1, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2)),
+                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                         k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
                         seqlen_k, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk, group,
                         window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM,
-                        HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, LPT, 2)),
+                        HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, LPT, 2, Q_BUFS)),
                 ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
         else:
             m_blk, head, batch = _tile_of(gl.program_id(0), n_heads, n_batch, num_m_blocks,
@@ -1052,7 +1074,7 @@ if _GLUON_ERROR is None:
                                       v_ready, v_empty, out_ptr, o_desc, o_smem,
                                       lse_ptr, sink_ptr, q_start, m0,
                                       seqlen_q, seqlen_k, total_q, head, n_heads, n_lo, n_a, n_b,
-                                      n_hi, 0, 0, window_left, window_right, qk_scale,
+                                      n_hi, 0, 0, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 0, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
                                       False, PINGPONG)),
@@ -1060,13 +1082,13 @@ if _GLUON_ERROR is None:
                                       v_ready, v_empty, out_ptr, o_desc, o_smem,
                                       lse_ptr, sink_ptr, q_start, m0,
                                       seqlen_q, seqlen_k, total_q, head, n_heads, n_lo, n_a, n_b,
-                                      n_hi, 0, 0, window_left, window_right, qk_scale,
+                                      n_hi, 0, 1, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 1, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
                                       False, PINGPONG)),
                     (_load_tile, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                                   k_ready, k_empty, v_ready, v_empty, q_start + m0, head,
-                                  k_start, kv_head, n_lo, n_hi, 0, 0, HEAD_DIM, HEAD_DIM_V,
+                                  k_start, kv_head, n_lo, n_hi, 0, 0, 0, HEAD_DIM, HEAD_DIM_V,
                                   BLOCK_N, STAGES, False, 2)),
                 ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -1158,7 +1180,7 @@ def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, h
             "RESCALE_THRESHOLD": float(cfg.rescale_threshold),
             "CONSUMER_REGS": _consumer_regs(cfg), "LOADER_REGS": cfg.loader_regs,
             "PERSISTENT": bool(cfg.persistent), "PINGPONG": cfg.pingpong,
-            "NUM_WG": cfg.consumer_wgs}
+            "NUM_WG": cfg.consumer_wgs, "Q_BUFS": cfg.q_buffers if cfg.persistent else 1}
 
 
 def _consumer_regs(cfg: FwdConfig) -> int:
@@ -1167,7 +1189,13 @@ def _consumer_regs(cfg: FwdConfig) -> int:
 
 
 def check_config(cfg: FwdConfig, head_dim: int) -> None:
-    """Refuse configs the kernel cannot build (before anything is launched)."""
+    """Refuse configs the kernel cannot build (before anything is launched); `persistent`
+    decided (the plain grid ignores q_buffers)."""
+    if cfg.q_buffers not in (1, 2):
+        raise ValueError(f"FwdConfig.q_buffers must be 1 or 2, got {cfg.q_buffers}")
+    if cfg.q_buffers == 2 and cfg.persistent and (cfg.pingpong or head_dim > 128):
+        raise ValueError("FwdConfig.q_buffers=2 on the persistent grid needs head_dim <= 128 "
+                         "and no ping-pong: set q_buffers=1")
     if cfg.consumer_wgs not in (2, 3):
         raise ValueError(f"FwdConfig.consumer_wgs must be 2 or 3, got {cfg.consumer_wgs}")
     if cfg.consumer_wgs == 3 and (cfg.persistent is False or cfg.pingpong or head_dim != 64):
@@ -1196,6 +1224,7 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
 
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     cfg = cfg or _DEFAULT_CONFIGS[head_dim]
+    check_config(cfg, head_dim)
     feats = {"uniform": True, "has_seqused": False, "has_left": False, "has_right": False,
                  "softcap": False, "has_sink": False}
     feats.update(features)
@@ -1384,10 +1413,9 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
     d, dv = widths
     wl, wr = params.mask.window_left, params.mask.window_right
     has_seqused = seq.seqused_k is not None
-    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     plan = launch_plan(d, dv, seq.max_seqlen_q, seq.max_seqlen_k, bool(seq.uniform),
                        has_seqused, wl, wr, params.softcap > 0, sink is not None, seq.batch,
-                       hq, hkv, _num_sms(device), cfg)
+                       hq, hkv, sm_count(q.device), cfg)
     # The kernel writes all `width` columns: padded dims get a wider output, cut below.
     out = torch.empty((total_q, hq, dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
