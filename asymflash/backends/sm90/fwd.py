@@ -597,41 +597,34 @@ if _GLUON_ERROR is None:
     # ------------------------------------------------------------------------------------------
     # consumer warpgroup: peeled first block, three loops, last P·V, epilogue
     # ------------------------------------------------------------------------------------------
+    # Layouts of a consumer warpgroup's 64-row tile: S (64 x BLOCK_N), O (64 x HEAD_DIM_V),
+    # P as the register operand of P·V, and one value per row of S.
+    @gluon.constexpr_function
+    def _s_layout(block_n):
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                         instr_shape=[16, int(block_n), 16])
+
+    @gluon.constexpr_function
+    def _o_layout(head_dim_v):
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                         instr_shape=[16, int(head_dim_v), 16])
+
+    @gluon.constexpr_function
+    def _p_layout(head_dim_v):
+        return gl.DotOperandLayout(operand_index=0, parent=_o_layout(head_dim_v), k_width=2)
+
+    @gluon.constexpr_function
+    def _row_layout(block_n):
+        return gl.SliceLayout(1, _s_layout(block_n))
+
     @gluon.jit
-    def _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                       v_empty, out_ptr, o_desc, o_smem,
-                       lse_ptr, sink_ptr, q_start, m0, seqlen_q, seqlen_k,
-                       total_q, head, n_heads, n_lo, n_a, n_b, n_hi, it0, q_slot, q_phase,
-                       window_left, window_right, qk_scale, softcap_pre, WG: gl.constexpr,
-                       HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                       HAS_SINK: gl.constexpr, EMU_EVERY: gl.constexpr,
-                       RESCALE_THRESHOLD: gl.constexpr, RELEASE_Q: gl.constexpr,
-                       PINGPONG: gl.constexpr):
-        """One 64-row query tile of warpgroup WG: key blocks [n_lo, n_hi) sit at K/V ring
-        positions it0, it0 + 1, ...; its Q arrives in Q buffer q_slot, on q_bar[q_slot] with
-        parity q_phase (q_slot = WG, but for the persistent grid's second Q buffers). With
-        RELEASE_Q (persistent grid) q_empty[q_slot] is arrived on as soon as the last S = Q·Kᵀ
-        has retired, so the loader can bring a later tile's Q during the last P·V and the store.
-        Ping-pong (one Q buffer per warpgroup only) counts its turns from q_phase.
-        """
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM_V, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-        shift = seqlen_k - seqlen_q
-        rows = m0 + WG * 64 + gl.arange(0, 64, layout=row_layout)
-        m_i = gl.full([64], -float("inf"), gl.float32, row_layout)
-        l_i = gl.zeros([64], gl.float32, row_layout)
-        acc = gl.zeros([64, HEAD_DIM_V], gl.float32, o_layout)
-
+    def _tile_begin(q_smem, k_smem, q_bar, k_ready, it0, q_slot, q_phase, WG: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+        """Wait for the tile's Q (buffer q_slot, parity q_phase) and its first key block (ring
+        position it0), then issue S_0 = Q·K_0ᵀ without waiting: (Q, S_0 in flight)."""
+        s_layout: gl.constexpr = _s_layout(BLOCK_N)
         mbarrier.wait(q_bar.index(q_slot), q_phase)
         q = q_smem.index(q_slot)
-
-        # Peeled first block: no P·V to overlap with yet, and always masked.
         slot0 = it0 % STAGES
         mbarrier.wait(k_ready.index(slot0), (it0 // STAGES) & 1)
         if PINGPONG:
@@ -641,8 +634,29 @@ if _GLUON_ERROR is None:
                               is_async=True)
         if PINGPONG:
             _pass_turn(q_bar, WG)
+        return q, s_tok
+
+    @gluon.jit
+    def _tile_run(q, s_tok, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                  rows, shift, seqlen_k, n_lo, n_a, n_b, n_hi, it0, q_slot, q_phase,
+                  window_left, window_right, qk_scale, softcap_pre, WG: gl.constexpr,
+                  HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                  EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
+                  RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr):
+        """From S_0 (the only wgmma group in flight) to the issue of the last P·V: returns
+        (O in flight, its P operand, row max, row sum, the last V slot)."""
+        s_layout: gl.constexpr = _s_layout(BLOCK_N)
+        o_layout: gl.constexpr = _o_layout(HEAD_DIM_V)
+        p_layout: gl.constexpr = _p_layout(HEAD_DIM_V)
+        row_layout: gl.constexpr = _row_layout(BLOCK_N)
+        m_i = gl.full([64], -float("inf"), gl.float32, row_layout)
+        l_i = gl.zeros([64], gl.float32, row_layout)
+        acc = gl.zeros([64, HEAD_DIM_V], gl.float32, o_layout)
+
+        # Peeled first block: no P·V to overlap with yet, and always masked.
         s = warpgroup_mma_wait(0, deps=[s_tok])
-        mbarrier.arrive(k_empty.index(slot0), count=1)
+        mbarrier.arrive(k_empty.index(it0 % STAGES), count=1)
         s = _scores(s, n_lo, rows, shift, seqlen_k, window_left, window_right, softcap_pre, True,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
         p, m_i, l_i, _alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
@@ -672,7 +686,7 @@ if _GLUON_ERROR is None:
             # Every S wgmma of this tile has retired (each step ends with a full wait).
             mbarrier.arrive(q_empty.index(q_slot), count=1)
 
-        # Last P·V.
+        # Last P·V, left in flight.
         last = n_hi - 1 + base
         slot = last % STAGES
         mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
@@ -681,10 +695,26 @@ if _GLUON_ERROR is None:
         o_tok = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
         if PINGPONG:
             _pass_turn(q_bar, WG)
-        acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
-        mbarrier.arrive(v_empty.index(slot), count=1)
+        return o_tok, p_op, m_i, l_i, slot
 
-        # Epilogue. The sink is one more logit in the denominator with no value row.
+    @gluon.jit
+    def _tile_finish(o_tok, p_op, v_empty, slot, real, PENDING: gl.constexpr):
+        """Retire the last P·V (leaving PENDING later groups in flight), free its V slot (only
+        for a real tile: `real` False is the stand-in before a CTA's first tile); returns O."""
+        acc, p_op = warpgroup_mma_wait(PENDING, deps=[o_tok, p_op])
+        mbarrier.arrive(v_empty.index(slot), count=1, pred=real)
+        return acc
+
+    @gluon.jit
+    def _tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
+                    q_start, m0, seqlen_q, total_q, head, n_heads, WG: gl.constexpr,
+                    HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr,
+                    RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr):
+        """Epilogue: normalise O, write lse and O of `rows` (m0 + 64·WG + 0 ... 63; rows at or
+        past seqlen_q are not written). The sink is one more logit in the denominator with no
+        value row."""
+        o_layout: gl.constexpr = _o_layout(HEAD_DIM_V)
+        row_layout: gl.constexpr = _row_layout(BLOCK_N)
         if HAS_SINK:
             sink = gl.load(sink_ptr + head) * 1.4426950408889634
             m_fin = gl.maximum(m_i, sink)
@@ -735,6 +765,38 @@ if _GLUON_ERROR is None:
         else:
             _store_rows(out_ptr, out, rows, q_start, seqlen_q, head, n_heads, HEAD_DIM_V,
                         o_layout)
+
+    @gluon.jit
+    def _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                       v_empty, out_ptr, o_desc, o_smem,
+                       lse_ptr, sink_ptr, q_start, m0, seqlen_q, seqlen_k,
+                       total_q, head, n_heads, n_lo, n_a, n_b, n_hi, it0, q_slot, q_phase,
+                       window_left, window_right, qk_scale, softcap_pre, WG: gl.constexpr,
+                       HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                       HAS_SINK: gl.constexpr, EMU_EVERY: gl.constexpr,
+                       RESCALE_THRESHOLD: gl.constexpr, RELEASE_Q: gl.constexpr,
+                       PINGPONG: gl.constexpr):
+        """One 64-row query tile of warpgroup WG: key blocks [n_lo, n_hi) sit at K/V ring
+        positions it0, it0 + 1, ...; its Q arrives in Q buffer q_slot, on q_bar[q_slot] with
+        parity q_phase (q_slot = WG, but for the persistent grid's second Q buffers). With
+        RELEASE_Q (persistent grid) q_empty[q_slot] is arrived on as soon as the last S = Q·Kᵀ
+        has retired, so the loader can bring a later tile's Q during the last P·V and the store.
+        Ping-pong (one Q buffer per warpgroup only) counts its turns from q_phase.
+        """
+        row_layout: gl.constexpr = _row_layout(BLOCK_N)
+        rows = m0 + WG * 64 + gl.arange(0, 64, layout=row_layout)
+        q, s_tok = _tile_begin(q_smem, k_smem, q_bar, k_ready, it0, q_slot, q_phase, WG,
+                               BLOCK_N, STAGES, PINGPONG)
+        o_tok, p_op, m_i, l_i, slot = _tile_run(
+            q, s_tok, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+            rows, seqlen_k - seqlen_q, seqlen_k, n_lo, n_a, n_b, n_hi, it0, q_slot, q_phase,
+            window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V, BLOCK_N, STAGES,
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, RELEASE_Q, PINGPONG)
+        acc = _tile_finish(o_tok, p_op, v_empty, slot, True, 0)
+        _tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
+                    q_start, m0, seqlen_q, total_q, head, n_heads, WG, HEAD_DIM_V, BLOCK_N,
+                    HAS_SINK, RELEASE_Q, PINGPONG)
 
     @gluon.constexpr_function
     def _stacked(n, block_shape):
