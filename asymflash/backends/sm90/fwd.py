@@ -698,11 +698,10 @@ if _GLUON_ERROR is None:
         return o_tok, p_op, m_i, l_i, slot
 
     @gluon.jit
-    def _tile_finish(o_tok, p_op, v_empty, slot, real, PENDING: gl.constexpr):
-        """Retire the last P·V (leaving PENDING later groups in flight), free its V slot (only
-        for a real tile: `real` False is the stand-in before a CTA's first tile); returns O."""
-        acc, p_op = warpgroup_mma_wait(PENDING, deps=[o_tok, p_op])
-        mbarrier.arrive(v_empty.index(slot), count=1, pred=real)
+    def _tile_finish(o_tok, p_op, v_empty, slot):
+        """Wait for the last P·V and free its V slot; returns O."""
+        acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+        mbarrier.arrive(v_empty.index(slot), count=1)
         return acc
 
     @gluon.jit
@@ -793,7 +792,7 @@ if _GLUON_ERROR is None:
             rows, seqlen_k - seqlen_q, seqlen_k, n_lo, n_a, n_b, n_hi, it0, q_slot, q_phase,
             window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V, BLOCK_N, STAGES,
             HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, RELEASE_Q, PINGPONG)
-        acc = _tile_finish(o_tok, p_op, v_empty, slot, True, 0)
+        acc = _tile_finish(o_tok, p_op, v_empty, slot)
         _tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
                     q_start, m0, seqlen_q, total_q, head, n_heads, WG, HEAD_DIM_V, BLOCK_N,
                     HAS_SINK, RELEASE_Q, PINGPONG)
