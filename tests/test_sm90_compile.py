@@ -69,26 +69,23 @@ def test_persistent_compiles_with_hgmma_and_no_spills(kw):
     assert rep["shared"] <= 227 * 1024
 
 
-# A second Q buffer per warpgroup (persistent grid, d <= 128): the same kernel with the Q
-# barriers and buffers indexed by the tile's parity; up to 224 KB of shared memory at d=128.
+# A second Q buffer per warpgroup (persistent grid, d <= 128, the default there): the same
+# kernel with the Q barriers and buffers indexed by the tile's parity; 224 KB of shared
+# memory at d=128 (one buffer each: 192 KB), no spills (sm_90a, 2026-11-29).
 @pytest.mark.parametrize("kw", [
     {"head_dim": 64, "has_right": True, "cfg": {"persistent": True, "lpt": True,
                                                 "q_buffers": 2}},
     {"head_dim": 128, "cfg": {"persistent": True, "q_buffers": 2}},
-    {"head_dim": 128, "has_right": True, "cfg": {"persistent": True, "lpt": True,
-                                                 "q_buffers": 2}},
     {"head_dim": 128, "dtype": "float16", "has_right": True, "uniform": False,
      "has_seqused": True, "cfg": {"persistent": True, "q_buffers": 2}},
-], ids=["64-causal", "128", "128-causal", "128-varlen"])
+], ids=["64-causal", "128", "128-varlen"])
 def test_second_q_buffers_compile(kw):
     rep = compile_report(**kw)
-    one = compile_report(**{k: v for k, v in kw.items() if k != "cfg"},
-                         cfg={**kw["cfg"], "q_buffers": 1})
-    q_bytes = 2 * 64 * kw["head_dim"] * 2  # two warpgroups' second 64-row Q tiles
-    assert rep["shared"] >= one["shared"] + q_bytes
-    assert rep["shared"] <= 227 * 1024
-    assert rep["hgmma"] == one["hgmma"] > 0
-    assert rep["local"] <= one["local"], f"register spills: {rep} vs {one}"
+    d = kw["head_dim"]
+    k_v_rings = (4 if d == 64 else 2) * 2 * 128 * d * 2
+    q_buffers = 2 * 2 * 64 * d * 2  # two sets of two warpgroups' 64-row Q tiles
+    assert k_v_rings + q_buffers <= rep["shared"] <= 227 * 1024, rep
+    assert rep["hgmma"] > 0 and rep["local"] == 0, rep
 
 
 @pytest.mark.parametrize("cfg,d", [({"q_buffers": 2, "pingpong": True}, 128),
