@@ -969,9 +969,8 @@ if _GLUON_ERROR is None:
                                lse_ptr, sink_ptr, q_start, m0, sq, sk, total_q,
                                head, n_heads, n_lo, n_a, n_b, n_hi, it, q_slot, q_phase,
                                window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V,
-                               BLOCK_N,
-                               STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY,
-                               RESCALE_THRESHOLD, True, PINGPONG)
+                               BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK,
+                               EMU_EVERY, RESCALE_THRESHOLD, True, PINGPONG)
                 it += n_hi - n_lo
                 tc += 1
         tma.store_wait(0)  # the last tile's O store reads o_smem
@@ -996,9 +995,10 @@ if _GLUON_ERROR is None:
                          RESCALE_THRESHOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                          LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
                          PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr):
-        # NUM_WG = 3 only with PERSISTENT and without PINGPONG, Q_BUFS = 2 (a second Q buffer
+        # NUM_WG = 3 only with PERSISTENT and without PINGPONG; Q_BUFS = 2 (a second Q buffer
         # per warpgroup: the loader brings the next tile's Q a whole tile ahead) only with
-        # PERSISTENT, without PINGPONG and O_STAGING 2 (checked on the host).
+        # PERSISTENT, without PINGPONG and at d <= 128, so never with O_STAGING 2 (both
+        # checked on the host).
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFS * NUM_WG, 64, HEAD_DIM],
                                            _tile_layout(q_desc.layout))
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
