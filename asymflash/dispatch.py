@@ -8,6 +8,8 @@ A backend is a module with
 and, if it has a backward,
     unsupported_backward(q, k, v, seq, params, sink) -> str | None
     backward(dout, q, k, v, out, lse, dlse, seq, params, sink) -> (dq, dk, dv, dsink)
+and optionally, for the call plans of `plans.py` (one per call signature),
+    forward_runner(q, k, v, seq, params, sink) -> runner(q, k, v, sink) -> (out, lse), or None
 All backends compute the same semantics (reference.py + core/), so any forward may be paired
 with any backward. Calls go to the first backend of the device's list that can implement
 them; one that cannot is skipped, never run to give a wrong answer.
@@ -43,6 +45,22 @@ _DECODE_MODULES = {
 # The Gluon fast paths are enabled only on the Triton versions they were tested on: Gluon's
 # API moves between releases and a silent miscompile is worse than the portable kernel.
 SM90_TESTED_TRITON = ("3.6.",)
+
+# Environment switches the backends read per call (so a process may flip them: tests, the
+# benchmark). Call plans cache decisions that depend on them, so their values are part of a
+# plan's key (`switches`).
+SWITCHES = ("ASYMFLASH_SM90_BWD", "ASYMFLASH_SM90_PACK_GQA", "ASYMFLASH_PORTABLE_SPLIT")
+_ENV_DATA = getattr(os.environ, "_data", None)  # CPython's dict behind os.environ
+_SWITCH_KEYS = tuple(os.fsencode(n) for n in SWITCHES) if os.name == "posix" else ()
+
+
+def switches() -> tuple:
+    """The current values of SWITCHES. Read through os.environ's own dict where CPython has
+    one (~0.1 us each, against ~2 us for os.environ.get: this runs on every planned call)."""
+    if _ENV_DATA is None or not _SWITCH_KEYS:
+        return tuple(os.environ.get(n) for n in SWITCHES)
+    return tuple(_ENV_DATA.get(k) for k in _SWITCH_KEYS)
+
 
 _forced: contextvars.ContextVar = contextvars.ContextVar("asymflash_backend", default=None)
 _warned: set = set()

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import dispatch
+from . import dispatch, plans
 from . import validation as check
 from .core.masks import normalize_window
 from .core.params import AttnParams, MaskSpec, SeqInfo
@@ -144,12 +144,19 @@ def _input_grads(ctx, dq, dk, dv, dsink):
 torch.library.register_autograd("asymflash::fwd", _backward, setup_context=_setup_context)
 
 
-def _eager_forward(ctx, inputs):
+def _eager_forward(ctx, inputs, plan=None):
     """The eager Functions' forward: (out, lse), with the backward's backend picked now, on
     the caller's thread. Autograd runs a CUDA backward on a device thread of its own, where
     the same Python measured about twice as slow as on the calling thread (H200, 2026-11-29:
     250-311 vs 116-137 us for the sm90 backward's host work). A call no backend can
-    differentiate still raises in the backward (NotImplementedError from the dispatcher)."""
+    differentiate still raises in the backward (NotImplementedError from the dispatcher).
+    With a call plan (`plans.DensePlan`) both backends were picked when the plan was made."""
+    if plan is not None:
+        out, lse = plan.forward(inputs[0], inputs[1], inputs[2], inputs[6])
+        _setup_context(ctx, inputs, (out, lse))
+        ctx.set_materialize_grads(False)
+        ctx.eager_backward = plan.backward
+        return out, lse
     out, lse, seq, params = _run_forward(*inputs)
     _setup_context(ctx, inputs, (out, lse))
     ctx.set_materialize_grads(False)
@@ -188,20 +195,19 @@ class _AttnFunction(torch.autograd.Function):
         return _eager_backward(ctx, dout, dlse)
 
 
-def _rows(t: Tensor) -> Tensor:
-    """(batch, seqlen, heads, dim) -> (batch * seqlen, heads, dim), the packed row form."""
-    return t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
+_rows = plans.rows
 
 
 class _DenseAttnFunction(torch.autograd.Function):
     """flash_attn_func's eager path: as _AttnFunction, but on (batch, seqlen, heads, dim)
     tensors, reshaped inside. Reshaping outside would put four ViewBackward nodes around the
     attention node, ~14 us of host time each per backward (H200 profile, 2026-11-29), and
-    short backwards are host-bound."""
+    short backwards are host-bound. The last argument is the call's plan, or None."""
 
     @staticmethod
     def forward(ctx, q, k, v, *rest):
-        out, lse = _eager_forward(ctx, (_rows(q), _rows(k), _rows(v), *rest))
+        *rest, plan = rest
+        out, lse = _eager_forward(ctx, (_rows(q), _rows(k), _rows(v), *rest), plan)
         ctx.dense_shapes = q.shape, k.shape, v.shape
         return out.view(q.shape[0], q.shape[1], out.shape[1], out.shape[2]), lse
 
@@ -210,7 +216,7 @@ class _DenseAttnFunction(torch.autograd.Function):
         grads = _eager_backward(ctx, None if dout is None else _rows(dout), dlse)
         q_shape, k_shape, v_shape = ctx.dense_shapes
         return (grads[0].view(q_shape), grads[1].view(k_shape), grads[2].view(v_shape),
-                *grads[3:])
+                *grads[3:], None)
 
 
 def _call(q, k, v, seq: SeqInfo, scale, causal, window_size, softcap, sink, deterministic,
@@ -231,7 +237,7 @@ def _call(q, k, v, seq: SeqInfo, scale, causal, window_size, softcap, sink, dete
         q.requires_grad or k.requires_grad or v.requires_grad or
         (sink is not None and sink.requires_grad))
     if dense and grad:
-        return _DenseAttnFunction.apply(q, k, v, *rest)
+        return _DenseAttnFunction.apply(q, k, v, *rest, None)
     shape = q.shape
     if dense:
         q, k, v = _rows(q), _rows(k), _rows(v)
@@ -246,6 +252,16 @@ def _check_common(q, k, v, softmax_scale, window_size, softcap, learnable_sink):
     check.check_scalars(softmax_scale, window_size, softcap)
     check.check_sink(learnable_sink, q, q.shape[-2])
     return 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+
+
+def _call_planned(plan: plans.DensePlan, q, k, v, sink):
+    """flash_attn_func's (out, lse) through a call plan: what _call does, decided already."""
+    if sink is not None:
+        sink = sink.float().contiguous()
+    if plan.grad:
+        return _DenseAttnFunction.apply(q, k, v, *plan.args(sink), plan)
+    out, lse = plan.forward(_rows(q), _rows(k), _rows(v), sink)
+    return out.view(q.shape[0], q.shape[1], out.shape[1], out.shape[2]), lse
 
 
 def flash_attn_func(
@@ -267,19 +283,36 @@ def flash_attn_func(
     (out, lse) with lse fp32 (batch, nheads_q, seqlen_q) in natural log if return_lse.
     A query with nothing to attend to gets out = 0 and lse = -inf.
     """
+    # A repeated signature runs its plan (plans.py: checks, dispatch and launch decisions
+    # made by the first call of that signature); a new one takes the full path.
+    key = plans.dense_key(q, k, v, softmax_scale, causal, window_size, softcap,
+                          learnable_sink, deterministic)
+    plan = plans.find(key)
+    if plan is not None:
+        out, lse = _call_planned(plan, q, k, v, learnable_sink)
+    else:
+        out, lse = _dense_call(q, k, v, softmax_scale, causal, window_size, softcap,
+                               learnable_sink, deterministic, key)
+    if not return_lse:
+        return out
+    batch, seqlen_q, nheads_q = q.shape[0], q.shape[1], q.shape[2]
+    return out, lse.view(nheads_q, batch, seqlen_q).transpose(0, 1)
+
+
+def _dense_call(q, k, v, softmax_scale, causal, window_size, softcap, sink, deterministic,
+                key):
+    """flash_attn_func's full path: check everything, run, then plan the signature."""
     check.check_tensors(q, k, v, 4, "(batch, seqlen, nheads, headdim)")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"asymflash: k has batch {k.shape[0]}; must equal q's batch "
                          f"{q.shape[0]}")
-    scale = _check_common(q, k, v, softmax_scale, window_size, softcap, learnable_sink)
-    batch, seqlen_q, nheads_q, _ = q.shape
-    seqlen_k = k.shape[1]
-    seq = SeqInfo.dense(batch, seqlen_q, seqlen_k, q.device)
-    out, lse = _call(q, k, v, seq, scale, causal, window_size, softcap, learnable_sink,
-                     deterministic, dense=True)
-    if not return_lse:
-        return out
-    return out, lse.view(nheads_q, batch, seqlen_q).transpose(0, 1)
+    scale = _check_common(q, k, v, softmax_scale, window_size, softcap, sink)
+    seq = SeqInfo.dense(q.shape[0], q.shape[1], k.shape[1], q.device)
+    out, lse = _call(q, k, v, seq, scale, causal, window_size, softcap, sink, deterministic,
+                     dense=True)
+    plans.remember(key, q, k, v, scale, normalize_window(causal, window_size), softcap,
+                   None if sink is None else sink.float().contiguous(), deterministic)
+    return out, lse
 
 
 def flash_attn_varlen_func(

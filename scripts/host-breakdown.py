@@ -19,7 +19,7 @@ import time
 import torch
 from triton.runtime import driver
 
-from asymflash import flash_attn_func, interface
+from asymflash import flash_attn_func, interface, plans
 from asymflash.backends.portable import _delta
 from asymflash.backends.sm90 import bwd, fwd
 from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
@@ -101,6 +101,12 @@ def main():
         rows.append((name, med, lo))
 
     add("fwd: flash_attn_func (no grad)", lambda: flash_attn_func(q, k, v, causal=True))
+    plans.ENABLED = False
+    add("fwd: flash_attn_func (no grad), no call plans",
+        lambda: flash_attn_func(q, k, v, causal=True))
+    plans.ENABLED = True
+    (plan,) = [p for key, p in plans._PLANS.items() if not key[0]]
+    add("fwd: the call plan's forward runner", lambda: plan.forward(q2, k2, v2, None))
     add("fwd: sm90 fwd.forward", lambda: fwd.forward(q2, k2, v2, seq, params, None))
     rec, restore, launcher = recorded(fwd, "_launcher")
     fwd.forward(q2, k2, v2, seq, params, None)
@@ -119,6 +125,10 @@ def main():
     dout = torch.randn_like(q)
     out = flash_attn_func(qg, kg, vg, causal=True)
     add("fwd: flash_attn_func (grad)", lambda: flash_attn_func(qg, kg, vg, causal=True))
+    plans.ENABLED = False
+    add("fwd: flash_attn_func (grad), no call plans",
+        lambda: flash_attn_func(qg, kg, vg, causal=True))
+    plans.ENABLED = True
     add("bwd: out.backward", lambda: out.backward(dout, retain_graph=True))
 
     def same_thread():

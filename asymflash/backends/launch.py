@@ -119,6 +119,15 @@ def _hooked(hook) -> bool:
     return hook is not None and getattr(hook, "calls", True) != []
 
 
+def launch_hooked() -> bool:
+    """Whether a profiler's launch hook is installed (launches must then take Triton's path,
+    which calls it)."""
+    from triton import knobs
+
+    runtime = knobs.runtime
+    return _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
+
+
 _MISSING = object()
 
 
@@ -138,12 +147,8 @@ class DirectLaunch:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid, args, kwargs):
-        from triton import knobs
-
         how = mode()
-        hooked = _hooked(knobs.runtime.launch_enter_hook) or _hooked(
-            knobs.runtime.launch_exit_hook)
-        if how == "off" or hooked or not self.compiles:
+        if how == "off" or launch_hooked() or not self.compiles:
             self.jit[grid](*args, **kwargs)
             return
         device = torch.cuda.current_device()
@@ -169,6 +174,27 @@ class DirectLaunch:
             return
         kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None,
                    None, None, *args, *tail)
+
+    def bind(self, args, kwargs):
+        """A launcher for calls whose specialisation equals that of (args, kwargs), or None.
+
+        For call plans (`interface`'s cache per call signature): the caller guarantees that
+        every later call's runtime arguments fall in the same specialisation classes (same
+        dtypes, ints in the same == 1 / % 16 / width classes, aligned tensors, descriptors of
+        one class), so the key need not be rebuilt per call. Needs a launch with these
+        arguments first (the binary must exist); None off the plain path (direct launch off
+        or in check mode, a launch hook, a binary Triton's launcher must run)."""
+        if mode() != "on" or not self.compiles or launch_hooked():
+            return None
+        device = torch.cuda.current_device()
+        try:
+            key = (device, tuple(kwargs.items()), specialization_key(args))
+        except _Unkeyable:
+            return None
+        entry = self._compiled.get(key)
+        if entry is None or entry[3] is None:
+            return None
+        return BoundLaunch(device, entry[3], entry[1])
 
     def _binder(self, device):
         return self.jit.device_caches[device][4]
@@ -258,3 +284,24 @@ class _CachedMapLaunch:
                 expanded = maps[key] = self.expand(d, meta)
             args[i:i + 1] = expanded
         self.c_launch(gx, gy, gz, stream, *self.head, *args)
+
+
+class BoundLaunch:
+    """One compiled binary's launcher with its constexpr tail fixed (`DirectLaunch.bind`):
+    `bound(grid, args)` launches on the current stream of the device it was bound on. A
+    launch hook installed since (a profiler started) or another current device makes it
+    return False without launching: the caller then takes its normal path."""
+
+    __slots__ = ("device", "fast", "tail")
+
+    def __init__(self, device, fast, tail):
+        self.device, self.fast, self.tail = device, fast, tail
+
+    def __call__(self, grid, args) -> bool:
+        device = torch.cuda.current_device()
+        if device != self.device or launch_hooked():
+            return False
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        self.fast(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device),
+                  args + self.tail)
+        return True

@@ -1472,15 +1472,30 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
     if packs_gqa(total_q, hq, hkv, seq, params, sink):
         return _forward_packed_gqa(q, k, v, seq, params, cfg)
     d, dv = widths
-    wl, wr = params.mask.window_left, params.mask.window_right
-    has_seqused = seq.seqused_k is not None
-    plan = launch_plan(d, dv, seq.max_seqlen_q, seq.max_seqlen_k, bool(seq.uniform),
-                       has_seqused, wl, wr, params.softcap > 0, sink is not None, seq.batch,
-                       hq, hkv, sm_count(q.device), cfg)
-    # The kernel writes all `width` columns: padded dims get a wider output, cut below.
+    plan = _launch_plan_of(d, dv, q, k, seq, params, sink, cfg)
+    out, lse, _ = _launch(q, k, v, seq, params, sink, plan, padded)
+    if dv_out != dv:
+        return out[..., :dv_out].contiguous(), lse
+    return out, lse
+
+
+def _launch_plan_of(d, dv, q, k, seq: SeqInfo, params: AttnParams, sink, cfg) -> LaunchPlan:
+    """launch_plan for kernel widths (d, dv) and this call."""
+    return launch_plan(d, dv, seq.max_seqlen_q, seq.max_seqlen_k, bool(seq.uniform),
+                       seq.seqused_k is not None, params.mask.window_left,
+                       params.mask.window_right, params.softcap > 0, sink is not None,
+                       seq.batch, q.shape[1], k.shape[1], sm_count(q.device), cfg)
+
+
+def _launch(q, k, v, seq: SeqInfo, params: AttnParams, sink, plan: LaunchPlan, padded: bool,
+            bound=None):
+    """(out, lse, kernel arguments) of one launch: allocate out and lse, build the
+    descriptors, launch (through `bound`, a `launch.BoundLaunch`, where given and valid)."""
+    total_q, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
+    d, dv = plan.constexprs["HEAD_DIM"], plan.constexprs["HEAD_DIM_V"]
+    # The kernel writes all `width` columns: padded dims get a wider output, cut by forward.
     out = torch.empty((total_q, hq, dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
-
     # 2-D views (rows, heads*dim): a head is a column offset, so one descriptor serves all
     # heads and sequences; rows past a sequence end are masked (keys) or not stored (queries).
     block_n = plan.cfg.block_n
@@ -1494,12 +1509,43 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | No
         v_desc = tma_rows(v, (block_n, dv))
     o_desc = tma_rows(out, (64, plan.o_width))
     qk_scale, softcap_pre = exp2_scales(params)
-    _launcher()[(plan.grid, )](
-        q_desc, k_desc, v_desc, o_desc, out, lse, seq.cu_seqlens_q, seq.cu_seqlens_k,
-        seq.seqused_k if has_seqused else seq.cu_seqlens_q,
-        sink if sink is not None else lse, seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq,
-        seq.batch, plan.num_m_blocks, hq // hkv, qk_scale, softcap_pre, wl, wr,
-        plan.num_tiles, plan.hb_chunk, **plan.constexprs)
-    if dv_out != dv:
-        return out[..., :dv_out].contiguous(), lse
-    return out, lse
+    has_seqused = seq.seqused_k is not None
+    args = (q_desc, k_desc, v_desc, o_desc, out, lse, seq.cu_seqlens_q, seq.cu_seqlens_k,
+            seq.seqused_k if has_seqused else seq.cu_seqlens_q,
+            sink if sink is not None else lse, seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq,
+            seq.batch, plan.num_m_blocks, hq // hkv, qk_scale, softcap_pre,
+            params.mask.window_left, params.mask.window_right, plan.num_tiles, plan.hb_chunk)
+    if bound is None or not bound((plan.grid,), args):
+        _launcher()[(plan.grid, )](*args, **plan.constexprs)
+    return out, lse, args
+
+
+class ForwardRunner:
+    """`forward` for one call signature with its decisions made once: the dispatcher's call
+    plans (`asymflash.plans`) keep one per (shapes, strides, dtypes, device, params, sink
+    class) and call it with that signature's tensors only. The first call launches through
+    Triton's path and binds the compiled binary; later calls allocate, build descriptors and
+    launch (`launch.BoundLaunch`)."""
+
+    def __init__(self, q, k, v, seq: SeqInfo, params: AttnParams, sink):
+        self.seq, self.params = seq, params
+        self.plan = _launch_plan_of(q.shape[-1], v.shape[-1], q, k, seq, params, sink, None)
+        self.bound = None
+
+    def __call__(self, q, k, v, sink):
+        bound = self.bound
+        out, lse, args = _launch(q, k, v, self.seq, self.params, sink, self.plan, False, bound)
+        if bound is None:  # None again where it cannot bind (a profiler's hook): retried
+            self.bound = _launcher().bind(args, self.plan.constexprs)
+        return out, lse
+
+
+def forward_runner(q, k, v, seq: SeqInfo, params: AttnParams, sink):
+    """A ForwardRunner for calls with this signature, or None where `forward` does more than
+    one plain launch (padded head dims, packed GQA heads): those keep calling `forward`."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if forward_widths(d, dv) != (d, dv):
+        return None
+    if packs_gqa(q.shape[0], q.shape[1], k.shape[1], seq, params, sink):
+        return None
+    return ForwardRunner(q, k, v, seq, params, sink)

@@ -1,0 +1,127 @@
+"""Call plans: what a dense call's signature decides, worked out once per signature.
+
+Short attention calls are bound by host time: at 512 rows a `flash_attn_func` call spent 90 to
+150 us in Python on the H200 machines against 100 to 200 us of GPU time (NOTES, session 8).
+Most of that Python re-derives facts that depend only on the call's signature: the input
+checks, the packed-row bookkeeping (SeqInfo, AttnParams), the dispatcher's choice of a
+forward and a backward backend, the backend's launch plan. So `flash_attn_func` names the
+signature (`dense_key`); the first call with a new signature takes the full path, checks
+included, and once it has succeeded stores a `DensePlan` (`remember`); a later call with an
+equal key runs the plan: reshape, allocate, launch.
+
+The key holds everything the skipped steps read: shapes, strides (so contiguity), dtypes,
+devices, whether q, k, v are 16-byte aligned, the scalars, the sink's class, whether a
+gradient can flow, the backend forced by `dispatch.use_backend` and the backends' environment
+switches. Only exact types form a key (a bool is not taken for an int: True == 1 would let a
+refused `softcap=True` find the plan of an accepted `softcap=1`), and a plan is stored only
+after its call passed the checks, so an input the checks refuse never finds one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import dispatch
+from .core.params import AttnParams, MaskSpec, SeqInfo
+
+_Tensor = torch.Tensor
+# ASYMFLASH_CALL_PLANS=0 sends every call through the full path (A/B timing, bug reports).
+ENABLED = os.environ.get("ASYMFLASH_CALL_PLANS", "1") != "0"
+_PLANS: dict = {}
+_LIMIT = 256  # plans kept; cleared when full (a bound, not an LRU: signatures rarely vary)
+
+
+def rows(t: _Tensor) -> _Tensor:
+    """(batch, seqlen, heads, dim) -> (batch * seqlen, heads, dim), the packed row form."""
+    return t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
+
+
+def dense_key(q, k, v, softmax_scale, causal, window_size, softcap, sink, deterministic):
+    """flash_attn_func's call signature as a dict key, or None where calls are not planned
+    (torch.compile tracing, tensor subclasses, arguments of other types than the usual)."""
+    if not ENABLED or type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
+        return None
+    if type(causal) is not bool or type(deterministic) is not bool:
+        return None
+    if type(window_size) is not tuple or len(window_size) != 2 or \
+            type(window_size[0]) is not int or type(window_size[1]) is not int:
+        return None
+    if (softmax_scale is not None and type(softmax_scale) not in (float, int)) or \
+            type(softcap) not in (float, int):
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    grad = q.requires_grad or k.requires_grad or v.requires_grad
+    if sink is None:
+        sink_key = None
+    elif isinstance(sink, _Tensor):  # a learnable sink is usually an nn.Parameter
+        grad = grad or sink.requires_grad
+        sink_key = (sink.shape, sink.stride(), sink.dtype, sink.device,
+                    sink.data_ptr() % 16 == 0)
+    else:
+        return None
+    grad = grad and torch.is_grad_enabled()
+    aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
+    return (grad, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
+            k.dtype, v.dtype, q.device, k.device, v.device, aligned, softmax_scale, causal,
+            window_size, softcap, sink_key, deterministic, dispatch.forced_backend(),
+            dispatch.switches())
+
+
+def find(key) -> DensePlan | None:
+    return None if key is None else _PLANS.get(key)
+
+
+class DensePlan:
+    """What one dense signature decided. `forward(q_rows, k_rows, v_rows, sink)` runs the
+    chosen forward backend; `args(sink)` is the argument tail the autograd Function and the
+    custom op take after q, k, v; `backward` is (backend.backward, seq, params), or None
+    where no backend can differentiate the call (its backward then raises as usual)."""
+
+    __slots__ = ("grad", "seq", "params", "forward", "backward", "_head", "_tail")
+
+    def __init__(self, grad, seq, params, forward, backward, head, tail):
+        self.grad, self.seq, self.params = grad, seq, params
+        self.forward, self.backward = forward, backward
+        self._head, self._tail = head, tail
+
+    def args(self, sink) -> tuple:
+        return (*self._head, sink, *self._tail)
+
+
+def remember(key, q, k, v, scale: float, mask: MaskSpec, softcap, sink, deterministic) -> None:
+    """Store the plan of a call that has just succeeded through the full path (`sink` as the
+    kernels read it: fp32, contiguous). Calls without query or key rows are not planned."""
+    if key is None or q.numel() == 0 or k.numel() == 0:
+        return
+    batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+    seq = SeqInfo.dense(batch, seqlen_q, seqlen_k, q.device)
+    params = AttnParams(scale, mask, float(softcap), deterministic)
+    q, k, v = rows(q), rows(k), rows(v)
+    backend = dispatch.pick_forward(q, k, v, seq, params, sink)
+    make_runner = getattr(backend, "forward_runner", None)
+    forward = make_runner(q, k, v, seq, params, sink) if make_runner else None
+    if forward is None:
+        def forward(q, k, v, sink, _run=backend.forward):
+            return _run(q, k, v, seq, params, sink)
+    grad = key[0]  # dense_key puts it first
+    backward = None
+    if grad:
+        try:
+            backward = (dispatch.pick_backward(q, k, v, seq, params, sink).backward, seq,
+                        params)
+        except NotImplementedError:
+            pass
+    head = (seq.cu_seqlens_q, seq.cu_seqlens_k, None)
+    tail = (seqlen_q, seqlen_k, scale, mask.window_left, mask.window_right, float(softcap),
+            True, deterministic)
+    if len(_PLANS) >= _LIMIT:
+        _PLANS.clear()
+    _PLANS[key] = DensePlan(grad, seq, params, forward, backward, head, tail)
+
+
+def clear() -> None:
+    """Forget every plan (tests; a process that changed something a key does not hold)."""
+    _PLANS.clear()

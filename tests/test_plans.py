@@ -1,0 +1,144 @@
+"""Call plans (asymflash/plans.py): a repeated flash_attn_func signature skips the checks and
+the dispatcher, so every call through a plan must give what the full path gives, and no
+input the checks refuse may ever find a plan. Runs on the machine's default backend (CPU
+here; on the GPU box the sm90 forward's runner, launched through a bound binary)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import forced
+
+from asymflash import flash_attn_func, plans
+from asymflash.reference import attention_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The sm90 kernels' head dims on the GPU; the CPU backend takes any.
+D = 64 if DEVICE == "cuda" else 24
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    plans.clear()
+    yield
+    plans.clear()
+
+
+def qkv(b=2, sq=113, sk=203, hq=4, hkv=2, d=D, grad=False):
+    def rnd(*shape):
+        return torch.randn(*shape, dtype=torch.bfloat16, device=DEVICE).requires_grad_(grad)
+
+    return rnd(b, sq, hq, d), rnd(b, sk, hkv, d), rnd(b, sk, hkv, d)
+
+
+def assert_close_to_reference(out, lse, q, k, v, **kw):
+    ref_out, ref_lse = attention_ref(q.detach().float(), k.detach().float(),
+                                     v.detach().float(), **kw)
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.float(), ref_lse, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window_size=(17, 1)),
+                                dict(softcap=5.0, softmax_scale=0.3)])
+def test_planned_calls_match_the_reference_on_fresh_inputs(kw):
+    for call in range(3):  # the first call plans, the next two run the plan
+        q, k, v = qkv()
+        out, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
+        assert_close_to_reference(out, lse, q, k, v, **kw)
+        assert len(plans._PLANS) == 1, f"call {call}: one signature, one plan"
+
+
+def test_planned_gradients_match_the_reference():
+    sink = torch.randn(4, device=DEVICE, requires_grad=True)
+    for _ in range(3):
+        q, k, v = qkv(grad=True)
+        dout = torch.randn(q.shape[:3] + (v.shape[-1],), dtype=q.dtype, device=DEVICE)
+        out = flash_attn_func(q, k, v, causal=True, learnable_sink=sink)
+        grads = torch.autograd.grad(out, (q, k, v, sink), dout)
+        leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+        sink_leaf = sink.detach().clone().requires_grad_(True)
+        ref, _ = attention_ref(*leaves, causal=True, learnable_sink=sink_leaf)
+        ref_grads = torch.autograd.grad(ref, (*leaves, sink_leaf), dout.float())
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=5e-2)
+    assert len(plans._PLANS) == 1
+
+
+def test_no_grad_and_grad_calls_get_plans_of_their_own():
+    q, k, v = qkv(grad=True)
+    with torch.no_grad():
+        out_a = flash_attn_func(q, k, v)
+        out_a = flash_attn_func(q, k, v)
+    assert not out_a.requires_grad
+    out_b = flash_attn_func(q, k, v)
+    out_b = flash_attn_func(q, k, v)
+    assert out_b.requires_grad
+    torch.testing.assert_close(out_a, out_b.detach(), atol=0, rtol=0)
+    assert sorted(key[0] for key in plans._PLANS) == [False, True]
+
+
+REFUSED_AFTER_A_GOOD_CALL = [
+    # Arguments equal (==) to accepted ones but of a type the checks refuse.
+    (dict(softcap=True), "softcap"),
+    (dict(softmax_scale=True), "softmax_scale"),
+    (dict(window_size=(True, -1)), "window_size"),
+    (dict(window_size=[2, 0, 1]), "window_size"),
+    (dict(softmax_scale=float("inf")), "softmax_scale"),
+]
+
+
+@pytest.mark.parametrize("bad, words", REFUSED_AFTER_A_GOOD_CALL)
+def test_refused_inputs_never_find_a_plan(bad, words):
+    q, k, v = qkv()
+    good = dict(softcap=1, softmax_scale=1, window_size=(1, -1))
+    for _ in range(2):
+        flash_attn_func(q, k, v, **good)
+    with pytest.raises((ValueError, TypeError), match=words):
+        flash_attn_func(q, k, v, **{**good, **bad})
+
+
+def test_a_refused_layout_never_finds_a_plan():
+    q, k, v = qkv()
+    flash_attn_func(q, k, v)
+    flash_attn_func(q, k, v)
+    strided = q.transpose(1, 3).contiguous().transpose(1, 3)  # same shape, last stride != 1
+    with pytest.raises(ValueError, match="stride"):
+        flash_attn_func(strided, k, v)
+
+
+def test_a_new_signature_or_switch_makes_a_new_plan(monkeypatch):
+    q, k, v = qkv()
+    flash_attn_func(q, k, v)
+    flash_attn_func(q[:, :17].contiguous(), k, v)  # another shape
+    flash_attn_func(q, k, v, causal=True)  # another mask
+    monkeypatch.setenv("ASYMFLASH_SM90_BWD", "0")  # a backend switch
+    flash_attn_func(q, k, v)
+    assert len(plans._PLANS) == 4
+    with forced("cpu" if DEVICE == "cpu" else "portable"):  # a forced backend
+        out, lse = flash_attn_func(q, k, v, return_lse=True)
+    assert len(plans._PLANS) == 5
+    assert_close_to_reference(out, lse, q, k, v)
+
+
+def test_inputs_are_not_modified_by_planned_calls():
+    q, k, v = qkv()
+    copies = [t.clone() for t in (q, k, v)]
+    for _ in range(3):
+        flash_attn_func(q, k, v, causal=True)
+    for t, c in zip((q, k, v), copies):
+        assert torch.equal(t, c)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the sm90 runner launches on an H100/H200")
+def test_sm90_runner_binds_and_launches_directly():
+    from asymflash.backends.sm90 import fwd
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs sm_90")
+    for _ in range(3):
+        q, k, v = qkv(b=3, sq=128, sk=256, hq=8, hkv=8, d=128)
+        out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+        assert_close_to_reference(out, lse, q, k, v, causal=True)
+    (plan,) = plans._PLANS.values()
+    assert isinstance(plan.forward, fwd.ForwardRunner)
+    assert plan.forward.bound is not None  # the third call went through the bound launcher
