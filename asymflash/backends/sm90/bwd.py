@@ -153,6 +153,13 @@ class BwdConfig:
     # dK and dV leave through shared memory and TMA stores where no key block straddles two
     # sequences (`kv_tma_store`), instead of masked per-thread stores.
     kv_tma_store: bool = True
+    # Issue dK += dSᵀ·Q after dQ = dS·K (not before it) and retire it only at the end of the
+    # step: the tensor cores run dK while dQ is staged and reduced (a step's timeline, H200
+    # scripts/bwd-timeline.py, d=128 16k: idle there for ~640 of ~4800 cycles). It moves the
+    # gap rather than filling it: dK no longer covers forming dSᵀ. H200 2026-11-30, TFLOP/s
+    # at 512 / 2k / 16k: d=128 non-causal 303 / 451 / 509 -> 306 / 467 / 506, causal 199 /
+    # 380 / 510 -> 198 / 377 / 517; d=64 1-4 % slower (ptxas spills 0 -> 8; d=128 4 -> 0).
+    dk_late: bool = False
 
 
 # FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,
@@ -164,7 +171,7 @@ class BwdConfig:
 # -> 339 / 401 / 465, causal 2k / 16k 280 / 385 -> 329 / 471 (cuDNN 426 / 455 non-causal).
 _DEFAULT_CONFIGS = {
     64: BwdConfig(block_m=128, block_n=128),
-    128: BwdConfig(block_m=64, block_n=128, dv_overlap=False),
+    128: BwdConfig(block_m=64, block_n=128, dv_overlap=False, dk_late=True),
     256: BwdConfig(block_m=64, block_n=64, dv_overlap=False,  # FA3's hdim-256 tile
                    turn_release=0),
 }
@@ -237,7 +244,8 @@ if _GLUON_ERROR is None:
                          DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
                          REVERSE_N: gl.constexpr, DQ_TMA: gl.constexpr,
                          STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
-                         WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr):
+                         WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
+                         DK_LATE: gl.constexpr):
         # Keys on the M axis: warpgroup w owns keys [w·64, w·64 + 64) of the block.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
@@ -374,7 +382,8 @@ if _GLUON_ERROR is None:
                 ds_buf = ds_smem.index(slot)
                 ds_buf.store(ds16)
                 ds_op = gl.convert_layout(ds16, dsq_op_layout)
-                dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                if not DK_LATE:
+                    dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                 # dQ reads both warpgroups' halves of dSᵀ: make the stores visible to the
                 # async proxy, then wait for every warp. Past this barrier every warp has also
                 # retired all MMAs of step it-1, so that step's ring slot can be refilled, and
@@ -391,6 +400,8 @@ if _GLUON_ERROR is None:
                           q_start + m0_next, HEAD_DIM, HEAD_DIM_V, it + 1 < n_steps)
                 dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, dq_zero, use_acc=False,
                                        is_async=True)
+                if DK_LATE:
+                    dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                 if DETERMINISTIC:
                     if WAIT_EARLY:  # the semaphore's round trip under the dK/dQ MMAs
                         sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
@@ -398,7 +409,12 @@ if _GLUON_ERROR is None:
                                            h_first, m_lo, group_blocks, stride, BLOCK_M,
                                            BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
                                            WARP_SPIN)
-                if DV_OVERLAP:
+                if DK_LATE:  # groups retire in order: dQ (and dV) now, dK in flight
+                    if DV_OVERLAP:
+                        dv, dq, p_op = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok, p_op])
+                    else:
+                        dq = warpgroup_mma_wait(1, deps=[dq_tok])
+                elif DV_OVERLAP:
                     dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(
                         0, deps=[dv_tok, dk_tok, dq_tok, p_op, ds_op])
                 else:
@@ -434,6 +450,8 @@ if _GLUON_ERROR is None:
                         # Every thread's adds are issued before the next block starts its own.
                         gl.thread_barrier()
                         gl.atomic_add(sem, 1, sem="release")
+                if DK_LATE:
+                    dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])
                 h = h_next
                 m0 = m0_next
 
@@ -467,7 +485,7 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
     # ascending turns, where a CTA only waits for CTAs launched before it.
     stagger = (cfg.stagger and not has_left and not has_right
                and (not deterministic or max_key_blocks <= resident_ctas))
-    return {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim_v, "BLOCK_M": cfg.block_m,
+    consts = {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim_v, "BLOCK_M": cfg.block_m,
             "BLOCK_N": cfg.block_n, "UNIFORM": uniform,
             "HAS_SEQUSED": has_seqused, "HAS_LEFT": has_left, "HAS_RIGHT": has_right,
             "SOFTCAP": softcap, "DV_OVERLAP": cfg.dv_overlap,
@@ -475,6 +493,9 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
             "REVERSE_N": cfg.reverse_causal, "DQ_TMA": cfg.dq_tma,
             "STAGGER": stagger, "RELEASE_AT": cfg.turn_release if cfg.dq_tma else 0,
             "WAIT_EARLY": cfg.turn_wait_early and cfg.dq_tma, "KV_TMA_STORE": kv_tma_store}
+    if head_dim != 256:  # bwd_wide splits dK/dQ by columns: its schedule has no such choice
+        consts["DK_LATE"] = cfg.dk_late
+    return consts
 
 
 def kv_tma_store(uniform: bool, max_seqlen_k: int, batch: int, block_n: int) -> bool:
