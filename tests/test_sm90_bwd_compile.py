@@ -47,7 +47,7 @@ CONFIGS = [
     # fp32 atomics (10 seen)
     ({"head_dim": 128, "has_right": True, "deterministic": True, "cfg": {"dq_tma": False}}, 16),
     # non-causal: staggered walk, turns released one step late (0 seen)
-    ({"head_dim": 128, "deterministic": True}, 8),
+    ({"head_dim": 128, "deterministic": True}, 12),  # 11 seen, none in the loop
     ({"head_dim": 128, "cfg": {"dq_tma": False}}, 0),
     # d=256 (bwd_wide.py) sits at 252-255 registers
     ({"head_dim": 256}, 0),
@@ -79,8 +79,9 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
         # default mode, no softcap, no sliding window: (almost) nothing in local memory inside
         # the main loop (the spills counted above sit in the prologue / epilogue; d=128 with a
         # window spills ~10 on its masked edge blocks; with the dK/dV TMA-store epilogue
-        # d=128 takes 1 unmasked, 6 causal: sm_90a, 2026-11-29)
-        in_loop = 8 if kw.get("has_right") else 2
+        # d=128 takes 1 unmasked, 6 causal: sm_90a, 2026-11-29; causal 10 since dK is
+        # issued after dQ and stored straight from its wgmma layout, 2026-11-30)
+        in_loop = 10 if kw.get("has_right") else 2
         assert rep["local_in_loop"] <= in_loop, f"spills in the main loop: {rep}"
     if kw["head_dim"] == 256 and kw.get("deterministic") and not kw.get("softcap"):
         # the dQ turn's wait inside the loop (bwd_parts.spin_until_equal) costs no spills (it
