@@ -1,0 +1,360 @@
+"""Where a backward step's time goes: SM clock stamps inside the sm90 Gluon backward (d=64/128).
+
+A copy of `backends/sm90/bwd.py` is patched at run time (the kernel in the package is never
+changed): CTAs 0-7 (linear id x + X·(y + Y·z) of the (key block, kv head, batch) grid, i.e. the
+first eight launched) stamp `%clock` (the low 32 bits of the `%clock64` counter: one register,
+CS2R.32) at nine points of each of their first 16 steps of the `for it in range(n_steps)` loop
+(one step = one query block of one q head):
+
+    0 step start      1 Q/dO arrived (ready wait)   2 Sᵀ retired (S wait)
+    3 Pᵀ formed (probabilities)   4 dPᵀ retired (dP / dV wait)
+    5 dSᵀ stored (dK issued unless dk_late), fence: just before the step's tma.store_wait and first
+      thread_barrier (not between the two: triton lowers tma.store_wait with a bar.sync of
+      its own, which merges with the barrier right behind it unless a stamp sits there)
+    6 after that barrier          7 dQ retired (and dK, unless BwdConfig.dk_late)
+    8 step end (dQ staged, second barrier, TMA reduce-add issued; or the atomics)
+
+at int32 index (cta·16 + it)·9 + k, and once per CTA, at 8·16·9 + cta·9 + k:
+
+    0 body start (after key_block)   1 loop start (K/V arrived)   2 loop end
+    3 after store_key_grads (dK/dV written)   4 n_steps + 1 (0: the CTA stamped nothing)
+
+The buffer is passed as `sem_ptr`, which non-deterministic calls never read (the host passes
+`_unused_semaphore` there); deterministic builds are left unstamped. Every thread reads the
+clock, but triton issues a scalar store from thread 0 only: the stamps are warp 0's
+(warpgroup 0). Each store is predicated (no branch between an MMA's issue and its wait), and
+the CTA id is re-read by volatile asm at each stamp, so nothing extra stays live in the loop.
+ptxas may still move arithmetic across a clock read: a phase is where warp 0 saw it, not a
+hard boundary. The stamps cost registers at the 255 limit: `--compile` prints the plain and
+stamped builds side by side (at this writing, local-memory instructions in the main loop's
+body d=128 1 -> 2, d=64 0 -> 1; in all 4 -> 12 and 0 -> 8; barriers unchanged, no wgmma
+serialisation).
+
+It prints, per phase, the median cycles over the stamped steps, the step total (one step's
+start to the next's), the prologue (body start -> loop start), the loop's mean cycles per
+step (all steps, stamped or not), the epilogue (loop end -> after store_key_grads), and the
+backward's time with and without the stamps (the whole call by do_bench, and the kernel alone
+by the profiler).
+
+    PYTHONPATH=. python scripts/bwd-timeline.py            # H200: five cells
+    PYTHONPATH=. python scripts/bwd-timeline.py --compile  # CPU: the patched kernel builds (sm_90a)
+"""
+
+# ruff: noqa: E501, B023
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+SRC = Path(__file__).resolve().parents[1] / "asymflash" / "backends" / "sm90" / "bwd.py"
+NSLOTS = 9  # stamps per step (and per CTA row)
+NCTA, NSTEP = 8, 16
+CTA_AREA = NCTA * NSTEP * NSLOTS  # per-CTA stamps start here
+TIMELINE_WORDS = CTA_AREA + NCTA * NSLOTS
+
+# Linear CTA id, read anew at each stamp (volatile asm: not merged with key_block's reads,
+# nothing derived from it kept live through the loop).
+_CTA_ASM = ("{ .reg .u32 x, y, z, nx, ny; mov.u32 x, %ctaid.x; mov.u32 y, %ctaid.y; "
+            "mov.u32 z, %ctaid.z; mov.u32 nx, %nctaid.x; mov.u32 ny, %nctaid.y; "
+            "mad.lo.u32 y, z, ny, y; mad.lo.u32 $0, y, nx, x; }")
+
+STAMP = f'''
+    @gluon.jit
+    def _tl_cta(x):
+        return gl.inline_asm_elementwise("{_CTA_ASM}", "=r,r", [x], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
+    def _tl_clock(x):
+        # %clock: the low 32 bits of %clock64's counter, one register (CS2R.32 SR_CLOCKLO)
+        return gl.inline_asm_elementwise("mov.u32 $0, %clock;", "=r,r", [x], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
+    def _tl_step(base, it, k: gl.constexpr, DETERMINISTIC: gl.constexpr):
+        # stamp k of step `it` (CTAs 0-{NCTA - 1}, steps 0-{NSTEP - 1})
+        if not DETERMINISTIC:
+            cta = _tl_cta(it)
+            t = _tl_clock(it)
+            gl.store(base + (cta * {NSTEP} + it) * {NSLOTS} + k, t,
+                     mask=(cta < {NCTA}) & (it < {NSTEP}))
+
+    @gluon.jit
+    def _tl_cta_value(base, value, k: gl.constexpr, DETERMINISTIC: gl.constexpr):
+        if not DETERMINISTIC:
+            cta = _tl_cta(value)
+            gl.store(base + {CTA_AREA} + cta * {NSLOTS} + k, value, mask=cta < {NCTA})
+
+    @gluon.jit
+    def _tl_cta_stamp(base, x, k: gl.constexpr, DETERMINISTIC: gl.constexpr):
+        # per-CTA stamp k (x: any int32 operand, orders the clock read after it)
+        if not DETERMINISTIC:
+            _tl_cta_value(base, _tl_clock(x), k, DETERMINISTIC)
+'''
+
+
+def _step(k: int, indent: int = 16) -> str:
+    return " " * indent + f"_tl_step(sem_ptr, it, {k}, DETERMINISTIC)\n"
+
+
+def _cta(x: str, k: int, indent: int = 12) -> str:
+    return " " * indent + f"_tl_cta_stamp(sem_ptr, {x}, {k}, DETERMINISTIC)\n"
+
+
+# (old, new, count): exact edits of bwd.py's text
+EDITS = [
+    ("    @gluon.constexpr_function\n    def _dq_mma_layout(",
+     STAMP + "\n    @gluon.constexpr_function\n    def _dq_mma_layout(", 1),
+    # per CTA: body start, loop start (+ n_steps), loop end, after the dK/dV epilogue
+    ("        if (n0 >= 0) & (n0 < seqlen_k):\n",
+     "        if (n0 >= 0) & (n0 < seqlen_k):\n" + _cta("n0", 0), 1),
+    ("            mbarrier.wait(kv_bar.index(0), 0)\n\n            for it in range(n_steps):\n"
+     "                slot = it % 2\n",
+     "            mbarrier.wait(kv_bar.index(0), 0)\n" + _cta("n_steps", 1)
+     + "            _tl_cta_value(sem_ptr, n_steps + 1, 4, DETERMINISTIC)\n"
+     "\n            for it in range(n_steps):\n" + _step(0) + "                slot = it % 2\n", 1),
+    ("            if DQ_TMA:\n                if DETERMINISTIC:\n                    if RELEASE_AT != 0:\n",
+     _cta("seqlen_k", 2) + "            if DQ_TMA:\n                if DETERMINISTIC:\n"
+     "                    if RELEASE_AT != 0:\n", 1),
+    ("                            dk_layout, dv_layout)\n",
+     "                            dk_layout, dv_layout)\n" + _cta("seqlen_k", 3), 1),
+    # per step
+    ("                mbarrier.wait(ready.index(slot), (it // 2) & 1)\n",
+     "                mbarrier.wait(ready.index(slot), (it // 2) & 1)\n" + _step(1), 1),
+    ("                lse2 = lse_smem.index(slot).load(col_layout)\n",
+     _step(2) + "                lse2 = lse_smem.index(slot).load(col_layout)\n", 1),
+    ("SOFTCAP, HAS_LEFT, HAS_RIGHT)\n                if not DP_EARLY:\n",
+     "SOFTCAP, HAS_LEFT, HAS_RIGHT)\n" + _step(3) + "                if not DP_EARLY:\n", 1),
+    ("                delta = delta_smem.index(slot).load(col_layout)\n",
+     _step(4) + "                delta = delta_smem.index(slot).load(col_layout)\n", 1),
+    ("                fence_async_shared()\n                if DQ_TMA:\n                    if DETERMINISTIC:\n"
+     "                        if RELEASE_AT == 1:\n",
+     "                fence_async_shared()\n" + _step(5) + "                if DQ_TMA:\n"
+     "                    if DETERMINISTIC:\n                        if RELEASE_AT == 1:\n", 1),
+    ("                gl.thread_barrier()\n                load_qdo(",
+     "                gl.thread_barrier()\n" + _step(6) + "                load_qdo(", 1),
+    # after the dQ wait (with dk_late, dK is still in flight there)
+    ("\n                if DQ_TMA:\n                    # Rows past this sequence get exact zeros",
+     "\n" + _step(7) + "                if DQ_TMA:\n"
+     "                    # Rows past this sequence get exact zeros", 1),
+    ("                h = h_next\n                m0 = m0_next\n\n",
+     _step(8) + "                h = h_next\n                m0 = m0_next\n\n", 1),
+    # the host passes the stamp buffer where the (unread) semaphore goes
+    ("        sem = _unused_semaphore(q.device)\n", "        sem = TIMELINE\n", 1),
+]
+
+
+def patched_module():
+    text = SRC.read_text()
+    for old, new, count in EDITS:
+        found = text.count(old)
+        if found != count:
+            sys.exit(f"bwd-timeline: expected {count} of {old[:70]!r} in bwd.py, found {found}")
+        text = text.replace(old, new)
+    path = SRC.with_name(f"_bwd_timeline_{os.getpid()}.py")
+    path.write_text(text)
+    try:
+        spec = importlib.util.spec_from_file_location("asymflash.backends.sm90._bwd_timeline", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+    finally:
+        path.unlink()
+    return mod
+
+
+NAMES = ["Q/dO wait", "S wait", "exponentials", "dP wait", "dS, dK issue, fence",
+         "store_wait+barrier", "dQ MMA (+dK), wait", "dQ stage+reduce"]
+
+
+def _med(vals):
+    return f"{statistics.median(vals):8.0f}" if vals else "       -"
+
+
+def report(stamps: torch.Tensor, label: str):
+    raw = stamps.cpu().to(torch.int64)
+    steps = raw[:CTA_AREA].reshape(NCTA, NSTEP, NSLOTS)
+    ctas = raw[CTA_AREA:].reshape(NCTA, NSLOTS)
+    phases = [[] for _ in NAMES]
+    gaps, totals, prologue, per_step, epilogue, n_steps_seen = [], [], [], [], [], set()
+    for c in range(NCTA):
+        n_steps = int(ctas[c, 4]) - 1
+        if n_steps < 0:
+            continue
+        n_steps_seen.add(n_steps)
+        cs = [int(x) for x in ctas[c]]
+        prologue.append((cs[1] - cs[0]) % 2**32)
+        epilogue.append((cs[3] - cs[2]) % 2**32)
+        if n_steps > 0:
+            per_step.append(((cs[2] - cs[1]) % 2**32) / n_steps)
+        stamped = min(n_steps, NSTEP)
+        for t in range(stamped):
+            s = [int(x) for x in steps[c, t]]
+            d = [(s[i + 1] - s[i]) % 2**32 for i in range(NSLOTS - 1)]
+            for i, v in enumerate(d):
+                phases[i].append(v)
+            if t + 1 < stamped:
+                gap = (int(steps[c, t + 1, 0]) - s[8]) % 2**32
+                gaps.append(gap)
+                totals.append(sum(d) + gap)
+    if not n_steps_seen:
+        print(label, "no stamps")
+        return
+    print(f"== {label}: {len(prologue)} CTAs, steps per CTA {sorted(n_steps_seen)}, "
+          f"{len(phases[0])} steps stamped")
+    for name, vals in zip(NAMES, phases):
+        print(f"  {name:19s} median {_med(vals)} cycles")
+    print(f"  {'to next step':19s} median {_med(gaps)} cycles")
+    print(f"  {'step total':19s} median {_med(totals)} cycles (start -> next step's start)")
+    print(f"  {'loop / steps':19s} median {_med(per_step)} cycles (loop start -> end over all steps)")
+    print(f"  {'prologue':19s} median {_med(prologue)} cycles (body start -> K/V arrived)")
+    print(f"  {'epilogue':19s} median {_med(epilogue)} cycles (loop end -> after store_key_grads)")
+
+
+def kernel_us(fn, name="_attn_bwd_kernel", reps=10) -> float | None:
+    """Mean device time of the kernels called `name` over `reps` calls (profiler)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        times = [getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+                 for e in prof.key_averages() if name in e.key]
+        return sum(times) / reps if times else None
+    except Exception as e:  # the profiler is a convenience here
+        print("  (profiler failed:", e, ")")
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# --compile: sm_90a builds of the plain and the stamped kernel, no GPU
+# ---------------------------------------------------------------------------------------------
+
+def _main_loop_local(sass: str) -> int:
+    """Local-memory instructions in the main loop: the longest backward branch's span (those
+    placed after the last EXIT, the out-of-line retries of mbarrier waits, do not count)."""
+    addr, pending, pos = {}, [], []
+    for ln in sass.splitlines():
+        m = re.match(r"\s*(\.L_x_\d+):", ln)
+        if m:
+            pending.append(m[1])
+            continue
+        m = re.search(r"/\*([0-9a-f]{4,})\*/", ln)
+        if m:
+            for label in pending:
+                addr[label] = int(m[1], 16)
+            pending = []
+            pos.append((int(m[1], 16), ln))
+    last_exit = max((a for a, ln in pos if "EXIT" in ln), default=0)
+    span = (0, -1)
+    for a, ln in pos:
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", ln)
+        if m and a < last_exit and addr.get(m[1], a) < a and a - addr[m[1]] > span[1] - span[0]:
+            span = (addr[m[1]], a)
+    return sum(1 for a, ln in pos if span[0] <= a <= span[1] and re.search(r"\b(LDL|STL)\b", ln))
+
+
+def sass_summary(kernel) -> dict:
+    """As tests/sass_report.py: registers, local-memory instructions (all; between the first
+    and last HGMMA, the tests' `local_in_loop`; in the whole loop body, `local_loop_body`), HGMMA, clock reads
+    and CTA barriers in SASS; ptxas -v's spill bytes (stores/loads) and warnings (ptxas run
+    again on the PTX, as triton does)."""
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp, "k.cubin")
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([bin_dir / "nvdisasm", "-c", cubin], capture_output=True,
+                              text=True, check=True).stdout
+        res = subprocess.run([bin_dir / "cuobjdump", "-res-usage", cubin], capture_output=True,
+                             text=True, check=True).stdout
+        ptx = Path(tmp, "k.ptx")
+        ptx.write_text(kernel.asm["ptx"])
+        log = subprocess.run([bin_dir / "ptxas", "-lineinfo", "-v", "--gpu-name=sm_90a", ptx,
+                              "-o", Path(tmp, "k.o")], capture_output=True, text=True).stderr
+    loop = sass[sass.find("HGMMA"):sass.rfind("HGMMA")]
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return dict(
+        regs=int(re.findall(r"REG:(\d+)", res)[0]),
+        local=len(re.findall(r"\b(LDL|STL)\b", sass)),
+        local_in_loop=len(re.findall(r"\b(LDL|STL)\b", loop)),
+        local_loop_body=_main_loop_local(sass),
+        spill_bytes=f"{spill[1]}/{spill[2]}" if spill else "?",
+        hgmma=sass.count("HGMMA"),
+        clock_reads=len(re.findall(r"SR_CLOCK", sass)),
+        bar_sync=sass.count("BAR.SYNC"),
+        shared=kernel.metadata.shared,
+        ptxas_warnings=[ln.strip() for ln in log.splitlines() if "arning" in ln or "Performance" in ln])
+
+
+def compile_check(mod):
+    from asymflash.backends.sm90 import bwd
+
+    for d in (128, 64):
+        for label, m in (("plain  ", bwd), ("stamped", mod)):
+            k = m.compile_for_target(head_dim=d)  # non-causal, default config
+            r = sass_summary(k)
+            warn = r.pop("ptxas_warnings")
+            print(f"d={d} {label} compiled {k.metadata.name}: " + ", ".join(f"{a} {b}" for a, b in r.items()))
+            for w in warn:
+                print("    ptxas:", w)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--compile", action="store_true",
+                    help="build plain and stamped kernels for sm_90a on the CPU, print registers/spills")
+    a = ap.parse_args()
+    if a.compile and os.environ.get("TRITON_INTERPRET"):
+        # the interpreter cannot compile for a GPU target: run again without it
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    mod = patched_module()
+    mod.TIMELINE = torch.zeros(TIMELINE_WORDS, dtype=torch.int32,
+                               device="cuda" if torch.cuda.is_available() else "cpu")
+    if a.compile:
+        compile_check(mod)
+        return
+    from triton.testing import do_bench
+
+    from asymflash.backends.sm90 import bwd, fwd
+    from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
+
+    for d, seqlen, causal in ((128, 512, False), (128, 512, True), (64, 512, False),
+                              (128, 2048, False), (128, 16384, False)):
+        b, h = 16384 // seqlen, 2048 // d
+        q = torch.randn(b * seqlen, h, d, device="cuda", dtype=torch.bfloat16)
+        k, v = torch.randn_like(q), torch.randn_like(q)
+        seq = SeqInfo.dense(b, seqlen, seqlen, q.device)
+        params = AttnParams(d ** -0.5, MaskSpec(-1, 0 if causal else -1), 0.0, False)
+        out, lse = fwd.forward(q, k, v, seq, params, None)
+        dout = torch.randn_like(out)
+        args = (dout, q, k, v, out, lse, None, seq, params, None)
+        plain = do_bench(lambda: bwd.backward(*args), warmup=10, rep=40)
+        stamped = do_bench(lambda: mod.backward(*args), warmup=10, rep=40)
+        kp, ks = kernel_us(lambda: bwd.backward(*args)), kernel_us(lambda: mod.backward(*args))
+        kern = (f", kernel {kp:.1f} / {ks:.1f} us plain / stamped" if kp and ks else "")
+        mod.TIMELINE.zero_()
+        mod.backward(*args)
+        torch.cuda.synchronize()
+        report(mod.TIMELINE.clone(),
+               f"d={d} seqlen {seqlen} batch {b} heads {h} causal={causal}: call "
+               f"{plain * 1e3:.1f} us plain, {stamped * 1e3:.1f} us stamped{kern}")
+
+
+if __name__ == "__main__":
+    main()
