@@ -24,7 +24,7 @@ run_tests() {
   # FILE@I/N runs the I-th of N slices of FILE (conftest --shard): test_sm90_gpu.py alone
   # took 263 s of a 4.4-minute run (2026-11-29), compiling one kernel set after another.
   files=(${TEST_FILES:-tests/test_gpu.py tests/test_attention.py tests/test_varlen.py \
-      tests/test_api.py tests/test_kvcache.py tests/test_sm90_gpu.py@0/3 \
+      tests/test_api.py tests/test_plans.py tests/test_kvcache.py tests/test_sm90_gpu.py@0/3 \
       tests/test_sm90_gpu.py@1/3 tests/test_sm90_gpu.py@2/3 tests/test_sm90_bwd_gpu.py \
       tests/test_portable_tiles_gpu.py tests/test_hf.py})
   pids=()
