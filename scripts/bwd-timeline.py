@@ -44,7 +44,6 @@ by the profiler).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import re
 import statistics
@@ -54,6 +53,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import probe_common  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "asymflash" / "backends" / "sm90" / "bwd.py"
 NSLOTS = 9  # stamps per step (and per CTA row)
@@ -154,22 +156,7 @@ EDITS = [
 
 
 def patched_module():
-    text = SRC.read_text()
-    for old, new, count in EDITS:
-        found = text.count(old)
-        if found != count:
-            sys.exit(f"bwd-timeline: expected {count} of {old[:70]!r} in bwd.py, found {found}")
-        text = text.replace(old, new)
-    path = SRC.with_name(f"_bwd_timeline_{os.getpid()}.py")
-    path.write_text(text)
-    try:
-        spec = importlib.util.spec_from_file_location("asymflash.backends.sm90._bwd_timeline", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-    finally:
-        path.unlink()
-    return mod
+    return probe_common.patched_module(SRC, EDITS, "bwd-timeline")
 
 
 NAMES = ["Q/dO wait", "S wait", "exponentials", "dP wait", "dS, dK issue, fence",

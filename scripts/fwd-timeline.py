@@ -25,7 +25,6 @@ without the stamps (the stamps themselves perturb the schedule a little).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 import statistics
 import subprocess
@@ -35,6 +34,9 @@ from pathlib import Path
 
 import torch
 import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import probe_common  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "asymflash" / "backends" / "sm90" / "fwd.py"
 
@@ -141,25 +143,7 @@ EDITS = [
 
 
 def patched_module():
-    text = SRC.read_text()
-    for old, new, count in EDITS:
-        found = text.count(old)
-        if found != count:
-            sys.exit(f"fwd-timeline: expected {count} of {old[:60]!r}, found {found}")
-        text = text.replace(old, new)
-    # Next to fwd.py, so its relative imports resolve; removed once imported (Triton has read
-    # the kernels' source by then).
-    path = SRC.with_name("_fwd_timeline.py")
-    path.write_text(text)
-    try:
-        spec = importlib.util.spec_from_file_location("asymflash.backends.sm90._fwd_timeline",
-                                                      path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-    finally:
-        path.unlink()
-    return mod
+    return probe_common.patched_module(SRC, EDITS, "fwd-timeline")
 
 
 NAMES = ["Q wait", "first block", "key loops", "last PV", "lse", "O store", "to next tile"]
