@@ -101,6 +101,37 @@ def test_bad_varlen_input_is_refused(i):
         flash_attn_varlen_func(**args)
 
 
+def test_cu_seqlens_values_are_read_once_per_unmodified_tensor(monkeypatch):
+    """Reading cu_seqlens on the host waits for the GPU: a model calling attention in every
+    layer with the same offsets pays it once (validation._PassedValueChecks), yet an in-place
+    change or a new tensor is checked again."""
+    from asymflash import validation
+
+    reads = []
+    real = validation._check_cu_seqlens_values
+    monkeypatch.setattr(validation, "_check_cu_seqlens_values",
+                        lambda cu, *a: (reads.append(cu), real(cu, *a)))
+    q = torch.randn(30, 4, 32, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(25, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    v = torch.randn_like(k)
+    cu_q, cu_k = cu(13, 17), cu(5, 20)
+    args = dict(max_seqlen_q=17, max_seqlen_k=20, causal=True)
+    first = flash_attn_varlen_func(q, k, v, cu_q, cu_k, **args)
+    assert len(reads) == 2
+    for _ in range(3):  # the next layers: same offsets, no more reads, same result
+        torch.testing.assert_close(flash_attn_varlen_func(q, k, v, cu_q, cu_k, **args), first,
+                                   atol=0, rtol=0)
+    assert len(reads) == 2
+    ref = attention_ref(q[:13].float()[None], k[:5].float()[None], v[:5].float()[None],
+                        causal=True)[0][0]
+    torch.testing.assert_close(first[:13].float(), ref, atol=2e-2, rtol=2e-2)
+    cu_k[1] = 26  # in place: no longer non-decreasing within the 25 keys
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, **args)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):  # a new tensor, equal shape
+        flash_attn_varlen_func(q, k, v, cu(13, 18), cu(5, 20), **args)
+
+
 def test_inputs_are_not_modified():
     q, k, v = qkv()
     sink = torch.randn(4, device=DEVICE)
