@@ -142,3 +142,17 @@ def test_sm90_runner_binds_and_launches_directly():
     (plan,) = plans._PLANS.values()
     assert isinstance(plan.forward, fwd.ForwardRunner)
     assert plan.forward.bound is not None  # the third call went through the bound launcher
+
+
+def test_switches_follow_the_environment(monkeypatch):
+    """Plans key on the backends' environment switches, read through os.environ's own dict:
+    a change made while the process runs must show at once."""
+    from asymflash import dispatch
+
+    for name in dispatch.SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    assert dispatch.switches() == (None,) * len(dispatch.SWITCHES)
+    monkeypatch.setenv("ASYMFLASH_SM90_PACK_GQA", "0")
+    got = dict(zip(dispatch.SWITCHES, dispatch.switches()))
+    assert got["ASYMFLASH_SM90_PACK_GQA"] in ("0", b"0")
+    assert got["ASYMFLASH_SM90_BWD"] is None
