@@ -37,6 +37,8 @@ backward's time with and without the stamps (the whole call by do_bench, and the
 by the profiler).
 
     PYTHONPATH=. python scripts/bwd-timeline.py            # H200: five cells
+    PYTHONPATH=. python scripts/bwd-timeline.py --first-cta 1000   # a later wave's CTAs
+                                                           # (CTAs 0-7 all start at once)
     PYTHONPATH=. python scripts/bwd-timeline.py --compile  # CPU: the patched kernel builds (sm_90a)
 """
 
@@ -65,14 +67,15 @@ TIMELINE_WORDS = CTA_AREA + NCTA * NSLOTS
 
 # Linear CTA id, read anew at each stamp (volatile asm: not merged with key_block's reads,
 # nothing derived from it kept live through the loop).
-_CTA_ASM = ("{ .reg .u32 x, y, z, nx, ny; mov.u32 x, %ctaid.x; mov.u32 y, %ctaid.y; "
+# Minus FIRST_CTA (--first-cta, a later wave's CTAs): negative ids stamp nothing.
+_CTA_ASM = ("{{ .reg .u32 x, y, z, nx, ny; mov.u32 x, %ctaid.x; mov.u32 y, %ctaid.y; "
             "mov.u32 z, %ctaid.z; mov.u32 nx, %nctaid.x; mov.u32 ny, %nctaid.y; "
-            "mad.lo.u32 y, z, ny, y; mad.lo.u32 $0, y, nx, x; }")
+            "mad.lo.u32 y, z, ny, y; mad.lo.u32 x, y, nx, x; sub.u32 $0, x, {first}; }}")
 
-STAMP = f'''
+STAMP = '''
     @gluon.jit
     def _tl_cta(x):
-        return gl.inline_asm_elementwise("{_CTA_ASM}", "=r,r", [x], dtype=gl.int32,
+        return gl.inline_asm_elementwise("{cta_asm}", "=r,r", [x], dtype=gl.int32,
                                          is_pure=False, pack=1)
 
     @gluon.jit
@@ -83,18 +86,19 @@ STAMP = f'''
 
     @gluon.jit
     def _tl_step(base, it, k: gl.constexpr, DETERMINISTIC: gl.constexpr):
-        # stamp k of step `it` (CTAs 0-{NCTA - 1}, steps 0-{NSTEP - 1})
+        # stamp k of step `it` ({NCTA} CTAs from --first-cta, steps below {NSTEP})
         if not DETERMINISTIC:
             cta = _tl_cta(it)
             t = _tl_clock(it)
             gl.store(base + (cta * {NSTEP} + it) * {NSLOTS} + k, t,
-                     mask=(cta < {NCTA}) & (it < {NSTEP}))
+                     mask=(cta >= 0) & (cta < {NCTA}) & (it < {NSTEP}))
 
     @gluon.jit
     def _tl_cta_value(base, value, k: gl.constexpr, DETERMINISTIC: gl.constexpr):
         if not DETERMINISTIC:
             cta = _tl_cta(value)
-            gl.store(base + {CTA_AREA} + cta * {NSLOTS} + k, value, mask=cta < {NCTA})
+            gl.store(base + {CTA_AREA} + cta * {NSLOTS} + k, value,
+                     mask=(cta >= 0) & (cta < {NCTA}))
 
     @gluon.jit
     def _tl_cta_stamp(base, x, k: gl.constexpr, DETERMINISTIC: gl.constexpr):
@@ -112,10 +116,13 @@ def _cta(x: str, k: int, indent: int = 12) -> str:
     return " " * indent + f"_tl_cta_stamp(sem_ptr, {x}, {k}, DETERMINISTIC)\n"
 
 
-# (old, new, count): exact edits of bwd.py's text
+def stamp_source(first_cta: int) -> str:
+    return STAMP.format(cta_asm=_CTA_ASM.format(first=first_cta), NCTA=NCTA, NSTEP=NSTEP,
+                        NSLOTS=NSLOTS, CTA_AREA=CTA_AREA)
+
+
+# (old, new, count): exact edits of bwd.py's text; the stamp helpers go in first (`edits`)
 EDITS = [
-    ("    @gluon.constexpr_function\n    def _dq_mma_layout(",
-     STAMP + "\n    @gluon.constexpr_function\n    def _dq_mma_layout(", 1),
     # per CTA: body start, loop start (+ n_steps), loop end, after the dK/dV epilogue
     ("        if (n0 >= 0) & (n0 < seqlen_k):\n",
      "        if (n0 >= 0) & (n0 < seqlen_k):\n" + _cta("n0", 0), 1),
@@ -155,8 +162,11 @@ EDITS = [
 ]
 
 
-def patched_module():
-    return probe_common.patched_module(SRC, EDITS, "bwd-timeline")
+def patched_module(first_cta: int = 0):
+    helpers = ("    @gluon.constexpr_function\n    def _dq_mma_layout(",
+               stamp_source(first_cta) + "\n    @gluon.constexpr_function\n"
+               "    def _dq_mma_layout(", 1)
+    return probe_common.patched_module(SRC, [helpers, *EDITS], "bwd-timeline")
 
 
 NAMES = ["Q/dO wait", "S wait", "exponentials", "dP wait", "dS, dK issue, fence",
@@ -305,12 +315,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--compile", action="store_true",
                     help="build plain and stamped kernels for sm_90a on the CPU, print registers/spills")
+    ap.add_argument("--first-cta", type=int, default=0,
+                    help="stamp CTAs N..N+7 (linear id) instead of the first wave's 0-7")
     a = ap.parse_args()
     if a.compile and os.environ.get("TRITON_INTERPRET"):
         # the interpreter cannot compile for a GPU target: run again without it
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
-    mod = patched_module()
+    mod = patched_module(a.first_cta)
     mod.TIMELINE = torch.zeros(TIMELINE_WORDS, dtype=torch.int32,
                                device="cuda" if torch.cuda.is_available() else "cpu")
     if a.compile:
