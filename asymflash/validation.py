@@ -6,9 +6,10 @@ Each error names the argument, what was received and what is allowed.
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
+
+from .tensor_memo import TensorMemo
 
 MAX_HEAD_DIM = 256
 
@@ -147,44 +148,23 @@ def check_int_vector(t, name, length, device):
         _fail(ValueError, name, f"is on {t.device}", f"q is on {device}")
 
 
-class _PassedValueChecks:
-    """Tensors whose values passed a check, remembered while the same tensor object lives and
-    its version counter (bumped by every in-place torch op on it or its views) is unchanged.
-
-    A value check copies the tensor to the host, and a copy from the GPU waits for all work
-    queued before it: a varlen model calling attention in every layer with the same
-    cu_seqlens would stall the host once per layer, and the GPU would idle while the host
-    catches up. Checked once, the same unmodified tensor is not checked again. (Writes that
-    bypass torch, e.g. a custom kernel writing through the data pointer, are not seen.)"""
-
-    def __init__(self):
-        self._passed: dict = {}
-
-    def passed(self, t: torch.Tensor, what: tuple) -> bool:
-        entry = self._passed.get((id(t), what))
-        return entry is not None and entry[0]() is t and entry[1] == t._version
-
-    def remember(self, t: torch.Tensor, what: tuple) -> None:
-        key = (id(t), what)
-        passed = self._passed
-        passed[key] = (weakref.ref(t, lambda _ref, key=key: passed.pop(key, None)), t._version)
-
-
-_PASSED = _PassedValueChecks()
+# cu_seqlens whose values passed `check_cu_seqlens`: an unchanged tensor is not read again
+# (a varlen model's layers share one; each read waits for the GPU, see tensor_memo).
+_PASSED = TensorMemo()
 
 
 def check_cu_seqlens(cu, name, total, max_seqlen, max_name):
     """Values checks need the numbers on the host: one small copy (once per unmodified
-    tensor, `_PassedValueChecks`), skipped under compile."""
+    tensor, `_PASSED`), skipped under compile."""
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         _fail(ValueError, max_name, f"is {max_seqlen!r}", "expected an int >= 0")
     if torch.compiler.is_compiling():
         return
     what = ("cu_seqlens", total, max_seqlen)
-    if _PASSED.passed(cu, what):
+    if _PASSED.get(cu, what, False):
         return
     _check_cu_seqlens_values(cu, name, total, max_seqlen, max_name)
-    _PASSED.remember(cu, what)
+    _PASSED.put(cu, what, True)
 
 
 def _check_cu_seqlens_values(cu, name, total, max_seqlen, max_name):

@@ -67,3 +67,31 @@ def test_bf16_generation_runs_and_mostly_agrees():
     logits, tokens = generate(NAME, ids, dtype=torch.bfloat16)
     assert (logits.float() - ref_logits.float()).abs().max() < 5e-2
     assert tokens.shape == (1, 25)
+
+
+def test_padding_offsets_are_derived_once_per_forward_pass(monkeypatch):
+    """Every layer gets the same padding mask: its offsets (a host read of the mask, a wait
+    for the GPU) are derived once per forward pass, not once per layer, and stay correct
+    when the mask changes between passes."""
+    from asymflash.integrations import hf
+
+    derived = []
+    real = hf._OFFSETS.put
+    monkeypatch.setattr(hf._OFFSETS, "put", lambda *a: (derived.append(a[1]), real(*a)))
+    model = tiny_llama(NAME, torch.float32)  # 2 layers
+    ids = torch.randint(1, 128, (2, 13), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        first = model(ids, attention_mask=mask).logits
+        assert len(derived) == 1
+        again = model(ids, attention_mask=mask).logits  # a new pass: HF builds a new mask
+        mask[0, :2] = 0  # in place: the offsets must be derived again
+        changed = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(again, first, atol=0, rtol=0)
+    assert len(derived) <= 3
+    ref = tiny_llama("eager", torch.float32)
+    with torch.no_grad():
+        ref_changed = ref(ids, attention_mask=mask).logits
+    real_rows = mask.bool()
+    assert (changed[real_rows] - ref_changed[real_rows]).abs().max() < 1e-4

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..interface import flash_attn_func, flash_attn_varlen_func
+from ..tensor_memo import TensorMemo
 
 NAME = "asymattn"
 
@@ -35,24 +36,46 @@ def _window(sliding_window, causal):
     return (left, 0 if causal else left)
 
 
-def _unpadded(q, k, v, keep, **kw):
-    """Attention of a padded batch through varlen: only kept positions take part.
+# transformers passes the same 2-D padding mask to every layer of a forward pass. What the
+# varlen call needs from it (row indices, offsets, longest lengths) is derived once per mask
+# tensor and query length: each derivation reads the mask on the host, a wait for the GPU,
+# and boolean indexing would wait once more per gather.
+_OFFSETS = TensorMemo()
 
-    keep: bool (batch, kv_len), True for real tokens (HF's 2-D padding mask); the queries are
-    the last seqlen_q positions. Padded query rows come back as zeros.
-    """
-    batch, seqlen_q, nheads_q, _ = q.shape
-    k, v = k[:, :keep.shape[1]], v[:, :keep.shape[1]]  # a static cache is longer than the mask
+
+def _padding_offsets(mask, seqlen_q):
+    """((b_q, t_q), (b_k, t_k), cu_q, cu_k, max_q, max_k) of a 2-D padding mask (true for
+    real tokens, (batch, kv_len)) with the queries at its last seqlen_q positions: the batch
+    and position of every kept query and key, in order, and the varlen offsets."""
+    found = _OFFSETS.get(mask, seqlen_q)
+    if found is not None:
+        return found
+    keep = mask.bool()
     keep_q = keep[:, -seqlen_q:]
     lens_q = keep_q.sum(1, dtype=torch.int32)
     lens_k = keep.sum(1, dtype=torch.int32)
-    zero = torch.zeros(1, dtype=torch.int32, device=q.device)
+    zero = torch.zeros(1, dtype=torch.int32, device=mask.device)
     cu_q = torch.cat([zero, lens_q.cumsum(0, dtype=torch.int32)])
     cu_k = torch.cat([zero, lens_k.cumsum(0, dtype=torch.int32)])
-    packed = flash_attn_varlen_func(q[keep_q], k[keep], v[keep], cu_q, cu_k,
-                                    int(lens_q.max()), int(lens_k.max()), **kw)
+    found = (keep_q.nonzero(as_tuple=True), keep.nonzero(as_tuple=True), cu_q, cu_k,
+             int(lens_q.max()), int(lens_k.max()))
+    _OFFSETS.put(mask, seqlen_q, found)
+    return found
+
+
+def _unpadded(q, k, v, mask, **kw):
+    """Attention of a padded batch through varlen: only kept positions take part.
+
+    mask: HF's 2-D padding mask (batch, kv_len), true for real tokens; the queries are the
+    last seqlen_q positions (a static cache's k, v may be longer than the mask). Padded query
+    rows come back as zeros.
+    """
+    batch, seqlen_q, nheads_q, _ = q.shape
+    rows_q, rows_k, cu_q, cu_k, max_q, max_k = _padding_offsets(mask, seqlen_q)
+    packed = flash_attn_varlen_func(q[rows_q], k[rows_k], v[rows_k], cu_q, cu_k, max_q, max_k,
+                                    **kw)
     out = q.new_zeros(batch, seqlen_q, nheads_q, v.shape[-1])
-    out[keep_q] = packed
+    out[rows_q] = packed
     return out
 
 
@@ -75,7 +98,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if attention_mask is None:
         out = flash_attn_func(q, k, v, **kw)
     elif attention_mask.dim() == 2:
-        out = _unpadded(q, k, v, attention_mask.bool(), **kw)
+        out = _unpadded(q, k, v, attention_mask, **kw)
     else:
         raise ValueError(f"asymflash: attention_mask has shape {tuple(attention_mask.shape)}; "
                          "expected None or a 2-D padding mask (register() installs the mask "
