@@ -227,8 +227,9 @@ def _time_variant(fields, inputs, ref, tflops):
 
     dout, q, k, v, out, lse, seq, params = inputs
     fields = dict(fields)
-    params = dataclasses.replace(params, deterministic=bool(fields.pop("deterministic", False)))
-    cfg = dataclasses.replace(bwd.select_config(q.shape[-1]), **fields)
+    det = bool(fields.pop("deterministic", False))
+    params = dataclasses.replace(params, deterministic=det)
+    cfg = dataclasses.replace(bwd.select_config(q.shape[-1], deterministic=det), **fields)
     try:
         rel, nan = _grad_error(
             bwd.backward(dout, q, k, v, out, lse, None, seq, params, None, cfg), ref)

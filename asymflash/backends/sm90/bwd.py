@@ -160,6 +160,18 @@ class BwdConfig:
     # at 512 / 2k / 16k: d=128 non-causal 303 / 451 / 509 -> 306 / 467 / 506, causal 199 /
     # 380 / 510 -> 198 / 377 / 517; d=64 1-4 % slower (ptxas spills 0 -> 8; d=128 4 -> 0).
     dk_late: bool = False
+    # Load and stage the next step's lse/delta while the dQ MMA runs, instead of between the
+    # Sᵀ issue and its wait. There, the shared-memory store of one stats buffer followed by
+    # the read of the other made Triton's barrier pass put a CTA-wide bar.sync right after the
+    # Sᵀ wait (the slot index is a runtime value: it cannot prove the two disjoint), and that
+    # barrier waited for the stores, i.e. for the loads' latency. H200 2026-11-30, TFLOP/s
+    # (scripts/sm90-bwd-probe.py, two runs): d=128 2k 457 -> 474, causal 2k / 16k 380 / 493-505
+    # -> 389 / 546-550, 512 rows +1-2 %; d=64 +0-5 %; d=256 (bwd_wide) 0-2 % slower, causal
+    # 16k up to 7 %; deterministic d=128 causal 16k 409 -> 389 (the turn's wait sits right
+    # behind the loads). Loading into registers at the step's start and storing before the dQ
+    # reduce's barrier (the loads' latency spread over the whole step): d=128 2k 456, causal
+    # 16k 497, d=64 within 2 %.
+    stats_late: bool = True
 
 
 # FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,
@@ -173,7 +185,7 @@ _DEFAULT_CONFIGS = {
     64: BwdConfig(block_m=128, block_n=128),
     128: BwdConfig(block_m=64, block_n=128, dv_overlap=False, dk_late=True),
     256: BwdConfig(block_m=64, block_n=64, dv_overlap=False,  # FA3's hdim-256 tile
-                   turn_release=0),
+                   turn_release=0, stats_late=False),
 }
 
 
@@ -188,12 +200,14 @@ def _kernel_for(head_dim: int):
 
 
 def select_config(head_dim: int, override: BwdConfig | None = None,
-                  softcap: bool = False) -> BwdConfig:
+                  softcap: bool = False, deterministic: bool = False) -> BwdConfig:
     """Heuristic config; `override` wins when given."""
     if override is not None:
         cfg = override
     else:
         cfg = _DEFAULT_CONFIGS[head_dim]
+        if deterministic:
+            cfg = replace(cfg, stats_late=False)  # see BwdConfig.stats_late
         if softcap:
             # The softcap chain-rule tile takes the registers dPᵀ's early issue needs (d=128:
             # 2 spill instructions in the unmasked loop otherwise; d=64 with 128-row steps:
@@ -245,7 +259,7 @@ if _GLUON_ERROR is None:
                          REVERSE_N: gl.constexpr, DQ_TMA: gl.constexpr,
                          STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
                          WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
-                         DK_LATE: gl.constexpr):
+                         DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr):
         # Keys on the M axis: warpgroup w owns keys [w·64, w·64 + 64) of the block.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
@@ -345,12 +359,12 @@ if _GLUON_ERROR is None:
                     dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
                                            is_async=True)
 
-                # Next step's row statistics, while the two MMAs run. Its buffer was last read
-                # in step it-1, before the barrier every warp has passed since; this step's
-                # barrier publishes it.
-                if it + 1 < n_steps:
-                    stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
-                                 m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
+                if not STATS_LATE:
+                    # Next step's row statistics, while the two MMAs run. Its buffer was last
+                    # read in step it-1, before the barrier every warp has passed since.
+                    if it + 1 < n_steps:
+                        stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
+                                     m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
                 if DP_EARLY:
                     s = warpgroup_mma_wait(1, deps=[s_tok])
                 else:
@@ -402,6 +416,13 @@ if _GLUON_ERROR is None:
                                        is_async=True)
                 if DK_LATE:
                     dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                if STATS_LATE:
+                    # Next step's row statistics, while dQ runs (the warps would only wait for
+                    # it). Past this step's first barrier no warp reads buffer 1 - slot any
+                    # more; the barrier before the dQ reduce publishes it.
+                    if it + 1 < n_steps:
+                        stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
+                                     m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
                 if DETERMINISTIC:
                     if WAIT_EARLY:  # the semaphore's round trip under the dK/dQ MMAs
                         sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
@@ -495,6 +516,7 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
             "WAIT_EARLY": cfg.turn_wait_early and cfg.dq_tma, "KV_TMA_STORE": kv_tma_store}
     if head_dim != 256:  # bwd_wide splits dK/dQ by columns: its schedule has no such choice
         consts["DK_LATE"] = cfg.dk_late
+    consts["STATS_LATE"] = cfg.stats_late
     return consts
 
 
@@ -537,7 +559,7 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
     feats = {"uniform": True, "has_seqused": False, "has_left": False, "has_right": False,
              "softcap": False, "deterministic": False}
     feats.update(features)
-    cfg = select_config(head_dim, cfg, feats["softcap"])
+    cfg = select_config(head_dim, cfg, feats["softcap"], feats["deterministic"])
     feats.setdefault("kv_tma_store", cfg.kv_tma_store and feats["uniform"]
                      and not feats["has_seqused"])
     ty = _fwd._SIG_DTYPES[dtype]
@@ -689,7 +711,7 @@ def launch_plan(width: int, width_v: int, max_seqlen_q: int, max_seqlen_k: int,
                 softcap: bool, deterministic: bool, batch: int, hkv: int, sms: int,
                 cfg: BwdConfig | None) -> LaunchPlan:
     """Config, grid and constexprs of one backward call (cfg: an override, or None)."""
-    cfg = select_config(width, cfg, softcap)
+    cfg = select_config(width, cfg, softcap, deterministic)
     grid = (cdiv(max(max_seqlen_k, 1), cfg.block_n), hkv, batch)
     consts = _constexprs(width, width_v, cfg, uniform=uniform, has_seqused=has_seqused,
                          has_left=window_left >= 0, has_right=window_right >= 0,

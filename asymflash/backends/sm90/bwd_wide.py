@@ -82,7 +82,8 @@ if _GLUON_ERROR is None:
                              DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
                              REVERSE_N: gl.constexpr, DQ_TMA: gl.constexpr,
                              STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
-                             WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr):
+                             WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
+                             STATS_LATE: gl.constexpr):
         # dPᵀ is always issued with Sᵀ here (DP_EARLY is bwd.py's register trade-off), and dV
         # is always retired before dSᵀ is published (barrier 2 relies on it); DV_OVERLAP keeps
         # it in flight while dSᵀ is formed. DQ_TMA: dQ leaves by TMA reduce-add in two
@@ -181,10 +182,10 @@ if _GLUON_ERROR is None:
                                       is_async=True)
                 dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
                                        is_async=True)
-                # Next step's statistics (published by this step's barrier 1).
-                if it + 1 < n_steps:
-                    stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
-                                m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
+                if not STATS_LATE:  # next step's statistics (published by barrier 1)
+                    if it + 1 < n_steps:
+                        stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
+                                    m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
                 s = warpgroup_mma_wait(1, deps=[s_tok])
                 lse2 = lse_smem.index(slot).load(col_layout)
                 p, p_ds = probabilities(
@@ -224,6 +225,12 @@ if _GLUON_ERROR is None:
                 dq_hi_tok = warpgroup_mma(ds_smem.permute((1, 0)),
                                           k_smem.slice(DQ_COLS, DQ_COLS, 1), dq_zero,
                                           use_acc=False, is_async=True)
+                if STATS_LATE:
+                    # Next step's statistics under the dK/dQ MMAs (bwd.BwdConfig.stats_late):
+                    # buffer 1 - slot was last read before barrier 2.
+                    if it + 1 < n_steps:
+                        stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
+                                    m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
                 if DETERMINISTIC:
                     if WAIT_EARLY:  # the semaphore's round trip under the MMAs (bwd.py)
                         sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
