@@ -137,10 +137,10 @@ def reference_grads(q, k, v, dout, seq, params, sink, c):
     return res
 
 
-def run_case(c, device="cuda", fwd_mod=None, bwd_mod=None):
-    """Runs a forward (portable) and the sm90 backward (or the given modules); returns
-    {grad: (got, ref fp32, ref same dtype, atol)} for assert_fa_close; raises
-    NotImplementedError when the backward refuses the case."""
+def run_case(c, device="cuda", fwd_mod=None, bwd_mod=None, cfg=None):
+    """Runs a forward (portable) and the sm90 backward (or the given modules; `cfg`: a
+    BwdConfig override); returns {grad: (got, ref fp32, ref same dtype, atol)} for
+    assert_fa_close; raises NotImplementedError when the backward refuses the case."""
     if fwd_mod is None:
         from asymflash.backends import portable as fwd_mod
     if bwd_mod is None:
@@ -152,7 +152,8 @@ def run_case(c, device="cuda", fwd_mod=None, bwd_mod=None):
     if why is not None:
         raise NotImplementedError(why)
     out, lse = fwd_mod.forward(q, k, v, seq, params, sink)
-    dq, dk, dv, dsink = bwd.backward(dout, q, k, v, out, lse, None, seq, params, sink)
+    dq, dk, dv, dsink = bwd.backward(dout, q, k, v, out, lse, None, seq, params, sink,
+                                     *([cfg] if cfg is not None else []))
     if q.is_cuda:
         torch.cuda.synchronize()
     ref32, reflow = reference_grads(q, k, v, dout, seq, params, sink, c)
@@ -174,6 +175,27 @@ def run_case(c, device="cuda", fwd_mod=None, bwd_mod=None):
 def test_sm90_backward_matches_reference(case):
     for name, (g, r32, rlow, atol) in run_case(case).items():
         assert g.shape == r32.shape, name
+        assert_fa_close(name, g, r32, rlow, atol=atol)
+
+
+# d=128 runs bwd_ws.py's warp-specialised kernel by default (dQ of warpgroup 0 one step
+# late). Its other schedules, and bwd.py's kernel (which keeps softcap and deterministic
+# calls), on every d=128 case they can take.
+SPLIT_CASES = [c for c in CASES if c["d"] in (96, 128) and not c.get("softcap")]
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("variant", [dict(late_warpgroup=1), dict(late_warpgroup=-1),
+                                     dict(split_warpgroups=False)],
+                         ids=["late1", "in-step", "synchronous"])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c["name"])
+def test_sm90_backward_d128_schedules_match_reference(case, variant):
+    from dataclasses import replace
+
+    from asymflash.backends.sm90 import bwd
+
+    cfg = replace(bwd.select_config(128), **variant)
+    for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
         assert_fa_close(name, g, r32, rlow, atol=atol)
 
 

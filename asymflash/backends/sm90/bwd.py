@@ -77,7 +77,7 @@ import torch
 from asymflash.core.params import AttnParams, SeqInfo, cdiv
 
 from ..launch import DirectLaunch, sm_count
-from . import bwd_wide
+from . import bwd_wide, bwd_ws
 from . import fwd as _fwd
 from .fwd import _GLUON_ERROR
 
@@ -172,6 +172,13 @@ class BwdConfig:
     # reduce's barrier (the loads' latency spread over the whole step): d=128 2k 456, causal
     # 16k 497, d=64 within 2 %.
     stats_late: bool = True
+    # d=128: the warp-specialised kernel (`bwd_ws.py`): a load warp, and the two warpgroups
+    # out of phase, meeting only through mbarriers (dQ by column halves, one reduce each).
+    # Not for deterministic mode or dQ atomics (those keep this module's kernel). H200
+    # 2026-11-30 (sm90-bwd-probe), TFLOP/s 512 / 2k / 16k: non-causal 317 / 474 / 534 ->
+    # 338 / 516 / 554, causal 207 / 392 / 520 -> 209 / 395 / 533.
+    split_warpgroups: bool = False
+    late_warpgroup: int = 0  # bwd_ws: the warpgroup that computes dQ one step late (-1: none)
 
 
 # FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,
@@ -183,20 +190,39 @@ class BwdConfig:
 # -> 339 / 401 / 465, causal 2k / 16k 280 / 385 -> 329 / 471 (cuDNN 426 / 455 non-causal).
 _DEFAULT_CONFIGS = {
     64: BwdConfig(block_m=128, block_n=128),
-    128: BwdConfig(block_m=64, block_n=128, dv_overlap=False, dk_late=True),
+    128: BwdConfig(block_m=64, block_n=128, dv_overlap=False, dk_late=True,
+                   split_warpgroups=True),
     256: BwdConfig(block_m=64, block_n=64, dv_overlap=False,  # FA3's hdim-256 tile
                    turn_release=0, stats_late=False),
 }
 
 
 @functools.lru_cache(maxsize=None)
-def _launcher_for(head_dim: int) -> DirectLaunch:
+def _launcher_for(head_dim: int, split: bool = False) -> DirectLaunch:
     """The backward kernel, launched without Triton's per-call binding once compiled."""
-    return DirectLaunch(_kernel_for(head_dim))
+    return DirectLaunch(_kernel_for(head_dim, split))
 
 
-def _kernel_for(head_dim: int):
+def _kernel_for(head_dim: int, split: bool = False):
+    if split:
+        return bwd_ws.attn_bwd_ws_kernel
     return bwd_wide.attn_bwd_wide_kernel if head_dim == 256 else _attn_bwd_kernel
+
+
+def _splits_warpgroups(head_dim: int, cfg: BwdConfig, deterministic: bool,
+                       softcap: bool) -> bool:
+    """Whether a call runs `bwd_ws`'s kernel (BwdConfig.split_warpgroups). Not with softcap:
+    its chain-rule tile does not fit a partition's 240 registers (sm_90a: 40 local-memory
+    instructions in every step)."""
+    return (cfg.split_warpgroups and head_dim == 128 and cfg.dq_tma and not deterministic
+            and not softcap)
+
+
+def _launch_options(split: bool, cfg: BwdConfig) -> dict:
+    # bwd_ws: 4 warps per compute warpgroup (the default partition is one), the load warp
+    # padded to a warpgroup; maxnreg is the pool the partitions' setmaxnreg draw from
+    # (168 * 384 = 64512 <= 64K registers).
+    return {"num_warps": 4, "maxnreg": 168} if split else {"num_warps": cfg.num_warps}
 
 
 def select_config(head_dim: int, override: BwdConfig | None = None,
@@ -500,7 +526,7 @@ if _GLUON_ERROR is None:
 
 def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, has_left,
                 has_right, softcap, deterministic=False, max_key_blocks=1, resident_ctas=1,
-                kv_tma_store=False):
+                kv_tma_store=False, split=False):
     # A staggered deterministic walk makes key block j wait for j + 1 at some query blocks, so
     # every key block of a sequence must be resident at once (one CTA per SM): otherwise
     # ascending turns, where a CTA only waits for CTAs launched before it.
@@ -517,6 +543,8 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
     if head_dim != 256:  # bwd_wide splits dK/dQ by columns: its schedule has no such choice
         consts["DK_LATE"] = cfg.dk_late
     consts["STATS_LATE"] = cfg.stats_late
+    if split:
+        consts["LATE_WG"] = cfg.late_warpgroup
     return consts
 
 
@@ -527,9 +555,15 @@ def kv_tma_store(uniform: bool, max_seqlen_k: int, batch: int, block_n: int) -> 
     return uniform and (max_seqlen_k % block_n == 0 or batch == 1)
 
 
-def _dq_block(head_dim: int, cfg: BwdConfig) -> tuple[int, int]:
-    """The dQ reduce box: the whole row block, or half of it at d=256 (bwd_wide)."""
-    return (cfg.block_m, head_dim // 2 if head_dim == 256 else head_dim)
+def _dq_block(head_dim: int, cfg: BwdConfig, split: bool = False) -> tuple[int, int]:
+    """The dQ reduce box: the whole row block, or half of it at d=256 (bwd_wide) and in
+    bwd_ws (each warpgroup reduces its columns)."""
+    return (cfg.block_m, head_dim // 2 if head_dim == 256 or split else head_dim)
+
+
+def _key_rows(cfg: BwdConfig, split: bool) -> int:
+    """Rows of the dK/dV TMA-store box: the key block, or one warpgroup's half (bwd_ws)."""
+    return cfg.block_n // 2 if split else cfg.block_n
 
 
 @functools.lru_cache(maxsize=None)
@@ -573,25 +607,26 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
             return rows_desc([block[0], 1, block[1]])
         return rows_desc(block)
 
-    dq_block = _dq_block(head_dim, cfg)
+    split = _splits_warpgroups(head_dim, cfg, feats["deterministic"], feats["softcap"])
+    dq_block = _dq_block(head_dim, cfg, split)
     signature = {
         "q_desc": desc([cfg.block_m, head_dim]), "k_desc": desc([cfg.block_n, head_dim]),
         "v_desc": desc([cfg.block_n, head_dim_v]), "do_desc": desc([cfg.block_m, head_dim_v]),
         "dq_desc": f"tensordesc<fp32[{dq_block[0]}, {dq_block[1]}],{_dq_layout(dq_block)!r}>",
-        "dk_desc": rows_desc([cfg.block_n, head_dim]),
-        "dv_desc": rows_desc([cfg.block_n, head_dim_v]),
+        "dk_desc": rows_desc([_key_rows(cfg, split), head_dim]),
+        "dv_desc": rows_desc([_key_rows(cfg, split), head_dim_v]),
         "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "dk_ptr": f"*{ty}",
         "dv_ptr": f"*{ty}", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "used_k_ptr": "*i32",
         "sem_ptr": "*i32", "seqlen_q": "i32", "seqlen_k": "i32", "total_q": "i32",
         "n_heads": "i32", "n_kv_heads": "i32", "group": "i32", "num_m_blocks": "i32",
         "qk_scale": "fp32", "softmax_scale": "fp32",
         "softcap_pre": "fp32", "window_left": "i32", "window_right": "i32"}
-    constexprs = _constexprs(head_dim, head_dim_v, cfg, **feats)
+    constexprs = _constexprs(head_dim, head_dim_v, cfg, split=split, **feats)
     for name in constexprs:
         signature[name] = "constexpr"
-    src = GluonASTSource(_kernel_for(head_dim), signature, constexprs=constexprs)
+    src = GluonASTSource(_kernel_for(head_dim, split), signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": cfg.num_warps})
+                          options=_launch_options(split, cfg))
 
 
 def unsupported_backward(q, k, v, seq: SeqInfo, params: AttnParams, sink) -> str | None:
@@ -668,8 +703,8 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
         k_desc = _fwd.tma_rows(k, (cfg.block_n, d))
         v_desc = _fwd.tma_rows(v, (cfg.block_n, dvd))
     dq_desc = _fwd.tma_rows(dq_acc, plan.dq_block, plan.dq_layout)
-    dk_desc = _fwd.tma_rows(dk, (cfg.block_n, width))
-    dv_desc = _fwd.tma_rows(dv, (cfg.block_n, width_v))
+    dk_desc = _fwd.tma_rows(dk, (_key_rows(cfg, plan.split), width))
+    dv_desc = _fwd.tma_rows(dv, (_key_rows(cfg, plan.split), width_v))
 
     qk_scale, softcap_pre = _fwd.exp2_scales(params)
     # One dQ turn counter per (sequence, q head, query block); only read when deterministic.
@@ -678,7 +713,7 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
                           device=q.device)
     else:
         sem = _unused_semaphore(q.device)
-    _launcher_for(width)[plan.grid](
+    _launcher_for(width, plan.split)[plan.grid](
         q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse, delta, dq_acc, dk, dv,
         seq.cu_seqlens_q,
         seq.cu_seqlens_k, seq.seqused_k if has_seqused else seq.cu_seqlens_k, sem,
@@ -703,6 +738,7 @@ class LaunchPlan:
     constexprs: dict  # and num_warps
     dq_block: tuple
     dq_layout: object
+    split: bool  # bwd_ws's kernel
 
 
 @functools.lru_cache(maxsize=4096)
@@ -713,13 +749,15 @@ def launch_plan(width: int, width_v: int, max_seqlen_q: int, max_seqlen_k: int,
     """Config, grid and constexprs of one backward call (cfg: an override, or None)."""
     cfg = select_config(width, cfg, softcap, deterministic)
     grid = (cdiv(max(max_seqlen_k, 1), cfg.block_n), hkv, batch)
-    consts = _constexprs(width, width_v, cfg, uniform=uniform, has_seqused=has_seqused,
+    split = _splits_warpgroups(width, cfg, deterministic, softcap)
+    consts = _constexprs(width, width_v, cfg, split=split, uniform=uniform,
+                         has_seqused=has_seqused,
                          has_left=window_left >= 0, has_right=window_right >= 0,
                          softcap=softcap, deterministic=deterministic,
                          max_key_blocks=grid[0], resident_ctas=sms,
                          kv_tma_store=cfg.kv_tma_store and kv_tma_store(
                              uniform, max_seqlen_k, batch, cfg.block_n))
-    consts["num_warps"] = cfg.num_warps
-    dq_block = _dq_block(width, cfg)
+    consts.update(_launch_options(split, cfg))
+    dq_block = _dq_block(width, cfg, split)
     return LaunchPlan(cfg, grid, cdiv(max(max_seqlen_q, 1), cfg.block_m), consts, dq_block,
-                      _dq_layout(dq_block))
+                      _dq_layout(dq_block), split)

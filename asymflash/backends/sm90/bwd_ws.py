@@ -1,0 +1,310 @@
+"""Warp-specialised sm90 backward: the two key warpgroups out of phase (d = 128).
+
+`bwd.py`'s kernel runs both warpgroups through every step together: a CTA-wide barrier
+publishes dSᵀ for dQ = dS·K, another stages dQ for its TMA reduce, and Triton adds its own
+around shared-memory reuse. Both warpgroups then form Pᵀ and dSᵀ at the same moments while
+the tensor cores wait, and wait for the tensor cores at the same moments (H200 timeline,
+d=128 16k: ~4700 cycles per step against ~2560 of MMA work).
+
+Here the roles are `gl.warp_specialize` partitions that only meet through mbarriers:
+
+* a load warp: K and V once; then per step the row statistics (lse in log2 units, delta) by
+  ordinary loads into shared memory, and Q and dO by TMA, into a two-slot ring. The statistics'
+  load latency is off the compute warps' path.
+* two compute warpgroups, warpgroup w owning keys [64·w, 64·w + 64) of the block: Sᵀ, dPᵀ,
+  Pᵀ, dV, dSᵀ and dK as in `bwd.py`, and dQ[:, 64·w : 64·w + 64] = dS·K[:, cols], which needs
+  both halves of dSᵀ. Warpgroup 1 computes it for the current step (warpgroup 0's half is
+  a half step old by then); warpgroup 0 computes it one step late, for the previous step
+  (so it never waits for warpgroup 1's current half). Each warpgroup stages its own dQ
+  columns and issues its own TMA reduce-add (same bytes as one reduce of the whole tile).
+
+Barriers (all mbarriers, phases counted per use of a slot):
+ready[s]  Q/dO (TMA bytes) and the statistics of the step in slot s have landed;
+empty[s]  both warpgroups have retired the MMAs that read Q/dO of slot s (count 2);
+ds_ready[2s + w]  warpgroup w's half of dSᵀ for the step in slot s is in shared memory;
+ds_free[s]  both warpgroups' dQ MMAs have read dSᵀ slot s (count 2);
+done  both warpgroups are past their last MMA: the epilogue may reuse the Q/dO ring.
+
+Covers what `bwd.py` covers except deterministic mode and per-thread dQ atomics (dispatch in
+`bwd.launch_plan` keeps those on the synchronous kernel).
+"""
+
+from __future__ import annotations
+
+from .fwd import _GLUON_ERROR
+
+if _GLUON_ERROR is None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from .bwd_parts import (
+        key_block,
+        load_kv,
+        load_qdo,
+        mask_edges,
+        next_step,
+        probabilities,
+        query_range,
+        stage_stats,
+        step_needs_mask,
+        store_key_rows,
+        store_key_tiles,
+        tma_reduce_add,
+        walk_start,
+    )
+    from .fwd import _tile_layout
+
+    # setmaxnreg per compute warpgroup and for the load warp (padded to a warpgroup):
+    # 240 * 256 + 24 * 128 = 64512 <= 64K registers.
+    COMPUTE_REGS = gl.constexpr(240)
+    LOADER_REGS = gl.constexpr(24)
+
+    @gluon.jit
+    def _ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem, k_smem,
+                   v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, k_row, hk,
+                   q_start, seqlen_q, total_q, n_steps, h, m0, m_lo, m_end, h_first, group,
+                   HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr):
+        load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(0), k_row, hk, HEAD_DIM,
+                HEAD_DIM_V)
+        stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+        for it in range(n_steps):
+            slot = it % 2
+            if it >= 2:  # both warpgroups are done with step it - 2
+                mbarrier.wait(empty.index(slot), ((it - 2) // 2) & 1)
+            # The statistics are stored before the expect (an arrive with release semantics,
+            # behind a barrier of this warp): the compute warps see them once `ready` flips.
+            stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, slot, h, m0, q_start,
+                        seqlen_q, total_q, BLOCK_M, stat_layout)
+            load_qdo(q_desc, do_desc, q_smem, do_smem, ready, slot, h, q_start + m0, HEAD_DIM,
+                     HEAD_DIM_V, True)
+            h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
+
+    @gluon.jit
+    def _ws_dq(ds_smem, k_cols, dq_buf, dq_desc, ds_ready, ds_free, j, h, m0, q_start,
+               softmax_scale, dq_zero, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+               DQ_COLS: gl.constexpr):
+        """This warpgroup's dQ columns of step j: wait for the other half of dSᵀ, MMA, stage,
+        reduce-add (retires every MMA this warpgroup has in flight)."""
+        js = j % 2
+        mbarrier.wait(ds_ready.index(2 * js + 1 - WG), (j // 2) & 1)
+        dq_tok = warpgroup_mma(ds_smem.index(js).permute((1, 0)), k_cols, dq_zero,
+                               use_acc=False, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=[dq_tok])
+        mbarrier.arrive(ds_free.index(js), count=1)
+        tma.store_wait(0)  # this warpgroup's previous reduce has read dq_buf
+        dq_buf.store(dq * softmax_scale)
+        fence_async_shared()
+        gl.thread_barrier()
+        tma_reduce_add(dq_desc, [q_start + m0, h * HEAD_DIM + WG * DQ_COLS], dq_buf)
+
+    @gluon.jit
+    def _ws_compute(q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+                    kv_bar, ready, empty, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc,
+                    dk_ptr, dv_ptr, q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
+                    n_steps, h, m0, m_lo, m_end, h_first, group, keys_oob, m_full_lo,
+                    m_full_hi, qk_scale, softmax_scale, softcap_pre, window_left, window_right,
+                    WG: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DP_EARLY: gl.constexpr,
+                    KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr):
+        KEYS: gl.constexpr = BLOCK_N // 2
+        DQ_COLS: gl.constexpr = HEAD_DIM // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD_DIM, 16])
+        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD_DIM_V, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_COLS, 16])
+        pv_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout,
+                                                         k_width=2)
+        dsq_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout,
+                                                          k_width=2)
+        key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        dtype: gl.constexpr = k_smem.dtype
+
+        k_mine = k_smem.slice(WG * KEYS, KEYS)
+        v_mine = v_smem.slice(WG * KEYS, KEYS)
+        k_cols = k_smem.slice(WG * DQ_COLS, DQ_COLS, 1)
+        dq_buf = dq_smem.index(WG)
+        kloc = WG * KEYS + gl.arange(0, KEYS, layout=key_layout)
+        cols = gl.arange(0, BLOCK_M, layout=col_layout)
+        shift = seqlen_k - seqlen_q
+        n_valid = seqlen_k - n0
+        diag_right = shift + window_right - n0
+        diag_left = shift - window_left - n0
+        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, dk_layout)
+        dv = gl.zeros([KEYS, HEAD_DIM_V], gl.float32, dv_layout)
+        s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
+        dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+        h_prev = h
+        m0_prev = m0
+        mbarrier.wait(kv_bar.index(0), 0)
+        for it in range(n_steps):
+            slot = it % 2
+            mbarrier.wait(ready.index(slot), (it // 2) & 1)
+            q_s = q_smem.index(slot)
+            do_s = do_smem.index(slot)
+            s_tok = warpgroup_mma(k_mine, q_s.permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+            if DP_EARLY:
+                dp_tok = warpgroup_mma(v_mine, do_s.permute((1, 0)), s_zero, use_acc=False,
+                                       is_async=True)
+                s = warpgroup_mma_wait(1, deps=[s_tok])
+            else:
+                s = warpgroup_mma_wait(0, deps=[s_tok])
+            lse2 = lse_smem.index(slot).load(col_layout)
+            p, p_ds = probabilities(
+                s, lse2, qk_scale, softcap_pre,
+                step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, HAS_LEFT, HAS_RIGHT),
+                kloc, cols, n_valid, m0, diag_right, diag_left, SOFTCAP, HAS_LEFT, HAS_RIGHT)
+            if not DP_EARLY:
+                dp_tok = warpgroup_mma(v_mine, do_s.permute((1, 0)), s_zero, use_acc=False,
+                                       is_async=True)
+            p_op = gl.convert_layout(p.to(dtype), pv_op_layout)
+            dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
+            dp, dv, p_op = warpgroup_mma_wait(0, deps=[dp_tok, dv_tok, p_op])
+            delta = delta_smem.index(slot).load(col_layout)
+            ds16 = (p_ds * (dp - gl.expand_dims(delta, 0))).to(dtype)
+            if it >= 2:  # both dQ MMAs of step it - 2 have read this dSᵀ slot
+                mbarrier.wait(ds_free.index(slot), ((it - 2) // 2) & 1)
+            ds_smem.index(slot).slice(WG * KEYS, KEYS).store(ds16)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(2 * slot + WG), count=1)
+            ds_op = gl.convert_layout(ds16, dsq_op_layout)
+            dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+            if WG == LATE_WG:  # one step late: the other half of this step is not there yet
+                if it > 0:
+                    _ws_dq(ds_smem, k_cols, dq_buf, dq_desc, ds_ready, ds_free, it - 1, h_prev,
+                           m0_prev, q_start, softmax_scale, dq_zero, WG, HEAD_DIM, DQ_COLS)
+            else:
+                _ws_dq(ds_smem, k_cols, dq_buf, dq_desc, ds_ready, ds_free, it, h, m0, q_start,
+                       softmax_scale, dq_zero, WG, HEAD_DIM, DQ_COLS)
+            dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])
+            mbarrier.arrive(empty.index(slot), count=1)
+            # `+ 0`: with a plain `h_prev = h` triton 3.6's frontend carried neither h nor
+            # h_prev through the loop (its scf.for kept only dK and dV; found in the TTGIR)
+            h_prev = h + 0
+            m0_prev = m0 + 0
+            h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
+        if WG == LATE_WG:
+            if n_steps > 0:
+                _ws_dq(ds_smem, k_cols, dq_buf, dq_desc, ds_ready, ds_free, n_steps - 1,
+                       h_prev, m0_prev, q_start, softmax_scale, dq_zero, WG, HEAD_DIM, DQ_COLS)
+        tma.store_wait(0)  # the last reduce reads dq_buf
+        # The epilogue stages through the Q/dO ring, which the other warpgroup may still read.
+        mbarrier.arrive(done.index(0), count=1)
+        mbarrier.wait(done.index(0), 0)
+        dk = dk * softmax_scale  # S = scale·Q·Kᵀ
+        if KV_TMA_STORE:
+            store_key_tiles(dk_desc, dv_desc, dk, dv,
+                            q_smem.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM],
+                                                          dk_desc.layout),
+                            do_smem.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM_V],
+                                                           dv_desc.layout),
+                            k_start + n0 + WG * KEYS, hk, HEAD_DIM, HEAD_DIM_V)
+        else:
+            store_key_rows(dk_ptr, dk, n0 + WG * KEYS, k_start, seqlen_k, n_kv_heads, hk,
+                           HEAD_DIM, KEYS, dk_layout)
+            store_key_rows(dv_ptr, dv, n0 + WG * KEYS, k_start, seqlen_k, n_kv_heads, hk,
+                           HEAD_DIM_V, KEYS, dv_layout)
+
+    @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
+                                  "group", "window_left", "window_right", "num_m_blocks"])
+    def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
+                           delta_ptr, dq_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
+                           sem_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_kv_heads, group,
+                           num_m_blocks, qk_scale, softmax_scale, softcap_pre, window_left,
+                           window_right, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+                           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                           SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
+                           DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                           REVERSE_N: gl.constexpr, DQ_TMA: gl.constexpr,
+                           STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
+                           WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
+                           DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr,
+                           LATE_WG: gl.constexpr):
+        # Same arguments as bwd._attn_bwd_kernel (one host path); DV_OVERLAP, DK_LATE,
+        # STATS_LATE, the deterministic switches and dq_ptr belong to that kernel's schedule.
+        dtype: gl.constexpr = q_desc.dtype
+        n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
+            cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
+            False)
+        n0 = n_blk * BLOCK_N
+        if n0 < seqlen_k:
+            shift = seqlen_k - seqlen_q
+            m_lo, group_blocks = query_range(n0, seqlen_q, shift, window_left, window_right,
+                                             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            n_steps = group_blocks * group
+            keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, shift, window_left,
+                                                        window_right, BLOCK_M, BLOCK_N)
+            h_first = hk * group
+            h, m0, stride = walk_start(n_blk, n_seq, n_steps, group_blocks, h_first, m_lo,
+                                       STAGGER, BLOCK_M)
+            m_end = m_lo + group_blocks * BLOCK_M
+
+            k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM],
+                                               _tile_layout(k_desc.layout))
+            v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V],
+                                               _tile_layout(v_desc.layout))
+            q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM],
+                                               _tile_layout(q_desc.layout))
+            do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM_V],
+                                                _tile_layout(do_desc.layout))
+            ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
+                                                                           dtype)
+            ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2],
+                                                dq_desc.layout)
+            stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+            lse_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stat_smem_layout)
+            delta_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stat_smem_layout)
+            kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+            ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            ds_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+            ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(kv_bar.index(0), count=1)
+            mbarrier.init(done.index(0), count=2)
+            for st in gl.static_range(2):
+                mbarrier.init(ready.index(st), count=1)
+                mbarrier.init(empty.index(st), count=2)
+                mbarrier.init(ds_free.index(st), count=2)
+            for st in gl.static_range(4):
+                mbarrier.init(ds_ready.index(st), count=1)
+            fence_async_shared()
+
+            gl.warp_specialize([
+                (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
+                               delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done,
+                               dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, q_start, k_start,
+                               seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h, m0, m_lo,
+                               m_end, h_first, group, keys_oob, m_full_lo, m_full_hi, qk_scale,
+                               softmax_scale, softcap_pre, window_left, window_right, 0,
+                               HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                               SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG)),
+                (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
+                               delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done,
+                               dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, q_start, k_start,
+                               seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h, m0, m_lo,
+                               m_end, h_first, group, keys_oob, m_full_lo, m_full_hi, qk_scale,
+                               softmax_scale, softcap_pre, window_left, window_right, 1,
+                               HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                               SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG)),
+                (_ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
+                              k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
+                              empty, k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
+                              m0, m_lo, m_end, h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M)),
+            ], [4, 1], [COMPUTE_REGS, LOADER_REGS])
