@@ -51,6 +51,8 @@ CONFIGS = [
     ({"head_dim": 128, "has_right": True}, 48),
     ({"head_dim": 128, "dtype": "float16", "has_left": True, "has_right": True,
       "uniform": False, "has_seqused": True}, 40),
+    # d=64 in it on request (128-row steps: 95 seen, which is why d=64 keeps bwd.py's kernel)
+    ({"head_dim": 64, "cfg": {"split_warpgroups": True}}, 128),
     # d=128 in bwd.py's kernel (softcap, deterministic mode, or asked for): the dK/dV
     # TMA-store epilogue (uniform calls) costs 4 around the loop, 1 inside
     ({"head_dim": 128, "cfg": {"split_warpgroups": False}}, 8),
@@ -103,6 +105,8 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
         in_loop = 10 if kw.get("has_right") else 2
         if _splits_warpgroups(kw):  # the masked steps' scalars (see CONFIGS)
             in_loop = 40 if kw.get("has_right") else 2
+            if kw["head_dim"] == 64:
+                in_loop = 80  # 67 seen: why d=64 does not use it by default
         assert rep["local_in_loop"] <= in_loop, f"spills in the main loop: {rep}"
     if _splits_warpgroups(kw):
         # a load warp at 24 registers, two compute warpgroups at 240; dQ by two reduces

@@ -214,8 +214,8 @@ def _splits_warpgroups(head_dim: int, cfg: BwdConfig, deterministic: bool,
     """Whether a call runs `bwd_ws`'s kernel (BwdConfig.split_warpgroups). Not with softcap:
     its chain-rule tile does not fit a partition's 240 registers (sm_90a: 40 local-memory
     instructions in every step)."""
-    return (cfg.split_warpgroups and head_dim == 128 and cfg.dq_tma and not deterministic
-            and not softcap)
+    return (cfg.split_warpgroups and (head_dim, cfg.block_m) in ((128, 64), (64, 128))
+            and cfg.dq_tma and not deterministic and not softcap)
 
 
 def _launch_options(split: bool, cfg: BwdConfig) -> dict:
@@ -556,9 +556,11 @@ def kv_tma_store(uniform: bool, max_seqlen_k: int, batch: int, block_n: int) -> 
 
 
 def _dq_block(head_dim: int, cfg: BwdConfig, split: bool = False) -> tuple[int, int]:
-    """The dQ reduce box: the whole row block, or half of it at d=256 (bwd_wide) and in
-    bwd_ws (each warpgroup reduces its columns)."""
-    return (cfg.block_m, head_dim // 2 if head_dim == 256 or split else head_dim)
+    """The dQ reduce box: the whole row block, or half of its columns at d=256 (bwd_wide);
+    in bwd_ws each warpgroup reduces its half, of the columns (64-row steps) or the rows."""
+    if split:
+        return (64, head_dim // 2) if cfg.block_m == 64 else (cfg.block_m // 2, head_dim)
+    return (cfg.block_m, head_dim // 2 if head_dim == 256 else head_dim)
 
 
 def _key_rows(cfg: BwdConfig, split: bool) -> int:

@@ -1,4 +1,5 @@
-"""Warp-specialised sm90 backward: the two key warpgroups out of phase (d = 128).
+"""Warp-specialised sm90 backward: the two key warpgroups out of phase (d = 128; d = 64 with
+128-row steps on request).
 
 `bwd.py`'s kernel runs both warpgroups through every step together: a CTA-wide barrier
 publishes dSᵀ for dQ = dS·K, another stages dQ for its TMA reduce, and Triton adds its own
@@ -25,8 +26,16 @@ ds_ready[2s + w]  warpgroup w's half of dSᵀ for the step in slot s is in share
 ds_free[s]  both warpgroups' dQ MMAs have read dSᵀ slot s (count 2);
 done  both warpgroups are past their last MMA: the epilogue may reuse the Q/dO ring.
 
-Covers what `bwd.py` covers except deterministic mode and per-thread dQ atomics (dispatch in
-`bwd.launch_plan` keeps those on the synchronous kernel).
+Covers what `bwd.py` covers except deterministic mode, softcap and per-thread dQ atomics
+(`bwd._splits_warpgroups` keeps those on the synchronous kernel).
+
+H200 2026-11-30 (scripts/sm90-bwd-probe.py, same process), d=128 TFLOP/s 512 / 2k / 16k:
+synchronous kernel 310-317 / 444-474 / 492-534, this one 337-338 / 513-516 / 536-554;
+causal 207-208 / 376-392 / 493-520 -> 209-210 / 395-405 / 529-582. At d=64 (128-row steps:
+dQ split by rows) a partition's 240 registers spill (46-95 local-memory instructions) and it
+loses at 512 rows and causal: that head dim keeps `bwd.py`'s kernel. Tried and dropped:
+deterministic turns per warpgroup (a counter per dQ half): 253 / 358 / 406 -> 272 / 373 /
+401 against the synchronous kernel's deterministic mode, not worth a second turn scheme.
 """
 
 from __future__ import annotations
@@ -87,22 +96,35 @@ if _GLUON_ERROR is None:
             h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
 
     @gluon.jit
-    def _ws_dq(ds_smem, k_cols, dq_buf, dq_desc, ds_ready, ds_free, j, h, m0, q_start,
+    def _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, j, h, m0, q_start,
                softmax_scale, dq_zero, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-               DQ_COLS: gl.constexpr):
-        """This warpgroup's dQ columns of step j: wait for the other half of dSᵀ, MMA, stage,
-        reduce-add (retires every MMA this warpgroup has in flight)."""
+               BLOCK_M: gl.constexpr):
+        """This warpgroup's part of dQ = dS·K for step j: wait for the other half of dSᵀ,
+        MMA, stage, reduce-add (retires every MMA this warpgroup has in flight). With
+        64-row steps (d=128) the warpgroups split dQ's columns, with 128-row steps (d=64)
+        its rows: one wgmma M either way."""
         js = j % 2
         mbarrier.wait(ds_ready.index(2 * js + 1 - WG), (j // 2) & 1)
-        dq_tok = warpgroup_mma(ds_smem.index(js).permute((1, 0)), k_cols, dq_zero,
-                               use_acc=False, is_async=True)
+        if BLOCK_M == 64:
+            COLS: gl.constexpr = HEAD_DIM // 2
+            dq_tok = warpgroup_mma(ds_smem.index(js).permute((1, 0)),
+                                   k_smem.slice(WG * COLS, COLS, 1), dq_zero, use_acc=False,
+                                   is_async=True)
+            row = q_start + m0
+            col = h * HEAD_DIM + WG * COLS
+        else:
+            ROWS: gl.constexpr = BLOCK_M // 2
+            dq_tok = warpgroup_mma(ds_smem.index(js).slice(WG * ROWS, ROWS, 1).permute((1, 0)),
+                                   k_smem, dq_zero, use_acc=False, is_async=True)
+            row = q_start + m0 + WG * ROWS
+            col = h * HEAD_DIM
         dq = warpgroup_mma_wait(0, deps=[dq_tok])
         mbarrier.arrive(ds_free.index(js), count=1)
         tma.store_wait(0)  # this warpgroup's previous reduce has read dq_buf
         dq_buf.store(dq * softmax_scale)
         fence_async_shared()
         gl.thread_barrier()
-        tma_reduce_add(dq_desc, [q_start + m0, h * HEAD_DIM + WG * DQ_COLS], dq_buf)
+        tma_reduce_add(dq_desc, [row, col], dq_buf)
 
     @gluon.jit
     def _ws_compute(q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem,
@@ -115,7 +137,8 @@ if _GLUON_ERROR is None:
                     HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DP_EARLY: gl.constexpr,
                     KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr):
         KEYS: gl.constexpr = BLOCK_N // 2
-        DQ_COLS: gl.constexpr = HEAD_DIM // 2
+        DQ_ROWS: gl.constexpr = 64  # dQ = dS·K by halves of its columns or rows (_ws_dq)
+        DQ_COLS: gl.constexpr = HEAD_DIM // 2 if BLOCK_M == 64 else HEAD_DIM
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -134,7 +157,6 @@ if _GLUON_ERROR is None:
 
         k_mine = k_smem.slice(WG * KEYS, KEYS)
         v_mine = v_smem.slice(WG * KEYS, KEYS)
-        k_cols = k_smem.slice(WG * DQ_COLS, DQ_COLS, 1)
         dq_buf = dq_smem.index(WG)
         kloc = WG * KEYS + gl.arange(0, KEYS, layout=key_layout)
         cols = gl.arange(0, BLOCK_M, layout=col_layout)
@@ -145,7 +167,7 @@ if _GLUON_ERROR is None:
         dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, dk_layout)
         dv = gl.zeros([KEYS, HEAD_DIM_V], gl.float32, dv_layout)
         s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
-        dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+        dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, dq_layout)
         h_prev = h
         m0_prev = m0
         mbarrier.wait(kv_bar.index(0), 0)
@@ -184,11 +206,11 @@ if _GLUON_ERROR is None:
             dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
             if WG == LATE_WG:  # one step late: the other half of this step is not there yet
                 if it > 0:
-                    _ws_dq(ds_smem, k_cols, dq_buf, dq_desc, ds_ready, ds_free, it - 1, h_prev,
-                           m0_prev, q_start, softmax_scale, dq_zero, WG, HEAD_DIM, DQ_COLS)
+                    _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, it - 1, h_prev,
+                           m0_prev, q_start, softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M)
             else:
-                _ws_dq(ds_smem, k_cols, dq_buf, dq_desc, ds_ready, ds_free, it, h, m0, q_start,
-                       softmax_scale, dq_zero, WG, HEAD_DIM, DQ_COLS)
+                _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, it, h, m0, q_start,
+                       softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M)
             dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])
             mbarrier.arrive(empty.index(slot), count=1)
             # `+ 0`: with a plain `h_prev = h` triton 3.6's frontend carried neither h nor
@@ -198,8 +220,8 @@ if _GLUON_ERROR is None:
             h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
         if WG == LATE_WG:
             if n_steps > 0:
-                _ws_dq(ds_smem, k_cols, dq_buf, dq_desc, ds_ready, ds_free, n_steps - 1,
-                       h_prev, m0_prev, q_start, softmax_scale, dq_zero, WG, HEAD_DIM, DQ_COLS)
+                _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, n_steps - 1,
+                       h_prev, m0_prev, q_start, softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M)
         tma.store_wait(0)  # the last reduce reads dq_buf
         # The epilogue stages through the Q/dO ring, which the other warpgroup may still read.
         mbarrier.arrive(done.index(0), count=1)
@@ -265,7 +287,7 @@ if _GLUON_ERROR is None:
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                            dtype)
             ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-            dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2],
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
                                                 dq_desc.layout)
             stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
             lse_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stat_smem_layout)
@@ -292,7 +314,8 @@ if _GLUON_ERROR is None:
                                dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, q_start, k_start,
                                seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h, m0, m_lo,
                                m_end, h_first, group, keys_oob, m_full_lo, m_full_hi, qk_scale,
-                               softmax_scale, softcap_pre, window_left, window_right, 0,
+                               softmax_scale, softcap_pre, window_left, window_right,
+                               0,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                                SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG)),
                 (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
@@ -300,7 +323,8 @@ if _GLUON_ERROR is None:
                                dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, q_start, k_start,
                                seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h, m0, m_lo,
                                m_end, h_first, group, keys_oob, m_full_lo, m_full_hi, qk_scale,
-                               softmax_scale, softcap_pre, window_left, window_right, 1,
+                               softmax_scale, softcap_pre, window_left, window_right,
+                               1,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                                SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG)),
                 (_ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
