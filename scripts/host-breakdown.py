@@ -72,14 +72,25 @@ def launch_pieces(jit, direct, grid, args, kwargs):
     return (lambda: jit[grid](*args, **kwargs)), (lambda: direct[grid](*args, **kwargs)), bare
 
 
-def recorded(module, name, *key):
-    """The first launch of `module.name(*key)` (a DirectLaunch factory) during the next
-    call, with the factory restored afterwards."""
+def recorded(module, name, run):
+    """(recorder, launcher) of the first launch through `module.name` (a DirectLaunch
+    factory, whatever key the code asks it for) while `run()` runs; the factory is
+    restored afterwards."""
     factory = getattr(module, name)
-    launcher = factory(*key)
-    rec = Recorder(launcher.jit)
-    setattr(module, name, lambda *a: rec)
-    return rec, lambda: setattr(module, name, factory), launcher
+    seen = {}
+
+    def stand_in(*key):
+        if "rec" not in seen:
+            seen["launcher"] = factory(*key)
+            seen["rec"] = Recorder(seen["launcher"].jit)
+        return seen["rec"]
+
+    setattr(module, name, stand_in)
+    try:
+        run()
+    finally:
+        setattr(module, name, factory)
+    return seen["rec"], seen["launcher"]
 
 
 def main():
@@ -108,9 +119,8 @@ def main():
     (plan,) = [p for key, p in plans._PLANS.items() if not key[0]]
     add("fwd: the call plan's forward runner", lambda: plan.forward(q2, k2, v2, None))
     add("fwd: sm90 fwd.forward", lambda: fwd.forward(q2, k2, v2, seq, params, None))
-    rec, restore, launcher = recorded(fwd, "_launcher")
-    fwd.forward(q2, k2, v2, seq, params, None)
-    restore()
+    rec, launcher = recorded(fwd, "_launcher",
+                             lambda: fwd.forward(q2, k2, v2, seq, params, None))
     jit_call, direct, bare = launch_pieces(rec.jit, launcher, *rec.calls[0])
     add("fwd: JIT launch", jit_call)
     add("fwd: DirectLaunch", direct)
@@ -157,9 +167,9 @@ def main():
         lambda: torch.zeros((b * s, h, d), dtype=torch.float32, device=dev))
     acc = torch.zeros((b * s, h, d), dtype=torch.float32, device=dev)
     add("bwd: dq cast", lambda: acc.to(bf, memory_format=torch.contiguous_format))
-    rec, restore, launcher = recorded(bwd, "_launcher_for", d)
-    bwd.backward(do2, q2, k2, v2, o2, lse, None, seq, params, None)
-    restore()
+    rec, launcher = recorded(
+        bwd, "_launcher_for",
+        lambda: bwd.backward(do2, q2, k2, v2, o2, lse, None, seq, params, None))
     jit_call, direct, bare = launch_pieces(rec.jit, launcher, *rec.calls[0])
     add("bwd: JIT launch", jit_call)
     add("bwd: DirectLaunch", direct)
