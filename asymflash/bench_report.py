@@ -186,14 +186,22 @@ def _dist_versions(modules: tuple) -> dict:
 
 
 def _git_commit() -> str | None:
+    """HEAD's short hash, with "+modified" when the package's files differ from it (a copy
+    of a working tree whose .git is older than its files, as on the device machine: then
+    only `source_digest` identifies the code)."""
+    here = Path(__file__).parent
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             check=False, text=True, timeout=5, cwd=Path(__file__).parent)
+                             check=False, text=True, timeout=5, cwd=here)
+        if out.returncode != 0 or not out.stdout.strip():
+            return None
+        status = subprocess.run(["git", "status", "--porcelain", "--", "."],
+                                capture_output=True, check=False, text=True, timeout=5,
+                                cwd=here)
     except (OSError, subprocess.SubprocessError):
         return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() or None
+    modified = status.returncode != 0 or bool(status.stdout.strip())
+    return out.stdout.strip() + ("+modified" if modified else "")
 
 
 def source_digest() -> str:
