@@ -150,7 +150,7 @@ def _eager_forward(ctx, inputs, plan=None):
     the same Python measured about twice as slow as on the calling thread (H200, 2026-11-29:
     250-311 vs 116-137 us for the sm90 backward's host work). A call no backend can
     differentiate still raises in the backward (NotImplementedError from the dispatcher).
-    With a call plan (`plans.DensePlan`) both backends were picked when the plan was made."""
+    With a call plan (`plans.CallPlan`) both backends were picked when the plan was made."""
     if plan is not None:
         out, lse = plan.forward(inputs[0], inputs[1], inputs[2], inputs[6])
         _setup_context(ctx, inputs, (out, lse))
@@ -188,11 +188,12 @@ class _AttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        return _eager_forward(ctx, inputs)
+        *inputs, plan = inputs  # the call's plan (flash_attn_varlen_func), or None
+        return _eager_forward(ctx, tuple(inputs), plan)
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _eager_backward(ctx, dout, dlse)
+        return (*_eager_backward(ctx, dout, dlse), None)
 
 
 _rows = plans.rows
@@ -241,8 +242,11 @@ def _call(q, k, v, seq: SeqInfo, scale, causal, window_size, softcap, sink, dete
     shape = q.shape
     if dense:
         q, k, v = _rows(q), _rows(k), _rows(v)
-    fn = torch.ops.asymflash.fwd if compiling else _AttnFunction.apply if grad else _fwd_impl
-    out, lse = fn(q, k, v, *rest)
+    if grad:
+        out, lse = _AttnFunction.apply(q, k, v, *rest, None)
+    else:
+        fn = torch.ops.asymflash.fwd if compiling else _fwd_impl
+        out, lse = fn(q, k, v, *rest)
     if dense:
         out = out.view(shape[0], shape[1], out.shape[1], out.shape[2])
     return out, lse
@@ -254,7 +258,7 @@ def _check_common(q, k, v, softmax_scale, window_size, softcap, learnable_sink):
     return 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
 
 
-def _call_planned(plan: plans.DensePlan, q, k, v, sink):
+def _call_planned(plan: plans.CallPlan, q, k, v, sink):
     """flash_attn_func's (out, lse) through a call plan: what _call does, decided already."""
     if sink is not None:
         sink = sink.float().contiguous()
@@ -262,6 +266,15 @@ def _call_planned(plan: plans.DensePlan, q, k, v, sink):
         return _DenseAttnFunction.apply(q, k, v, *plan.args(sink), plan)
     out, lse = plan.forward(_rows(q), _rows(k), _rows(v), sink)
     return out.view(q.shape[0], q.shape[1], out.shape[1], out.shape[2]), lse
+
+
+def _call_planned_varlen(plan: plans.CallPlan, q, k, v, sink):
+    """flash_attn_varlen_func's (out, lse) through a call plan (packed rows)."""
+    if sink is not None:
+        sink = sink.float().contiguous()
+    if plan.grad:
+        return _AttnFunction.apply(q, k, v, *plan.args(sink), plan)
+    return plan.forward(q, k, v, sink)
 
 
 def flash_attn_func(
@@ -343,6 +356,14 @@ def flash_attn_varlen_func(
         return paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             seqused_k, page_table, softmax_scale, causal, window_size, softcap,
                             learnable_sink, return_lse)
+    # A repeated signature (the same offsets tensors, unchanged) runs its plan (plans.py).
+    key = plans.varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           seqused_k, softmax_scale, causal, window_size, softcap,
+                           learnable_sink, deterministic)
+    plan = plans.find(key)
+    if plan is not None:
+        out, lse = _call_planned_varlen(plan, q, k, v, learnable_sink)
+        return (out, lse) if return_lse else out
     if cu_seqlens_k is None:
         raise ValueError("asymflash: cu_seqlens_k is None; it is required unless page_table "
                          "is given")
@@ -363,4 +384,7 @@ def flash_attn_varlen_func(
     seq = SeqInfo(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, False)
     out, lse = _call(q, k, v, seq, scale, causal, window_size, softcap, learnable_sink,
                      deterministic)
+    plans.remember_varlen(key, q, k, v, seq, scale, normalize_window(causal, window_size),
+                          softcap, None if learnable_sink is None else
+                          learnable_sink.float().contiguous(), deterministic)
     return (out, lse) if return_lse else out

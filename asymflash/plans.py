@@ -1,4 +1,4 @@
-"""Call plans: what a dense call's signature decides, worked out once per signature.
+"""Call plans: what a call's signature decides, worked out once per signature.
 
 Short attention calls are bound by host time: at 512 rows a `flash_attn_func` call spent 90 to
 150 us in Python on the H200 machines against 100 to 200 us of GPU time (NOTES, session 8).
@@ -6,7 +6,7 @@ Most of that Python re-derives facts that depend only on the call's signature: t
 checks, the packed-row bookkeeping (SeqInfo, AttnParams), the dispatcher's choice of a
 forward and a backward backend, the backend's launch plan. So `flash_attn_func` names the
 signature (`dense_key`); the first call with a new signature takes the full path, checks
-included, and once it has succeeded stores a `DensePlan` (`remember`); a later call with an
+included, and once it has succeeded stores a `CallPlan` (`remember`); a later call with an
 equal key runs the plan: reshape, allocate, launch.
 
 The key holds everything the skipped steps read: shapes, strides (so contiguity), dtypes,
@@ -15,6 +15,12 @@ gradient can flow, the backend forced by `dispatch.use_backend` and the backends
 switches. Only exact types form a key (a bool is not taken for an int: True == 1 would let a
 refused `softcap=True` find the plan of an accepted `softcap=1`), and a plan is stored only
 after its call passed the checks, so an input the checks refuse never finds one.
+
+`flash_attn_varlen_func` plans too (`varlen_key`, `remember_varlen`): its key adds the
+offsets tensors by identity and version counter (a model passes one cu_seqlens tensor to all
+its layers; an in-place change bumps the version and takes the full path, checks included),
+and the max_seqlen values. The plan holds those tensors, so no other tensor can take their id
+while the key exists.
 """
 
 from __future__ import annotations
@@ -70,12 +76,35 @@ def dense_key(q, k, v, softmax_scale, causal, window_size, softcap, sink, determ
             dispatch.switches())
 
 
-def find(key) -> DensePlan | None:
+def _offsets_key(t):
+    """An offsets tensor by identity and content version (None stays None); None where it
+    is not a plain tensor."""
+    if t is None:
+        return ()
+    if type(t) is not _Tensor:
+        return None
+    return (id(t), t._version, t.shape, t.dtype, t.device)
+
+
+def varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+               softmax_scale, causal, window_size, softcap, sink, deterministic):
+    """flash_attn_varlen_func's call signature as a dict key (dense_key's, plus the offsets
+    by identity and version and the max_seqlen values), or None where it is not planned."""
+    base = dense_key(q, k, v, softmax_scale, causal, window_size, softcap, sink, deterministic)
+    if base is None or type(max_seqlen_q) is not int or type(max_seqlen_k) is not int:
+        return None
+    offsets = tuple(_offsets_key(t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_k))
+    if None in offsets:
+        return None
+    return ("varlen", base, offsets, max_seqlen_q, max_seqlen_k)
+
+
+def find(key) -> CallPlan | None:
     return None if key is None else _PLANS.get(key)
 
 
-class DensePlan:
-    """What one dense signature decided. `forward(q_rows, k_rows, v_rows, sink)` runs the
+class CallPlan:
+    """What one signature decided. `forward(q_rows, k_rows, v_rows, sink)` runs the
     chosen forward backend; `args(sink)` is the argument tail the autograd Function and the
     custom op take after q, k, v; `backward` is (backend.backward, seq, params), or None
     where no backend can differentiate the call (its backward then raises as usual)."""
@@ -99,14 +128,27 @@ def remember(key, q, k, v, scale: float, mask: MaskSpec, softcap, sink, determin
     batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
     seq = SeqInfo.dense(batch, seqlen_q, seqlen_k, q.device)
     params = AttnParams(scale, mask, float(softcap), deterministic)
-    q, k, v = rows(q), rows(k), rows(v)
+    _store(key, key[0], rows(q), rows(k), rows(v), seq, params, sink)  # grad: dense_key's 1st
+
+
+def remember_varlen(key, q, k, v, seq: SeqInfo, scale: float, mask: MaskSpec, softcap, sink,
+                    deterministic) -> None:
+    """remember's counterpart for flash_attn_varlen_func (packed q, k, v; its SeqInfo)."""
+    if key is None or q.numel() == 0 or k.numel() == 0:
+        return
+    _store(key, key[1][0], q, k, v, seq, AttnParams(scale, mask, float(softcap), deterministic),
+           sink)
+
+
+def _store(key, grad, q, k, v, seq: SeqInfo, params: AttnParams, sink) -> None:
+    """Pick the backends of a call that has just succeeded (q, k, v as packed rows) and keep
+    them under `key`."""
     backend = dispatch.pick_forward(q, k, v, seq, params, sink)
     make_runner = getattr(backend, "forward_runner", None)
     forward = make_runner(q, k, v, seq, params, sink) if make_runner else None
     if forward is None:
         def forward(q, k, v, sink, _run=backend.forward):
             return _run(q, k, v, seq, params, sink)
-    grad = key[0]  # dense_key puts it first
     backward = None
     if grad:
         try:
@@ -114,12 +156,13 @@ def remember(key, q, k, v, scale: float, mask: MaskSpec, softcap, sink, determin
                         params)
         except NotImplementedError:
             pass
-    head = (seq.cu_seqlens_q, seq.cu_seqlens_k, None)
-    tail = (seqlen_q, seqlen_k, scale, mask.window_left, mask.window_right, float(softcap),
-            True, deterministic)
+    mask = params.mask
+    head = (seq.cu_seqlens_q, seq.cu_seqlens_k, seq.seqused_k)
+    tail = (seq.max_seqlen_q, seq.max_seqlen_k, params.softmax_scale, mask.window_left,
+            mask.window_right, params.softcap, seq.uniform, params.deterministic)
     if len(_PLANS) >= _LIMIT:
         _PLANS.clear()
-    _PLANS[key] = DensePlan(grad, seq, params, forward, backward, head, tail)
+    _PLANS[key] = CallPlan(grad, seq, params, forward, backward, head, tail)
 
 
 def clear() -> None:

@@ -156,3 +156,84 @@ def test_switches_follow_the_environment(monkeypatch):
     got = dict(zip(dispatch.SWITCHES, dispatch.switches()))
     assert got["ASYMFLASH_SM90_PACK_GQA"] in ("0", b"0")
     assert got["ASYMFLASH_SM90_BWD"] is None
+
+
+# flash_attn_varlen_func: the offsets tensors are part of the key by identity and version.
+def varlen_inputs(lens_q=(1, 113, 0, 17), lens_k=(5, 203, 17, 17), hq=4, hkv=2, d=D,
+                  grad=False):
+    def rnd(*shape):
+        return torch.randn(*shape, dtype=torch.bfloat16, device=DEVICE).requires_grad_(grad)
+
+    cu_q, cu_k = (torch.tensor([0, *lens], device=DEVICE).cumsum(0).to(torch.int32)
+                  for lens in (lens_q, lens_k))
+    q, k, v = rnd(sum(lens_q), hq, d), rnd(sum(lens_k), hkv, d), rnd(sum(lens_k), hkv, d)
+    return q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, seqused_k=None, **kw):
+    """(out, lse) of attention_ref one sequence at a time, fp32 (differentiable)."""
+    outs, lses = [], []
+    for b in range(cu_q.numel() - 1):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        if seqused_k is not None:
+            k1 = k0 + int(seqused_k[b])
+        o, lse = attention_ref(q[q0:q1][None].float(), k[k0:k1][None].float(),
+                               v[k0:k1][None].float(), **kw)
+        outs.append(o[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=-1)
+
+
+def test_planned_varlen_calls_match_the_reference():
+    from asymflash import flash_attn_varlen_func
+
+    cu_fixed = None
+    for call in range(3):
+        q, k, v, cu_q, cu_k, mq, mk = varlen_inputs()
+        if cu_fixed is None:
+            cu_fixed = (cu_q, cu_k)  # one offsets pair for every call, as a model's layers
+        out, lse = flash_attn_varlen_func(q, k, v, *cu_fixed, mq, mk, causal=True,
+                                          return_lse=True)
+        ref_out, ref_lse = varlen_reference(q, k, v, *cu_fixed, causal=True)
+        torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse.float(), ref_lse, atol=2e-2, rtol=2e-2)
+        assert len(plans._PLANS) == 1, f"call {call}: one signature, one plan"
+
+
+def test_planned_varlen_gradients_match_the_reference():
+    from asymflash import flash_attn_varlen_func
+
+    _, _, _, cu_q, cu_k, mq, mk = varlen_inputs()
+    used = torch.tensor([5, 150, 0, 9], dtype=torch.int32, device=DEVICE)
+    for _ in range(3):
+        q, k, v, *_ = varlen_inputs(grad=True)
+        dout = torch.randn(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=DEVICE)
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, window_size=(31, 3),
+                                     seqused_k=used)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+        ref, _ = varlen_reference(*leaves, cu_q, cu_k, used, window_size=(31, 3))
+        ref_grads = torch.autograd.grad(ref, leaves, dout.float())
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=5e-2)
+    assert len(plans._PLANS) == 1
+
+
+def test_changed_offsets_never_reuse_a_plan():
+    """An in-place change of cu_seqlens after good calls (here to values the checks refuse)
+    goes through the checks again; a new tensor of equal values gets a plan of its own."""
+    from asymflash import flash_attn_varlen_func
+
+    q, k, v, cu_q, cu_k, mq, mk = varlen_inputs()
+    for _ in range(2):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk)
+    cu_k[2] = cu_k[1] - 1  # decreasing: refused
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk)
+    _, _, _, cu_q2, cu_k2, _, _ = varlen_inputs()
+    out = flash_attn_varlen_func(q, k, v, cu_q2, cu_k2, mq, mk)
+    torch.testing.assert_close(out.float(), varlen_reference(q, k, v, cu_q2, cu_k2)[0],
+                               atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="max_seqlen_k"):  # another value: checked again
+        flash_attn_varlen_func(q, k, v, cu_q2, cu_k2, mq, 3)
+    assert len(plans._PLANS) == 2
