@@ -77,8 +77,8 @@ def dense_key(q, k, v, softmax_scale, causal, window_size, softcap, sink, determ
 
 
 def _offsets_key(t):
-    """An offsets tensor by identity and content version (None stays None); None where it
-    is not a plain tensor."""
+    """An offsets tensor by identity and content version, () for a missing one; None where
+    it is not a plain tensor (no plan)."""
     if t is None:
         return ()
     if type(t) is not _Tensor:

@@ -176,11 +176,12 @@ class BwdConfig:
     # reduce's barrier (the loads' latency spread over the whole step): d=128 2k 456, causal
     # 16k 497, d=64 within 2 %.
     stats_late: bool = True
-    # d=128: the warp-specialised kernel (`bwd_ws.py`): a load warp, and the two warpgroups
-    # out of phase, meeting only through mbarriers (dQ by column halves, one reduce each).
-    # Not for deterministic mode or dQ atomics (those keep this module's kernel). H200
-    # 2026-11-30 (sm90-bwd-probe), TFLOP/s 512 / 2k / 16k: non-causal 317 / 474 / 534 ->
-    # 338 / 516 / 554, causal 207 / 392 / 520 -> 209 / 395 / 533.
+    # The warp-specialised kernel (`bwd_ws.py`): a load warp, and the two warpgroups out of
+    # phase, meeting only through mbarriers (dQ by column halves, one reduce each). On at
+    # d=128; d=64 (128-row steps) can take it but spills and loses. Not for deterministic
+    # mode, softcap or dQ atomics (`_splits_warpgroups`: those keep this module's kernel).
+    # H200 2026-11-30 (sm90-bwd-probe), TFLOP/s 512 / 2k / 16k: non-causal 317 / 474 / 534
+    # -> 338 / 516 / 554, causal 207 / 392 / 520 -> 209 / 395 / 533.
     split_warpgroups: bool = False
     late_warpgroup: int = 0  # bwd_ws: the warpgroup that computes dQ one step late (-1: none)
 
