@@ -1,7 +1,8 @@
 """Where a backward step's time goes: SM clock stamps inside the sm90 Gluon backward (d=64/128).
 
 A copy of `backends/sm90/bwd.py` is patched at run time (the kernel in the package is never
-changed): CTAs 0-7 (linear id x + X·(y + Y·z) of the (key block, kv head, batch) grid, i.e. the
+changed), and its kernel runs every cell (BwdConfig.split_warpgroups off: d=128 calls would
+otherwise run bwd_ws.py's warp-specialised kernel, which this script does not stamp): CTAs 0-7 (linear id x + X·(y + Y·z) of the (key block, kv head, batch) grid, i.e. the
 first eight launched) stamp `%clock` (the low 32 bits of the `%clock64` counter: one register,
 CS2R.32) at nine points of each of their first 16 steps of the `for it in range(n_steps)` loop
 (one step = one query block of one q head):
@@ -52,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -303,7 +305,9 @@ def compile_check(mod):
 
     for d in (128, 64):
         for label, m in (("plain  ", bwd), ("stamped", mod)):
-            k = m.compile_for_target(head_dim=d)  # non-causal, default config
+            # non-causal, bwd.py's kernel (the default config, without bwd_ws at d=128)
+            k = m.compile_for_target(head_dim=d, cfg=replace(m.select_config(d),
+                                                             split_warpgroups=False))
             r = sass_summary(k)
             warn = r.pop("ptxas_warnings")
             print(f"d={d} {label} compiled {k.metadata.name}: " + ", ".join(f"{a} {b}" for a, b in r.items()))
@@ -342,7 +346,9 @@ def main():
         params = AttnParams(d ** -0.5, MaskSpec(-1, 0 if causal else -1), 0.0, False)
         out, lse = fwd.forward(q, k, v, seq, params, None)
         dout = torch.randn_like(out)
-        args = (dout, q, k, v, out, lse, None, seq, params, None)
+        # bwd.py's kernel (d=128 calls run bwd_ws.py's by default, which is not stamped)
+        cfg = replace(bwd.select_config(d), split_warpgroups=False)
+        args = (dout, q, k, v, out, lse, None, seq, params, None, cfg)
         plain = do_bench(lambda: bwd.backward(*args), warmup=10, rep=40)
         stamped = do_bench(lambda: mod.backward(*args), warmup=10, rep=40)
         kp, ks = kernel_us(lambda: bwd.backward(*args)), kernel_us(lambda: mod.backward(*args))
