@@ -41,6 +41,8 @@ by the profiler).
     PYTHONPATH=. python scripts/bwd-timeline.py --first-cta 1000   # a later wave's CTAs
                                                            # (CTAs 0-7 all start at once)
     PYTHONPATH=. python scripts/bwd-timeline.py --compile  # CPU: the patched kernel builds (sm_90a)
+    PYTHONPATH=. python scripts/bwd-timeline.py --ws       # bwd_ws.py's kernel, per warpgroup
+                                                           # (--ws --compile: its builds)
 """
 
 # ruff: noqa: E501, B023
@@ -169,6 +171,104 @@ def patched_module(first_cta: int = 0):
                stamp_source(first_cta) + "\n    @gluon.constexpr_function\n"
                "    def _dq_mma_layout(", 1)
     return probe_common.patched_module(SRC, [helpers, *EDITS], "bwd-timeline")
+
+
+# --ws: bwd_ws.py's warp-specialised kernel (d=128's default). Each compute warpgroup stamps
+# its own steps (thread 0 of its partition stores), warpgroup w at w·WS_AREA:
+#   0 step start   1 Q/dO ready   2 Sᵀ retired   3 Pᵀ formed   4 dPᵀ and dV retired
+#   5 dSᵀ half stored and published   6 dK issued and this warpgroup's dQ done (waited for
+#   the other dSᵀ half, MMA, staged, reduce issued; warpgroup 0: the previous step's)
+#   7 dK retired   8 step end (slot released)
+SRC_WS = SRC.with_name("bwd_ws.py")
+WS_AREA = NCTA * NSTEP * NSLOTS
+WS_WORDS = 2 * WS_AREA
+
+STAMP_WS = '''
+    @gluon.jit
+    def _tl_cta(x):
+        return gl.inline_asm_elementwise("{cta_asm}", "=r,r", [x], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
+    def _tl_ws(base, it, k: gl.constexpr, WG: gl.constexpr):
+        cta = _tl_cta(it)
+        t = gl.inline_asm_elementwise("mov.u32 $0, %clock;", "=r,r", [it], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        gl.store(base + WG * {WS_AREA} + (cta * {NSTEP} + it) * {NSLOTS} + k, t,
+                 mask=(cta >= 0) & (cta < {NCTA}) & (it < {NSTEP}))
+
+'''
+
+
+def _ws(k: int) -> str:
+    return f"            _tl_ws(sem_ptr, it, {k}, WG)\n"
+
+
+EDITS_WS = [
+    # the compute partitions get the stamp buffer (the semaphore argument, unread here)
+    ("                    m_full_hi, qk_scale, softmax_scale, softcap_pre, window_left, "
+     "window_right,\n                    WG: gl.constexpr,",
+     "                    m_full_hi, qk_scale, softmax_scale, softcap_pre, window_left, "
+     "window_right,\n                    sem_ptr, WG: gl.constexpr,", 1),
+    ("softmax_scale, softcap_pre, window_left, window_right,\n"
+     "                               0,\n",
+     "softmax_scale, softcap_pre, window_left, window_right,\n"
+     "                               sem_ptr, 0,\n", 1),
+    ("softmax_scale, softcap_pre, window_left, window_right,\n"
+     "                               1,\n",
+     "softmax_scale, softcap_pre, window_left, window_right,\n"
+     "                               sem_ptr, 1,\n", 1),
+    ("            slot = it % 2\n            mbarrier.wait(ready.index(slot), (it // 2) & 1)\n",
+     "            slot = it % 2\n" + _ws(0)
+     + "            mbarrier.wait(ready.index(slot), (it // 2) & 1)\n" + _ws(1), 1),
+    ("            lse2 = lse_smem.index(slot).load(col_layout)\n",
+     _ws(2) + "            lse2 = lse_smem.index(slot).load(col_layout)\n", 1),
+    ("            if not DP_EARLY:\n                dp_tok = warpgroup_mma(v_mine",
+     _ws(3) + "            if not DP_EARLY:\n                dp_tok = warpgroup_mma(v_mine", 1),
+    ("            delta = delta_smem.index(slot).load(col_layout)\n",
+     _ws(4) + "            delta = delta_smem.index(slot).load(col_layout)\n", 1),
+    ("            mbarrier.arrive(ds_ready.index(2 * slot + WG), count=1)\n",
+     "            mbarrier.arrive(ds_ready.index(2 * slot + WG), count=1)\n" + _ws(5), 1),
+    ("            dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])\n",
+     _ws(6) + "            dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])\n" + _ws(7),
+     1),
+    ("            mbarrier.arrive(empty.index(slot), count=1)\n",
+     "            mbarrier.arrive(empty.index(slot), count=1)\n" + _ws(8), 1),
+]
+
+
+def patched_ws_module(first_cta: int = 0):
+    helpers = ("    @gluon.jit\n    def _ws_loader(",
+               STAMP_WS.format(cta_asm=_CTA_ASM.format(first=first_cta), NCTA=NCTA,
+                               NSTEP=NSTEP, NSLOTS=NSLOTS, WS_AREA=WS_AREA)
+               + "    @gluon.jit\n    def _ws_loader(", 1)
+    return probe_common.patched_module(SRC_WS, [helpers, *EDITS_WS], "bwd-timeline-ws")
+
+
+WS_NAMES = ["Q/dO ready wait", "S wait", "exponentials", "dP + dV wait", "dS store, publish",
+            "dK issue + dQ", "dK wait", "release"]
+
+
+def report_ws(stamps: torch.Tensor, label: str):
+    """Per warpgroup: median cycles of each phase and of a whole step (start to the next
+    step's start) over the stamped steps."""
+    raw = stamps.cpu().to(torch.int64).reshape(2, NCTA, NSTEP, NSLOTS)
+    print(f"== {label}")
+    for wg in range(2):
+        phases, totals = [[] for _ in WS_NAMES], []
+        for c in range(NCTA):
+            for t in range(NSTEP):
+                s = [int(x) for x in raw[wg, c, t]]
+                if not any(s):
+                    continue
+                for i in range(NSLOTS - 1):
+                    phases[i].append((s[i + 1] - s[i]) % 2**32)
+                if t + 1 < NSTEP and any(int(x) for x in raw[wg, c, t + 1]):
+                    totals.append((int(raw[wg, c, t + 1, 0]) - s[0]) % 2**32)
+        print(f"  warpgroup {wg} ({len(phases[0])} steps stamped)")
+        for name, vals in zip(WS_NAMES, phases):
+            print(f"    {name:19s} median {_med(vals)} cycles")
+        print(f"    {'step total':19s} median {_med(totals)} cycles")
 
 
 NAMES = ["Q/dO wait", "S wait", "exponentials", "dP wait", "dS, dK issue, fence",
@@ -321,11 +421,15 @@ def main():
                     help="build plain and stamped kernels for sm_90a on the CPU, print registers/spills")
     ap.add_argument("--first-cta", type=int, default=0,
                     help="stamp CTAs N..N+7 (linear id) instead of the first wave's 0-7")
+    ap.add_argument("--ws", action="store_true",
+                    help="stamp bwd_ws.py's warp-specialised kernel (d=128) per warpgroup")
     a = ap.parse_args()
     if a.compile and os.environ.get("TRITON_INTERPRET"):
         # the interpreter cannot compile for a GPU target: run again without it
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    if a.ws:
+        return main_ws(a)
     mod = patched_module(a.first_cta)
     mod.TIMELINE = torch.zeros(TIMELINE_WORDS, dtype=torch.int32,
                                device="cuda" if torch.cuda.is_available() else "cpu")
@@ -359,6 +463,59 @@ def main():
         report(mod.TIMELINE.clone(),
                f"d={d} seqlen {seqlen} batch {b} heads {h} causal={causal}: call "
                f"{plain * 1e3:.1f} us plain, {stamped * 1e3:.1f} us stamped{kern}")
+
+
+def main_ws(a):
+    """--ws: the real host path (bwd.backward) launching the stamped copy of bwd_ws's kernel,
+    the stamp buffer passed where the (unread) semaphore goes."""
+    from asymflash.backends.launch import DirectLaunch
+    from asymflash.backends.sm90 import bwd
+
+    ws = patched_ws_module(a.first_cta)
+    if a.compile:
+        real = bwd._kernel_for
+        for label, kern in (("plain  ", None), ("stamped", ws.attn_bwd_ws_kernel)):
+            if kern is not None:
+                bwd._kernel_for = lambda d, split=False, _k=kern: _k if split else real(d)
+            try:
+                k = bwd.compile_for_target(head_dim=128)
+            finally:
+                bwd._kernel_for = real
+            r = sass_summary(k)
+            r.pop("ptxas_warnings")
+            print(f"d=128 ws {label}: " + ", ".join(f"{x} {y}" for x, y in r.items()))
+        return
+    from triton.testing import do_bench
+
+    from asymflash.backends.sm90 import fwd
+    from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
+
+    stamps = torch.zeros(WS_WORDS, dtype=torch.int32, device="cuda")
+    stamped_launcher = DirectLaunch(ws.attn_bwd_ws_kernel)
+    real_launcher, real_sem = bwd._launcher_for, bwd._unused_semaphore
+    for seqlen, causal in ((512, False), (512, True), (2048, False), (16384, False),
+                           (16384, True)):
+        d, b = 128, 16384 // seqlen
+        h = 2048 // d
+        q = torch.randn(b * seqlen, h, d, device="cuda", dtype=torch.bfloat16)
+        k, v = torch.randn_like(q), torch.randn_like(q)
+        seq = SeqInfo.dense(b, seqlen, seqlen, q.device)
+        params = AttnParams(d ** -0.5, MaskSpec(-1, 0 if causal else -1), 0.0, False)
+        out, lse = fwd.forward(q, k, v, seq, params, None)
+        args = (torch.randn_like(out), q, k, v, out, lse, None, seq, params, None)
+        plain = do_bench(lambda: bwd.backward(*args), warmup=10, rep=40)
+        bwd._launcher_for = lambda w, split=False: stamped_launcher if split else \
+            real_launcher(w, split)
+        bwd._unused_semaphore = lambda device: stamps
+        try:
+            stamped = do_bench(lambda: bwd.backward(*args), warmup=10, rep=40)
+            stamps.zero_()
+            bwd.backward(*args)
+            torch.cuda.synchronize()
+        finally:
+            bwd._launcher_for, bwd._unused_semaphore = real_launcher, real_sem
+        report_ws(stamps.clone(), f"d=128 seqlen {seqlen} batch {b} causal={causal}: call "
+                  f"{plain * 1e3:.1f} us plain, {stamped * 1e3:.1f} us stamped")
 
 
 if __name__ == "__main__":
