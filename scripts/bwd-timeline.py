@@ -76,7 +76,8 @@ _CTA_ASM = ("{{ .reg .u32 x, y, z, nx, ny; mov.u32 x, %ctaid.x; mov.u32 y, %ctai
             "mov.u32 z, %ctaid.z; mov.u32 nx, %nctaid.x; mov.u32 ny, %nctaid.y; "
             "mad.lo.u32 y, z, ny, y; mad.lo.u32 x, y, nx, x; sub.u32 $0, x, {first}; }}")
 
-STAMP = '''
+# The CTA id and clock readers, inserted into either kernel copy (`cta_asm`: _CTA_ASM).
+READERS = '''
     @gluon.jit
     def _tl_cta(x):
         return gl.inline_asm_elementwise("{cta_asm}", "=r,r", [x], dtype=gl.int32,
@@ -87,7 +88,9 @@ STAMP = '''
         # %clock: the low 32 bits of %clock64's counter, one register (CS2R.32 SR_CLOCKLO)
         return gl.inline_asm_elementwise("mov.u32 $0, %clock;", "=r,r", [x], dtype=gl.int32,
                                          is_pure=False, pack=1)
+'''
 
+STAMP = READERS + '''
     @gluon.jit
     def _tl_step(base, it, k: gl.constexpr, DETERMINISTIC: gl.constexpr):
         # stamp k of step `it` ({NCTA} CTAs from --first-cta, steps below {NSTEP})
@@ -183,17 +186,11 @@ SRC_WS = SRC.with_name("bwd_ws.py")
 WS_AREA = NCTA * NSTEP * NSLOTS
 WS_WORDS = 2 * WS_AREA
 
-STAMP_WS = '''
-    @gluon.jit
-    def _tl_cta(x):
-        return gl.inline_asm_elementwise("{cta_asm}", "=r,r", [x], dtype=gl.int32,
-                                         is_pure=False, pack=1)
-
+STAMP_WS = READERS + '''
     @gluon.jit
     def _tl_ws(base, it, k: gl.constexpr, WG: gl.constexpr):
         cta = _tl_cta(it)
-        t = gl.inline_asm_elementwise("mov.u32 $0, %clock;", "=r,r", [it], dtype=gl.int32,
-                                      is_pure=False, pack=1)
+        t = _tl_clock(it)
         gl.store(base + WG * {WS_AREA} + (cta * {NSTEP} + it) * {NSLOTS} + k, t,
                  mask=(cta >= 0) & (cta < {NCTA}) & (it < {NSTEP}))
 
