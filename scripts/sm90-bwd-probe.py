@@ -286,7 +286,7 @@ def _finish(proc, deadline):
 
 
 def _field_value(text):
-    return int(text) if text.isdigit() else text.lower() in ("true", "yes")
+    return int(text) if text.lstrip("-").isdigit() else text.lower() in ("true", "yes")
 
 
 def main():

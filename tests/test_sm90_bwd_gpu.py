@@ -182,7 +182,8 @@ def test_sm90_backward_matches_reference(case):
 # late). Its other schedules, and bwd.py's kernel (which keeps softcap and deterministic
 # calls), on every d=128 case they can take.
 SPLIT_CASES = [c for c in CASES if c["d"] in (96, 128) and not c.get("softcap")]
-# d=64 can run it too (128-row steps, dQ split by rows), on request: not faster (bwd_ws.py)
+# d=64 can run it too, on request: 128-row steps (dQ split by rows; spills, not faster), or
+# 64-row steps (dQ split by columns), with the default two-slot Q/dO ring or three slots
 SPLIT_CASES_D64 = [c for c in CASES if c["d"] == 64 and not c.get("softcap")]
 
 
@@ -202,13 +203,16 @@ def test_sm90_backward_d128_schedules_match_reference(case, variant):
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("variant", [dict(block_m=128), dict(block_m=64),
+                                     dict(block_m=64, ring_slots=3)],
+                         ids=["rows128", "rows64", "rows64-ring3"])
 @pytest.mark.parametrize("case", SPLIT_CASES_D64, ids=lambda c: c["name"])
-def test_sm90_backward_d64_split_warpgroups_match_reference(case):
+def test_sm90_backward_d64_split_warpgroups_match_reference(case, variant):
     from dataclasses import replace
 
     from asymflash.backends.sm90 import bwd
 
-    cfg = replace(bwd.select_config(64), split_warpgroups=True)
+    cfg = replace(bwd.select_config(64), split_warpgroups=True, **variant)
     assert bwd._splits_warpgroups(64, cfg, False, False)
     for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
         assert_fa_close(name, g, r32, rlow, atol=atol)

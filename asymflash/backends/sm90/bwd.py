@@ -184,6 +184,7 @@ class BwdConfig:
     # -> 338 / 516 / 554, causal 207 / 392 / 520 -> 209 / 395 / 533.
     split_warpgroups: bool = False
     late_warpgroup: int = 0  # bwd_ws: the warpgroup that computes dQ one step late (-1: none)
+    ring_slots: int = 2  # bwd_ws: steps of Q/dO (and their statistics) its load warp keeps
 
 
 # FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,
@@ -219,7 +220,7 @@ def _splits_warpgroups(head_dim: int, cfg: BwdConfig, deterministic: bool,
     """Whether a call runs `bwd_ws`'s kernel (BwdConfig.split_warpgroups). Not with softcap:
     its chain-rule tile does not fit a partition's 240 registers (sm_90a: 40 local-memory
     instructions in every step)."""
-    return (cfg.split_warpgroups and (head_dim, cfg.block_m) in ((128, 64), (64, 128))
+    return (cfg.split_warpgroups and (head_dim, cfg.block_m) in ((128, 64), (64, 64), (64, 128))
             and cfg.dq_tma and not deterministic and not softcap)
 
 
@@ -248,9 +249,11 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
     # has them share 64 keys. 64 query rows per step, or 128 at d = 64 (registers allow it).
     block_n = 64 if head_dim == 256 else 128
     block_ms = (64, 128) if head_dim == 64 else (64,)
-    if cfg.num_warps != 8 or cfg.block_n != block_n or cfg.block_m not in block_ms:
+    if cfg.num_warps != 8 or cfg.block_n != block_n or cfg.block_m not in block_ms \
+            or cfg.ring_slots < 2:
         raise ValueError(f"unsupported sm90 backward config {cfg} at head dim {head_dim}: "
-                         f"needs 8 warps, block_n {block_n}, block_m in {block_ms}")
+                         f"needs 8 warps, block_n {block_n}, block_m in {block_ms}, "
+                         "ring_slots >= 2")
     return cfg
 
 
@@ -550,6 +553,7 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
     consts["STATS_LATE"] = cfg.stats_late
     if split:
         consts["LATE_WG"] = cfg.late_warpgroup
+        consts["RING"] = cfg.ring_slots
     return consts
 
 

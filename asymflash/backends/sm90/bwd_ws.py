@@ -1,5 +1,5 @@
-"""Warp-specialised sm90 backward: the two key warpgroups out of phase (d = 128; d = 64 with
-128-row steps on request).
+"""Warp-specialised sm90 backward: the two key warpgroups out of phase (d = 128; d = 64 on
+request).
 
 `bwd.py`'s kernel runs both warpgroups through every step together: a CTA-wide barrier
 publishes dSᵀ for dQ = dS·K, another stages dQ for its TMA reduce, and Triton adds its own
@@ -10,8 +10,9 @@ d=128 16k: ~4700 cycles per step against ~2560 of MMA work).
 Here the roles are `gl.warp_specialize` partitions that only meet through mbarriers:
 
 * a load warp: K and V once; then per step the row statistics (lse in log2 units, delta) by
-  ordinary loads into shared memory, and Q and dO by TMA, into a two-slot ring. The statistics'
-  load latency is off the compute warps' path.
+  ordinary loads into shared memory, and Q and dO by TMA, into a ring of RING slots
+  (`BwdConfig.ring_slots`, two by default; the dSᵀ buffers stay two). The statistics' load
+  latency is off the compute warps' path.
 * two compute warpgroups, warpgroup w owning keys [64·w, 64·w + 64) of the block: Sᵀ, dPᵀ,
   Pᵀ, dV, dSᵀ and dK as in `bwd.py`, and dQ[:, 64·w : 64·w + 64] = dS·K[:, cols], which needs
   both halves of dSᵀ. Warpgroup 1 computes it for the current step (warpgroup 0's half is
@@ -33,7 +34,9 @@ H200 2026-11-30 (scripts/sm90-bwd-probe.py, same process), d=128 TFLOP/s 512 / 2
 synchronous kernel 310-317 / 444-474 / 492-534, this one 337-338 / 513-516 / 536-554;
 causal 207-208 / 376-392 / 493-520 -> 209-210 / 395-405 / 529-582. At d=64 (128-row steps:
 dQ split by rows) a partition's 240 registers spill (46-95 local-memory instructions) and it
-loses at 512 rows and causal: that head dim keeps `bwd.py`'s kernel. Tried and dropped:
+loses at 512 rows and causal: that head dim keeps `bwd.py`'s kernel. d=64 with 64-row steps
+(dQ split by columns, as d=128) compiles without spills (sm_90a, 2026-11-30), with two or
+three ring slots; not yet timed. Tried and dropped:
 deterministic turns per warpgroup (a counter per dQ half): 253 / 358 / 406 -> 272 / 373 /
 401 against the synchronous kernel's deterministic mode, not worth a second turn scheme.
 """
@@ -79,14 +82,15 @@ if _GLUON_ERROR is None:
     def _ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem, k_smem,
                    v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, k_row, hk,
                    q_start, seqlen_q, total_q, n_steps, h, m0, m_lo, m_end, h_first, group,
-                   HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr):
+                   HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
+                   RING: gl.constexpr):
         load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(0), k_row, hk, HEAD_DIM,
                 HEAD_DIM_V)
         stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
         for it in range(n_steps):
-            slot = it % 2
-            if it >= 2:  # both warpgroups are done with step it - 2
-                mbarrier.wait(empty.index(slot), ((it - 2) // 2) & 1)
+            slot = it % RING
+            if it >= RING:  # both warpgroups are done with step it - RING
+                mbarrier.wait(empty.index(slot), ((it - RING) // RING) & 1)
             # The statistics are stored before the expect (an arrive with release semantics,
             # behind a barrier of this warp): the compute warps see them once `ready` flips.
             stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, slot, h, m0, q_start,
@@ -135,7 +139,7 @@ if _GLUON_ERROR is None:
                     WG: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                     HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DP_EARLY: gl.constexpr,
-                    KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr):
+                    KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr, RING: gl.constexpr):
         KEYS: gl.constexpr = BLOCK_N // 2
         DQ_ROWS: gl.constexpr = 64  # dQ = dS·K by halves of its columns or rows (_ws_dq)
         DQ_COLS: gl.constexpr = HEAD_DIM // 2 if BLOCK_M == 64 else HEAD_DIM
@@ -172,8 +176,9 @@ if _GLUON_ERROR is None:
         m0_prev = m0
         mbarrier.wait(kv_bar.index(0), 0)
         for it in range(n_steps):
-            slot = it % 2
-            mbarrier.wait(ready.index(slot), (it // 2) & 1)
+            slot = it % RING  # the Q/dO ring
+            ds_slot = it % 2  # the dSᵀ buffers (_ws_dq)
+            mbarrier.wait(ready.index(slot), (it // RING) & 1)
             q_s = q_smem.index(slot)
             do_s = do_smem.index(slot)
             s_tok = warpgroup_mma(k_mine, q_s.permute((1, 0)), s_zero, use_acc=False,
@@ -198,10 +203,10 @@ if _GLUON_ERROR is None:
             delta = delta_smem.index(slot).load(col_layout)
             ds16 = (p_ds * (dp - gl.expand_dims(delta, 0))).to(dtype)
             if it >= 2:  # both dQ MMAs of step it - 2 have read this dSᵀ slot
-                mbarrier.wait(ds_free.index(slot), ((it - 2) // 2) & 1)
-            ds_smem.index(slot).slice(WG * KEYS, KEYS).store(ds16)
+                mbarrier.wait(ds_free.index(ds_slot), ((it - 2) // 2) & 1)
+            ds_smem.index(ds_slot).slice(WG * KEYS, KEYS).store(ds16)
             fence_async_shared()
-            mbarrier.arrive(ds_ready.index(2 * slot + WG), count=1)
+            mbarrier.arrive(ds_ready.index(2 * ds_slot + WG), count=1)
             ds_op = gl.convert_layout(ds16, dsq_op_layout)
             dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
             if WG == LATE_WG:  # one step late: the other half of this step is not there yet
@@ -256,7 +261,7 @@ if _GLUON_ERROR is None:
                            STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
                            WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
                            DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr,
-                           LATE_WG: gl.constexpr):
+                           LATE_WG: gl.constexpr, RING: gl.constexpr):
         # Same arguments as bwd._attn_bwd_kernel (one host path); DV_OVERLAP, DK_LATE,
         # STATS_LATE, the deterministic switches and dq_ptr belong to that kernel's schedule.
         dtype: gl.constexpr = q_desc.dtype
@@ -280,9 +285,9 @@ if _GLUON_ERROR is None:
                                                _tile_layout(k_desc.layout))
             v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V],
                                                _tile_layout(v_desc.layout))
-            q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM],
+            q_smem = gl.allocate_shared_memory(dtype, [RING, BLOCK_M, HEAD_DIM],
                                                _tile_layout(q_desc.layout))
-            do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM_V],
+            do_smem = gl.allocate_shared_memory(dtype, [RING, BLOCK_M, HEAD_DIM_V],
                                                 _tile_layout(do_desc.layout))
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                            dtype)
@@ -290,19 +295,21 @@ if _GLUON_ERROR is None:
             dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
                                                 dq_desc.layout)
             stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-            lse_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stat_smem_layout)
-            delta_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stat_smem_layout)
+            lse_smem = gl.allocate_shared_memory(gl.float32, [RING, BLOCK_M], stat_smem_layout)
+            delta_smem = gl.allocate_shared_memory(gl.float32, [RING, BLOCK_M],
+                                                   stat_smem_layout)
             kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-            ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
             ds_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
             ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
             mbarrier.init(kv_bar.index(0), count=1)
             mbarrier.init(done.index(0), count=2)
-            for st in gl.static_range(2):
+            for st in gl.static_range(RING):
                 mbarrier.init(ready.index(st), count=1)
                 mbarrier.init(empty.index(st), count=2)
+            for st in gl.static_range(2):
                 mbarrier.init(ds_free.index(st), count=2)
             for st in gl.static_range(4):
                 mbarrier.init(ds_ready.index(st), count=1)
@@ -317,7 +324,7 @@ if _GLUON_ERROR is None:
                                softmax_scale, softcap_pre, window_left, window_right,
                                0,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG)),
+                               SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING)),
                 (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
                                delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done,
                                dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, q_start, k_start,
@@ -326,9 +333,10 @@ if _GLUON_ERROR is None:
                                softmax_scale, softcap_pre, window_left, window_right,
                                1,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG)),
+                               SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING)),
                 (_ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
                               k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
                               empty, k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
-                              m0, m_lo, m_end, h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M)),
+                              m0, m_lo, m_end, h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
+                              RING)),
             ], [4, 1], [COMPUTE_REGS, LOADER_REGS])
