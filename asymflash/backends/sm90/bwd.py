@@ -703,7 +703,7 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
     dk = alloc((k.shape[0], hkv, width), dtype=k.dtype, device=k.device)
     dv = alloc((v.shape[0], hkv, width_v), dtype=v.dtype, device=v.device)
 
-    if padded:
+    if padded or not (_fwd.rows_dense(q) and _fwd.rows_dense(k) and _fwd.rows_dense(v)):
         q_desc = _fwd.tma_heads(q, cfg.block_m, width)
         do_desc = _fwd.tma_heads(dout, cfg.block_m, width_v)
         k_desc = _fwd.tma_heads(k, cfg.block_n, width)

@@ -1202,17 +1202,61 @@ def exp2_scales(params: AttnParams) -> tuple[float, float]:
     return params.softmax_scale * LOG2E, 1.0
 
 
+# Strided q, k, v (views of a fused QKV projection, transposed (batch, heads, seqlen, dim)
+# tensors) read in place through descriptors with their own strides, instead of going to the
+# portable kernels. Off until the GPU suite has run it (tests/test_sm90_strided_gpu.py).
+STRIDED_SWITCH = "ASYMFLASH_SM90_STRIDED"
+
+
+def strided_inputs_enabled() -> bool:
+    return os.environ.get(STRIDED_SWITCH, "0") == "1"
+
+
+def row_head_strides(t: torch.Tensor) -> tuple[int, int]:
+    """(row stride, head stride) of a (rows, heads, dim) tensor, in elements, as a TMA
+    descriptor walks it; a dimension of size 1 takes its dense stride (torch leaves any
+    value there)."""
+    rows, heads, dim = t.shape
+    head_stride = t.stride(1) if heads > 1 else dim
+    return (t.stride(0) if rows > 1 else heads * head_stride), head_stride
+
+
+def rows_dense(t: torch.Tensor) -> bool:
+    """Whether the heads of a row lie side by side (head stride = dim), so the tensor reads
+    as a (rows, heads·dim) matrix with its own row stride (`tma_rows`)."""
+    return row_head_strides(t)[1] == t.shape[2]
+
+
+def tma_layout_reason(t: torch.Tensor, name: str) -> str | None:
+    """Why a (rows, heads, dim) tensor cannot be read in place by TMA, or None: the base and
+    the row and head strides must be 16-byte multiples, the dim contiguous."""
+    rows, heads, dim = t.shape
+    size = t.element_size()
+    row_stride, head_stride = row_head_strides(t)
+    if dim > 1 and t.stride(2) != 1:
+        return f"{name}'s head dim is not contiguous"
+    if t.data_ptr() % 16:
+        return f"{name} is not 16-byte aligned (TMA)"
+    if row_stride <= 0 or head_stride <= 0 or (row_stride * size) % 16 or \
+            (head_stride * size) % 16:
+        return (f"{name}'s strides ({row_stride}, {head_stride}) are not positive 16-byte "
+                "multiples (TMA)")
+    return None
+
+
 def tma_rows(t: torch.Tensor, block, layout=None) -> "TensorDescriptor":
     """TMA descriptor of a packed (rows, heads, dim) tensor seen as (rows, heads * dim), so
-    a head is a column offset and one descriptor serves all heads and sequences.
+    a head is a column offset and one descriptor serves all heads and sequences. The heads of
+    a row must lie side by side (`rows_dense`); the rows may be strided (a fused QKV view).
 
     Built without TensorDescriptor's own checks (~10 us each, several per call): what they
-    verify, a contiguous 16-byte aligned non-empty tensor with 16-byte aligned rows, is
-    already guaranteed by `hopper_input_reason` (heads * dim is a multiple of 64 here).
+    verify, a 16-byte aligned non-empty tensor with 16-byte aligned rows, is already
+    guaranteed by `hopper_input_reason` (heads * dim is a multiple of 64 here).
     """
     desc = object.__new__(TensorDescriptor)
     cols = t.shape[1] * t.shape[2]
-    desc.base, desc.shape, desc.strides = t, [t.shape[0], cols], [cols, 1]
+    row_stride = t.stride(0) if t.shape[0] > 1 else cols
+    desc.base, desc.shape, desc.strides = t, [t.shape[0], cols], [row_stride, 1]
     desc.block_shape, desc.padding = list(block), "zero"
     if layout is None:  # the layout and its launch.specialization_key token, cached
         desc.layout, desc.asym_token = _layout_and_token(tuple(block), t.dtype)
@@ -1226,10 +1270,11 @@ def tma_heads(t: torch.Tensor, rows: int, width: int) -> "TensorDescriptor":
     """TMA descriptor of a packed (rows, heads, dim) tensor as it is, with a box of `rows`
     rows of one head, `width` >= dim wide: the TMA unit fills the columns past dim with
     zeros, so head dims between the compiled widths need no zero-padded copy. Needs 16-byte
-    row strides (dim a multiple of 8 at 16 bits)."""
+    row strides (dim a multiple of 8 at 16 bits). Any row and head strides TMA can address
+    (`tma_layout_reason`): a transposed (batch, heads, seqlen, dim) tensor is read in place."""
     desc = object.__new__(TensorDescriptor)
     desc.base, desc.shape = t, list(t.shape)
-    desc.strides = [t.shape[1] * t.shape[2], t.shape[2], 1]
+    desc.strides = [*row_head_strides(t), 1]
     desc.block_shape, desc.padding = [rows, 1, width], "zero"
     desc.layout, desc.asym_token = _layout_and_token((rows, 1, width), t.dtype)
     return desc
@@ -1354,10 +1399,17 @@ def hopper_input_reason(q, k, v, sink, head_dims, direction: str) -> str | None:
     if head_dims is not None and (d not in head_dims or dv != d):
         return (f"sm90 {direction} supports head_dim == head_dim_v in {head_dims}, "
                 f"got {d}/{dv}")
-    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
-        return f"sm90 {direction} needs contiguous q, k, v"
-    if any(t.data_ptr() % 16 for t in (q, k, v)):
-        return f"sm90 {direction} needs 16-byte aligned q, k, v (TMA)"
+    if strided_inputs_enabled():
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            why = tma_layout_reason(t, name)
+            if why is not None:
+                return f"sm90 {direction}: {why}"
+    else:
+        if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+            return (f"sm90 {direction} needs contiguous q, k, v ({STRIDED_SWITCH}=1 reads "
+                    "strided ones in place)")
+        if any(t.data_ptr() % 16 for t in (q, k, v)):
+            return f"sm90 {direction} needs 16-byte aligned q, k, v (TMA)"
     hq, hkv = q.shape[1], k.shape[1]
     if hq % hkv != 0:
         return f"nheads_q {hq} is not a multiple of nheads_kv {hkv}"
@@ -1511,8 +1563,10 @@ def _launch(q, k, v, seq: SeqInfo, params: AttnParams, sink, plan: LaunchPlan, p
     lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
     # 2-D views (rows, heads*dim): a head is a column offset, so one descriptor serves all
     # heads and sequences; rows past a sequence end are masked (keys) or not stored (queries).
+    # Padded head dims, and inputs whose heads do not lie side by side in a row, take
+    # (rows, heads, dim) boxes instead.
     block_n = plan.cfg.block_n
-    if padded:
+    if padded or not (rows_dense(q) and rows_dense(k) and rows_dense(v)):
         q_desc = tma_heads(q, 64, d)
         k_desc = tma_heads(k, block_n, d)
         v_desc = tma_heads(v, block_n, dv)
