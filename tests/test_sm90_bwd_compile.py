@@ -56,6 +56,13 @@ CONFIGS = [
     # ... or with 64-row steps (dQ split by columns), a three-slot ring: 0 seen
     ({"head_dim": 64, "has_right": True,
       "cfg": {"split_warpgroups": True, "block_m": 64, "ring_slots": 3}}, 8),
+    # deterministic mode in it (ws_deterministic: a dQ warp beside the load warp): 0 seen
+    # non-causal, 40 causal (the masked steps' scalars, as without the turns)
+    ({"head_dim": 128, "deterministic": True, "cfg": {"ws_deterministic": True}}, 8),
+    ({"head_dim": 128, "has_right": True, "deterministic": True,
+      "cfg": {"ws_deterministic": True}}, 48),
+    ({"head_dim": 64, "has_right": True, "deterministic": True,
+      "cfg": {"ws_deterministic": True, "split_warpgroups": True, "block_m": 64}}, 8),
     # d=128 in bwd.py's kernel (softcap, deterministic mode, or asked for): the dK/dV
     # TMA-store epilogue (uniform calls) costs 4 around the loop, 1 inside
     ({"head_dim": 128, "cfg": {"split_warpgroups": False}}, 8),
@@ -146,6 +153,15 @@ def test_config_outside_the_hardwired_layouts_refused():
         bwd.select_config(256, bwd.BwdConfig(block_n=128))
     with pytest.raises(ValueError, match="ring_slots"):
         bwd.select_config(128, bwd.BwdConfig(split_warpgroups=True, ring_slots=1))
+
+
+def test_deterministic_calls_take_the_split_kernel_only_when_asked():
+    cfg = bwd.select_config(128, deterministic=True)
+    assert cfg.split_warpgroups and not bwd._splits_warpgroups(128, cfg, True, False)
+    assert bwd._splits_warpgroups(128, replace(cfg, ws_deterministic=True), True, False)
+    assert bwd._splits_warpgroups(128, cfg, False, False)
+    # softcap stays on bwd.py's kernel either way
+    assert not bwd._splits_warpgroups(128, replace(cfg, ws_deterministic=True), True, True)
 
 
 def test_unsupported_backward_reports_reason_on_cpu():

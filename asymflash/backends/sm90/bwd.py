@@ -185,6 +185,10 @@ class BwdConfig:
     split_warpgroups: bool = False
     late_warpgroup: int = 0  # bwd_ws: the warpgroup that computes dQ one step late (-1: none)
     ring_slots: int = 2  # bwd_ws: steps of Q/dO (and their statistics) its load warp keeps
+    # Deterministic mode on bwd_ws's kernel: a dQ warp of its own waits for the turns and
+    # adds both warpgroups' tiles, so the turns' round trips leave the compute warpgroups'
+    # path (bwd.py's kernel has no registers for such a warp). Off until GPU-tested.
+    ws_deterministic: bool = False
 
 
 # FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,
@@ -219,9 +223,9 @@ def _splits_warpgroups(head_dim: int, cfg: BwdConfig, deterministic: bool,
                        softcap: bool) -> bool:
     """Whether a call runs `bwd_ws`'s kernel (BwdConfig.split_warpgroups). Not with softcap:
     its chain-rule tile does not fit a partition's 240 registers (sm_90a: 40 local-memory
-    instructions in every step)."""
+    instructions in every step). Deterministic calls only with `ws_deterministic`."""
     return (cfg.split_warpgroups and (head_dim, cfg.block_m) in ((128, 64), (64, 64), (64, 128))
-            and cfg.dq_tma and not deterministic and not softcap)
+            and cfg.dq_tma and (cfg.ws_deterministic or not deterministic) and not softcap)
 
 
 def _launch_options(split: bool, cfg: BwdConfig) -> dict:

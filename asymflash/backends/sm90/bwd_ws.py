@@ -25,10 +25,19 @@ ready[s]  Q/dO (TMA bytes) and the statistics of the step in slot s have landed;
 empty[s]  both warpgroups have retired the MMAs that read Q/dO of slot s (count 2);
 ds_ready[2s + w]  warpgroup w's half of dSᵀ for the step in slot s is in shared memory;
 ds_free[s]  both warpgroups' dQ MMAs have read dSᵀ slot s (count 2);
+dq_full[w], dq_empty[w]  (deterministic mode) warpgroup w's dQ tile staged / read by the
+           dQ warp;
 done  both warpgroups are past their last MMA: the epilogue may reuse the Q/dO ring.
 
-Covers what `bwd.py` covers except deterministic mode, softcap and per-thread dQ atomics
-(`bwd._splits_warpgroups` keeps those on the synchronous kernel).
+Deterministic mode (`BwdConfig.ws_deterministic`, off until GPU-tested) adds a dQ warp in
+the load warp's padded warpgroup: the warpgroups stage their dQ tiles and hand them over
+(dq_full[w]); the dQ warp waits for the CTA's turn on the step's query block (the synchronous
+kernel's order, `bwd_parts.wait_dq_turn`), adds both tiles, hands them back once read
+(dq_empty[w]) and passes the turn on once the adds have landed. The turn's round trips stay
+off the compute warpgroups; in `bwd.py`'s kernel they sit on every step's critical path.
+
+Covers what `bwd.py` covers except softcap and per-thread dQ atomics (and deterministic mode
+unless asked for): `bwd._splits_warpgroups` keeps those on the synchronous kernel.
 
 H200 2026-11-30 (scripts/sm90-bwd-probe.py, same process), d=128 TFLOP/s 512 / 2k / 16k:
 synchronous kernel 310-317 / 444-474 / 492-534, this one 337-338 / 513-516 / 536-554;
@@ -64,11 +73,13 @@ if _GLUON_ERROR is None:
         next_step,
         probabilities,
         query_range,
+        release_dq_turn_after_tma,
         stage_stats,
         step_needs_mask,
         store_key_rows,
         store_key_tiles,
         tma_reduce_add,
+        wait_dq_turn,
         walk_start,
     )
     from .fwd import _tile_layout
@@ -100,13 +111,23 @@ if _GLUON_ERROR is None:
             h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
 
     @gluon.jit
-    def _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, j, h, m0, q_start,
-               softmax_scale, dq_zero, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-               BLOCK_M: gl.constexpr):
+    def _dq_box(WG: gl.constexpr, h, m0, q_start, HEAD_DIM: gl.constexpr,
+                BLOCK_M: gl.constexpr):
+        """(row, column) of warpgroup WG's dQ box for the step at (h, m0): its half of the
+        columns (64-row steps) or of the rows (128-row steps)."""
+        if BLOCK_M == 64:
+            return q_start + m0, h * HEAD_DIM + WG * (HEAD_DIM // 2)
+        return q_start + m0 + WG * (BLOCK_M // 2), h * HEAD_DIM
+
+    @gluon.jit
+    def _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full, dq_empty, j, h,
+               m0, q_start, softmax_scale, dq_zero, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+               BLOCK_M: gl.constexpr, DET: gl.constexpr):
         """This warpgroup's part of dQ = dS·K for step j: wait for the other half of dSᵀ,
         MMA, stage, reduce-add (retires every MMA this warpgroup has in flight). With
         64-row steps (d=128) the warpgroups split dQ's columns, with 128-row steps (d=64)
-        its rows: one wgmma M either way."""
+        its rows: one wgmma M either way. DET (deterministic mode): the staged tile goes to
+        the dQ warp (`_ws_dq_turns`), which adds it in turn."""
         js = j % 2
         mbarrier.wait(ds_ready.index(2 * js + 1 - WG), (j // 2) & 1)
         if BLOCK_M == 64:
@@ -114,32 +135,67 @@ if _GLUON_ERROR is None:
             dq_tok = warpgroup_mma(ds_smem.index(js).permute((1, 0)),
                                    k_smem.slice(WG * COLS, COLS, 1), dq_zero, use_acc=False,
                                    is_async=True)
-            row = q_start + m0
-            col = h * HEAD_DIM + WG * COLS
         else:
             ROWS: gl.constexpr = BLOCK_M // 2
             dq_tok = warpgroup_mma(ds_smem.index(js).slice(WG * ROWS, ROWS, 1).permute((1, 0)),
                                    k_smem, dq_zero, use_acc=False, is_async=True)
-            row = q_start + m0 + WG * ROWS
-            col = h * HEAD_DIM
         dq = warpgroup_mma_wait(0, deps=[dq_tok])
         mbarrier.arrive(ds_free.index(js), count=1)
-        tma.store_wait(0)  # this warpgroup's previous reduce has read dq_buf
+        if DET:
+            if j > 0:  # the dQ warp has read this warpgroup's tile of step j - 1
+                mbarrier.wait(dq_empty.index(WG), (j - 1) & 1)
+        else:
+            tma.store_wait(0)  # this warpgroup's previous reduce has read dq_buf
         dq_buf.store(dq * softmax_scale)
         fence_async_shared()
         gl.thread_barrier()
-        tma_reduce_add(dq_desc, [row, col], dq_buf)
+        if DET:
+            mbarrier.arrive(dq_full.index(WG), count=1)
+        else:
+            row, col = _dq_box(WG, h, m0, q_start, HEAD_DIM, BLOCK_M)
+            tma_reduce_add(dq_desc, [row, col], dq_buf)
+
+    @gluon.jit
+    def _ws_dq_turns(dq_smem, dq_desc, dq_full, dq_empty, sem_ptr, q_start, n_steps, h, m0,
+                     m_lo, m_end, h_first, group, batch, n_heads, num_m_blocks, n_blk, n_seq,
+                     shift, window_left, window_right, group_blocks, stride,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr):
+        """Deterministic mode's dQ warp: per step, wait for this CTA's dQ turn on the step's
+        query block (bwd_parts.wait_dq_turn, the synchronous kernel's order), then for both
+        warpgroups' staged tiles, reduce-add them, hand the tiles back once read, and pass
+        the turn on once the adds have landed. The turn's round trips and the wait for the
+        writes stay off the compute warpgroups, which only wait for their tile's hand-back
+        (a step later)."""
+        for j in range(n_steps):
+            sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq,
+                               shift, window_left, window_right, h_first, m_lo, group_blocks,
+                               stride, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, True)
+            mbarrier.wait(dq_full.index(0), j & 1)
+            mbarrier.wait(dq_full.index(1), j & 1)
+            row, col = _dq_box(0, h, m0, q_start, HEAD_DIM, BLOCK_M)
+            tma_reduce_add(dq_desc, [row, col], dq_smem.index(0))
+            row, col = _dq_box(1, h, m0, q_start, HEAD_DIM, BLOCK_M)
+            tma_reduce_add(dq_desc, [row, col], dq_smem.index(1))
+            tma.store_wait(0)  # both reduces have read their tiles
+            gl.thread_barrier()
+            mbarrier.arrive(dq_empty.index(0), count=1)
+            mbarrier.arrive(dq_empty.index(1), count=1)
+            release_dq_turn_after_tma(sem, m0)
+            h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
 
     @gluon.jit
     def _ws_compute(q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem,
-                    kv_bar, ready, empty, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc,
+                    kv_bar, ready, empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc,
+                    dk_desc, dv_desc,
                     dk_ptr, dv_ptr, q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
                     n_steps, h, m0, m_lo, m_end, h_first, group, keys_oob, m_full_lo,
                     m_full_hi, qk_scale, softmax_scale, softcap_pre, window_left, window_right,
                     WG: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                     HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DP_EARLY: gl.constexpr,
-                    KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr, RING: gl.constexpr):
+                    KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr, RING: gl.constexpr,
+                    DET: gl.constexpr):
         KEYS: gl.constexpr = BLOCK_N // 2
         DQ_ROWS: gl.constexpr = 64  # dQ = dS·K by halves of its columns or rows (_ws_dq)
         DQ_COLS: gl.constexpr = HEAD_DIM // 2 if BLOCK_M == 64 else HEAD_DIM
@@ -211,11 +267,12 @@ if _GLUON_ERROR is None:
             dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
             if WG == LATE_WG:  # one step late: the other half of this step is not there yet
                 if it > 0:
-                    _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, it - 1, h_prev,
-                           m0_prev, q_start, softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M)
+                    _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full,
+                           dq_empty, it - 1, h_prev, m0_prev, q_start, softmax_scale, dq_zero,
+                           WG, HEAD_DIM, BLOCK_M, DET)
             else:
-                _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, it, h, m0, q_start,
-                       softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M)
+                _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full, dq_empty,
+                       it, h, m0, q_start, softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M, DET)
             dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])
             mbarrier.arrive(empty.index(slot), count=1)
             # `+ 0`: with a plain `h_prev = h` triton 3.6's frontend carried neither h nor
@@ -225,8 +282,9 @@ if _GLUON_ERROR is None:
             h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
         if WG == LATE_WG:
             if n_steps > 0:
-                _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, n_steps - 1,
-                       h_prev, m0_prev, q_start, softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M)
+                _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full, dq_empty,
+                       n_steps - 1, h_prev, m0_prev, q_start, softmax_scale, dq_zero, WG,
+                       HEAD_DIM, BLOCK_M, DET)
         tma.store_wait(0)  # the last reduce reads dq_buf
         # The epilogue stages through the Q/dO ring, which the other warpgroup may still read.
         mbarrier.arrive(done.index(0), count=1)
@@ -263,11 +321,13 @@ if _GLUON_ERROR is None:
                            DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr,
                            LATE_WG: gl.constexpr, RING: gl.constexpr):
         # Same arguments as bwd._attn_bwd_kernel (one host path); DV_OVERLAP, DK_LATE,
-        # STATS_LATE, the deterministic switches and dq_ptr belong to that kernel's schedule.
+        # STATS_LATE, RELEASE_AT, WAIT_EARLY and dq_ptr belong to that kernel's schedule.
+        # DETERMINISTIC: the dQ warp adds the tiles in bwd.py's turn order (causal masks:
+        # the grid runs from the top key block down, as there).
         dtype: gl.constexpr = q_desc.dtype
         n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
             cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
-            False)
+            HAS_RIGHT and DETERMINISTIC)
         n0 = n_blk * BLOCK_N
         if n0 < seqlen_k:
             shift = seqlen_k - seqlen_q
@@ -303,6 +363,9 @@ if _GLUON_ERROR is None:
             empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
             ds_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
             ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            # deterministic mode: warpgroup w's staged dQ tile is full / read by the dQ warp
+            dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
             mbarrier.init(kv_bar.index(0), count=1)
             mbarrier.init(done.index(0), count=2)
@@ -311,32 +374,74 @@ if _GLUON_ERROR is None:
                 mbarrier.init(empty.index(st), count=2)
             for st in gl.static_range(2):
                 mbarrier.init(ds_free.index(st), count=2)
+                if DETERMINISTIC:
+                    mbarrier.init(dq_full.index(st), count=1)
+                    mbarrier.init(dq_empty.index(st), count=1)
             for st in gl.static_range(4):
                 mbarrier.init(ds_ready.index(st), count=1)
             fence_async_shared()
 
-            gl.warp_specialize([
-                (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
-                               delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done,
-                               dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, q_start, k_start,
-                               seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h, m0, m_lo,
-                               m_end, h_first, group, keys_oob, m_full_lo, m_full_hi, qk_scale,
-                               softmax_scale, softcap_pre, window_left, window_right,
-                               0,
-                               HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING)),
-                (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
-                               delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done,
-                               dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, q_start, k_start,
-                               seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h, m0, m_lo,
-                               m_end, h_first, group, keys_oob, m_full_lo, m_full_hi, qk_scale,
-                               softmax_scale, softcap_pre, window_left, window_right,
-                               1,
-                               HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING)),
-                (_ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
-                              k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
-                              empty, k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
-                              m0, m_lo, m_end, h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
-                              RING)),
-            ], [4, 1], [COMPUTE_REGS, LOADER_REGS])
+            # The role tuples are written out in each form: held in a variable, Gluon
+            # would turn their constexprs into runtime values. Deterministic mode adds the dQ
+            # warp (it shares the load warp's padded warpgroup and register count).
+            if DETERMINISTIC:
+                gl.warp_specialize([
+                    (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
+                                   delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done,
+                                   dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr,
+                                   q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
+                                   n_steps, h, m0, m_lo, m_end, h_first, group, keys_oob,
+                                   m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
+                                   window_left, window_right,
+                                   0,
+                                   HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                                   SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DETERMINISTIC)),
+                    (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
+                                   delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done,
+                                   dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr,
+                                   q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
+                                   n_steps, h, m0, m_lo, m_end, h_first, group, keys_oob,
+                                   m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
+                                   window_left, window_right,
+                                   1,
+                                   HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                                   SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DETERMINISTIC)),
+                    (_ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
+                                  k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
+                                  empty, k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
+                                  m0, m_lo, m_end, h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
+                                  RING)),
+                    (_ws_dq_turns, (dq_smem, dq_desc, dq_full, dq_empty, sem_ptr, q_start,
+                                    n_steps, h, m0, m_lo, m_end, h_first, group, batch, n_heads,
+                                    num_m_blocks, n_blk, n_seq, shift, window_left, window_right,
+                                    group_blocks, stride, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                    HAS_RIGHT, STAGGER)),
+                ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])
+            else:
+                gl.warp_specialize([
+                    (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
+                                   delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done,
+                                   dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr,
+                                   q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
+                                   n_steps, h, m0, m_lo, m_end, h_first, group, keys_oob,
+                                   m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
+                                   window_left, window_right,
+                                   0,
+                                   HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                                   SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DETERMINISTIC)),
+                    (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
+                                   delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done,
+                                   dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr,
+                                   q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
+                                   n_steps, h, m0, m_lo, m_end, h_first, group, keys_oob,
+                                   m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
+                                   window_left, window_right,
+                                   1,
+                                   HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                                   SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DETERMINISTIC)),
+                    (_ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
+                                  k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
+                                  empty, k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
+                                  m0, m_lo, m_end, h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
+                                  RING)),
+                ], [4, 1], [COMPUTE_REGS, LOADER_REGS])
