@@ -15,6 +15,12 @@ softcap=..., s_aux=..., **kwargs) with (batch, heads, seq, head_dim) tensors and
 whole key history at each decode step: q is then shorter than k, and asymflash's causal mask,
 aligned to the bottom-right corner, lets the new tokens see every cached key and each other
 causally, which is what the cache means.
+
+Decode steps without padding (a few query tokens, no gradient) go through
+`flash_attn_with_kvcache` on the cache as transformers holds it: its (batch, heads, seq,
+head_dim) tensors, transposed, are read in place by the split-KV decode kernel, with each
+kv head's query heads packed into one tile. `flash_attn_func` would read them through a
+packed-row view that (batch > 1) copies the whole cache, every layer, every token.
 """
 
 from __future__ import annotations
@@ -22,9 +28,13 @@ from __future__ import annotations
 import torch
 
 from ..interface import flash_attn_func, flash_attn_varlen_func
+from ..kvcache import flash_attn_with_kvcache
 from ..tensor_memo import TensorMemo
 
 NAME = "asymattn"
+# Calls with at most this many query tokens and a longer key history are decode steps (or
+# short speculative chunks): they take the kvcache path when no gradient is needed.
+DECODE_MAX_Q = 16
 
 
 def _window(sliding_window, causal):
@@ -79,6 +89,15 @@ def _unpadded(q, k, v, mask, **kw):
     return out
 
 
+def _decode_step(q, k, v, sink) -> bool:
+    """Whether a call is a decode step the kvcache path computes: a few new queries over a
+    longer cache, and no gradient to flow (the kvcache path is forward only)."""
+    if not (q.shape[1] <= DECODE_MAX_Q and k.shape[1] > q.shape[1]):
+        return False
+    leaves = (q, k, v) if sink is None else (q, k, v, sink)
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in leaves))
+
+
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       sliding_window=None, softcap=None, s_aux=None, **kwargs):
     """transformers' attention-function signature on top of asymflash (see the module doc)."""
@@ -96,7 +115,10 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     kw = dict(softmax_scale=scaling, causal=causal, window_size=_window(sliding_window, causal),
               softcap=float(softcap or 0.0), learnable_sink=sink)
     if attention_mask is None:
-        out = flash_attn_func(q, k, v, **kw)
+        if _decode_step(q, k, v, sink):
+            out = flash_attn_with_kvcache(q, k, v, **kw)
+        else:
+            out = flash_attn_func(q, k, v, **kw)
     elif attention_mask.dim() == 2:
         out = _unpadded(q, k, v, attention_mask, **kw)
     else:
