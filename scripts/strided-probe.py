@@ -1,6 +1,6 @@
-"""Time flash_attn_func on the strided layouts users hand us, with the sm90 path reading them
-in place (ASYMFLASH_SM90_STRIDED=1) and without (they go to the portable kernels), against
-the same call on contiguous tensors. Forward and forward + backward, CUDA events (median).
+"""Time flash_attn_func on the strided layouts users hand us, the sm90 path reading them in
+place (ASYMFLASH_SM90_STRIDED=1) or as contiguous copies (=0), against the same call on
+contiguous tensors. Forward and forward + backward, CUDA events (median).
 
     PYTHONPATH=. python scripts/strided-probe.py [--seqlen 2048] [--d 128]
 

@@ -681,6 +681,8 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
     from ..cpu import sink_grad
     from ..portable import _delta
 
+    q, k, v = _fwd.tma_ready(q), _fwd.tma_ready(k), _fwd.tma_ready(v)
+
     total_q, hq, _ = q.shape
     hkv = k.shape[1]
     wl, wr = params.mask.window_left, params.mask.window_right

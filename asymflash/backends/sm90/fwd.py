@@ -1203,13 +1203,26 @@ def exp2_scales(params: AttnParams) -> tuple[float, float]:
 
 
 # Strided q, k, v (views of a fused QKV projection, transposed (batch, heads, seqlen, dim)
-# tensors) read in place through descriptors with their own strides, instead of going to the
-# portable kernels. Off until the GPU suite has run it (tests/test_sm90_strided_gpu.py).
+# tensors): with the switch on, read in place through descriptors with their own strides;
+# otherwise (and where TMA cannot address them) the kernels read contiguous copies
+# (`tma_ready`). The in-place reads are off until the GPU suite has run them
+# (tests/test_sm90_strided.py).
 STRIDED_SWITCH = "ASYMFLASH_SM90_STRIDED"
 
 
 def strided_inputs_enabled() -> bool:
     return os.environ.get(STRIDED_SWITCH, "0") == "1"
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """`t` where the kernels' descriptors can read it as it is, else a contiguous 16-byte
+    aligned copy: a copy costs a read and a write of the tensor, the portable kernels that
+    strided inputs took before cost far more on Hopper."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    if strided_inputs_enabled() and tma_layout_reason(t, "") is None:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def row_head_strides(t: torch.Tensor) -> tuple[int, int]:
@@ -1399,17 +1412,10 @@ def hopper_input_reason(q, k, v, sink, head_dims, direction: str) -> str | None:
     if head_dims is not None and (d not in head_dims or dv != d):
         return (f"sm90 {direction} supports head_dim == head_dim_v in {head_dims}, "
                 f"got {d}/{dv}")
-    if strided_inputs_enabled():
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            why = tma_layout_reason(t, name)
-            if why is not None:
-                return f"sm90 {direction}: {why}"
-    else:
-        if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
-            return (f"sm90 {direction} needs contiguous q, k, v ({STRIDED_SWITCH}=1 reads "
-                    "strided ones in place)")
-        if any(t.data_ptr() % 16 for t in (q, k, v)):
-            return f"sm90 {direction} needs 16-byte aligned q, k, v (TMA)"
+    # Any layout with a contiguous head dim: what TMA cannot read in place is copied first
+    # (tma_ready).
+    if any(t.shape[-1] > 1 and t.stride(-1) != 1 for t in (q, k, v)):
+        return f"sm90 {direction} needs q, k, v with a contiguous head dim"
     hq, hkv = q.shape[1], k.shape[1]
     if hq % hkv != 0:
         return f"nheads_q {hq} is not a multiple of nheads_kv {hkv}"
@@ -1556,6 +1562,7 @@ def _launch(q, k, v, seq: SeqInfo, params: AttnParams, sink, plan: LaunchPlan, p
             bound=None):
     """(out, lse, kernel arguments) of one launch: allocate out and lse, build the
     descriptors, launch (through `bound`, a `launch.BoundLaunch`, where given and valid)."""
+    q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
     total_q, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
     d, dv = plan.constexprs["HEAD_DIM"], plan.constexprs["HEAD_DIM_V"]
     # The kernel writes all `width` columns: padded dims get a wider output, cut by forward.
