@@ -2,10 +2,17 @@
 
 from .interface import flash_attn_func, flash_attn_varlen_func
 from .kvcache import flash_attn_with_kvcache
+from .packed import (
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
 from .reference import attention_ref
 
 __version__ = "0.1.0"
 __all__ = [
     "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "attention_ref",
-    "__version__",
+    "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func", "__version__",
 ]
