@@ -174,7 +174,13 @@ def flash_attn_with_kvcache(
     check.check_sink(learnable_sink, q, nheads_q)
     check.check_int_arg(num_splits, "num_splits")
     max_k = capacity
-    if check_values and check.values_checkable(q):
+    # Lengths given as None (full caches) or an int were checked on the host already; with
+    # no page table or batch index either, there is nothing to read back (a device sync).
+    lens_on_host = cache_seqlens is None or isinstance(cache_seqlens, int)
+    if lens_on_host:
+        max_k = capacity if cache_seqlens is None else cache_seqlens + seqlen_new
+    if check_values and check.values_checkable(q) and not (
+            lens_on_host and page_table is None and cache_batch_idx is None):
         max_k = check.check_cache_values(
             seqlens, "cache_seqlens", seqlen_new, capacity, page_table, num_rows, page_size,
             cache_batch_idx, k_cache.shape[0], seqlen_new > 0)

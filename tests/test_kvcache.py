@@ -427,3 +427,28 @@ def test_split_tickets_are_reset_and_lse_optional(layout):
     r32, rlow, rlse = reference(q, cache, cache.k, cache.v, [70, 0])
     assert_fa_close("out", first, r32, rlow, atol=1e-3)
     assert_lse_close(lse, rlse)
+
+
+def test_lengths_known_on_the_host_need_no_device_read(monkeypatch):
+    """cache_seqlens None (full caches) or an int, without page_table or cache_batch_idx:
+    nothing to read back from the device (a sync per call, per layer in a decode step).
+    A lengths tensor is still read and checked."""
+    from asymflash import kvcache
+
+    reads = []
+    real = kvcache.check.check_cache_values
+    monkeypatch.setattr(kvcache.check, "check_cache_values",
+                        lambda *a, **kw: (reads.append(1), real(*a, **kw))[1])
+    q = torch.randn(2, 1, 4, 32, dtype=torch.bfloat16, device=DEVICE)
+    k_cache = torch.randn(2, 24, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    full = flash_attn_with_kvcache(q, k_cache, v_cache)
+    part = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=19)
+    assert reads == []
+    lens = torch.tensor([19, 24], dtype=torch.int32, device=DEVICE)
+    mixed = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens)
+    assert reads == [1]
+    for out, n in ((full, (24, 24)), (part, (19, 19)), (mixed, (19, 24))):
+        for b in range(2):
+            ref, _ = attention_ref(q[b:b + 1], k_cache[b:b + 1, :n[b]], v_cache[b:b + 1, :n[b]])
+            torch.testing.assert_close(out[b:b + 1].float(), ref, atol=2e-2, rtol=0)
