@@ -32,10 +32,11 @@ class CacheSpec:
     """Where the keys of each sequence live.
 
     Sequence b attends to its first seqlens_k[b] + k_extra keys (k_extra: the tokens just
-    appended, so no device op is spent adding them). Paged (page_table given): k/v are
-    (num_pages, page_size, nheads_kv, d) and key j is row j % page_size of page
-    page_table[b, j // page_size]. Contiguous: k/v are (batch_cache, seqlen_cache, nheads_kv,
-    d) and key j is k[batch_idx[b] (or b), j]. q is packed: sequence b owns rows
+    appended, so no device op is spent adding them), from position leftpad[b] on if given.
+    Paged (page_table given): k/v are (num_pages, page_size, nheads_kv, d) and key j is row
+    j % page_size of page page_table[b, j // page_size]. Contiguous: k/v are (batch_cache,
+    seqlen_cache, nheads_kv, d) and key j is k[batch_idx[b] (or b), leftpad[b] (or 0) + j].
+    q is packed: sequence b owns rows
     cu_seqlens_q[b]:cu_seqlens_q[b+1], or b * max_seqlen_q onward when cu_seqlens_q is None.
     """
 
@@ -53,6 +54,9 @@ class CacheSpec:
     # them itself (KVCACHE_FUSED): not yet in the cache when it is called.
     k_new: Tensor | None = None
     v_new: Tensor | None = None
+    # Contiguous caches: sequence b's cache starts at position leftpad[b] (int32 (batch,)):
+    # its key j is position leftpad[b] + j, and it has seqlens_k[b] - leftpad[b] + k_extra.
+    leftpad: Tensor | None = None
 
 
 def _params(q, softmax_scale, causal, window_size, softcap) -> AttnParams:
@@ -125,7 +129,7 @@ def flash_attn_with_kvcache(
     cache_batch_idx: Tensor | None = None, page_table: Tensor | None = None,
     softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
     softcap: float = 0.0, learnable_sink: Tensor | None = None, num_splits: int = 0,
-    return_lse: bool = False, check_values: bool = True,
+    return_lse: bool = False, check_values: bool = True, cache_leftpad: Tensor | None = None,
 ):
     """Attention of q over a KV cache, appending new k/v to the cache first (flash-attn 2/3).
 
@@ -135,7 +139,10 @@ def flash_attn_with_kvcache(
     each sequence's pages in order (page_size a multiple of 16). cache_seqlens (int32
     (batch,) or an int; None = the whole cache) is how many tokens each sequence already
     has. cache_batch_idx (int32 (batch,), contiguous caches only) picks the cache row of
-    each sequence (default: row b).
+    each sequence (default: row b). cache_leftpad (int32 (batch,), contiguous caches only,
+    as in flash-attn): sequence b's cache starts at position cache_leftpad[b] (a left-padded
+    batch): it attends to positions cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1,
+    cache_seqlens still counting from position 0.
 
     In place: the new k, v (batch, seqlen_new, nheads_kv, d / dv), if given, are written
     into the cache at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1. This
@@ -165,6 +172,11 @@ def flash_attn_with_kvcache(
         check.check_page_size(k_cache.shape[1], "k_cache")
     elif cache_batch_idx is not None:
         check.check_int_vector(cache_batch_idx, "cache_batch_idx", batch, q.device)
+    if cache_leftpad is not None:
+        if page_table is not None:
+            check._fail(ValueError, "cache_leftpad", "was given with page_table",
+                        "a paged cache lists each sequence's own pages: leave the padding out")
+        check.check_int_vector(cache_leftpad, "cache_leftpad", batch, q.device)
     elif k_cache.shape[0] != batch:
         check._fail(ValueError, "k_cache", f"has batch {k_cache.shape[0]}",
                     f"must equal q's batch {batch} (or pass cache_batch_idx)")
@@ -180,15 +192,16 @@ def flash_attn_with_kvcache(
     if lens_on_host:
         max_k = capacity if cache_seqlens is None else cache_seqlens + seqlen_new
     if check_values and check.values_checkable(q) and not (
-            lens_on_host and page_table is None and cache_batch_idx is None):
+            lens_on_host and page_table is None and cache_batch_idx is None and
+            cache_leftpad is None):
         max_k = check.check_cache_values(
             seqlens, "cache_seqlens", seqlen_new, capacity, page_table, num_rows, page_size,
-            cache_batch_idx, k_cache.shape[0], seqlen_new > 0)
+            cache_batch_idx, k_cache.shape[0], seqlen_new > 0, cache_leftpad)
 
     params = _params(q, softmax_scale, causal, window_size, softcap)
     sink = None if learnable_sink is None else learnable_sink.detach().float().contiguous()
     spec = CacheSpec(k_cache, v_cache, seqlens, seqlen_new, page_table, cache_batch_idx, None,
-                     seqlen_q, max_k, batch)
+                     seqlen_q, max_k, batch, leftpad=cache_leftpad)
     # Backends look only at q's device and dtype here. Picked before the write: a refusal
     # changes nothing.
     backend = _pick(q, spec, params, sink)
@@ -280,8 +293,10 @@ def gather(cache: CacheSpec):
             vs.append(cache.v[pages].flatten(0, 1)[:n])
         else:
             row = int(cache.batch_idx[b]) if cache.batch_idx is not None else b
-            ks.append(cache.k[row, :n])
-            vs.append(cache.v[row, :n])
+            start = int(cache.leftpad[b]) if cache.leftpad is not None else 0
+            ks.append(cache.k[row, start:n])
+            vs.append(cache.v[row, start:n])
+            lens[b] = max(n - start, 0)
     cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
     empty_k = cache.k.new_empty(0, *cache.k.shape[2:])
     empty_v = cache.v.new_empty(0, *cache.v.shape[2:])

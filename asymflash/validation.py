@@ -231,14 +231,16 @@ def check_page_size(page_size: int, cache_name: str):
 
 
 def check_cache_values(lens, lens_name, extra, capacity, page_table, num_pages, page_size,
-                       batch_idx, batch_cache, appending):
-    """Refuse lengths past the cache, page indices out of range and cache rows out of range.
+                       batch_idx, batch_cache, appending, leftpad=None):
+    """Refuse lengths past the cache, page indices out of range, cache rows out of range and
+    sequence starts (leftpad) past the sequence's end.
 
     lens: int32 (batch,) keys already in each sequence's cache; `extra` new ones follow.
     Only the pages a sequence uses are checked: the rest of its page-table row may hold
-    anything (serving engines pad it). One host copy for all three tensors.
+    anything (serving engines pad it). One host copy for all the tensors.
     """
     parts = [lens] + ([batch_idx] if batch_idx is not None else []) + \
+        ([leftpad] if leftpad is not None else []) + \
         ([page_table.flatten()] if page_table is not None else [])
     host = torch.cat([p.to(torch.int64) for p in parts]).cpu()
     batch = lens.shape[0]
@@ -262,6 +264,14 @@ def check_cache_values(lens, lens_name, extra, capacity, page_table, num_pages, 
         if appending and idx.unique().numel() != batch:
             _fail(ValueError, "cache_batch_idx", f"is {idx.tolist()[:16]}",
                   "repeats a cache row while k/v are appended: the writes would collide")
+    if leftpad is not None:
+        starts = host[off:off + batch]
+        off += batch
+        bad = ((starts < 0) | (starts > lens_h)).nonzero()
+        if bad.numel():
+            b = bad[0, 0].item()
+            _fail(ValueError, f"cache_leftpad[{b}]", f"is {starts[b].item()}",
+                  f"allowed: 0..{lens_h[b].item()} (the sequence's {lens_name})")
     if page_table is not None:
         table = host[off:].view(batch, -1)
         pages_used = (lens_h + extra + page_size - 1) // page_size

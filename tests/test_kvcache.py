@@ -452,3 +452,62 @@ def test_lengths_known_on_the_host_need_no_device_read(monkeypatch):
         for b in range(2):
             ref, _ = attention_ref(q[b:b + 1], k_cache[b:b + 1, :n[b]], v_cache[b:b + 1, :n[b]])
             torch.testing.assert_close(out[b:b + 1].float(), ref, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["contiguous", "indexed"])
+@pytest.mark.parametrize("name", ["decode-gqa8", "decode-no-append", "prefill-window",
+                                  "append-5-local"])
+def test_cache_leftpad_matches_reference(backend, layout, name):
+    """A left-padded batch: sequence b's cache starts at position leftpad[b] (0, inside, or
+    at its end: no cached keys of its own); the new tokens still land at cache_seqlens[b]."""
+    sq, hq, hkv, new, lens, kw = CASES[name]
+    kw = dict(kw)
+    batch = len(lens)
+    cache = Cache(layout, batch, hkv, 32, 32, capacity=128)
+    starts = [0, min(lens[1], 7), lens[2]][:batch]
+    q = torch.randn(batch, sq, hq, 32, dtype=torch.bfloat16, device=DEVICE)
+    k_new = torch.randn(batch, new, hkv, 32, dtype=torch.bfloat16, device=DEVICE) if new else None
+    v_new = torch.randn_like(k_new) if new else None
+    sink = torch.randn(hq, device=DEVICE) if kw.pop("sink", False) else None
+    want_k, want_v = (cache.expected_after_append(lens, k_new, v_new) if new
+                      else (cache.k.clone(), cache.v.clone()))
+    with forced(backend):
+        out, lse = flash_attn_with_kvcache(
+            q, cache.k, cache.v, k_new, v_new,
+            cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+            cache_leftpad=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+            learnable_sink=sink, num_splits=3, return_lse=True, **cache.kwargs(), **kw)
+    assert torch.equal(cache.k, want_k) and torch.equal(cache.v, want_v), "append"
+    for b in range(batch):
+        row = cache.slot(b, 0)[0]
+        kb = want_k[row, starts[b]:lens[b] + new].unsqueeze(0)
+        vb = want_v[row, starts[b]:lens[b] + new].unsqueeze(0)
+        o32, lse32 = attention_ref(q[b:b + 1], kb, vb, learnable_sink=sink, **kw)
+        olow, _ = attention_ref(q[b:b + 1], kb, vb, learnable_sink=sink, upcast=False, **kw)
+        assert_fa_close("out", out[b:b + 1], o32, olow, atol=1e-3)
+        assert_lse_close(lse[b:b + 1], lse32)
+
+
+def test_bad_cache_leftpad_is_refused_and_the_cache_untouched():
+    cache = Cache("contiguous", 2, 2, 32, 32, capacity=48)
+    q = torch.randn(2, 1, 4, 32, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(2, 1, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    before = cache.k.clone()
+    lens = torch.tensor([10, 20], dtype=torch.int32, device=DEVICE)
+    bad = [(torch.tensor([0, 21], dtype=torch.int32, device=DEVICE), ValueError,
+            r"cache_leftpad\[1\] is 21"),
+           (torch.tensor([-1, 0], dtype=torch.int32, device=DEVICE), ValueError,
+            r"cache_leftpad\[0\] is -1"),
+           (torch.tensor([0, 1], dtype=torch.int64, device=DEVICE), TypeError, "int32"),
+           (torch.tensor([0], dtype=torch.int32, device=DEVICE), ValueError, "shape")]
+    for leftpad, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            flash_attn_with_kvcache(q, cache.k, cache.v, k, k.clone(), cache_seqlens=lens,
+                                    cache_leftpad=leftpad)
+        assert torch.equal(cache.k, before)
+    paged = Cache("paged", 2, 2, 32, 32, capacity=48)
+    with pytest.raises(ValueError, match="cache_leftpad was given with page_table"):
+        flash_attn_with_kvcache(q, paged.k, paged.v, cache_seqlens=lens,
+                                cache_leftpad=torch.zeros(2, dtype=torch.int32, device=DEVICE),
+                                **paged.kwargs())

@@ -136,7 +136,7 @@ def _copy_new_rows(SRC, DST, table_row, page_size, dst_row, cache_len, n_new,
 @triton.jit
 def decode_kernel(
     Q, K, V, K_NEW, V_NEW, OUT, LSE, WORK, COUNTERS, SINK, CU_Q, SEQLENS_K, PAGE_TABLE,
-    BATCH_IDX,
+    BATCH_IDX, LEFTPAD,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
     stride_vh, stride_nkb, stride_nkt, stride_nkh, stride_nvb, stride_nvt, stride_nvh,
     stride_ob, stride_ot, stride_oh, stride_lse_h, stride_table,
@@ -145,6 +145,7 @@ def decode_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN_Q: tl.constexpr, PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    HAS_LEFTPAD: tl.constexpr,
     HAS_NEW: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr, LEFT: tl.constexpr,
     RIGHT: tl.constexpr,
@@ -157,7 +158,9 @@ def decode_kernel(
 
     Keys 0 .. cache_len - 1 come from the cache; with HAS_NEW the k_extra keys after them
     come from K_NEW / V_NEW (batch, k_extra, nheads_kv, d), which the first program of each
-    (sequence, kv head) also writes into the cache.
+    (sequence, kv head) also writes into the cache. HAS_LEFTPAD (contiguous caches): the
+    sequence's cache starts at position LEFTPAD[b]; key j is position LEFTPAD[b] + j, and
+    cache_len, seqlen_k count from there (the append still writes at SEQLENS_K[b]).
     """
     pid_bh = tl.program_id(0)
     m_block = num_m_blocks - 1 - tl.program_id(1)  # latest positions see the most keys
@@ -189,6 +192,11 @@ def decode_kernel(
                            V + kv_head * stride_vh, table_row, page_size, row, cache_len,
                            k_extra, stride_nvt, stride_vb, stride_vt, DV, BLOCK_DV, BLOCK_N,
                            PAGED)
+
+    if HAS_LEFTPAD:  # the keys before the sequence's start are not its own
+        left = tl.load(LEFTPAD + b)
+        cache_len -= left
+        seqlen_k -= left
 
     if VARLEN_Q:
         q_start = tl.load(CU_Q + b)
@@ -231,6 +239,9 @@ def decode_kernel(
     if not PAGED:  # one cache row per sequence: its base is fixed for the whole loop
         k_base += row * stride_kb
         v_base += row * stride_vb
+        if HAS_LEFTPAD:
+            k_base += left.to(tl.int64) * stride_kt
+            v_base += left.to(tl.int64) * stride_vt
     d_ok = offs_d[None, :] < D
     dv_ok = offs_dv[None, :] < DV
 
@@ -457,6 +468,7 @@ def decode(q, cache, params, sink, num_splits: int = 0, config: DecodeConfig | N
         q, kc, vc, k_new, v_new, out, lse_arg, work, counters,
         sink if sink is not None else out, cache.cu_seqlens_q if varlen else seqlens,
         seqlens, table, cache.batch_idx if cache.batch_idx is not None else seqlens,
+        cache.leftpad if cache.leftpad is not None else seqlens,
         stride_qb, stride_qt, stride_qh, *kc.stride()[:3], *vc.stride()[:3], *new_strides,
         stride_ob, stride_ot, stride_oh, lse.stride(0) if lse is not None else 0,
         table.stride(0) if paged else 0,
@@ -465,7 +477,8 @@ def decode(q, cache, params, sink, num_splits: int = 0, config: DecodeConfig | N
         params.softcap, mask.window_left, mask.window_right,
         D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=block_dv, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, VARLEN_Q=varlen, PAGED=paged,
-        HAS_BATCH_IDX=cache.batch_idx is not None, HAS_NEW=has_new, SPLIT=splits > 1,
+        HAS_BATCH_IDX=cache.batch_idx is not None, HAS_LEFTPAD=cache.leftpad is not None,
+        HAS_NEW=has_new, SPLIT=splits > 1,
         SOFTCAP=params.softcap > 0, HAS_SINK=sink is not None, WRITE_LSE=lse is not None,
         LEFT=mask.window_left >= 0, RIGHT=mask.window_right >= 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
