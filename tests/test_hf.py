@@ -83,6 +83,38 @@ def test_left_padded_batch_matches_eager():
     assert torch.equal(tokens, ref_tokens)
 
 
+def test_left_padded_decode_passes_the_padding_as_cache_leftpad(monkeypatch):
+    """Decode steps of a left-padded batch read the cache in place with each row's padding
+    as cache_leftpad; a mask with a hole inside a row is not left padding: varlen path."""
+    from asymflash.integrations import hf
+
+    seen = []
+    real = hf.flash_attn_with_kvcache
+
+    def counted(q, k, v, **kw):
+        seen.append(kw["cache_leftpad"].tolist() if kw.get("cache_leftpad") is not None
+                    else None)
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(hf, "flash_attn_with_kvcache", counted)
+    ids = torch.randint(1, 128, (3, 13), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[2, :12] = 0  # a one-token prompt
+    ids[mask == 0] = 0
+    _, ref_tokens = generate("eager", ids, mask)
+    _, tokens = generate(NAME, ids, mask)
+    assert torch.equal(tokens, ref_tokens)
+    assert seen and all(lp == [0, 5, 12] for lp in seen)
+    seen.clear()
+    holed = torch.ones_like(ids)
+    holed[0, 3] = 0
+    assert hf._left_padding(holed) is None
+    _, ref_tokens = generate("eager", ids, holed)
+    _, tokens = generate(NAME, ids, holed)
+    assert torch.equal(tokens, ref_tokens) and seen == []
+
+
 def test_bf16_generation_runs_and_mostly_agrees():
     """bf16 rounds differently from eager's bf16 matmuls, so compare logits, not tokens."""
     ids = torch.randint(1, 128, (1, 17), device=DEVICE)

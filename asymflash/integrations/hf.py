@@ -16,11 +16,13 @@ whole key history at each decode step: q is then shorter than k, and asymflash's
 aligned to the bottom-right corner, lets the new tokens see every cached key and each other
 causally, which is what the cache means.
 
-Decode steps without padding (a few query tokens, no gradient) go through
-`flash_attn_with_kvcache` on the cache as transformers holds it: its (batch, heads, seq,
-head_dim) tensors, transposed, are read in place by the split-KV decode kernel, with each
-kv head's query heads packed into one tile. `flash_attn_func` would read them through a
-packed-row view that (batch > 1) copies the whole cache, every layer, every token.
+Decode steps (a few query tokens, no gradient) go through `flash_attn_with_kvcache` on the
+cache as transformers holds it: its (batch, heads, seq, head_dim) tensors, transposed, are
+read in place by the split-KV decode kernel, with each kv head's query heads packed into one
+tile. A left-padded batch (each mask row zeros, then ones: what `generate` makes of prompts
+of different lengths) passes its padding as `cache_leftpad`. Otherwise `flash_attn_func`
+would read the cache through a packed-row view that (batch > 1) copies all of it, and the
+varlen path gathers it: a copy of the whole cache, every layer, every token.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def _window(sliding_window, causal):
 # tensor and query length: each derivation reads the mask on the host, a wait for the GPU,
 # and boolean indexing would wait once more per gather.
 _OFFSETS = TensorMemo()
+_MISSING = object()
 
 
 def _padding_offsets(mask, seqlen_q):
@@ -70,6 +73,22 @@ def _padding_offsets(mask, seqlen_q):
     found = (keep_q.nonzero(as_tuple=True), keep.nonzero(as_tuple=True), cu_q, cu_k,
              int(lens_q.max()), int(lens_k.max()))
     _OFFSETS.put(mask, seqlen_q, found)
+    return found
+
+
+def _left_padding(mask):
+    """int32 (batch,) leading zeros of each row of a 2-D padding mask, or None unless every
+    row is zeros followed by ones (left padding). Derived once per mask tensor (a host read
+    of a bool, a wait for the GPU)."""
+    found = _OFFSETS.get(mask, "left", _MISSING)
+    if found is not _MISSING:
+        return found
+    keep = mask.bool()
+    pad = (keep.cumsum(1) == 0).sum(1)
+    positions = torch.arange(keep.shape[1], device=keep.device)
+    left_padded = bool((keep == (positions.unsqueeze(0) >= pad.unsqueeze(1))).all())
+    found = pad.to(torch.int32) if left_padded else None
+    _OFFSETS.put(mask, "left", found)
     return found
 
 
@@ -120,7 +139,15 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         else:
             out = flash_attn_func(q, k, v, **kw)
     elif attention_mask.dim() == 2:
-        out = _unpadded(q, k, v, attention_mask, **kw)
+        leftpad = _left_padding(attention_mask) if _decode_step(q, k, v, sink) else None
+        if leftpad is not None:
+            # A static cache may be longer than the mask: its slots past the mask are unused.
+            used = attention_mask.shape[1]
+            out = flash_attn_with_kvcache(q, k, v, cache_seqlens=None if used == k.shape[1]
+                                          else used, cache_leftpad=leftpad,
+                                          check_values=False, **kw)
+        else:
+            out = _unpadded(q, k, v, attention_mask, **kw)
     else:
         raise ValueError(f"asymflash: attention_mask has shape {tuple(attention_mask.shape)}; "
                          "expected None or a 2-D padding mask (register() installs the mask "
