@@ -172,14 +172,14 @@ def flash_attn_with_kvcache(
         check.check_page_size(k_cache.shape[1], "k_cache")
     elif cache_batch_idx is not None:
         check.check_int_vector(cache_batch_idx, "cache_batch_idx", batch, q.device)
+    elif k_cache.shape[0] != batch:
+        check._fail(ValueError, "k_cache", f"has batch {k_cache.shape[0]}",
+                    f"must equal q's batch {batch} (or pass cache_batch_idx)")
     if cache_leftpad is not None:
         if page_table is not None:
             check._fail(ValueError, "cache_leftpad", "was given with page_table",
                         "a paged cache lists each sequence's own pages: leave the padding out")
         check.check_int_vector(cache_leftpad, "cache_leftpad", batch, q.device)
-    elif k_cache.shape[0] != batch:
-        check._fail(ValueError, "k_cache", f"has batch {k_cache.shape[0]}",
-                    f"must equal q's batch {batch} (or pass cache_batch_idx)")
     capacity, page_size, num_rows = _cache_geometry(k_cache, page_table)
     seqlens = _check_seqlens(cache_seqlens, batch, q.device, capacity, seqlen_new)
     check.check_scalars(softmax_scale, window_size, softcap)
