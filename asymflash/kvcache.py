@@ -102,6 +102,45 @@ def _check_seqlens(cache_seqlens, batch, device, capacity, seqlen_new):
     return cache_seqlens
 
 
+def _check_rotary(cos, sin, q, k, capacity, leftpad):
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if not isinstance(t, Tensor):
+            check._fail(TypeError, name, f"is a {type(t).__name__}",
+                        "pass rotary_cos and rotary_sin together, as tensors")
+    if k is None:
+        check._fail(ValueError, "rotary_cos", "was given without new k/v",
+                    "the rotation applies to the tokens appended in this call")
+    if leftpad is not None:
+        check._fail(ValueError, "rotary_cos", "was given with cache_leftpad",
+                    "rotary positions of a left-padded cache are not defined here")
+    if cos.dim() != 2 or sin.shape != cos.shape or not 0 < 2 * cos.shape[1] <= q.shape[-1]:
+        check._fail(ValueError, "rotary_cos/rotary_sin",
+                    f"have shapes {tuple(cos.shape)}/{tuple(sin.shape)}",
+                    f"expected equal (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim "
+                    f"{q.shape[-1]}")
+    if cos.shape[0] < capacity:
+        check._fail(ValueError, "rotary_cos", f"covers {cos.shape[0]} positions",
+                    f"at least the cache's capacity {capacity} are needed")
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if t.device != q.device or not t.is_floating_point():
+            check._fail(TypeError, name, f"is {t.dtype} on {t.device}",
+                        f"expected a floating tensor on {q.device}")
+
+
+def _rotated(q, k, cos, sin, seqlens, params, interleaved):
+    """(q, k) rotated as flash_attn_with_kvcache documents (new tensors)."""
+    from .core.rotary import apply_rotary
+
+    start = seqlens.to(torch.int64).unsqueeze(1)
+    k_pos = start + torch.arange(k.shape[1], device=k.device)
+    mask = params.mask
+    moving = mask.window_left >= 0 or mask.window_right >= 0  # causal or local
+    q_pos = start + torch.arange(q.shape[1], device=q.device) if moving else \
+        start.expand(q.shape[0], q.shape[1])
+    return (apply_rotary(q, cos, sin, q_pos, interleaved),
+            apply_rotary(k, cos, sin, k_pos, interleaved))
+
+
 def _pick(q, spec, params, sink):
     return dispatch.pick_decode(q, spec, params, sink)
 
@@ -130,6 +169,8 @@ def flash_attn_with_kvcache(
     softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
     softcap: float = 0.0, learnable_sink: Tensor | None = None, num_splits: int = 0,
     return_lse: bool = False, check_values: bool = True, cache_leftpad: Tensor | None = None,
+    rotary_cos: Tensor | None = None, rotary_sin: Tensor | None = None,
+    rotary_interleaved: bool = True,
 ):
     """Attention of q over a KV cache, appending new k/v to the cache first (flash-attn 2/3).
 
@@ -143,6 +184,13 @@ def flash_attn_with_kvcache(
     as in flash-attn): sequence b's cache starts at position cache_leftpad[b] (a left-padded
     batch): it attends to positions cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1,
     cache_seqlens still counting from position 0.
+
+    Rotary embedding (flash-attn's): with rotary_cos and rotary_sin (seqlen_ro, rotary_dim / 2),
+    seqlen_ro at least the cache's capacity, the new k (required) is rotated at positions
+    cache_seqlens[b] + i before it is written, and q at the same positions with causal or
+    window masks, else every query row at position cache_seqlens[b]. The first rotary_dim
+    channels rotate in pairs, (2i, 2i + 1) with rotary_interleaved (GPT-J), else (i, i +
+    rotary_dim / 2) (GPT-NeoX); q itself is not modified (`core/rotary.py`).
 
     In place: the new k, v (batch, seqlen_new, nheads_kv, d / dv), if given, are written
     into the cache at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1. This
@@ -182,6 +230,8 @@ def flash_attn_with_kvcache(
         check.check_int_vector(cache_leftpad, "cache_leftpad", batch, q.device)
     capacity, page_size, num_rows = _cache_geometry(k_cache, page_table)
     seqlens = _check_seqlens(cache_seqlens, batch, q.device, capacity, seqlen_new)
+    if rotary_cos is not None or rotary_sin is not None:
+        _check_rotary(rotary_cos, rotary_sin, q, k, capacity, cache_leftpad)
     check.check_scalars(softmax_scale, window_size, softcap)
     check.check_sink(learnable_sink, q, nheads_q)
     check.check_int_arg(num_splits, "num_splits")
@@ -199,6 +249,8 @@ def flash_attn_with_kvcache(
             cache_batch_idx, k_cache.shape[0], seqlen_new > 0, cache_leftpad)
 
     params = _params(q, softmax_scale, causal, window_size, softcap)
+    if rotary_cos is not None:
+        q, k = _rotated(q, k, rotary_cos, rotary_sin, seqlens, params, rotary_interleaved)
     sink = None if learnable_sink is None else learnable_sink.detach().float().contiguous()
     spec = CacheSpec(k_cache, v_cache, seqlens, seqlen_new, page_table, cache_batch_idx, None,
                      seqlen_q, max_k, batch, leftpad=cache_leftpad)

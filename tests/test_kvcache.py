@@ -511,3 +511,80 @@ def test_bad_cache_leftpad_is_refused_and_the_cache_untouched():
         flash_attn_with_kvcache(q, paged.k, paged.v, cache_seqlens=lens,
                                 cache_leftpad=torch.zeros(2, dtype=torch.int32, device=DEVICE),
                                 **paged.kwargs())
+
+
+def _rotate_complex(x, c, s, interleaved):
+    """Independent rotary: each channel pair as a complex number times (c + i·s);
+    x (batch, n, heads, d), c and s (batch, n, rotary_dim / 2)."""
+    half = c.shape[-1]
+    part = x[..., :2 * half].float()
+    pairs = part.unflatten(-1, (half, 2)) if interleaved else \
+        torch.stack((part[..., :half], part[..., half:]), dim=-1)
+    z = torch.view_as_complex(pairs.contiguous()) * torch.complex(c, s).unsqueeze(2)
+    turned = torch.view_as_real(z)
+    turned = turned.flatten(-2) if interleaved else torch.cat((turned[..., 0], turned[..., 1]),
+                                                              dim=-1)
+    return torch.cat((turned.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal,sq", [(True, 3), (False, 2)])
+def test_rotary_matches_reference(backend, layout, interleaved, causal, sq):
+    """rotary_cos/sin: the new keys are written rotated at their positions; q rotates at
+    cache_seqlens + i (causal) or all at cache_seqlens (not causal); 16 of 32 channels."""
+    lens, hq, hkv, d, new = [0, 9, 50], 4, 2, 32, sq
+    batch = len(lens)
+    cache = Cache(layout, batch, hkv, d, d, capacity=64)
+    inv_freq = 1.0 / (100.0 ** (torch.arange(8, device=DEVICE) / 8))
+    angles = torch.arange(70, device=DEVICE).unsqueeze(1) * inv_freq  # seqlen_ro 70 >= 64
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    q = torch.randn(batch, sq, hq, d, dtype=torch.bfloat16, device=DEVICE)
+    k_new = torch.randn(batch, new, hkv, d, dtype=torch.bfloat16, device=DEVICE)
+    v_new = torch.randn_like(k_new)
+    q_before = q.clone()
+    start = torch.tensor(lens, device=DEVICE).unsqueeze(1)
+    k_idx = start + torch.arange(new, device=DEVICE)
+    q_idx = start + torch.arange(sq, device=DEVICE) if causal else start.expand(batch, sq)
+    k_rot = _rotate_complex(k_new, cos.float()[k_idx], sin.float()[k_idx], interleaved)
+    q_rot = _rotate_complex(q, cos.float()[q_idx], sin.float()[q_idx], interleaved)
+    want_k, want_v = cache.expected_after_append(lens, k_rot, v_new)
+    with forced(backend):
+        out = flash_attn_with_kvcache(
+            q, cache.k, cache.v, k_new, v_new,
+            cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+            rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved, causal=causal,
+            **cache.kwargs())
+    assert torch.equal(q, q_before), "q was modified"
+    # rotated keys in the cache: the same products, so equal up to the fp32 sum's last bit
+    # before the one rounding to bf16
+    torch.testing.assert_close(cache.k.float(), want_k.float(), atol=1e-2, rtol=8e-3)
+    assert torch.equal(cache.v, want_v)
+    r32, rlow, _ = reference(q_rot, cache, cache.k, cache.v, [n + new for n in lens],
+                             causal=causal)
+    assert_fa_close("out", out, r32, rlow, atol=1e-3)
+
+
+def test_bad_rotary_is_refused():
+    cache = Cache("contiguous", 2, 2, 32, 32, capacity=48)
+    q = torch.randn(2, 1, 4, 32, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(2, 1, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    cos = torch.ones(48, 8, device=DEVICE)
+    before = cache.k.clone()
+    bad = [(dict(rotary_cos=cos), TypeError, "rotary_sin"),
+           (dict(rotary_cos=cos, rotary_sin=torch.zeros(48, 4, device=DEVICE)), ValueError,
+            "shapes"),
+           (dict(rotary_cos=torch.ones(48, 17), rotary_sin=torch.ones(48, 17)), ValueError,
+            "shapes"),
+           (dict(rotary_cos=cos[:40], rotary_sin=cos[:40]), ValueError, "capacity 48"),
+           (dict(rotary_cos=cos, rotary_sin=cos,
+                 cache_leftpad=torch.zeros(2, dtype=torch.int32, device=DEVICE)), ValueError,
+            "cache_leftpad")]
+    for kw, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            flash_attn_with_kvcache(q, cache.k, cache.v, k, k.clone(), cache_seqlens=3, **kw)
+        assert torch.equal(cache.k, before)
+    with pytest.raises(ValueError, match="without new k/v"):
+        flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=3, rotary_cos=cos,
+                                rotary_sin=cos)
