@@ -170,7 +170,8 @@ def flash_attn_with_kvcache(
     softcap: float = 0.0, learnable_sink: Tensor | None = None, num_splits: int = 0,
     return_lse: bool = False, check_values: bool = True, cache_leftpad: Tensor | None = None,
     rotary_cos: Tensor | None = None, rotary_sin: Tensor | None = None,
-    rotary_interleaved: bool = True,
+    rotary_interleaved: bool = True, block_table: Tensor | None = None,
+    return_softmax_lse: bool | None = None,
 ):
     """Attention of q over a KV cache, appending new k/v to the cache first (flash-attn 2/3).
 
@@ -205,9 +206,19 @@ def flash_attn_with_kvcache(
     cache_batch_idx on the host (one device sync per call; skipped anyway under
     torch.compile and CUDA graph capture): then out-of-range values are undefined behaviour.
 
+    flash-attn 2's names are accepted too: block_table for page_table, return_softmax_lse
+    for return_lse.
+
     Forward only: runs under no_grad, as flash-attn's does. Returns out
     (batch, seqlen_q, nheads_q, dv), or (out, lse) with lse fp32 (batch, nheads_q, seqlen_q).
     """
+    if block_table is not None:
+        if page_table is not None:
+            check._fail(ValueError, "block_table", "was given with page_table",
+                        "they are two names of one argument: pass one")
+        page_table = block_table
+    if return_softmax_lse is not None:
+        return_lse = bool(return_softmax_lse)
     check.check_tensors(q, k_cache, v_cache, 4, "(batch, seqlen, nheads, headdim)",
                         names=("q", "k_cache", "v_cache"))
     batch, seqlen_q, nheads_q, _ = q.shape

@@ -588,3 +588,22 @@ def test_bad_rotary_is_refused():
     with pytest.raises(ValueError, match="without new k/v"):
         flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=3, rotary_cos=cos,
                                 rotary_sin=cos)
+
+
+def test_flash_attn_2_argument_names():
+    """block_table and return_softmax_lse, flash-attn 2's names, mean page_table and
+    return_lse."""
+    cache = Cache("paged", 2, 1, 32, 32, capacity=32)
+    q = torch.randn(2, 1, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    lens = torch.tensor([5, 17], dtype=torch.int32, device=DEVICE)
+    want, want_lse = flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=lens,
+                                             page_table=cache.page_table, return_lse=True)
+    got, got_lse = flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=lens,
+                                           block_table=cache.page_table,
+                                           return_softmax_lse=True)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    r32, rlow, _ = reference(q, cache, cache.k, cache.v, [5, 17])
+    assert_fa_close("out", got, r32, rlow, atol=1e-3)
+    with pytest.raises(ValueError, match="block_table was given with page_table"):
+        flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=lens,
+                                block_table=cache.page_table, page_table=cache.page_table)
