@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # What runs on the H200 (device tool): the whole test suite on CUDA, then the benchmark.
-# Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session]   (logs under $OUT or ./out)
+# Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
+# or ./out)
+#   pending: what the last session wrote without a GPU (benchmarks/NOTES.md, session 11): its
+#   GPU tests, then probes of the variants that are off until measured. ~9 minutes.
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
 #   (DECODE=1) and host-overhead.py (HOST_OVERHEAD=1). One device call within its 600 s
@@ -49,7 +52,19 @@ run_tests() {
     echo "${files[$i]}: $(tail -1 "$out/tests.log")"
   done
 }
-if [ "$mode" = session ]; then
+if [ "$mode" = pending ]; then
+  TEST_FILES="tests/test_sm90_strided.py tests/test_sm90_bwd_gpu.py tests/test_hf.py \
+tests/test_kvcache.py tests/test_packed.py" TEST_TIMEOUT=${TEST_TIMEOUT:-240} run_tests
+  timeout 130 python3 scripts/sm90-bwd-probe.py --dims 64 --seqlens 512,2048,16384 --no-peers \
+    --budget 120 --variant ws64:block_m=64,split_warpgroups=true \
+    --variant ws64r3:block_m=64,split_warpgroups=true,ring_slots=3 > "$out/probe-d64-ws.log" 2>&1
+  timeout 100 python3 scripts/sm90-bwd-probe.py --dims 128 --seqlens 512,2048,16384 --no-peers \
+    --budget 90 --variant det:deterministic=true \
+    --variant detws:deterministic=true,ws_deterministic=true > "$out/probe-d128-det.log" 2>&1
+  timeout 50 python3 scripts/strided-probe.py > "$out/strided-probe.log" 2>&1
+  tail -n 12 "$out/probe-d64-ws.log" "$out/probe-d128-det.log"
+  cat "$out/strided-probe.log"
+elif [ "$mode" = session ]; then
   # The benchmark first: if the call runs out of time, the table is what matters most.
   timeout "${BENCH_TIMEOUT:-240}" python3 -m asymflash bench --hdim 64,128,256 \
     --seqlen 512,2k,16k --providers FA2,cuDNN,FA4,asymflash-sm90,asymflash-sm90-det \
