@@ -8,11 +8,32 @@ from __future__ import annotations
 import pytest
 from sass_report import sass_report
 
-_BUILD = r"""
+# Imports and the argument types of a portable kernel: names in capitals are pointers (bf16
+# unless listed), the rest i32 scalars (softmax_scale and softcap fp32), constexprs as given.
+_PRELUDE = r"""
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+
+def signature(fn, cons, i32_pointers, fp32_pointers):
+    sig = {}
+    for arg in fn.arg_names:
+        if arg in cons:
+            sig[arg] = "constexpr"
+        elif arg in i32_pointers:
+            sig[arg] = "*i32"
+        elif arg in fp32_pointers:
+            sig[arg] = "*fp32"
+        elif arg[0].isupper():
+            sig[arg] = "*bf16"
+        else:
+            sig[arg] = "fp32" if arg in ("softmax_scale", "softcap") else "i32"
+    return sig
+"""
+
+_BUILD = _PRELUDE + r"""
 from asymflash.backends.portable import candidates
 from asymflash.backends.portable.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from asymflash.backends.portable.fwd import attn_fwd_kernel
@@ -24,18 +45,7 @@ cons = dict(D=d, DV=d, BLOCK_D=d, BLOCK_DV=d, BLOCK_M=c.block_m, BLOCK_N=c.block
             SOFTCAP=False, HAS_USED_K=False, LEFT=False, RIGHT=causal)
 if "HAS_SINK" in fn.arg_names:
     cons["HAS_SINK"] = False
-sig = {}
-for arg in fn.arg_names:
-    if arg in cons:
-        sig[arg] = "constexpr"
-    elif arg in ("CU_Q", "CU_K", "USED_K"):
-        sig[arg] = "*i32"
-    elif arg in ("LSE", "SINK", "DELTA"):
-        sig[arg] = "*fp32"
-    elif arg[0].isupper():
-        sig[arg] = "*bf16"
-    else:
-        sig[arg] = "fp32" if arg in ("softmax_scale", "softcap") else "i32"
+sig = signature(fn, cons, ("CU_Q", "CU_K", "USED_K"), ("LSE", "SINK", "DELTA"))
 kernel = triton.compile(ASTSource(fn, sig, cons), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": c.num_warps, "num_stages": c.num_stages})
 """
@@ -67,11 +77,7 @@ def test_head_blocks_pad_small_widths_together(d, dv, want):
     assert head_blocks(d, dv) == want
 
 
-_DECODE_BUILD = r"""
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_DECODE_BUILD = _PRELUDE + r"""
 from asymflash.backends.portable.decode import decode_kernel as fn
 
 paged, leftpad = sys.argv[1] == "1", sys.argv[2] == "1"
@@ -80,19 +86,8 @@ cons = dict(D=128, DV=128, BLOCK_D=128, BLOCK_DV=128, BLOCK_M=16, BLOCK_N=128,
             VARLEN_Q=False, PAGED=paged, HAS_BATCH_IDX=False, HAS_LEFTPAD=leftpad,
             HAS_NEW=True, SPLIT=True, SOFTCAP=False, HAS_SINK=False, WRITE_LSE=True,
             LEFT=False, RIGHT=True)
-ints = ("CU_Q", "SEQLENS_K", "PAGE_TABLE", "BATCH_IDX", "LEFTPAD", "COUNTERS")
-sig = {}
-for arg in fn.arg_names:
-    if arg in cons:
-        sig[arg] = "constexpr"
-    elif arg in ints:
-        sig[arg] = "*i32"
-    elif arg in ("LSE", "SINK", "WORK"):
-        sig[arg] = "*fp32"
-    elif arg[0].isupper():
-        sig[arg] = "*bf16"
-    else:
-        sig[arg] = "fp32" if arg in ("softmax_scale", "softcap") else "i32"
+sig = signature(fn, cons, ("CU_Q", "SEQLENS_K", "PAGE_TABLE", "BATCH_IDX", "LEFTPAD", "COUNTERS"),
+                ("LSE", "SINK", "WORK"))
 # what the JIT specialises in a real call: 16-byte aligned pointers, strides multiples of 16
 aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
            if sig[arg].startswith("*") or arg.startswith("stride")}
