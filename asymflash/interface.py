@@ -281,7 +281,8 @@ def flash_attn_func(
     q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float] = None,
     causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
     learnable_sink: Optional[Tensor] = None, deterministic: bool = False,
-    return_lse: bool = False,
+    return_lse: bool = False, *, dropout_p: float = 0.0, alibi_slopes=None,
+    return_attn_probs: bool = False,
 ):
     """Exact attention on (batch, seqlen, nheads, headdim) tensors, flash-attn compatible.
 
@@ -295,7 +296,13 @@ def flash_attn_func(
     backward bitwise reproducible. Returns out (batch, seqlen_q, nheads_q, dv), or
     (out, lse) with lse fp32 (batch, nheads_q, seqlen_q) in natural log if return_lse.
     A query with nothing to attend to gets out = 0 and lse = -inf.
+
+    flash-attn 2's keywords: dropout_p must be 0 and alibi_slopes None (neither is
+    implemented: NotImplementedError otherwise); return_attn_probs=True returns
+    (out, lse, None), its (out, softmax_lse, S_dmask) without the probabilities.
     """
+    if dropout_p or alibi_slopes is not None:
+        _refuse_fa2_features(dropout_p, alibi_slopes)
     # A repeated signature runs its plan (plans.py: checks, dispatch and launch decisions
     # made by the first call of that signature); a new one takes the full path.
     key = plans.dense_key(q, k, v, softmax_scale, causal, window_size, softcap,
@@ -306,10 +313,19 @@ def flash_attn_func(
     else:
         out, lse = _dense_call(q, k, v, softmax_scale, causal, window_size, softcap,
                                learnable_sink, deterministic, key)
-    if not return_lse:
+    if not (return_lse or return_attn_probs):
         return out
     batch, seqlen_q, nheads_q = q.shape[0], q.shape[1], q.shape[2]
-    return out, lse.view(nheads_q, batch, seqlen_q).transpose(0, 1)
+    lse = lse.view(nheads_q, batch, seqlen_q).transpose(0, 1)
+    return (out, lse, None) if return_attn_probs else (out, lse)
+
+
+def _refuse_fa2_features(dropout_p, alibi_slopes):
+    if alibi_slopes is not None:
+        raise NotImplementedError("asymflash: alibi_slopes was given; ALiBi biases are not "
+                                  "implemented (pass None)")
+    raise NotImplementedError(f"asymflash: dropout_p is {dropout_p!r}; attention dropout is "
+                              "not implemented (pass 0.0, e.g. at inference)")
 
 
 def _dense_call(q, k, v, softmax_scale, causal, window_size, softcap, sink, deterministic,
@@ -334,7 +350,8 @@ def flash_attn_varlen_func(
     causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
     learnable_sink: Optional[Tensor] = None, deterministic: bool = False,
     return_lse: bool = False, seqused_k: Optional[Tensor] = None,
-    page_table: Tensor | None = None,
+    page_table: Tensor | None = None, *, dropout_p: float = 0.0, alibi_slopes=None,
+    return_attn_probs: bool = False,
 ):
     """Exact attention on packed sequences: q (total_q, nheads_q, d), k/v (total_k, ...).
 
@@ -349,7 +366,17 @@ def flash_attn_varlen_func(
     and key j of sequence b is row j % page_size of page page_table[b, j // page_size]. The
     key lengths come from seqused_k, else from cu_seqlens_k's differences (cu_seqlens_k and
     max_seqlen_k may then be None). This form is forward only: it runs under no_grad.
+
+    dropout_p, alibi_slopes and return_attn_probs: as in flash_attn_func.
     """
+    if dropout_p or alibi_slopes is not None:
+        _refuse_fa2_features(dropout_p, alibi_slopes)
+    if return_attn_probs:
+        out, lse = flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+            causal, window_size, softcap, learnable_sink, deterministic, True, seqused_k,
+            page_table)
+        return out, lse, None
     if page_table is not None:
         from .kvcache import paged_varlen
 

@@ -269,3 +269,28 @@ def test_forced_backend_reaches_a_backward_on_another_thread(monkeypatch):
     worker.join()
     assert calls == [1]
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_flash_attn_2_keywords():
+    """dropout_p=0 and alibi_slopes=None are accepted (anything else is refused before any
+    kernel runs); return_attn_probs gives flash-attn 2's (out, softmax_lse, S_dmask) with
+    no probabilities."""
+    q, k, v = qkv()
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    got = flash_attn_func(q, k, v, causal=True, dropout_p=0.0, alibi_slopes=None,
+                          return_attn_probs=True)
+    assert len(got) == 3 and got[2] is None
+    assert torch.equal(got[0], out) and torch.equal(got[1], lse)
+    ref, _ = attention_ref(q, k, v, causal=True)
+    assert (out.float() - ref).abs().max() < 2e-2
+    with pytest.raises(NotImplementedError, match="dropout_p is 0.1"):
+        flash_attn_func(q, k, v, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        flash_attn_func(q, k, v, alibi_slopes=torch.ones(4))
+    rows = [t.reshape(-1, t.shape[2], t.shape[3]) for t in (q, k, v)]
+    cu = torch.arange(0, 2 * 17 + 1, 17, dtype=torch.int32, device=q.device)
+    vout, vlse, none = flash_attn_varlen_func(*rows, cu, cu, 17, 17, causal=True,
+                                              return_attn_probs=True)
+    assert none is None and torch.equal(vout, out.reshape(vout.shape))
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        flash_attn_varlen_func(*rows, cu, cu, 17, 17, dropout_p=0.5)
