@@ -141,6 +141,44 @@ def _rotated(q, k, cos, sin, seqlens, params, interleaved):
             apply_rotary(k, cos, sin, k_pos, interleaved))
 
 
+# Calls with at least this many query rows per sequence (a prefill chunk over a cached prefix)
+# run the attention forward kernels where those are the Hopper fast path: the decode kernel
+# is built for a few rows.
+PREFILL_MIN_Q = 128
+
+
+def prefill_on_forward_kernels(q, k_cache, v_cache, k, v, seqlens, params, sink,
+                               backends=("sm90",)):
+    """(out, lse) of a long-query call on a contiguous cache through the varlen forward
+    (the cache as packed rows, the lengths as seqused_k: the same keys, masks aligned to the
+    same last key), appending k/v first; None where this does not apply or the forward
+    backend picked is not in `backends` (the decode path then runs as before)."""
+    batch, seqlen_q, nheads_q, d = q.shape
+    rows, capacity = k_cache.shape[:2]
+    if seqlen_q < PREFILL_MIN_Q or rows != batch:
+        return None
+    # The cache as (batch * capacity, heads, dim) rows: a view where rows follow each other.
+    if any(c.stride(0) != capacity * c.stride(1) for c in (k_cache, v_cache)):
+        return None
+    k_rows, v_rows = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    seqlen_new = 0 if k is None else k.shape[1]
+    steps = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    seq = SeqInfo(steps * seqlen_q, steps * capacity, seqlen_q, capacity,
+                  (seqlens + seqlen_new).to(torch.int32), False)
+    q_rows = q.reshape(batch * seqlen_q, nheads_q, d)
+    try:
+        backend = dispatch.pick_forward(q_rows, k_rows, v_rows, seq, params, sink)
+    except NotImplementedError:
+        return None
+    if backend.NAME not in backends:
+        return None
+    with torch.no_grad():
+        if seqlen_new:
+            _append(k_cache, v_cache, k, v, seqlens, None, None)
+        out, lse = backend.forward(q_rows, k_rows, v_rows, seq, params, sink)
+    return out.view(batch, seqlen_q, nheads_q, out.shape[-1]), lse
+
+
 def _pick(q, spec, params, sink):
     return dispatch.pick_decode(q, spec, params, sink)
 
@@ -263,6 +301,12 @@ def flash_attn_with_kvcache(
     if rotary_cos is not None:
         q, k = _rotated(q, k, rotary_cos, rotary_sin, seqlens, params, rotary_interleaved)
     sink = None if learnable_sink is None else learnable_sink.detach().float().contiguous()
+    if page_table is None and cache_batch_idx is None and cache_leftpad is None:
+        done = prefill_on_forward_kernels(q, k_cache, v_cache, k, v, seqlens, params, sink)
+        if done is not None:
+            out, lse = done
+            return (out, lse.view(nheads_q, batch, seqlen_q).transpose(0, 1)) if return_lse \
+                else out
     spec = CacheSpec(k_cache, v_cache, seqlens, seqlen_new, page_table, cache_batch_idx, None,
                      seqlen_q, max_k, batch, leftpad=cache_leftpad)
     # Backends look only at q's device and dtype here. Picked before the write: a refusal

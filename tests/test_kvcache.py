@@ -607,3 +607,54 @@ def test_flash_attn_2_argument_names():
     with pytest.raises(ValueError, match="block_table was given with page_table"):
         flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=lens,
                                 block_table=cache.page_table, page_table=cache.page_table)
+
+
+@pytest.mark.parametrize("name", ["prefill-17", "prefill-window", "append-5-local"])
+def test_long_queries_through_the_forward_kernels_match_reference(monkeypatch, name):
+    """Long-query calls on a contiguous cache may run the varlen forward (sm90 on Hopper)
+    over the cache's rows with the lengths as seqused_k: the same answer and the same append
+    as the decode path. Checked here with the CPU forward standing in for sm90."""
+    from asymflash import kvcache
+
+    sq, hq, hkv, new, lens, kw = CASES[name]
+    kw = dict(kw)
+    monkeypatch.setattr(kvcache, "PREFILL_MIN_Q", 1)
+    real = kvcache.prefill_on_forward_kernels
+    taken = []
+
+    def on_cpu_forward(*args, **kwargs):
+        got = real(*args, backends=("cpu", "portable"), **kwargs)
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(kvcache, "prefill_on_forward_kernels", on_cpu_forward)
+    batch = len(lens)
+    cache = Cache("contiguous", batch, hkv, 32, 32, capacity=128)
+    q = torch.randn(batch, sq, hq, 32, dtype=torch.bfloat16, device=DEVICE)
+    k_new = torch.randn(batch, new, hkv, 32, dtype=torch.bfloat16, device=DEVICE)
+    v_new = torch.randn_like(k_new)
+    sink = torch.randn(hq, device=DEVICE) if kw.pop("sink", False) else None
+    want_k, want_v = cache.expected_after_append(lens, k_new, v_new)
+    out, lse = flash_attn_with_kvcache(
+        q, cache.k, cache.v, k_new, v_new,
+        cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        learnable_sink=sink, return_lse=True, **kw)
+    assert taken == [True]
+    assert torch.equal(cache.k, want_k) and torch.equal(cache.v, want_v), "append"
+    r32, rlow, rlse = reference(q, cache, want_k, want_v, [n + new for n in lens], sink, **kw)
+    assert_fa_close("out", out, r32, rlow, atol=1e-3)
+    assert_lse_close(lse, rlse)
+
+
+def test_long_queries_keep_the_decode_kernel_off_hopper():
+    """Without the sm90 forward (here: the CPU), prefill_on_forward_kernels declines and the
+    decode path runs."""
+    from asymflash import kvcache
+    from asymflash.core.params import AttnParams, MaskSpec
+
+    cache = Cache("contiguous", 2, 2, 32, 32, capacity=160)
+    q = torch.randn(2, 130, 4, 32, dtype=torch.bfloat16, device=DEVICE)
+    lens = torch.tensor([3, 20], dtype=torch.int32, device=DEVICE)
+    params = AttnParams(32 ** -0.5, MaskSpec(-1, 0), 0.0)
+    assert kvcache.prefill_on_forward_kernels(q, cache.k, cache.v, None, None, lens, params,
+                                              None) is None
