@@ -658,3 +658,35 @@ def test_long_queries_keep_the_decode_kernel_off_hopper():
     params = AttnParams(32 ** -0.5, MaskSpec(-1, 0), 0.0)
     assert kvcache.prefill_on_forward_kernels(q, cache.k, cache.v, None, None, lens, params,
                                               None) is None
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_long_query_chunk_over_a_contiguous_cache(monkeypatch, causal):
+    """A 130-row chunk appended to and attending over a contiguous cache, GQA 4:2, d=64:
+    on an sm_90 GPU it runs the sm90 forward over the cache rows (asserted there), elsewhere
+    the decode path; the reference either way."""
+    from asymflash import kvcache
+
+    taken = []
+    real = kvcache.prefill_on_forward_kernels
+
+    def recorded(*args, **kwargs):
+        got = real(*args, **kwargs)
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(kvcache, "prefill_on_forward_kernels", recorded)
+    lens, sq = [0, 61, 200], 130
+    cache = Cache("contiguous", 3, 2, 64, 64, capacity=336)
+    q = torch.randn(3, sq, 4, 64, dtype=torch.bfloat16, device=DEVICE)
+    k_new = torch.randn(3, sq, 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    v_new = torch.randn_like(k_new)
+    want_k, want_v = cache.expected_after_append(lens, k_new, v_new)
+    out = flash_attn_with_kvcache(q, cache.k, cache.v, k_new, v_new, causal=causal,
+                                  cache_seqlens=torch.tensor(lens, dtype=torch.int32,
+                                                             device=DEVICE))
+    assert torch.equal(cache.k, want_k) and torch.equal(cache.v, want_v), "append"
+    r32, rlow, _ = reference(q, cache, want_k, want_v, [n + sq for n in lens], causal=causal)
+    assert_fa_close("out", out, r32, rlow, atol=1e-3)
+    on_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    assert taken == [on_sm90]
