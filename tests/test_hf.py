@@ -70,6 +70,18 @@ def test_decode_steps_read_the_cache_through_the_kvcache_path(monkeypatch):
     assert not any(c[2] for c in calls)  # the cache's (batch, heads, seq, dim) tensors, viewed
 
 
+def test_decode_steps_under_torch_compile_keep_the_custom_op(monkeypatch):
+    """While torch.compile traces, decode steps stay on flash_attn_func (a custom op), not
+    the kvcache path (plain Python launches: a graph break, an error with fullgraph)."""
+    from asymflash.integrations import hf
+
+    q = torch.randn(2, 1, 4, 16)
+    k = torch.randn(2, 9, 2, 16)
+    assert hf._decode_step(q, k, k, None)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not hf._decode_step(q, k, k, None)
+
+
 def test_left_padded_batch_matches_eager():
     """Padding goes through the varlen path; padded query rows do not disturb the rest."""
     ids = torch.randint(1, 128, (2, 13), device=DEVICE)

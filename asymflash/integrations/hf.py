@@ -110,8 +110,13 @@ def _unpadded(q, k, v, mask, **kw):
 
 def _decode_step(q, k, v, sink) -> bool:
     """Whether a call is a decode step the kvcache path computes: a few new queries over a
-    longer cache, and no gradient to flow (the kvcache path is forward only)."""
+    longer cache, and no gradient to flow (the kvcache path is forward only). Not while
+    torch.compile traces (the kvcache path is not a custom op: a graph break, an error under
+    fullgraph=True; flash_attn_func is one) nor while a CUDA graph captures (a padded batch's
+    mask is read on the host)."""
     if not (q.shape[1] <= DECODE_MAX_Q and k.shape[1] > q.shape[1]):
+        return False
+    if torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return False
     leaves = (q, k, v) if sink is None else (q, k, v, sink)
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in leaves))
