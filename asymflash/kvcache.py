@@ -36,8 +36,8 @@ class CacheSpec:
     Paged (page_table given): k/v are (num_pages, page_size, nheads_kv, d) and key j is row
     j % page_size of page page_table[b, j // page_size]. Contiguous: k/v are (batch_cache,
     seqlen_cache, nheads_kv, d) and key j is k[batch_idx[b] (or b), leftpad[b] (or 0) + j].
-    q is packed: sequence b owns rows
-    cu_seqlens_q[b]:cu_seqlens_q[b+1], or b * max_seqlen_q onward when cu_seqlens_q is None.
+    q is packed: sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1], or b * max_seqlen_q
+    onward when cu_seqlens_q is None.
     """
 
     k: Tensor
@@ -89,8 +89,12 @@ def _check_new_kv(k, v, q, k_cache, v_cache):
 
 
 def _check_seqlens(cache_seqlens, batch, device, capacity, seqlen_new):
-    """The cache lengths as an int32 (batch,) tensor; None means every cache is full."""
+    """The cache lengths as an int32 (batch,) tensor; None means every cache is full. None
+    and ints are checked here, on the host (the value checks then skip them)."""
     if cache_seqlens is None:
+        if seqlen_new:
+            check._fail(ValueError, "cache_seqlens", "is None (every cache full)",
+                        f"{seqlen_new} new tokens need room: pass the lengths")
         return torch.full((batch,), capacity, dtype=torch.int32, device=device)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if cache_seqlens < 0 or cache_seqlens + seqlen_new > capacity:

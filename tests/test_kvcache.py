@@ -690,3 +690,17 @@ def test_long_query_chunk_over_a_contiguous_cache(monkeypatch, causal):
     assert_fa_close("out", out, r32, rlow, atol=1e-3)
     on_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
     assert taken == [on_sm90]
+
+
+def test_appending_to_full_caches_is_refused():
+    """cache_seqlens None means every cache is full: new tokens have no room (refused on the
+    host, the cache untouched)."""
+    cache = Cache("contiguous", 2, 2, 32, 32, capacity=16)
+    q = torch.randn(2, 1, 4, 32, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(2, 1, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    before = cache.k.clone()
+    with pytest.raises(ValueError, match="cache_seqlens is None"):
+        flash_attn_with_kvcache(q, cache.k, cache.v, k, k.clone())
+    with pytest.raises(ValueError, match="cache_seqlens is 16"):
+        flash_attn_with_kvcache(q, cache.k, cache.v, k, k.clone(), cache_seqlens=16)
+    assert torch.equal(cache.k, before)
