@@ -184,7 +184,7 @@ def test_gpu_greedy_generation_matches_eager(head_dim):
     (ref_logits, ref_tokens, ref_scores), (logits, tokens, _) = runs
     assert (logits - ref_logits).abs().max() < 5e-2 * max(1.0, ref_logits.abs().max().item())
     top2 = ref_scores.float().topk(2, dim=-1).values
-    clear = (top2[..., 0] - top2[..., 1]) > 0.03  # ~4 bf16 ulps at these logits (|x| < 2)
+    clear = (top2[..., 0] - top2[..., 1]) > 0.06  # ~8 bf16 ulps at these logits (|x| < 2)
     checked = 0
     for b in range(ids.shape[0]):
         for t in range(tokens.shape[1]):
