@@ -2,8 +2,9 @@
 # What runs on the H200 (device tool): the whole test suite on CUDA, then the benchmark.
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
 # or ./out)
-#   pending: what the last session wrote without a GPU (benchmarks/NOTES.md, session 11): its
-#   GPU tests, then probes of the variants that are off until measured. ~9 minutes.
+#   pending: the GPU tests of what changed since the last session benchmark, then probes
+#   (benchmarks/NOTES.md, session 12: d=64 deterministic kernels, the split kernel's step
+#   timeline, transformers generation). ~6 minutes.
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
 #   (DECODE=1) and host-overhead.py (HOST_OVERHEAD=1). One device call within its 600 s
@@ -53,18 +54,17 @@ run_tests() {
   done
 }
 if [ "$mode" = pending ]; then
-  TEST_FILES="tests/test_sm90_strided.py tests/test_sm90_bwd_gpu.py tests/test_hf.py \
-tests/test_kvcache.py tests/test_packed.py tests/test_api.py tests/test_sm90_gpu.py@0/3" \
+  TEST_FILES="tests/test_sm90_strided.py tests/test_sm90_bwd_gpu.py tests/test_hf.py" \
     TEST_TIMEOUT=${TEST_TIMEOUT:-240} run_tests
-  timeout 130 python3 scripts/sm90-bwd-probe.py --dims 64 --seqlens 512,2048,16384 --no-peers \
-    --budget 120 --variant ws64:block_m=64,split_warpgroups=true \
-    --variant ws64r3:block_m=64,split_warpgroups=true,ring_slots=3 > "$out/probe-d64-ws.log" 2>&1
-  timeout 100 python3 scripts/sm90-bwd-probe.py --dims 128 --seqlens 512,2048,16384 --no-peers \
+  timeout 100 python3 scripts/sm90-bwd-probe.py --dims 64 --seqlens 512,2048,16384 --no-peers \
     --budget 90 --variant det:deterministic=true \
-    --variant detws:deterministic=true,ws_deterministic=true > "$out/probe-d128-det.log" 2>&1
-  timeout 50 python3 scripts/strided-probe.py > "$out/strided-probe.log" 2>&1
-  tail -n 12 "$out/probe-d64-ws.log" "$out/probe-d128-det.log"
-  cat "$out/strided-probe.log"
+    --variant detws64:deterministic=true,block_m=64,split_warpgroups=true \
+    > "$out/probe-d64-det.log" 2>&1
+  timeout 120 python3 scripts/bwd-timeline.py --ws > "$out/bwd-timeline-ws.log" 2>&1
+  timeout 150 python3 scripts/hf-generate-bench.py > "$out/hf-generate.log" 2>&1
+  tail -n 8 "$out/probe-d64-det.log"
+  tail -n 30 "$out/bwd-timeline-ws.log"
+  cat "$out/hf-generate.log"
 elif [ "$mode" = session ]; then
   # The benchmark first: if the call runs out of time, the table is what matters most.
   timeout "${BENCH_TIMEOUT:-240}" python3 -m asymflash bench --hdim 64,128,256 \

@@ -56,11 +56,10 @@ CONFIGS = [
     # ... or with 64-row steps (dQ split by columns), a three-slot ring: 0 seen
     ({"head_dim": 64, "has_right": True,
       "cfg": {"split_warpgroups": True, "block_m": 64, "ring_slots": 3}}, 8),
-    # deterministic mode in it (ws_deterministic: a dQ warp beside the load warp): 0 seen
-    # non-causal, 40 causal (the masked steps' scalars, as without the turns)
-    ({"head_dim": 128, "deterministic": True, "cfg": {"ws_deterministic": True}}, 8),
-    ({"head_dim": 128, "has_right": True, "deterministic": True,
-      "cfg": {"ws_deterministic": True}}, 48),
+    # deterministic mode in it (ws_deterministic, the default: a dQ warp beside the load
+    # warp): 0 seen non-causal, 40 causal (the masked steps' scalars, as without the turns)
+    ({"head_dim": 128, "deterministic": True}, 8),
+    ({"head_dim": 128, "has_right": True, "deterministic": True}, 48),
     ({"head_dim": 64, "has_right": True, "deterministic": True,
       "cfg": {"ws_deterministic": True, "split_warpgroups": True, "block_m": 64}}, 8),
     # d=128 in bwd.py's kernel (softcap, deterministic mode, or asked for): the dK/dV
@@ -74,11 +73,13 @@ CONFIGS = [
     ({"head_dim": 128, "has_right": True, "softcap": True}, 16),
     ({"head_dim": 64, "has_left": True, "has_right": True, "deterministic": True}, 48),  # 40
     ({"head_dim": 64, "cfg": {"block_m": 64}}, 0),  # the 64-row step
-    ({"head_dim": 128, "has_right": True, "deterministic": True}, 16),  # 6 seen
+    ({"head_dim": 128, "has_right": True, "deterministic": True,
+      "cfg": {"ws_deterministic": False}}, 16),  # 6 seen
     # fp32 atomics (10 seen)
     ({"head_dim": 128, "has_right": True, "deterministic": True, "cfg": {"dq_tma": False}}, 16),
     # non-causal: staggered walk, turns released one step late (0 seen)
-    ({"head_dim": 128, "deterministic": True}, 12),  # 11 seen, none in the loop
+    ({"head_dim": 128, "deterministic": True, "cfg": {"ws_deterministic": False}},
+     12),  # 11 seen, none in the loop
     ({"head_dim": 128, "cfg": {"dq_tma": False}}, 0),
     # d=256 (bwd_wide.py) sits at 252-255 registers
     ({"head_dim": 256}, 0),
@@ -155,10 +156,10 @@ def test_config_outside_the_hardwired_layouts_refused():
         bwd.select_config(128, bwd.BwdConfig(split_warpgroups=True, ring_slots=1))
 
 
-def test_deterministic_calls_take_the_split_kernel_only_when_asked():
+def test_deterministic_calls_take_the_split_kernel_unless_switched_off():
     cfg = bwd.select_config(128, deterministic=True)
-    assert cfg.split_warpgroups and not bwd._splits_warpgroups(128, cfg, True, False)
-    assert bwd._splits_warpgroups(128, replace(cfg, ws_deterministic=True), True, False)
+    assert cfg.split_warpgroups and bwd._splits_warpgroups(128, cfg, True, False)
+    assert not bwd._splits_warpgroups(128, replace(cfg, ws_deterministic=False), True, False)
     assert bwd._splits_warpgroups(128, cfg, False, False)
     # softcap stays on bwd.py's kernel either way
     assert not bwd._splits_warpgroups(128, replace(cfg, ws_deterministic=True), True, True)

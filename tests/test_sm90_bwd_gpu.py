@@ -247,28 +247,30 @@ def test_sm90_deterministic_backward_is_bitwise_reproducible(case):
             assert torch.equal(a, b)
 
 
-# Deterministic mode on bwd_ws.py's kernel (BwdConfig.ws_deterministic, off by default): the
-# dQ warp adds both warpgroups' tiles in turn. d=128 (and 96) as configured, d=64 with 64-row
-# steps; masks without a window walk staggered, causal ones top key block first.
-WS_DET = [(c, {}) for c in DET_CASES if c["d"] in (96, 128) and not c.get("softcap")] + \
+# Deterministic mode on the kernel the default config does not pick: at d=128 bwd.py's
+# synchronous kernel (ws_deterministic=False; softcap calls take it anyway), at d=64
+# bwd_ws.py's kernel with 64-row steps (its dQ warp adds both warpgroups' tiles in turn).
+DET_VARIANTS = [(c, dict(ws_deterministic=False)) for c in DET_CASES
+                if c["d"] in (96, 128) and not c.get("softcap")] + \
     [(c, dict(block_m=64, split_warpgroups=True)) for c in DET_CASES
      if c["d"] == 64 and not c.get("softcap")]
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("case,variant", WS_DET, ids=lambda x: x.get("name", "") or
-                         "-".join(f"{k}={v}" for k, v in x.items()) or "default")
-def test_sm90_ws_deterministic_backward_is_bitwise_reproducible(case, variant):
+@pytest.mark.parametrize("case,variant", DET_VARIANTS, ids=lambda x: x.get("name", "") or
+                         "-".join(f"{k}={v}" for k, v in x.items()))
+def test_sm90_other_deterministic_kernel_is_bitwise_reproducible(case, variant):
     from dataclasses import replace
 
     from asymflash.backends import portable
     from asymflash.backends.sm90 import bwd
 
     width = bwd._fwd.forward_widths(case["d"], case.get("dv", case["d"]))[0]
-    cfg = replace(bwd.select_config(width, deterministic=True), ws_deterministic=True,
-                  **variant)
+    default = bwd.select_config(width, deterministic=True)
+    cfg = replace(default, **variant)
     q, k, v, dout, seq, params, sink = make_case(case)
-    assert bwd._splits_warpgroups(width, cfg, True, False), "not the warp-specialised kernel"
+    split = bwd._splits_warpgroups(width, cfg, True, False)
+    assert split != bwd._splits_warpgroups(width, default, True, False), "the default kernel"
     for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
         assert_fa_close(name, g, r32, rlow, atol=atol)
     out, lse = portable.forward(q, k, v, seq, params, sink)

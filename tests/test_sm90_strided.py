@@ -1,6 +1,6 @@
 """Strided q, k, v on the sm90 path: read in place through TMA descriptors with the tensors'
-own strides (`ASYMFLASH_SM90_STRIDED=1`), or as contiguous copies (the default until the
-in-place reads have passed on the GPU), instead of going to the portable kernels.
+own strides (the default), or as contiguous copies (`ASYMFLASH_SM90_STRIDED=0`), instead of
+going to the portable kernels.
 
 The layouts users hand us: views of a fused QKV projection ((batch, seqlen, 3, heads, dim) or
 (batch, seqlen, heads, 3, dim)), and Hugging Face's (batch, heads, seqlen, dim) tensors
@@ -86,6 +86,8 @@ def test_tma_ready_copies_only_what_cannot_be_read_in_place(monkeypatch):
         assert (got is q) == (switch == "1") and torch.equal(got, q)
         copy = fwd.tma_ready(odd)  # rows 136 bytes apart: copied either way
         assert copy is not odd and copy.is_contiguous() and torch.equal(copy, odd)
+    monkeypatch.delenv(fwd.STRIDED_SWITCH)
+    assert fwd.tma_ready(q) is q  # in place by default
 
 
 @needs_gluon

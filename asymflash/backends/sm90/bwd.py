@@ -187,8 +187,12 @@ class BwdConfig:
     ring_slots: int = 2  # bwd_ws: steps of Q/dO (and their statistics) its load warp keeps
     # Deterministic mode on bwd_ws's kernel: a dQ warp of its own waits for the turns and
     # adds both warpgroups' tiles, so the turns' round trips leave the compute warpgroups'
-    # path (bwd.py's kernel has no registers for such a warp). Off until GPU-tested.
-    ws_deterministic: bool = False
+    # path (bwd.py's kernel has no registers for such a warp). H200 2026-11-30
+    # (sm90-bwd-probe, d=128, deterministic TFLOP/s at 512 / 2k / 16k, default beside):
+    # non-causal 251 / 354 / 397 -> 303 / 476 / 534 (default 336 / 513 / 551), causal
+    # 174 / 310 / 394 -> 196 / 382 / 495 (default 207 / 401 / 538): +3-10 % instead of
+    # +14-39 %. 50 bitwise repeats pass (test_sm90_bwd_gpu).
+    ws_deterministic: bool = True
 
 
 # FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,

@@ -329,7 +329,9 @@ if _GLUON_ERROR is None:
             cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
             HAS_RIGHT and DETERMINISTIC)
         n0 = n_blk * BLOCK_N
-        if n0 < seqlen_k:
+        # Top-first order (deterministic causal) numbers the key blocks down from the
+        # sequence's own count: grid columns beyond a shorter varlen sequence get n0 < 0.
+        if (n0 >= 0) & (n0 < seqlen_k):
             shift = seqlen_k - seqlen_q
             m_lo, group_blocks = query_range(n0, seqlen_q, shift, window_left, window_right,
                                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
