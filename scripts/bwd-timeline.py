@@ -207,11 +207,10 @@ EDITS_WS = [
      "window_right,\n                    WG: gl.constexpr,",
      "                    m_full_hi, qk_scale, softmax_scale, softcap_pre, window_left, "
      "window_right,\n                    sem_ptr, WG: gl.constexpr,", 1),
-    # (both warp_specialize calls, deterministic or not: only non-deterministic calls run)
-    ("window_left, window_right,\n" + " " * 35 + "0,\n",
-     "window_left, window_right,\n" + " " * 35 + "sem_ptr, 0,\n", 2),
-    ("window_left, window_right,\n" + " " * 35 + "1,\n",
-     "window_left, window_right,\n" + " " * 35 + "sem_ptr, 1,\n", 2),
+    ("window_left, window_right,\n" + " " * 31 + "0,\n",
+     "window_left, window_right,\n" + " " * 31 + "sem_ptr, 0,\n", 1),
+    ("window_left, window_right,\n" + " " * 31 + "1,\n",
+     "window_left, window_right,\n" + " " * 31 + "sem_ptr, 1,\n", 1),
     ("            mbarrier.wait(ready.index(slot), (it // RING) & 1)\n",
      _ws(0) + "            mbarrier.wait(ready.index(slot), (it // RING) & 1)\n" + _ws(1), 1),
     ("            lse2 = lse_smem.index(slot).load(col_layout)\n",

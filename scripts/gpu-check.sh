@@ -3,8 +3,8 @@
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
 # or ./out)
 #   pending: the GPU tests of what changed since the last session benchmark, then probes
-#   (benchmarks/NOTES.md, session 12: d=64 deterministic kernels, the split kernel's step
-#   timeline, transformers generation). ~6 minutes.
+#   (benchmarks/NOTES.md, session 12: the d=128 backward after folding bwd_ws's two
+#   warp_specialize calls into one, transformers decoding with a profile). ~4 minutes.
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
 #   (DECODE=1) and host-overhead.py (HOST_OVERHEAD=1). One device call within its 600 s
@@ -54,16 +54,11 @@ run_tests() {
   done
 }
 if [ "$mode" = pending ]; then
-  TEST_FILES="tests/test_sm90_strided.py tests/test_sm90_bwd_gpu.py tests/test_hf.py" \
-    TEST_TIMEOUT=${TEST_TIMEOUT:-240} run_tests
-  timeout 100 python3 scripts/sm90-bwd-probe.py --dims 64 --seqlens 512,2048,16384 --no-peers \
-    --budget 90 --variant det:deterministic=true \
-    --variant detws64:deterministic=true,block_m=64,split_warpgroups=true \
-    > "$out/probe-d64-det.log" 2>&1
-  timeout 120 python3 scripts/bwd-timeline.py --ws > "$out/bwd-timeline-ws.log" 2>&1
-  timeout 150 python3 scripts/hf-generate-bench.py > "$out/hf-generate.log" 2>&1
-  tail -n 8 "$out/probe-d64-det.log"
-  tail -n 30 "$out/bwd-timeline-ws.log"
+  TEST_FILES="tests/test_sm90_bwd_gpu.py" TEST_TIMEOUT=${TEST_TIMEOUT:-240} run_tests
+  timeout 60 python3 scripts/sm90-bwd-probe.py --dims 128 --seqlens 512,2048,16384 --no-peers \
+    --budget 50 --variant det:deterministic=true > "$out/probe-d128.log" 2>&1
+  timeout 200 python3 scripts/hf-generate-bench.py --profile > "$out/hf-generate.log" 2>&1
+  tail -n 8 "$out/probe-d128.log"
   cat "$out/hf-generate.log"
 elif [ "$mode" = session ]; then
   # The benchmark first: if the call runs out of time, the table is what matters most.

@@ -1,17 +1,19 @@
-"""Greedy generation through transformers with attn_implementation="asymattn" beside "sdpa"
-(and "eager" at short prompts): prefill time, decode tokens/s, and how many greedy tokens
-agree with sdpa's. A randomly initialised Llama-style model (no download), bf16, on the GPU.
+"""Greedy decoding through transformers with attn_implementation="asymattn" beside "sdpa" and
+"eager": prefill time, decode time per step and tokens/s, and where the greedy tokens first
+differ from sdpa's. A randomly initialised Llama-style model (no download), bf16, on the GPU.
 
-    PYTHONPATH=. python3 scripts/hf-generate-bench.py [--batch 8] [--prompt 1024] [--new 128]
+    PYTHONPATH=. python3 scripts/hf-generate-bench.py [--batch 8] [--prompt 1024] [--new 64]
+        [--profile]   # torch.profiler over a few asymattn decode steps: where the time goes
 
-Decode time is the generate() call minus a prefill-only forward of the same prompt, over the
-new tokens (batch x new). Each implementation builds the same weights (seeded) and runs one
-warm-up generate first (kernel compiles, allocator).
+The loop is written out (prefill, then one token per forward pass over a DynamicCache) rather
+than `generate`, so the time is the model's and not generate's bookkeeping. Each
+implementation runs the loop twice on the same weights (seeded); the second run is timed.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -29,51 +31,81 @@ def model_for(attn: str, layers: int) -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
 
 
-def timed(fn) -> tuple[float, object]:
+@torch.no_grad()
+def greedy(model, ids: torch.Tensor, new: int):
+    """(prefill seconds, decode seconds, new tokens) of a greedy loop over a DynamicCache."""
+    cache = transformers.DynamicCache()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = fn()
+    t0 = time.perf_counter()
+    logits = model(ids, past_key_values=cache, use_cache=True).logits
+    token = logits[:, -1].argmax(-1, keepdim=True)
     torch.cuda.synchronize()
-    return time.perf_counter() - start, out
+    t1 = time.perf_counter()
+    tokens = [token]
+    for _ in range(new - 1):
+        logits = model(token, past_key_values=cache, use_cache=True).logits
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(token)
+    torch.cuda.synchronize()
+    return t1 - t0, time.perf_counter() - t1, torch.cat(tokens, 1)
 
 
-def run(attn: str, ids: torch.Tensor, new: int, layers: int):
-    model = model_for(attn, layers)
-    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+def first_difference(tokens: torch.Tensor, base: torch.Tensor) -> float:
+    """Median over rows of the first step whose token differs (the length if none)."""
+    same = (tokens == base).int().cumprod(1)
+    return statistics.median(same.sum(1).tolist())
+
+
+def profile_decode(model, ids: torch.Tensor, steps: int = 4):
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = transformers.DynamicCache()
     with torch.no_grad():
-        model.generate(ids[:, :64], **dict(kw, max_new_tokens=8, min_new_tokens=8))  # warm-up
-        model(ids)
-        prefill_s = min(timed(lambda: model(ids))[0] for _ in range(3))
-        total_s, out = timed(lambda: model.generate(ids, **kw))
-    return prefill_s, total_s, out[:, ids.shape[1]:]
+        token = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:]
+                token = token.argmax(-1)
+            torch.cuda.synchronize()
+    table = prof.key_averages()
+    print(f"\nprofile of {steps} asymattn decode steps, by self CPU time")
+    print(table.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    print("\nby device time")
+    print(table.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=1024)
-    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     register()
     torch.manual_seed(1)
     ids = torch.randint(1, 32000, (args.batch, args.prompt), device="cuda")
-    impls = ["sdpa", NAME] + (["eager"] if args.prompt <= 2048 else [])
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, "
           f"{torch.cuda.get_device_name()}; Llama-style {args.layers} layers, 16 q / 4 kv heads "
           f"x 128, bf16; batch {args.batch}, prompt {args.prompt}, {args.new} new tokens")
-    print("| attention | prefill ms | decode ms/step | decode tokens/s | tokens equal to sdpa |")
+    print("| attention | prefill ms | decode ms/step | decode tokens/s | first token unlike "
+          "sdpa's (median step) |")
     print("|---|---|---|---|---|")
     base = None
-    for attn in impls:
-        prefill_s, total_s, tokens = run(attn, ids, args.new, args.layers)
-        torch.cuda.empty_cache()  # the model went with run()'s frame
-        step_s = max(total_s - prefill_s, 1e-9) / args.new
-        if base is None:
-            base = tokens
-        same = (tokens == base).float().mean().item()
+    for attn in ("sdpa", NAME, "eager"):
+        model = model_for(attn, args.layers)
+        greedy(model, ids, 8)  # warm-up: compiles, allocator, cuBLAS handles
+        prefill_s, decode_s, tokens = greedy(model, ids, args.new)
+        base = tokens if base is None else base
+        step_s = decode_s / (args.new - 1)
         print(f"| {attn} | {prefill_s * 1e3:.1f} | {step_s * 1e3:.2f} | "
-              f"{args.batch / step_s:.0f} | {same:.1%} |", flush=True)
+              f"{args.batch / step_s:.0f} | {first_difference(tokens, base):g} of {args.new} |",
+              flush=True)
+        if attn == NAME and args.profile:
+            profile_decode(model, ids)
+        del model
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

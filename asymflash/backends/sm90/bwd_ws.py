@@ -160,13 +160,16 @@ if _GLUON_ERROR is None:
                      m_lo, m_end, h_first, group, batch, n_heads, num_m_blocks, n_blk, n_seq,
                      shift, window_left, window_right, group_blocks, stride,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr):
+                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr,
+                     DET: gl.constexpr):
         """Deterministic mode's dQ warp: per step, wait for this CTA's dQ turn on the step's
         query block (bwd_parts.wait_dq_turn, the synchronous kernel's order), then for both
         warpgroups' staged tiles, reduce-add them, hand the tiles back once read, and pass
         the turn on once the adds have landed. The turn's round trips and the wait for the
         writes stay off the compute warpgroups, which only wait for their tile's hand-back
         (a step later)."""
+        if not DET:
+            return
         for j in range(n_steps):
             sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq,
                                shift, window_left, window_right, h_first, m_lo, group_blocks,
@@ -383,67 +386,39 @@ if _GLUON_ERROR is None:
                 mbarrier.init(ds_ready.index(st), count=1)
             fence_async_shared()
 
-            # The role tuples are written out in each form: held in a variable, Gluon
-            # would turn their constexprs into runtime values. Deterministic mode adds the dQ
-            # warp (it shares the load warp's padded warpgroup and register count).
-            if DETERMINISTIC:
-                gl.warp_specialize([
-                    (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
-                                   delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done,
-                                   dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr,
-                                   q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
-                                   n_steps, h, m0, m_lo, m_end, h_first, group, keys_oob,
-                                   m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
-                                   window_left, window_right,
-                                   0,
-                                   HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                                   SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DETERMINISTIC)),
-                    (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
-                                   delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done,
-                                   dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr,
-                                   q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
-                                   n_steps, h, m0, m_lo, m_end, h_first, group, keys_oob,
-                                   m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
-                                   window_left, window_right,
-                                   1,
-                                   HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                                   SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DETERMINISTIC)),
-                    (_ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
-                                  k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
-                                  empty, k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
-                                  m0, m_lo, m_end, h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
-                                  RING)),
-                    (_ws_dq_turns, (dq_smem, dq_desc, dq_full, dq_empty, sem_ptr, q_start,
-                                    n_steps, h, m0, m_lo, m_end, h_first, group, batch, n_heads,
-                                    num_m_blocks, n_blk, n_seq, shift, window_left, window_right,
-                                    group_blocks, stride, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                    HAS_RIGHT, STAGGER)),
-                ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])
-            else:
-                gl.warp_specialize([
-                    (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
-                                   delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done,
-                                   dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr,
-                                   q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
-                                   n_steps, h, m0, m_lo, m_end, h_first, group, keys_oob,
-                                   m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
-                                   window_left, window_right,
-                                   0,
-                                   HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                                   SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DETERMINISTIC)),
-                    (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
-                                   delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done,
-                                   dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr,
-                                   q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
-                                   n_steps, h, m0, m_lo, m_end, h_first, group, keys_oob,
-                                   m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
-                                   window_left, window_right,
-                                   1,
-                                   HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                                   SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DETERMINISTIC)),
-                    (_ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
-                                  k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
-                                  empty, k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
-                                  m0, m_lo, m_end, h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
-                                  RING)),
-                ], [4, 1], [COMPUTE_REGS, LOADER_REGS])
+            # The role tuples are written out: held in a variable, Gluon would turn their
+            # constexprs into runtime values. The dQ warp (deterministic mode) shares the load
+            # warp's padded warpgroup and register count; without DETERMINISTIC it returns
+            # at once.
+            gl.warp_specialize([
+                (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
+                               delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done,
+                               dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr,
+                               q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
+                               n_steps, h, m0, m_lo, m_end, h_first, group, keys_oob,
+                               m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
+                               window_left, window_right,
+                               0,
+                               HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                               SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DETERMINISTIC)),
+                (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
+                               delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done,
+                               dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr,
+                               q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
+                               n_steps, h, m0, m_lo, m_end, h_first, group, keys_oob,
+                               m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
+                               window_left, window_right,
+                               1,
+                               HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                               SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DETERMINISTIC)),
+                (_ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
+                              k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
+                              empty, k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
+                              m0, m_lo, m_end, h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
+                              RING)),
+                (_ws_dq_turns, (dq_smem, dq_desc, dq_full, dq_empty, sem_ptr, q_start,
+                                n_steps, h, m0, m_lo, m_end, h_first, group, batch, n_heads,
+                                num_m_blocks, n_blk, n_seq, shift, window_left, window_right,
+                                group_blocks, stride, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                HAS_RIGHT, STAGGER, DETERMINISTIC)),
+            ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])
