@@ -2,9 +2,8 @@
 # What runs on the H200 (device tool): the whole test suite on CUDA, then the benchmark.
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
 # or ./out)
-#   pending: the GPU tests of what changed since the last session benchmark, then probes
-#   (benchmarks/NOTES.md, session 12: the d=128 backward after folding bwd_ws's two
-#   warp_specialize calls into one, transformers decoding with a profile). ~4 minutes.
+#   pending: what the session is investigating (benchmarks/NOTES.md, session 12:
+#   transformers decoding, host time by function). ~1 minute.
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
 #   (DECODE=1) and host-overhead.py (HOST_OVERHEAD=1). One device call within its 600 s
@@ -54,12 +53,8 @@ run_tests() {
   done
 }
 if [ "$mode" = pending ]; then
-  TEST_FILES="tests/test_sm90_bwd_gpu.py" TEST_TIMEOUT=${TEST_TIMEOUT:-240} run_tests
-  timeout 60 python3 scripts/sm90-bwd-probe.py --dims 128 --seqlens 512,2048,16384 --no-peers \
-    --budget 50 --variant det:deterministic=true > "$out/probe-d128.log" 2>&1
-  timeout 200 python3 scripts/hf-generate-bench.py --profile > "$out/hf-generate.log" 2>&1
-  tail -n 8 "$out/probe-d128.log"
-  cat "$out/hf-generate.log"
+  timeout 200 python3 scripts/hf-generate-bench.py --cprofile > "$out/hf-generate.log" 2>&1
+  grep -E "^\||cProfile|function calls|tottime|\{|\.py" "$out/hf-generate.log" | cut -c1-150
 elif [ "$mode" = session ]; then
   # The benchmark first: if the call runs out of time, the table is what matters most.
   timeout "${BENCH_TIMEOUT:-240}" python3 -m asymflash bench --hdim 64,128,256 \

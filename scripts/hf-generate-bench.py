@@ -4,6 +4,7 @@ differ from sdpa's. A randomly initialised Llama-style model (no download), bf16
 
     PYTHONPATH=. python3 scripts/hf-generate-bench.py [--batch 8] [--prompt 1024] [--new 64]
         [--profile]   # torch.profiler over a few asymattn decode steps: where the time goes
+        [--cprofile]  # cProfile of each implementation's timed loop (host time by function)
 
 The loop is written out (prefill, then one token per forward pass over a DynamicCache) rather
 than `generate`, so the time is the model's and not generate's bookkeeping. Each
@@ -82,6 +83,7 @@ def main():
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cprofile", action="store_true")
     args = ap.parse_args()
     register()
     torch.manual_seed(1)
@@ -96,7 +98,17 @@ def main():
     for attn in ("sdpa", NAME, "eager"):
         model = model_for(attn, args.layers)
         greedy(model, ids, 8)  # warm-up: compiles, allocator, cuBLAS handles
+        if args.cprofile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
         prefill_s, decode_s, tokens = greedy(model, ids, args.new)
+        if args.cprofile:
+            prof.disable()
+            print(f"\ncProfile, {attn}: prefill + {args.new} decode steps, by own time")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(14)
         base = tokens if base is None else base
         step_s = decode_s / (args.new - 1)
         print(f"| {attn} | {prefill_s * 1e3:.1f} | {step_s * 1e3:.2f} | "
