@@ -6,7 +6,8 @@
 #   transformers decoding, host time by function). ~1 minute.
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
-#   (DECODE=1) and host-overhead.py (HOST_OVERHEAD=1). One device call within its 600 s
+#   (DECODE=1), host-overhead.py (HOST_OVERHEAD=1) and hf-generate-bench.py (HF=1);
+#   HOST_BREAKDOWN=0 leaves host-breakdown.py out. One device call within its 600 s
 #   limit: ~230 s of benchmark, ~270 s of tests (2026-11-29: 446 s without decode). It leaves
 #   6 files under $OUT, 8 with DECODE=1 (a device call brings 8 back), 9 with both.
 #   BENCH_WARMUP=100 gives the README's 100 ms warm-up per cell (default 10 ms).
@@ -62,8 +63,14 @@ elif [ "$mode" = session ]; then
     --warmup "${BENCH_WARMUP:-10}" --rep 40 --no-plots --out "$out/bench" > "$out/bench.log" 2>&1
   TEST_TIMEOUT=${TEST_TIMEOUT:-270} run_tests
   # Host time per piece of a 512-row call (the calls the benchmark finds host-bound).
-  timeout 90 python3 scripts/host-breakdown.py > "$out/host-breakdown.log" 2>&1
-  tail -24 "$out/host-breakdown.log"
+  if [ "${HOST_BREAKDOWN:-1}" = 1 ]; then
+    timeout 90 python3 scripts/host-breakdown.py > "$out/host-breakdown.log" 2>&1
+    tail -24 "$out/host-breakdown.log"
+  fi
+  if [ "${HF:-0}" = 1 ]; then
+    timeout 120 python3 scripts/hf-generate-bench.py > "$out/hf-generate.log" 2>&1
+    grep -E "^(\||transformers)" "$out/hf-generate.log"
+  fi
   if [ "${DECODE:-0}" = 1 ]; then
     timeout 150 python3 scripts/decode-bench.py --out "$out/decode" > "$out/decode.log" 2>&1
     grep -E "^\| (layout|paged|contiguous)" "$out/decode.log"
