@@ -30,7 +30,8 @@ run_tests() {
   files=(${TEST_FILES:-tests/test_gpu.py tests/test_attention.py tests/test_varlen.py \
       tests/test_api.py tests/test_plans.py tests/test_kvcache.py tests/test_sm90_gpu.py@0/3 \
       tests/test_sm90_gpu.py@1/3 tests/test_sm90_gpu.py@2/3 tests/test_sm90_bwd_gpu.py \
-      tests/test_portable_tiles_gpu.py tests/test_hf.py tests/test_sm90_strided.py})
+      tests/test_portable_tiles_gpu.py tests/test_hf.py tests/test_sm90_strided.py \
+      tests/test_packed.py})
   pids=()
   logs=()
   for entry in "${files[@]}"; do

@@ -1,7 +1,7 @@
 """FlashAttention backward for Hopper (sm_90a), written in Gluon.
 
-This module's kernel runs d=64, and d=128 with softcap or deterministic=True; other d=128
-calls run `bwd_ws.py`'s warp-specialised version of the same plan (warpgroups out of phase,
+This module's kernel runs d=64, and d=128 with softcap (or with ws_deterministic=False,
+deterministic=True); other d=128 calls run `bwd_ws.py`'s warp-specialised version of the same plan (warpgroups out of phase,
 BwdConfig.split_warpgroups), d=256 `bwd_wide.py`. The host side here serves all three.
 
 One CTA owns BLOCK_N keys of one (sequence, kv head) and keeps K, V (shared memory) and the
@@ -178,8 +178,9 @@ class BwdConfig:
     stats_late: bool = True
     # The warp-specialised kernel (`bwd_ws.py`): a load warp, and the two warpgroups out of
     # phase, meeting only through mbarriers (dQ by column halves, one reduce each). On at
-    # d=128; d=64 (128-row steps) can take it but spills and loses. Not for deterministic
-    # mode, softcap or dQ atomics (`_splits_warpgroups`: those keep this module's kernel).
+    # d=128; d=64 (128-row steps) can take it but spills and loses. Not for softcap or dQ
+    # atomics, nor for deterministic mode without `ws_deterministic` (`_splits_warpgroups`:
+    # those keep this module's kernel).
     # H200 2026-11-30 (sm90-bwd-probe), TFLOP/s 512 / 2k / 16k: non-causal 317 / 474 / 534
     # -> 338 / 516 / 554, causal 207 / 392 / 520 -> 209 / 395 / 533.
     split_warpgroups: bool = False
