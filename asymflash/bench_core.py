@@ -113,6 +113,7 @@ class Provider:
     is_asymflash: bool = False
     description: str = ""
     modes: tuple | None = None  # the modes it runs (None: all); others are listed n/a
+    opt_in: bool = False  # runs only when named in --providers (variants of a backend)
 
 
 @dataclass

@@ -9,8 +9,10 @@ BSHD like flash-attn.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import os
 
 import torch
 
@@ -61,7 +63,39 @@ def asymflash_providers(device: str) -> list:
     providers = [_asymflash_backend(name) for name in names]
     if "sm90" in names:  # what deterministic=True costs, next to the default backward
         providers.append(_asymflash_backend("sm90", deterministic=True))
+        # FA4's forward tricks, each on by its switch (asked for by name only)
+        providers.append(_sm90_switched("exp2emu8", "ASYMFLASH_SM90_EXP2_EMU", "8",
+                                        "one exponential in 8 on the FMA pipe"))
+        providers.append(_sm90_switched("rescale8", "ASYMFLASH_SM90_RESCALE", "8",
+                                        "O rescaled only when a row max grows by > 2^8"))
     return providers
+
+
+@contextlib.contextmanager
+def _switch_set(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def _sm90_switched(label: str, switch: str, value: str, what: str) -> Provider:
+    """The sm90 forward with one of FA4's tricks switched on: the table's on/off columns."""
+    base = _asymflash_backend("sm90")
+
+    @contextlib.contextmanager
+    def context():
+        with base.context(), _switch_set(switch, value):
+            yield
+
+    return Provider(f"asymflash-sm90-{label}", base.make_fwd, base.available, context,
+                    is_asymflash=True, modes=("fwd",), opt_in=True,
+                    description=f"the sm90 forward with {switch}={value}: {what}")
 
 
 def _never(q, k, v, causal):
@@ -261,16 +295,17 @@ def cpu_providers() -> list:
 
 def select(providers: list, names: list | None) -> list:
     """Keep the providers named (case-insensitive); "asymflash" names all its backends.
+    Opt-in providers (a backend's variants) run only when named.
 
     Raises ValueError for a name that matches nothing, listing the known ones.
     """
     if not names:
-        return providers
+        return [p for p in providers if not p.opt_in]
     keep, unknown = [], []
     for name in names:
         low = name.lower()
         hits = [p for p in providers if p.name.lower() == low
-                or (low == "asymflash" and p.is_asymflash)]
+                or (low == "asymflash" and p.is_asymflash and not p.opt_in)]
         if not hits:
             unknown.append(name)
         keep.extend(p for p in hits if p not in keep)

@@ -2,8 +2,8 @@
 # What runs on the H200 (device tool): the whole test suite on CUDA, then the benchmark.
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
 # or ./out)
-#   pending: what the session is investigating (benchmarks/NOTES.md, session 12:
-#   transformers decoding, host time by function). ~1 minute.
+#   pending: what the session is investigating (benchmarks/NOTES.md, session 12: FA4's
+#   forward tricks by their switches, tests and the forward table on / off). ~6 minutes.
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
 #   (DECODE=1), host-overhead.py (HOST_OVERHEAD=1) and hf-generate-bench.py (HF=1);
@@ -45,7 +45,7 @@ run_tests() {
     log="$out/$name.log"
     logs+=("$log")
     timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfs \
-      "${shard[@]}" "$f" > "$log" 2>&1 &
+      ${PYTEST_K:+-k "$PYTEST_K"} "${shard[@]}" "$f" > "$log" 2>&1 &
     pids+=($!)
   done
   for i in "${!files[@]}"; do
@@ -55,8 +55,12 @@ run_tests() {
   done
 }
 if [ "$mode" = pending ]; then
-  timeout 200 python3 scripts/hf-generate-bench.py --cprofile > "$out/hf-generate.log" 2>&1
-  grep -E "^\||cProfile|function calls|tottime|\{|\.py" "$out/hf-generate.log" | cut -c1-150
+  TEST_FILES="tests/test_sm90_gpu.py" PYTEST_K=fa4_switches TEST_TIMEOUT=${TEST_TIMEOUT:-150} \
+    run_tests
+  timeout 330 python3 -m asymflash bench --hdim 64,128,256 --seqlen 512,2k,16k --mode fwd \
+    --providers cuDNN,asymflash-sm90,asymflash-sm90-exp2emu8,asymflash-sm90-rescale8 \
+    --rep 40 --no-plots --out "$out/bench-fa4-tricks" > "$out/bench-fa4-tricks.log" 2>&1
+  grep -E "^\| (hdim|[0-9])" "$out/bench-fa4-tricks.log"
 elif [ "$mode" = session ]; then
   # The benchmark first: if the call runs out of time, the table is what matters most.
   timeout "${BENCH_TIMEOUT:-240}" python3 -m asymflash bench --hdim 64,128,256 \

@@ -7,6 +7,7 @@ and failing providers, the table / JSON / PNG outputs, and the CPU fallback of t
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -366,6 +367,32 @@ def test_provider_selection_keeps_column_order():
                  fake("asymflash-b", asym=True)]
     names = [p.name for p in bench_providers.select(providers, ["asymflash", "fa2"])]
     assert names == ["FA2", "asymflash-a", "asymflash-b"]
+
+
+def test_opt_in_providers_run_only_when_named(monkeypatch):
+    import dataclasses
+
+    variant = dataclasses.replace(fake("asymflash-v", asym=True), opt_in=True)
+    providers = [fake("FA2"), fake("asymflash-a", asym=True), variant]
+    for names in (None, ["asymflash"]):
+        assert variant not in bench_providers.select(providers, names)
+    assert bench_providers.select(providers, ["asymflash-v"]) == [variant]
+
+
+def test_fa4_trick_providers_switch_the_forward_on_and_off(monkeypatch):
+    import os
+
+    from asymflash import dispatch
+
+    monkeypatch.setattr(dispatch, "backend_names", lambda device: ["sm90", "portable"])
+    monkeypatch.delenv("ASYMFLASH_SM90_EXP2_EMU", raising=False)
+    by_name = {p.name: p for p in bench_providers.asymflash_providers("cuda")}
+    emu = by_name["asymflash-sm90-exp2emu8"]
+    assert emu.opt_in and emu.modes == ("fwd",)
+    monkeypatch.setattr(dispatch, "use_backend", lambda name: contextlib.nullcontext())
+    with emu.context():
+        assert os.environ["ASYMFLASH_SM90_EXP2_EMU"] == "8"
+    assert "ASYMFLASH_SM90_EXP2_EMU" not in os.environ
 
 
 def test_progress_without_tqdm_counts_lines(monkeypatch):

@@ -237,6 +237,40 @@ def test_fa4_switches_compile(emu, thr):
     assert rep["mufu_ex2"] < compile_report(head_dim=64)["mufu_ex2"]
 
 
+def test_fa4_switches_apply_to_every_call_unless_a_config_is_given(monkeypatch):
+    from dataclasses import replace
+
+    def plan(cfg=None, d=64, seqlen=2048):
+        tricks = (0, 0.0) if cfg is not None else fwd.fa4_tricks()
+        return fwd.launch_plan(d, d, seqlen, seqlen, True, False, -1, 0, False, False, 2, 8,
+                               8, 132, cfg, tricks)
+
+    monkeypatch.delenv(fwd.EXP2_EMU_SWITCH, raising=False)
+    monkeypatch.delenv(fwd.RESCALE_SWITCH, raising=False)
+    assert fwd.fa4_tricks() == (0, 0.0)
+    off = plan()
+    assert off.constexprs["EMU_EVERY"] == 0
+    monkeypatch.setenv(fwd.EXP2_EMU_SWITCH, "8")
+    monkeypatch.setenv(fwd.RESCALE_SWITCH, "8")
+    for d in (64, 128, 256):
+        p = plan(d=d)
+        assert (p.cfg.exp2_emu_every, p.cfg.rescale_threshold) == (8, 8.0)
+        assert p.constexprs["EMU_EVERY"] == 8 and p.constexprs["RESCALE_THRESHOLD"] == 8.0
+    # the plan's other choices are those of the same call without the switches
+    assert replace(plan().cfg, exp2_emu_every=0, rescale_threshold=0.0) == off.cfg
+    assert plan().grid == off.grid
+    given = fwd._DEFAULT_CONFIGS[64]
+    assert plan(cfg=given).cfg.exp2_emu_every == 0  # an explicit config wins
+    for name, value in ((fwd.EXP2_EMU_SWITCH, "3"), (fwd.EXP2_EMU_SWITCH, "on"),
+                        (fwd.RESCALE_SWITCH, "-1"), (fwd.RESCALE_SWITCH, "inf")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=name):
+            fwd.fa4_tricks()
+        monkeypatch.setenv(name, "8")
+    from asymflash import dispatch
+    assert {fwd.EXP2_EMU_SWITCH, fwd.RESCALE_SWITCH} <= set(dispatch.SWITCHES)
+
+
 def test_unsupported_reports_reason_on_cpu():
     import torch
 

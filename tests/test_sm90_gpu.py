@@ -232,6 +232,34 @@ def test_sm90_forward_fa4_switches(emu, thr):
     assert lse_err <= 1e-3, lse_err
 
 
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("d,causal,batch,seqlen", [(64, True, 2, 2048), (64, False, 1, 1000),
+                                                   (128, True, 2, 1000), (256, False, 1, 700)])
+def test_sm90_fa4_switches_through_the_api(monkeypatch, d, causal, batch, seqlen):
+    """ASYMFLASH_SM90_EXP2_EMU / _RESCALE on every call (the benchmark's on/off columns):
+    values against the reference, on shapes that take the persistent grid (d=64 2k causal)
+    and the plain one (1000 rows), with scores that rise along the keys so that the running
+    max moves from block to block."""
+    from helpers import assert_fa_close, reference_pair
+
+    from asymflash import flash_attn_func
+    from asymflash.backends.sm90 import fwd
+    from asymflash.dispatch import use_backend
+
+    torch.manual_seed(d + seqlen)
+    q = torch.randn(batch, seqlen, 4, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn_like(q) + torch.linspace(0, 3, seqlen, device="cuda")[:, None, None]
+    v = torch.randn_like(q)
+    q = q.abs() * 0.5  # positive q: scores grow with the keys' offset
+    out32, outlow = (r[0] for r in reference_pair(q, k, v, None, causal=causal))
+    for emu, thr in (("8", "0"), ("0", "8"), ("4", "8")):
+        monkeypatch.setenv(fwd.EXP2_EMU_SWITCH, emu)
+        monkeypatch.setenv(fwd.RESCALE_SWITCH, thr)
+        with use_backend("sm90"):
+            out = flash_attn_func(q, k, v, causal=causal)
+        assert_fa_close(f"out emu={emu} thr={thr}", out, out32, outlow, atol=2e-3)
+
+
 # Both grids on every case above, plus shapes with many tiles per CTA (the grid is one CTA
 # per SM), so that ring positions and Q-barrier parities carry across tiles.
 PERSISTENT_CASES = CASES + [

@@ -25,7 +25,8 @@ into a peeled first block (always masked, which also covers empty rows and empty
 sequences), a masked prefix (sliding-window left edge), an unmasked middle and a masked
 suffix (causal diagonal / right window / ragged end), so the common blocks pay no mask.
 
-FA4 tricks, off by default, chosen per call through `FwdConfig`:
+FA4 tricks, off by default, chosen per call through `FwdConfig` or, for every call, by the
+switches ASYMFLASH_SM90_EXP2_EMU=k and ASYMFLASH_SM90_RESCALE=t (`fa4_tricks`):
 * `exp2_emu_every = k`: every k-th exponential runs as a cubic polynomial on the FMA pipe
   instead of MUFU (2^x = 2^floor(x) · p(frac(x)), the integer part added to the exponent
   bits). Pays where MUFU binds (d=64 bf16); at d=128 emulating everything lost 644 -> 465.
@@ -245,12 +246,45 @@ class LaunchPlan:
     o_width: int  # output_box_width
 
 
+# FA4's two forward tricks as process-wide switches (both off by default: on the H200 each
+# lost, see the tuning table above), so that any call, and the benchmark, can run with them:
+# ASYMFLASH_SM90_EXP2_EMU=k (2, 4 or 8) puts one exponential in k on the FMA pipe,
+# ASYMFLASH_SM90_RESCALE=t (> 0, log2 units; FA4 uses 8) rescales O only when a row's max
+# grew by more than t. They apply to the config a call would otherwise run; an explicit
+# FwdConfig wins. Part of dispatch.SWITCHES, so call plans are keyed by them.
+EXP2_EMU_SWITCH = "ASYMFLASH_SM90_EXP2_EMU"
+RESCALE_SWITCH = "ASYMFLASH_SM90_RESCALE"
+EXP2_EMU_CHOICES = (0, 2, 4, 8)
+
+
+def fa4_tricks() -> tuple[int, float]:
+    """(exp2_emu_every, rescale_threshold) set by the switches; ValueError on a bad value."""
+    emu_text = os.environ.get(EXP2_EMU_SWITCH) or "0"
+    thr_text = os.environ.get(RESCALE_SWITCH) or "0"
+    try:
+        emu = int(emu_text)
+    except ValueError:
+        emu = -1
+    if emu not in EXP2_EMU_CHOICES:
+        raise ValueError(f"{EXP2_EMU_SWITCH}={emu_text!r}: expected 0 (off), 2, 4 or 8 (one "
+                         "exponential in k on the FMA pipe)")
+    try:
+        thr = float(thr_text)
+    except ValueError:
+        thr = -1.0
+    if not 0.0 <= thr < float("inf"):
+        raise ValueError(f"{RESCALE_SWITCH}={thr_text!r}: expected 0 (off) or a positive "
+                         "threshold in log2 units (FA4 uses 8)")
+    return emu, thr
+
+
 @functools.lru_cache(maxsize=4096)
 def launch_plan(d: int, dv: int, max_seqlen_q: int, max_seqlen_k: int, uniform: bool,
                 has_seqused: bool, window_left: int, window_right: int, softcap: bool,
                 has_sink: bool, batch: int, hq: int, hkv: int, sms: int,
-                cfg: FwdConfig | None) -> LaunchPlan:
-    """The config, grid and constexprs of one call (cfg: an override, or None)."""
+                cfg: FwdConfig | None, tricks: tuple[int, float] = (0, 0.0)) -> LaunchPlan:
+    """The config, grid and constexprs of one call (cfg: an override, or None; tricks:
+    `fa4_tricks()` (callers pass (0, 0.0) with an override), applied to the config)."""
     plain = not softcap and not has_sink and window_left < 0
     local = window_left >= 0 or window_right >= 0
     dense = uniform and not has_seqused
@@ -261,6 +295,8 @@ def launch_plan(d: int, dv: int, max_seqlen_q: int, max_seqlen_k: int, uniform: 
         cfg = _three_warpgroups(_default_config(d, local), o_width == dv)
     if cfg is None:
         cfg = _default_config(d, local)
+    if tricks != (0, 0.0):
+        cfg = replace(cfg, exp2_emu_every=tricks[0], rescale_threshold=tricks[1])
     num_m_blocks = cdiv(max_seqlen_q, BLOCK_M_WG * max(cfg.consumer_wgs, 1))
     num_tiles = num_m_blocks * hq * batch
     cfg, grid, hb_chunk = persistent_launch(cfg, max_seqlen_q, max_seqlen_k, dense, batch,
@@ -1557,7 +1593,8 @@ def _launch_plan_of(d, dv, q, k, seq: SeqInfo, params: AttnParams, sink, cfg) ->
     return launch_plan(d, dv, seq.max_seqlen_q, seq.max_seqlen_k, bool(seq.uniform),
                        seq.seqused_k is not None, params.mask.window_left,
                        params.mask.window_right, params.softcap > 0, sink is not None,
-                       seq.batch, q.shape[1], k.shape[1], sm_count(q.device), cfg)
+                       seq.batch, q.shape[1], k.shape[1], sm_count(q.device), cfg,
+                       (0, 0.0) if cfg is not None else fa4_tricks())
 
 
 def _launch(q, k, v, seq: SeqInfo, params: AttnParams, sink, plan: LaunchPlan, padded: bool,
