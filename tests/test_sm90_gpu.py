@@ -248,7 +248,8 @@ def test_sm90_fa4_switches_through_the_api(monkeypatch, d, causal, batch, seqlen
 
     torch.manual_seed(d + seqlen)
     q = torch.randn(batch, seqlen, 4, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn_like(q) + torch.linspace(0, 3, seqlen, device="cuda")[:, None, None]
+    rising = torch.linspace(0, 3, seqlen, device="cuda")[:, None, None]
+    k = (torch.randn_like(q) + rising).to(q.dtype)
     v = torch.randn_like(q)
     q = q.abs() * 0.5  # positive q: scores grow with the keys' offset
     out32, outlow = (r[0] for r in reference_pair(q, k, v, None, causal=causal))
