@@ -386,10 +386,12 @@ if _GLUON_ERROR is None:
                 mbarrier.init(ds_ready.index(st), count=1)
             fence_async_shared()
 
-            # The role tuples are written out: held in a variable, Gluon would turn their
-            # constexprs into runtime values. The dQ warp (deterministic mode) shares the load
-            # warp's padded warpgroup and register count; without DETERMINISTIC it returns
-            # at once.
+            # The role tuples are written out, the two compute roles' alike but for the
+            # warpgroup index: held in a variable, Gluon turns their constexprs into runtime
+            # values, and a shared tuple of the runtime arguments concatenated with literal
+            # constexprs fails to build in triton 3.6 ("'int' object has no attribute
+            # '_flatten_ir'"). The dQ warp (deterministic mode) shares the load warp's padded
+            # warpgroup and register count; without DETERMINISTIC it returns at once.
             gl.warp_specialize([
                 (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
                                delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done,
