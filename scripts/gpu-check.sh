@@ -2,8 +2,8 @@
 # What runs on the H200 (device tool): the whole test suite on CUDA, then the benchmark.
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
 # or ./out)
-#   pending: what the session is investigating (benchmarks/NOTES.md, session 12: FA4's
-#   forward tricks by their switches: their GPU tests, the rescale cell re-timed). ~2 min.
+#   pending: what the last session prepared without the GPU (benchmarks/NOTES.md, session
+#   12: bwd_ws with dV in flight while dSᵀ is formed): its GPU tests, then the probe. ~4 min.
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
 #   (DECODE=1), host-overhead.py (HOST_OVERHEAD=1) and hf-generate-bench.py (HF=1);
@@ -55,14 +55,13 @@ run_tests() {
   done
 }
 if [ "$mode" = pending ]; then
-  TEST_FILES="tests/test_sm90_gpu.py" PYTEST_K=fa4_switches TEST_TIMEOUT=${TEST_TIMEOUT:-150} \
-    run_tests
-  for run in 1 2; do  # the one cell where rescale8 read faster (637 -> 683), twice more
-    timeout 100 python3 -m asymflash bench --hdim 128 --seqlen 8k,16k --causal 1 --mode fwd \
-      --providers cuDNN,asymflash-sm90,asymflash-sm90-rescale8 --warmup 100 --rep 40 \
-      --no-plots --out "$out/bench-rescale-$run" > "$out/bench-rescale-$run.log" 2>&1
-    grep -E "^\| (hdim|[0-9])" "$out/bench-rescale-$run.log"
-  done
+  TEST_FILES="tests/test_sm90_bwd_gpu.py" PYTEST_K="dv-overlap or dv_overlap" \
+    TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
+  timeout 100 python3 scripts/sm90-bwd-probe.py --dims 128 --seqlens 512,2048,16384 \
+    --no-peers --budget 90 --variant dvo:dv_overlap=true \
+    --variant det:deterministic=true --variant detdvo:deterministic=true,dv_overlap=true \
+    > "$out/probe-d128-dvo.log" 2>&1
+  tail -n 8 "$out/probe-d128-dvo.log"
 elif [ "$mode" = session ]; then
   # The benchmark first: if the call runs out of time, the table is what matters most.
   timeout "${BENCH_TIMEOUT:-240}" python3 -m asymflash bench --hdim 64,128,256 \

@@ -179,8 +179,8 @@ def test_sm90_backward_matches_reference(case):
 
 
 # d=128 runs bwd_ws.py's warp-specialised kernel by default (dQ of warpgroup 0 one step
-# late). Its other schedules, and bwd.py's kernel (which keeps softcap and deterministic
-# calls), on every d=128 case they can take.
+# late). Its other schedules (dV left in flight while dSᵀ is formed: dv_overlap), and bwd.py's
+# kernel (which keeps softcap calls), on every d=128 case they can take.
 SPLIT_CASES = [c for c in CASES if c["d"] in (96, 128) and not c.get("softcap")]
 # d=64 can run it too, on request: 128-row steps (dQ split by rows; spills, not faster), or
 # 64-row steps (dQ split by columns), with the default two-slot Q/dO ring or three slots
@@ -189,8 +189,8 @@ SPLIT_CASES_D64 = [c for c in CASES if c["d"] == 64 and not c.get("softcap")]
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("variant", [dict(late_warpgroup=1), dict(late_warpgroup=-1),
-                                     dict(split_warpgroups=False)],
-                         ids=["late1", "in-step", "synchronous"])
+                                     dict(split_warpgroups=False), dict(dv_overlap=True)],
+                         ids=["late1", "in-step", "synchronous", "dv-overlap"])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c["name"])
 def test_sm90_backward_d128_schedules_match_reference(case, variant):
     from dataclasses import replace
@@ -247,11 +247,12 @@ def test_sm90_deterministic_backward_is_bitwise_reproducible(case):
             assert torch.equal(a, b)
 
 
-# Deterministic mode on the kernel the default config does not pick: at d=128 bwd.py's
-# synchronous kernel (ws_deterministic=False; softcap calls take it anyway), at d=64
-# bwd_ws.py's kernel with 64-row steps (its dQ warp adds both warpgroups' tiles in turn).
-DET_VARIANTS = [(c, dict(ws_deterministic=False)) for c in DET_CASES
-                if c["d"] in (96, 128) and not c.get("softcap")] + \
+# Deterministic mode on kernels and schedules the default config does not pick: at d=128
+# bwd.py's synchronous kernel (ws_deterministic=False; softcap calls take it anyway) and
+# bwd_ws.py's with dV in flight while dSᵀ is formed, at d=64 bwd_ws.py's kernel with 64-row
+# steps (its dQ warp adds both warpgroups' tiles in turn).
+DET_VARIANTS = [(c, variant) for c in DET_CASES if c["d"] in (96, 128) and not c.get("softcap")
+                for variant in (dict(ws_deterministic=False), dict(dv_overlap=True))] + \
     [(c, dict(block_m=64, split_warpgroups=True)) for c in DET_CASES
      if c["d"] == 64 and not c.get("softcap")]
 
@@ -269,8 +270,7 @@ def test_sm90_other_deterministic_kernel_is_bitwise_reproducible(case, variant):
     default = bwd.select_config(width, deterministic=True)
     cfg = replace(default, **variant)
     q, k, v, dout, seq, params, sink = make_case(case)
-    split = bwd._splits_warpgroups(width, cfg, True, False)
-    assert split != bwd._splits_warpgroups(width, default, True, False), "the default kernel"
+    assert cfg != default, "the default kernel"
     for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
         assert_fa_close(name, g, r32, rlow, atol=atol)
     out, lse = portable.forward(q, k, v, seq, params, sink)

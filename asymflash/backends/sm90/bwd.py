@@ -129,7 +129,11 @@ class BwdConfig:
     block_m: int = 64  # query rows per step (the N of the Sᵀ/dPᵀ MMAs, the M of dQ)
     block_n: int = 128  # keys per CTA: two warpgroups of 64 (d <= 128), or shared (d = 256)
     num_warps: int = 8  # two warpgroups; the MMA layouts below assume exactly 8
-    dv_overlap: bool = True  # keep dV = Pᵀ·dO in flight while dSᵀ is formed (more registers)
+    # Keep dV = Pᵀ·dO in flight while dSᵀ is formed (more registers). bwd_ws (d=128): off
+    # until GPU-timed (session 12: sm_90a 2 / 44 local-memory instructions non-causal /
+    # causal vs 2 / 38 without; bwd-timeline puts the dPᵀ + dV wait at 455-600 cycles of a
+    # ~4400-cycle step, which this would shorten by dV's share).
+    dv_overlap: bool = True
     dp_early: bool = True  # issue dPᵀ = V·dOᵀ with Sᵀ, overlapping the exponentials (more regs)
     # Causal masks: launch key blocks top-down, as deterministic mode must. In bench run 2
     # (H200) deterministic mode beat the default at d=128 causal 512 (146 vs 80 TFLOP/s):

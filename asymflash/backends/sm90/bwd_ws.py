@@ -198,7 +198,7 @@ if _GLUON_ERROR is None:
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                     HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DP_EARLY: gl.constexpr,
                     KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr, RING: gl.constexpr,
-                    DET: gl.constexpr):
+                    DET: gl.constexpr, DV_OVERLAP: gl.constexpr):
         KEYS: gl.constexpr = BLOCK_N // 2
         DQ_ROWS: gl.constexpr = 64  # dQ = dS·K by halves of its columns or rows (_ws_dq)
         DQ_COLS: gl.constexpr = HEAD_DIM // 2 if BLOCK_M == 64 else HEAD_DIM
@@ -258,7 +258,10 @@ if _GLUON_ERROR is None:
                                        is_async=True)
             p_op = gl.convert_layout(p.to(dtype), pv_op_layout)
             dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
-            dp, dv, p_op = warpgroup_mma_wait(0, deps=[dp_tok, dv_tok, p_op])
+            if DV_OVERLAP:  # dSᵀ is formed while dV = Pᵀ·dO runs (retired with dK below)
+                dp = warpgroup_mma_wait(1, deps=[dp_tok])
+            else:
+                dp, dv, p_op = warpgroup_mma_wait(0, deps=[dp_tok, dv_tok, p_op])
             delta = delta_smem.index(slot).load(col_layout)
             ds16 = (p_ds * (dp - gl.expand_dims(delta, 0))).to(dtype)
             if it >= 2:  # both dQ MMAs of step it - 2 have read this dSᵀ slot
@@ -276,7 +279,10 @@ if _GLUON_ERROR is None:
             else:
                 _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full, dq_empty,
                        it, h, m0, q_start, softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M, DET)
-            dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])
+            if DV_OVERLAP:
+                dk, dv, ds_op, p_op = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok, ds_op, p_op])
+            else:
+                dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])
             mbarrier.arrive(empty.index(slot), count=1)
             # `+ 0`: with a plain `h_prev = h` triton 3.6's frontend carried neither h nor
             # h_prev through the loop (its scf.for kept only dK and dV; found in the TTGIR)
@@ -323,8 +329,9 @@ if _GLUON_ERROR is None:
                            WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
                            DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr,
                            LATE_WG: gl.constexpr, RING: gl.constexpr):
-        # Same arguments as bwd._attn_bwd_kernel (one host path); DV_OVERLAP, DK_LATE,
-        # STATS_LATE, RELEASE_AT, WAIT_EARLY and dq_ptr belong to that kernel's schedule.
+        # Same arguments as bwd._attn_bwd_kernel (one host path); DK_LATE, STATS_LATE,
+        # RELEASE_AT, WAIT_EARLY and dq_ptr belong to that kernel's schedule. DV_OVERLAP:
+        # dV = Pᵀ·dO stays in flight while dSᵀ is formed (BwdConfig.dv_overlap).
         # DETERMINISTIC: the dQ warp adds the tiles in bwd.py's turn order (causal masks:
         # the grid runs from the top key block down, as there).
         dtype: gl.constexpr = q_desc.dtype
@@ -402,7 +409,8 @@ if _GLUON_ERROR is None:
                                window_left, window_right,
                                0,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DETERMINISTIC)),
+                               SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DETERMINISTIC,
+                               DV_OVERLAP)),
                 (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
                                delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done,
                                dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr,
@@ -412,7 +420,8 @@ if _GLUON_ERROR is None:
                                window_left, window_right,
                                1,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DETERMINISTIC)),
+                               SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DETERMINISTIC,
+                               DV_OVERLAP)),
                 (_ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
                               k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
                               empty, k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
