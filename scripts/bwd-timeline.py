@@ -203,14 +203,10 @@ def _ws(k: int) -> str:
 
 EDITS_WS = [
     # the compute partitions get the stamp buffer (the semaphore argument, unread here)
-    ("                    m_full_hi, qk_scale, softmax_scale, softcap_pre, window_left, "
-     "window_right,\n                    WG: gl.constexpr,",
-     "                    m_full_hi, qk_scale, softmax_scale, softcap_pre, window_left, "
-     "window_right,\n                    sem_ptr, WG: gl.constexpr,", 1),
-    ("window_left, window_right,\n" + " " * 31 + "0,\n",
-     "window_left, window_right,\n" + " " * 31 + "sem_ptr, 0,\n", 1),
-    ("window_left, window_right,\n" + " " * 31 + "1,\n",
-     "window_left, window_right,\n" + " " * 31 + "sem_ptr, 1,\n", 1),
+    ("    def _ws_compute(shared, WG: gl.constexpr,",
+     "    def _ws_compute(shared, sem_ptr, WG: gl.constexpr,", 1),
+    ("(_ws_compute, (shared, 0,", "(_ws_compute, (shared, sem_ptr, 0,", 1),
+    ("(_ws_compute, (shared, 1,", "(_ws_compute, (shared, sem_ptr, 1,", 1),
     ("            mbarrier.wait(ready.index(slot), (it // RING) & 1)\n",
      _ws(0) + "            mbarrier.wait(ready.index(slot), (it // RING) & 1)\n" + _ws(1), 1),
     ("            lse2 = lse_smem.index(slot).load(col_layout)\n",
@@ -221,9 +217,10 @@ EDITS_WS = [
      _ws(4) + "            delta = delta_smem.index(slot).load(col_layout)\n", 1),
     ("            mbarrier.arrive(ds_ready.index(2 * ds_slot + WG), count=1)\n",
      "            mbarrier.arrive(ds_ready.index(2 * ds_slot + WG), count=1)\n" + _ws(5), 1),
-    ("            dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])\n",
-     _ws(6) + "            dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])\n" + _ws(7),
-     1),
+    # (the stamps around the dK wait: the schedule without dv_overlap, the default)
+    ("            else:\n                dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])\n",
+     "            else:\n    " + _ws(6) + "                dk, ds_op = warpgroup_mma_wait(0, "
+     "deps=[dk_tok, ds_op])\n" + _ws(7), 1),
     ("            mbarrier.arrive(empty.index(slot), count=1)\n",
      "            mbarrier.arrive(empty.index(slot), count=1)\n" + _ws(8), 1),
 ]

@@ -188,17 +188,16 @@ if _GLUON_ERROR is None:
             h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
 
     @gluon.jit
-    def _ws_compute(q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem,
-                    kv_bar, ready, empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc,
-                    dk_desc, dv_desc,
-                    dk_ptr, dv_ptr, q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
-                    n_steps, h, m0, m_lo, m_end, h_first, group, keys_oob, m_full_lo,
-                    m_full_hi, qk_scale, softmax_scale, softcap_pre, window_left, window_right,
-                    WG: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+    def _ws_compute(shared, WG: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                     HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DP_EARLY: gl.constexpr,
                     KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr, RING: gl.constexpr,
                     DET: gl.constexpr, DV_OVERLAP: gl.constexpr):
+        (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
+         empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr,
+         dv_ptr, q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h, m0, m_lo,
+         m_end, h_first, group, keys_oob, m_full_lo, m_full_hi, qk_scale, softmax_scale,
+         softcap_pre, window_left, window_right) = shared
         KEYS: gl.constexpr = BLOCK_N // 2
         DQ_ROWS: gl.constexpr = 64  # dQ = dS·K by halves of its columns or rows (_ws_dq)
         DQ_COLS: gl.constexpr = HEAD_DIM // 2 if BLOCK_M == 64 else HEAD_DIM
@@ -393,35 +392,24 @@ if _GLUON_ERROR is None:
                 mbarrier.init(ds_ready.index(st), count=1)
             fence_async_shared()
 
-            # The role tuples are written out, the two compute roles' alike but for the
-            # warpgroup index: held in a variable, Gluon turns their constexprs into runtime
-            # values, and a shared tuple of the runtime arguments concatenated with literal
-            # constexprs fails to build in triton 3.6 ("'int' object has no attribute
-            # '_flatten_ir'"). The dQ warp (deterministic mode) shares the load warp's padded
-            # warpgroup and register count; without DETERMINISTIC it returns at once.
+            # What the two compute warpgroups share travels as one tuple of runtime values;
+            # the constexprs are written out in each role (held in a variable, Gluon would
+            # turn them into runtime values). The dQ warp (deterministic mode) shares the
+            # load warp's padded warpgroup and register count; without DETERMINISTIC it
+            # returns at once.
+            shared = (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+                      kv_bar, ready, empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc,
+                      dk_desc, dv_desc, dk_ptr, dv_ptr, q_start, k_start, seqlen_q, seqlen_k,
+                      n_kv_heads, hk, n0, n_steps, h, m0, m_lo, m_end, h_first, group,
+                      keys_oob, m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
+                      window_left, window_right)
             gl.warp_specialize([
-                (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
-                               delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done,
-                               dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr,
-                               q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
-                               n_steps, h, m0, m_lo, m_end, h_first, group, keys_oob,
-                               m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
-                               window_left, window_right,
-                               0,
-                               HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DETERMINISTIC,
-                               DV_OVERLAP)),
-                (_ws_compute, (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
-                               delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done,
-                               dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr,
-                               q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
-                               n_steps, h, m0, m_lo, m_end, h_first, group, keys_oob,
-                               m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
-                               window_left, window_right,
-                               1,
-                               HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DETERMINISTIC,
-                               DV_OVERLAP)),
+                (_ws_compute, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
+                               HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
+                               DETERMINISTIC, DV_OVERLAP)),
+                (_ws_compute, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
+                               HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
+                               DETERMINISTIC, DV_OVERLAP)),
                 (_ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
                               k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
                               empty, k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
