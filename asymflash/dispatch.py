@@ -107,6 +107,7 @@ def backend_names(device) -> list:
 # microsecond the GPU may idle): the device's list and the modules are looked up once.
 _NAMES: dict = {}
 _LOADED: dict = {}
+_LOADED_DECODE: dict = {}
 
 
 def _backend_names(device: torch.device) -> list:
@@ -195,7 +196,9 @@ def pick_decode(q, cache, params, sink):
         if name not in _DECODE_MODULES:
             reasons.append(f"{name}: no decode")
             continue
-        mod = importlib.import_module(_DECODE_MODULES[name])
+        mod = _LOADED_DECODE.get(name)
+        if mod is None:
+            mod = _LOADED_DECODE[name] = importlib.import_module(_DECODE_MODULES[name])
         why = mod.unsupported_decode(q, cache, params, sink)
         if why is None:
             return mod
