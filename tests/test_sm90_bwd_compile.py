@@ -219,3 +219,22 @@ def test_dk_dv_tma_store_only_where_no_key_block_straddles_sequences():
     assert plan(512, 4) and not plan(700, 2) and not plan(512, 4, uniform=False)
     assert not plan(512, 4, cfg=bwd.BwdConfig(block_m=64, dv_overlap=False,
                                               kv_tma_store=False))
+
+
+def test_every_backward_kernel_skips_key_blocks_numbered_below_zero():
+    """Deterministic causal calls number key blocks top-first from the sequence's own count
+    (`bwd_parts.key_block`), so grid columns beyond a shorter varlen sequence get n_blk < 0.
+    Each kernel must skip them before touching memory: bwd_ws once did not, and summed rows
+    of the previous sequence into dQ (H200, 2026-11-30, dQ error 282)."""
+    import re
+    from pathlib import Path
+
+    sm90 = Path(bwd.__file__).parent
+    for name in ("bwd.py", "bwd_ws.py", "bwd_wide.py"):
+        src = (sm90 / name).read_text()
+        calls = [m.end() for m in re.finditer(r"= key_block\(", src)]
+        assert calls, name
+        for at in calls:
+            body = src[at:at + 800]
+            guard = re.search(r"\n\s*if \(n0 >= 0\) & \(n0 < seqlen_k\):", body)
+            assert guard, f"{name}: no `n0 >= 0` guard right after key_block"
