@@ -308,9 +308,7 @@ def flash_attn_with_kvcache(
     if page_table is None and cache_batch_idx is None and cache_leftpad is None:
         done = prefill_on_forward_kernels(q, k_cache, v_cache, k, v, seqlens, params, sink)
         if done is not None:
-            out, lse = done
-            return (out, lse.view(nheads_q, batch, seqlen_q).transpose(0, 1)) if return_lse \
-                else out
+            return _returned(*done, return_lse)
     spec = CacheSpec(k_cache, v_cache, seqlens, seqlen_new, page_table, cache_batch_idx, None,
                      seqlen_q, max_k, batch, leftpad=cache_leftpad)
     # Backends look only at q's device and dtype here. Picked before the write: a refusal
@@ -320,18 +318,22 @@ def flash_attn_with_kvcache(
         # One launch appends and attends; q and out stay (batch, seqlen_q, heads, d).
         if seqlen_new:
             spec.k_new, spec.v_new = k, v
-        out, lse = backend.decode(q, spec, params, sink, num_splits, need_lse=return_lse)
-        if not return_lse:
-            return out
-        return out, lse.view(nheads_q, batch, seqlen_q).transpose(0, 1)
+        return _returned(*backend.decode(q, spec, params, sink, num_splits,
+                                         need_lse=return_lse), return_lse)
     q_packed = q.reshape(batch * seqlen_q, nheads_q, q.shape[-1])
     with torch.no_grad():
         if seqlen_new:
             _append(k_cache, v_cache, k, v, seqlens, page_table, cache_batch_idx)
         out, lse = backend.decode(q_packed, spec, params, sink, num_splits)
-    out = out.view(batch, seqlen_q, nheads_q, v_cache.shape[-1])
+    return _returned(out.view(batch, seqlen_q, nheads_q, v_cache.shape[-1]), lse, return_lse)
+
+
+def _returned(out, lse, return_lse: bool):
+    """out (batch, seqlen_q, nheads_q, dv), with lse (nheads_q, batch * seqlen_q) as flash-attn
+    returns it, (batch, nheads_q, seqlen_q), when asked for."""
     if not return_lse:
         return out
+    batch, seqlen_q, nheads_q = out.shape[:3]
     return out, lse.view(nheads_q, batch, seqlen_q).transpose(0, 1)
 
 
