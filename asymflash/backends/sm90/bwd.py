@@ -129,10 +129,11 @@ class BwdConfig:
     block_m: int = 64  # query rows per step (the N of the Sᵀ/dPᵀ MMAs, the M of dQ)
     block_n: int = 128  # keys per CTA: two warpgroups of 64 (d <= 128), or shared (d = 256)
     num_warps: int = 8  # two warpgroups; the MMA layouts below assume exactly 8
-    # Keep dV = Pᵀ·dO in flight while dSᵀ is formed (more registers). bwd_ws (d=128): off
-    # until GPU-timed (session 12: sm_90a 2 / 44 local-memory instructions non-causal /
-    # causal vs 2 / 38 without; bwd-timeline puts the dPᵀ + dV wait at 455-600 cycles of a
-    # ~4400-cycle step, which this would shorten by dV's share).
+    # Keep dV = Pᵀ·dO in flight while dSᵀ is formed (more registers). bwd_ws (d=128; sm_90a
+    # 2 / 44 local-memory instructions non-causal / causal vs 2 / 38 without), H200
+    # 2026-11-30 (sm90-bwd-probe), TFLOP/s 512 / 2k / 16k: default 340 / 507 / 561 -> 339 /
+    # 506 / 557, causal 209 / 402 / 574 -> 212 / 414 / 550 (a tie: stays off); deterministic
+    # +0-5 % (on there, `select_config`).
     dv_overlap: bool = True
     dp_early: bool = True  # issue dPᵀ = V·dOᵀ with Sᵀ, overlapping the exponentials (more regs)
     # Causal masks: launch key blocks top-down, as deterministic mode must. In bench run 2
@@ -254,6 +255,11 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
         cfg = _DEFAULT_CONFIGS[head_dim]
         if deterministic:
             cfg = replace(cfg, stats_late=False)  # see BwdConfig.stats_late
+            if head_dim == 128 and not softcap:
+                # bwd_ws's deterministic kernel keeps dV in flight (BwdConfig.dv_overlap):
+                # H200 2026-11-30, TFLOP/s 512 / 2k / 16k, non-causal 303 / 460 / 536 ->
+                # 304 / 466 / 545, causal 196 / 375 / 492 -> 194 / 393 / 519.
+                cfg = replace(cfg, dv_overlap=True)
         if softcap:
             # The softcap chain-rule tile takes the registers dPᵀ's early issue needs (d=128:
             # 2 spill instructions in the unmasked loop otherwise; d=64 with 128-row steps:

@@ -29,7 +29,7 @@ dq_full[w], dq_empty[w]  (deterministic mode) warpgroup w's dQ tile staged / rea
            dQ warp;
 done  both warpgroups are past their last MMA: the epilogue may reuse the Q/dO ring.
 
-Deterministic mode (`BwdConfig.ws_deterministic`, off until GPU-tested) adds a dQ warp in
+Deterministic mode (`BwdConfig.ws_deterministic`) adds a dQ warp in
 the load warp's padded warpgroup: the warpgroups stage their dQ tiles and hand them over
 (dq_full[w]); the dQ warp waits for the CTA's turn on the step's query block (the synchronous
 kernel's order, `bwd_parts.wait_dq_turn`), adds both tiles, hands them back once read
