@@ -31,7 +31,7 @@ run_tests() {
       tests/test_api.py tests/test_plans.py tests/test_kvcache.py tests/test_sm90_gpu.py@0/3 \
       tests/test_sm90_gpu.py@1/3 tests/test_sm90_gpu.py@2/3 tests/test_sm90_bwd_gpu.py \
       tests/test_portable_tiles_gpu.py tests/test_hf.py tests/test_sm90_strided.py \
-      tests/test_packed.py})
+      tests/test_packed.py tests/test_sm90_decode.py})
   pids=()
   logs=()
   for entry in "${files[@]}"; do

@@ -29,13 +29,13 @@ class Cache:
     so the tests check its indexing instead of repeating it.
     """
 
-    def __init__(self, layout, batch, hkv, d, dv, capacity, dtype=torch.bfloat16):
-        self.layout, self.batch = layout, batch
+    def __init__(self, layout, batch, hkv, d, dv, capacity, dtype=torch.bfloat16, page=PAGE):
+        self.layout, self.batch, self.page = layout, batch, page
         self.page_table = self.batch_idx = None
         if layout == "paged":
-            pages_per_seq = capacity // PAGE
+            pages_per_seq = capacity // page
             num_pages = batch * pages_per_seq + 3  # spare pages nobody uses
-            shape = (num_pages, PAGE)
+            shape = (num_pages, page)
             self.page_table = torch.randperm(num_pages)[:batch * pages_per_seq].view(
                 batch, pages_per_seq).to(torch.int32).to(DEVICE)
         else:
@@ -48,7 +48,7 @@ class Cache:
 
     def slot(self, b, j):
         if self.layout == "paged":
-            return int(self.page_table[b, j // PAGE]), j % PAGE
+            return int(self.page_table[b, j // self.page]), j % self.page
         return (int(self.batch_idx[b]) if self.batch_idx is not None else b), j
 
     def keys(self, b, n, k=None, v=None):

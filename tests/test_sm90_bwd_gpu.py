@@ -249,8 +249,8 @@ def test_sm90_deterministic_backward_is_bitwise_reproducible(case):
 
 # Deterministic mode on kernels and schedules the default config does not pick: at d=128
 # bwd.py's synchronous kernel (ws_deterministic=False; softcap calls take it anyway) and
-# bwd_ws.py's with dV retired before dSᵀ is formed (dv_overlap=False), at d=64 bwd_ws.py's kernel with 64-row
-# steps (its dQ warp adds both warpgroups' tiles in turn).
+# bwd_ws.py's with dV retired before dSᵀ is formed (dv_overlap=False), at d=64 bwd_ws.py's
+# kernel with 64-row steps (its dQ warp adds both warpgroups' tiles in turn).
 DET_VARIANTS = [(c, variant) for c in DET_CASES if c["d"] in (96, 128) and not c.get("softcap")
                 for variant in (dict(ws_deterministic=False), dict(dv_overlap=False))] + \
     [(c, dict(block_m=64, split_warpgroups=True)) for c in DET_CASES
