@@ -219,6 +219,16 @@ if _GLUON_ERROR is None:
             dst.slice(c * CHUNK, CHUNK).store(x)
 
     @gluon.jit
+    def _stamp(stamps_ptr, k: gl.constexpr, after, TIMELINE: gl.constexpr):
+        """TIMELINE (scripts/decode-timeline.py): %globaltimer (ns, one clock for all SMs)
+        at point k of this program, read after `after` (an int32 it orders behind)."""
+        if TIMELINE:
+            t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after],
+                                          dtype=gl.int64, is_pure=False, pack=1)
+            prog = gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
+            gl.store(stamps_ptr + prog * 8 + k, t)
+
+    @gluon.jit
     def _finish(acc, m_i, l_i, sink_ptr, heads, HAS_SINK: gl.constexpr):
         """Fold in the sink, normalise: (out fp32, lse natural log); empty rows 0, -inf."""
         if HAS_SINK:
@@ -242,11 +252,11 @@ if _GLUON_ERROR is None:
             stride_nkb, stride_nkt, stride_nkh, stride_nvb, stride_nvt, stride_nvh,
             stride_ob, stride_ot, stride_oh, stride_lse_h, stride_table, seqlen_q, k_extra,
             page_size, n_kv_heads, group, work_lse_offset, qk_scale, softcap_pre,
-            window_left, window_right, D: gl.constexpr, BLOCK_N: gl.constexpr,
+            window_left, window_right, stamps_ptr, D: gl.constexpr, BLOCK_N: gl.constexpr,
             STAGES: gl.constexpr, PAGED: gl.constexpr, HAS_BATCH_IDX: gl.constexpr,
             HAS_LEFTPAD: gl.constexpr, HAS_NEW: gl.constexpr, SPLIT: gl.constexpr,
             SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr,
-            LEFT: gl.constexpr, RIGHT: gl.constexpr):
+            LEFT: gl.constexpr, RIGHT: gl.constexpr, TIMELINE: gl.constexpr):
         """Program (b·n_kv_heads + kv head, split): the tile's rows over one key range.
 
         Contiguous caches: row_base = (cache row)·page_size + leftpad, page_size being the
@@ -259,6 +269,7 @@ if _GLUON_ERROR is None:
         pid = gl.program_id(0)
         split = gl.program_id(1)
         num_splits = gl.num_programs(1)
+        _stamp(stamps_ptr, 0, pid, TIMELINE)  # 0 start
         b = pid // n_kv_heads
         kv_head = pid % n_kv_heads
         b64 = b.to(gl.int64)
@@ -330,6 +341,9 @@ if _GLUON_ERROR is None:
         fence_async_shared()
         gl.thread_barrier()
 
+        _stamp(stamps_ptr, 1, n_full, TIMELINE)  # 1 Q in shared memory, the ring's loads out
+        if TIMELINE:
+            gl.store(stamps_ptr + (pid * num_splits + split) * 8 + 7, n_full.to(gl.int64))
         m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([64, D], gl.float32, o_layout)
@@ -343,6 +357,9 @@ if _GLUON_ERROR is None:
             if PAGED:
                 nxt_page = gl.load(table_row + nxt // page_size, mask=more, other=0)
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            if TIMELINE:
+                if i == 0:
+                    _stamp(stamps_ptr, 2, i, TIMELINE)  # 2 the first block has landed
             tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero,
                                 use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=[tok])
@@ -358,6 +375,7 @@ if _GLUON_ERROR is None:
                     nxt_row = row_base + nxt
                 _issue_block(k_desc, v_desc, k_smem, v_smem, ready, slot, nxt_row, kv_col)
 
+        _stamp(stamps_ptr, 3, n_full, TIMELINE)  # 3 the TMA blocks done
         # The tail: the cache's last partial block and the new keys, through slot 0 (free:
         # every TMA load has landed and been read).
         for n0 in range(full_end, end, BLOCK_N):
@@ -381,6 +399,7 @@ if _GLUON_ERROR is None:
 
         for st in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(st))
+        _stamp(stamps_ptr, 4, n_full, TIMELINE)  # 4 the tail done
 
         # Epilogue, in the accumulator's layout: rows r = (position r // group, head ...).
         m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
@@ -410,6 +429,7 @@ if _GLUON_ERROR is None:
             # all); the merge's .cg loads skip L1, which other SMs' stores never reach.
             gl.thread_barrier()
             ticket = gl.atomic_add(counters_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            _stamp(stamps_ptr, 5, ticket, TIMELINE)  # 5 partial stored, ticket drawn
             if ticket == num_splits - 1:
                 r_m = gl.arange(0, 64, layout=gl.SliceLayout(1, ld_layout))
                 ok_m = r_m < seqlen_q * group
@@ -440,11 +460,13 @@ if _GLUON_ERROR is None:
                     gl.store(lse_ptr + heads_m.to(gl.int64) * stride_lse_h + b64 * seqlen_q
                              + pos_m, lse_m, mask=ok_m)
                 gl.atomic_xchg(counters_ptr + pid, 0)  # ready for the next call
+                _stamp(stamps_ptr, 6, ticket, TIMELINE)  # 6 merged (the last split only)
         else:
             acc, lse = _finish(acc, m_o, l_o, sink_ptr, heads_o, HAS_SINK)
             gl.store(o_ptrs, acc.to(dtype), mask=gl.expand_dims(ok_o, 1))
             if WRITE_LSE:
                 gl.store(lse_ptrs, lse, mask=ok_o)
+            _stamp(stamps_ptr, 6, n_full, TIMELINE)  # 6 output stored
 
 
 # ----------------------------------------------------------------------------------------------
@@ -525,9 +547,11 @@ def _descriptor(t: torch.Tensor, bn: int):
     return _fwd.tma_rows(t.view(n * rows, heads, dim), [bn, dim])
 
 
-def decode(q, cache, params, sink, num_splits: int = 0, need_lse: bool = True):
+def decode(q, cache, params, sink, num_splits: int = 0, need_lse: bool = True,
+           stamps: torch.Tensor | None = None):
     """(out, lse) of q (batch, seqlen_q, hq, d) over `cache` (kvcache.CacheSpec), appending
-    cache.k_new / v_new in the same launch; lse (hq, batch·seqlen_q) or None."""
+    cache.k_new / v_new in the same launch; lse (hq, batch·seqlen_q) or None. stamps: int64
+    (programs · 8,) for scripts/decode-timeline.py (the kernel's TIMELINE build)."""
     batch, seqlen_q, hq, d = q.shape
     kc, vc = cache.k, cache.v
     hkv = kc.shape[2]
@@ -566,10 +590,12 @@ def decode(q, cache, params, sink, num_splits: int = 0, need_lse: bool = True):
         os_[0], os_[1], os_[2], lse.stride(0) if lse is not None else 0,
         table.stride(0) if paged else 0, seqlen_q, cache.k_extra, kc.shape[1], hkv, hq // hkv,
         tiles * splits * ROWS * d, qk_scale, softcap_pre, mask.window_left, mask.window_right,
+        out if stamps is None else stamps,
         D=d, BLOCK_N=bn, STAGES=n_stages, PAGED=paged, HAS_BATCH_IDX=cache.batch_idx is not None,
         HAS_LEFTPAD=cache.leftpad is not None, HAS_NEW=has_new, SPLIT=splits > 1,
         SOFTCAP=params.softcap > 0, HAS_SINK=sink is not None, WRITE_LSE=lse is not None,
-        LEFT=mask.window_left >= 0, RIGHT=mask.window_right >= 0, num_warps=4)
+        LEFT=mask.window_left >= 0, RIGHT=mask.window_right >= 0, TIMELINE=stamps is not None,
+        num_warps=4)
     return out, lse
 
 
@@ -598,10 +624,11 @@ def compile_for_target(head_dim=128, dtype=torch.bfloat16, paged=False, page_siz
                  "work_lse_offset", "window_left", "window_right"):
         signature[name] = "i32"
     signature["qk_scale"] = signature["softcap_pre"] = "fp32"
+    signature["stamps_ptr"] = "*i64"
     constexprs = {"D": head_dim, "BLOCK_N": bn, "STAGES": stages(head_dim, bn), "PAGED": paged,
                   "HAS_BATCH_IDX": False, "HAS_LEFTPAD": False, "HAS_NEW": False,
                   "SPLIT": True, "SOFTCAP": False, "HAS_SINK": False, "WRITE_LSE": True,
-                  "LEFT": False, "RIGHT": False}
+                  "LEFT": False, "RIGHT": False, "TIMELINE": False}
     unknown = set(features) - set(constexprs)
     if unknown:
         raise TypeError(f"unknown decode features {sorted(unknown)}")
