@@ -57,7 +57,8 @@ def one_run(q, spec, splits, flush):
     _, _, n_splits = decode.plan(q, spec, splits)
     progs = spec.batch * HKV * n_splits
     stamps = torch.zeros(progs * 8, dtype=torch.int64, device="cuda")
-    flush.fill_(1)
+    if flush is not None:
+        flush.fill_(1)
     torch.cuda.synchronize()
     decode.decode(q, spec, params, None, splits, stamps=stamps)
     torch.cuda.synchronize()
@@ -98,10 +99,17 @@ def summarise(st, n_splits, block_bytes):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-flush", action="store_true",
+                    help="no L2 flush between calls: the TLB (and, below 50 MB, L2) stays warm")
+    ap.add_argument("--cases", default=None,
+                    help="batch:seqlen:paged:splits,... (default: six cases at batch 8 and 32)")
     a = ap.parse_args()
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    flush = None if a.no_flush else torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
     cases = [(8, 4096, False, 0), (8, 4096, False, 2), (8, 4096, False, 8),
              (8, 4096, True, 0), (8, 16384, False, 0), (32, 4096, False, 0)]
+    if a.cases:
+        cases = [tuple(int(x) for x in c.split(":")) for c in a.cases.split(",")]
+        cases = [(b, n, bool(p), sp) for b, n, p, sp in cases]
     keys = ["start_last", "prologue", "first_block", "first_block_max", "per_block_us",
             "gbs_per_prog", "loop_end_min", "loop_end_med", "loop_end_max", "tail",
             "partial_done_max", "merge", "end", "split_spread", "split_spread_max",
