@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import dispatch
+from . import dispatch, plans
 from . import validation as check
 from .core.masks import normalize_window
 from .core.params import AttnParams, SeqInfo
@@ -187,6 +187,101 @@ def _pick(q, spec, params, sink):
     return dispatch.pick_decode(q, spec, params, sink)
 
 
+# Call plans, as `plans.py` keeps for flash_attn_func: a decode step is host-bound at small
+# batch (H200 host, scripts/decode-host.py: 71 us of Python per call against 20 for SDPA),
+# and nearly all of it re-derives what the call's signature decides: the shape checks, the
+# dispatcher's choice, the kernel's tiles, splits and integer arguments, its specialisation.
+# The first call of a signature takes the full path and, once it has succeeded, stores a
+# `_KvPlan`; an equal key later runs the plan: allocate, launch. Only calls that read no
+# values on the host are planned (lengths None or an int, or check_values=False): a value
+# check cannot be skipped. The lengths tensor made for None or an int is kept in the plan.
+_KV_PLANS: dict = {}
+_KV_PLAN_LIMIT = 256
+_T = torch.Tensor
+
+
+def _tensor_class(t):
+    """What a planned call's tensor argument may not change: None where it is not planned."""
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+              softmax_scale, causal, window_size, softcap, learnable_sink, num_splits,
+              return_lse, check_values, cache_leftpad):
+    """flash_attn_with_kvcache's call signature as a dict key, or None (not planned)."""
+    if not plans.ENABLED or type(q) is not _T or type(k_cache) is not _T or \
+            type(v_cache) is not _T:
+        return None
+    if type(causal) is not bool or type(return_lse) is not bool or \
+            type(check_values) is not bool or type(num_splits) is not int:
+        return None
+    if type(window_size) is not tuple or len(window_size) != 2 or \
+            type(window_size[0]) is not int or type(window_size[1]) is not int:
+        return None
+    if (softmax_scale is not None and type(softmax_scale) not in (float, int)) or \
+            type(softcap) not in (float, int):
+        return None
+    tables = (cache_batch_idx, page_table, cache_leftpad)
+    if cache_seqlens is None or type(cache_seqlens) is int:
+        lens = cache_seqlens
+        if check_values and any(t is not None for t in tables):
+            return None  # their values are checked on the host
+    elif type(cache_seqlens) is _T and not check_values:
+        lens = _tensor_class(cache_seqlens)
+    else:
+        return None
+    extra = []
+    for t in (k, v, learnable_sink, *tables):
+        if t is None:
+            extra.append(None)
+        elif type(t) is _T or (t is learnable_sink and isinstance(t, _T)):
+            extra.append(_tensor_class(t))
+        else:
+            return None
+    if torch.compiler.is_compiling():
+        return None
+    return (_tensor_class(q), _tensor_class(k_cache), _tensor_class(v_cache), lens, *extra,
+            softmax_scale, causal, window_size, softcap, num_splits, return_lse,
+            check_values, dispatch.forced_backend(), dispatch.switches())
+
+
+class _KvPlan:
+    """A planned signature's decode: the backend's runner (`decode_runner`) and what the
+    full path derived for the CacheSpec."""
+
+    __slots__ = ("runner", "lens", "k_extra", "seqlen_q", "max_k", "batch", "return_lse")
+
+    def __init__(self, runner, lens, spec: CacheSpec, return_lse):
+        self.runner, self.lens, self.return_lse = runner, lens, return_lse
+        self.k_extra, self.seqlen_q = spec.k_extra, spec.max_seqlen_q
+        self.max_k, self.batch = spec.max_seqlen_k, spec.batch
+
+    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+                 learnable_sink, cache_leftpad):
+        spec = CacheSpec(k_cache, v_cache, cache_seqlens if self.lens is None else self.lens,
+                         self.k_extra, page_table, cache_batch_idx, None, self.seqlen_q,
+                         self.max_k, self.batch, k, v, cache_leftpad)
+        sink = None if learnable_sink is None else \
+            learnable_sink.detach().float().contiguous()
+        out, lse = self.runner(q, spec, sink)
+        return _returned(out, lse, self.return_lse)
+
+
+def _remember(key, backend, q, spec, params, sink, num_splits, return_lse, lens_made):
+    """Store the plan of a call the full path has just validated (None where the backend
+    has no runner, or while a CUDA graph captures: a plan must not hold a tensor of the
+    graph's pool)."""
+    make = getattr(backend, "decode_runner", None)
+    if key is None or make is None or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    if len(_KV_PLANS) >= _KV_PLAN_LIMIT:
+        _KV_PLANS.clear()
+    plan = _KV_PLANS[key] = _KvPlan(make(q, spec, params, sink, num_splits,
+                                         need_lse=return_lse),
+                                    spec.seqlens_k if lens_made else None, spec, return_lse)
+    return plan
+
+
 @torch.no_grad()
 def _append(k_cache, v_cache, k, v, seqlens, page_table, batch_idx):
     """Write k/v (batch, n, ...) at positions seqlens[b]..seqlens[b] + n of each sequence."""
@@ -261,6 +356,15 @@ def flash_attn_with_kvcache(
         page_table = block_table
     if return_softmax_lse is not None:
         return_lse = bool(return_softmax_lse)
+    key = None
+    if rotary_cos is None and rotary_sin is None:
+        key = _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+                        softmax_scale, causal, window_size, softcap, learnable_sink,
+                        num_splits, return_lse, check_values, cache_leftpad)
+        plan = _KV_PLANS.get(key) if key is not None else None
+        if plan is not None:
+            return plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+                        learnable_sink, cache_leftpad)
     check.check_tensors(q, k_cache, v_cache, 4, "(batch, seqlen, nheads, headdim)",
                         names=("q", "k_cache", "v_cache"))
     batch, seqlen_q, nheads_q, _ = q.shape
@@ -318,6 +422,10 @@ def flash_attn_with_kvcache(
         # One launch appends and attends; q and out stay (batch, seqlen_q, heads, d).
         if seqlen_new:
             spec.k_new, spec.v_new = k, v
+        plan = _remember(key, backend, q, spec, params, sink, num_splits, return_lse,
+                         lens_on_host)
+        if plan is not None:
+            return _returned(*plan.runner(q, spec, sink), return_lse)
         return _returned(*backend.decode(q, spec, params, sink, num_splits,
                                          need_lse=return_lse), return_lse)
     q_packed = q.reshape(batch * seqlen_q, nheads_q, q.shape[-1])

@@ -704,3 +704,88 @@ def test_appending_to_full_caches_is_refused():
     with pytest.raises(ValueError, match="cache_seqlens is 16"):
         flash_attn_with_kvcache(q, cache.k, cache.v, k, k.clone(), cache_seqlens=16)
     assert torch.equal(cache.k, before)
+
+
+def _planned_decode_case(layout="paged"):
+    cache = Cache(layout, 3, 2, 32, 32, capacity=64)
+    q = torch.randn(3, 1, 8, 32, dtype=torch.bfloat16, device=DEVICE)
+    return cache, q
+
+
+@pytest.mark.parametrize("lengths", ["tensor", "int", "none"])
+def test_call_plans_run_later_calls_and_match_the_reference(lengths, monkeypatch):
+    """The second call of a signature runs its plan (the dispatcher is not asked again) and
+    still appends and attends exactly: fresh k/v and q each call, checked against the
+    reference after each."""
+    from asymflash import kvcache
+
+    if "portable" not in BACKENDS:
+        pytest.skip("the portable kernels need a GPU or TRITON_INTERPRET=1")
+    kvcache._KV_PLANS.clear()
+    cache, _ = _planned_decode_case("contiguous" if lengths != "tensor" else "paged")
+    lens = [9, 40, 0]
+    if lengths == "tensor":
+        arg, extra = torch.tensor(lens, dtype=torch.int32, device=DEVICE), \
+            dict(check_values=False)
+    elif lengths == "int":
+        lens, extra = [33] * 3, {}
+        arg = 33
+    else:
+        lens, arg, extra = [64] * 3, None, {}
+    new = 0 if lengths == "none" else 1
+    calls = []
+    real_pick = kvcache._pick
+
+    def counting_pick(*a):
+        calls.append(1)
+        return real_pick(*a)
+
+    monkeypatch.setattr(kvcache, "_pick", counting_pick)
+    for step in range(3):
+        q = torch.randn(3, 1, 8, 32, dtype=torch.bfloat16, device=DEVICE)
+        k_new = torch.randn(3, new, 2, 32, dtype=torch.bfloat16, device=DEVICE) if new else None
+        v_new = torch.randn_like(k_new) if new else None
+        want_k, want_v = (cache.expected_after_append(lens, k_new, v_new) if new
+                          else (cache.k.clone(), cache.v.clone()))
+        with forced("portable"):
+            out, lse = flash_attn_with_kvcache(q, cache.k, cache.v, k_new, v_new,
+                                               cache_seqlens=arg, causal=True, return_lse=True,
+                                               **cache.kwargs(), **extra)
+        assert torch.equal(cache.k, want_k) and torch.equal(cache.v, want_v), f"append {step}"
+        r32, rlow, rlse = reference(q, cache, want_k, want_v, [n + new for n in lens],
+                                    causal=True)
+        assert_fa_close(f"out {step}", out, r32, rlow, atol=1e-3)
+        assert_lse_close(lse, rlse)
+    assert len(calls) == 1, "later calls of the signature should run its plan"
+    assert len(kvcache._KV_PLANS) == 1
+
+
+def test_call_plans_never_skip_a_check(monkeypatch):
+    """A plan exists only for its exact signature: a call that differs in any checked way (a
+    length past the capacity, a wrong dtype, lengths whose values are checked) takes the
+    full path and is refused there, the cache untouched."""
+    from asymflash import kvcache
+
+    kvcache._KV_PLANS.clear()
+    cache = Cache("contiguous", 2, 2, 32, 32, capacity=48)
+    q = torch.randn(2, 1, 4, 32, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(2, 1, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    v = torch.randn_like(k)
+    flash_attn_with_kvcache(q, cache.k, cache.v, k, v, cache_seqlens=10)
+    assert len(kvcache._KV_PLANS) == (1 if "cpu" not in BACKENDS[:1] else 0)
+    before = cache.k.clone()
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flash_attn_with_kvcache(q, cache.k, cache.v, k, v, cache_seqlens=48)
+    with pytest.raises((ValueError, TypeError)):
+        flash_attn_with_kvcache(q, cache.k, cache.v, k.float(), v, cache_seqlens=10)
+    bad = torch.tensor([10, 48], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flash_attn_with_kvcache(q, cache.k, cache.v, k, v, cache_seqlens=bad)
+    assert torch.equal(cache.k, before)
+    # keys hold what the checks read
+    key = kvcache._plan_key(q, cache.k, cache.v, k, v, bad, None, None, None, False, (-1, -1),
+                            0.0, None, 0, False, True, None)
+    assert key is None, "tensor lengths with value checks on are never planned"
+    monkeypatch.setattr(kvcache.plans, "ENABLED", False)
+    assert kvcache._plan_key(q, cache.k, cache.v, k, v, 10, None, None, None, False, (-1, -1),
+                             0.0, None, 0, False, True, None) is None

@@ -415,72 +415,115 @@ def decode(q, cache, params, sink, num_splits: int = 0, config: DecodeConfig | N
     None; out has q's layout with dv. With cache.k_new given, the kernel also appends it.
     need_lse=False skips the lse (None is returned in its place).
     """
-    hq, d = q.shape[-2], q.shape[-1]
-    hkv, dv = cache.k.shape[2], cache.v.shape[3]
-    dev = q.device
-    cfg, heads_per_tile, num_m, splits = plan(q, cache, num_splits, config)
-    varlen = cache.cu_seqlens_q is not None
-    total_q = q.shape[0] if varlen or q.dim() == 3 else q.shape[0] * q.shape[1]
-    # Varlen q may hold rows that belong to no sequence; nothing writes them, so they must
-    # start as "no key seen" (0 and -inf), as in the dense kernels.
-    out = (torch.zeros if varlen else torch.empty)((*q.shape[:-1], dv), dtype=q.dtype,
-                                                   device=dev)
-    if need_lse:
-        lse = torch.full((hq, total_q), float("-inf"), dtype=torch.float32, device=dev) \
-            if varlen else torch.empty(hq, total_q, dtype=torch.float32, device=dev)
-    else:
-        lse = None
-    if total_q == 0:
+    return DecodeRunner(q, cache, params, sink, num_splits, config, need_lse,
+                        binds=False)(q, cache, sink)
+
+
+def decode_runner(q, cache, params, sink, num_splits: int = 0, need_lse: bool = True):
+    """A DecodeRunner for kvcache's call plans (`kvcache._KV_PLANS`)."""
+    return DecodeRunner(q, cache, params, sink, num_splits, None, need_lse, binds=True)
+
+
+def _dense_strides(shape) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+class DecodeRunner:
+    """`decode` for one call signature: what the shapes, strides and scalars decide (tiles,
+    splits, grid, the kernel's integer arguments and constexprs) worked out once; a call then
+    allocates, picks up its tensors and launches. After the first launch the compiled binary
+    is bound (`launch.BoundLaunch`): later launches skip the specialisation key. kvcache's
+    call plans keep one per signature, which fixes every integer argument below and the
+    16-byte alignment of every tensor argument."""
+
+    def __init__(self, q, cache, params, sink, num_splits, config, need_lse, binds):
+        hq, d = q.shape[-2], q.shape[-1]
+        hkv, dv = cache.k.shape[2], cache.v.shape[3]
+        cfg, heads_per_tile, num_m, splits = plan(q, cache, num_splits, config)
+        self.varlen = varlen = cache.cu_seqlens_q is not None
+        self.total_q = q.shape[0] if varlen or q.dim() == 3 else q.shape[0] * q.shape[1]
+        self.out_shape = (*q.shape[:-1], dv)
+        self.need_lse, self.hq = need_lse, hq
+        # (Each .stride(i) is a Python call: the tuples are read once.)
+        qs = q.stride()
+        os_ = _dense_strides(self.out_shape)
+        if q.dim() == 4:
+            q_strides, o_strides = qs[:3], os_[:3]
+        else:  # packed: sequence b starts at row cu_seqlens_q[b], or b * max_seqlen_q
+            step = 0 if varlen else cache.max_seqlen_q
+            q_strides = (step * qs[0], qs[0], qs[1])
+            o_strides = (step * os_[0], os_[0], os_[1])
+        self.grid = (cache.batch * (hq // heads_per_tile), num_m, splits)
+        block_dv = pow2_block(dv)
+        self.splits = splits
+        if splits > 1:
+            self.n_tiles = self.grid[0] * num_m
+            n_rows = self.n_tiles * splits * cfg.block_m
+            self.n_work = n_rows * (block_dv + 1)
+        else:
+            n_rows = 0
+        k_new = cache.k_new
+        self.has_new = has_new = k_new is not None and cache.k_extra > 0
+        new_strides = (k_new.stride()[:3] + cache.v_new.stride()[:3] if has_new
+                       else (0, 0, 0, 0, 0, 0))
+        kc, vc = cache.k, cache.v
+        self.paged = paged = cache.page_table is not None
+        mask = params.mask
+        lse_stride = self.total_q if need_lse else 0  # lse is (hq, total_q), contiguous
+        self.ints = (
+            *q_strides, *kc.stride()[:3], *vc.stride()[:3], *new_strides, *o_strides,
+            lse_stride, cache.page_table.stride(0) if paged else 0,
+            cache.max_seqlen_q, cache.k_extra, kc.shape[1], hq // heads_per_tile,
+            heads_per_tile, hq // hkv, num_m, n_rows * block_dv, params.softmax_scale,
+            params.softcap, mask.window_left, mask.window_right)
+        self.constexprs = dict(
+            D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=block_dv, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, VARLEN_Q=varlen, PAGED=paged,
+            HAS_BATCH_IDX=cache.batch_idx is not None, HAS_LEFTPAD=cache.leftpad is not None,
+            HAS_NEW=has_new, SPLIT=splits > 1,
+            SOFTCAP=params.softcap > 0, HAS_SINK=sink is not None, WRITE_LSE=need_lse,
+            LEFT=mask.window_left >= 0, RIGHT=mask.window_right >= 0,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self.bound = None
+        self.binds = binds  # kept by a call plan: bind the binary after the first launch
+
+    def __call__(self, q, cache, sink):
+        dev = q.device
+        # Varlen q may hold rows that belong to no sequence; nothing writes them, so they
+        # must start as "no key seen" (0 and -inf), as in the dense kernels.
+        if self.varlen:
+            out = torch.zeros(self.out_shape, dtype=q.dtype, device=dev)
+            lse = torch.full((self.hq, self.total_q), float("-inf"), dtype=torch.float32,
+                             device=dev) if self.need_lse else None
+        else:
+            out = torch.empty(self.out_shape, dtype=q.dtype, device=dev)
+            lse = torch.empty(self.hq, self.total_q, dtype=torch.float32, device=dev) \
+                if self.need_lse else None
+        if self.total_q == 0:
+            return out, lse
+        if self.splits > 1:
+            work, counters = _workspace(dev, self.n_work, self.n_tiles)
+        else:  # never touched with SPLIT off: any tensors serve as the arguments
+            work = counters = out
+        if self.has_new:
+            k_new, v_new = cache.k_new, cache.v_new
+        else:
+            k_new = v_new = out
+        seqlens = cache.seqlens_k
+        args = (q, cache.k, cache.v, k_new, v_new, out, lse if lse is not None else out, work,
+                counters, sink if sink is not None else out,
+                cache.cu_seqlens_q if self.varlen else seqlens, seqlens,
+                cache.page_table if self.paged else seqlens,
+                cache.batch_idx if cache.batch_idx is not None else seqlens,
+                cache.leftpad if cache.leftpad is not None else seqlens, *self.ints)
+        bound = self.bound
+        if bound is not None and bound(self.grid, args):
+            return out, lse
+        _DECODE[self.grid](*args, **self.constexprs)
+        if self.binds:
+            self.bound = _DECODE.bind(args, self.constexprs)
         return out, lse
-    # (Each .stride(i) is a Python call: the tuples are read once.)
-    qs, os_ = q.stride(), out.stride()
-    if q.dim() == 4:
-        stride_qb, stride_qt, stride_qh = qs[:3]
-        stride_ob, stride_ot, stride_oh = os_[:3]
-    else:  # packed: sequence b starts at row cu_seqlens_q[b], or b * max_seqlen_q
-        step = 0 if varlen else cache.max_seqlen_q
-        stride_qb, stride_qt, stride_qh = step * qs[0], qs[0], qs[1]
-        stride_ob, stride_ot, stride_oh = step * os_[0], os_[0], os_[1]
-    grid = (cache.batch * (hq // heads_per_tile), num_m, splits)
-    block_dv = pow2_block(dv)
-    if splits > 1:
-        n_tiles = grid[0] * num_m
-        n_rows = n_tiles * splits * cfg.block_m
-        work, counters = _workspace(dev, n_rows * (block_dv + 1), n_tiles)
-    else:  # never touched with SPLIT off: any tensors serve as the arguments
-        work = counters = out
-        n_rows = 0
-    lse_arg = lse if lse is not None else out
-    k_new = cache.k_new
-    has_new = k_new is not None and cache.k_extra > 0
-    if has_new:
-        v_new = cache.v_new
-        new_strides = k_new.stride()[:3] + v_new.stride()[:3]
-    else:
-        k_new = v_new = out
-        new_strides = (0, 0, 0, 0, 0, 0)
-    kc, vc = cache.k, cache.v
-    paged = cache.page_table is not None
-    table = cache.page_table if paged else cache.seqlens_k
-    seqlens = cache.seqlens_k
-    mask = params.mask
-    _DECODE[grid](
-        q, kc, vc, k_new, v_new, out, lse_arg, work, counters,
-        sink if sink is not None else out, cache.cu_seqlens_q if varlen else seqlens,
-        seqlens, table, cache.batch_idx if cache.batch_idx is not None else seqlens,
-        cache.leftpad if cache.leftpad is not None else seqlens,
-        stride_qb, stride_qt, stride_qh, *kc.stride()[:3], *vc.stride()[:3], *new_strides,
-        stride_ob, stride_ot, stride_oh, lse.stride(0) if lse is not None else 0,
-        table.stride(0) if paged else 0,
-        cache.max_seqlen_q, cache.k_extra, kc.shape[1], hq // heads_per_tile, heads_per_tile,
-        hq // hkv, num_m, n_rows * block_dv, params.softmax_scale,
-        params.softcap, mask.window_left, mask.window_right,
-        D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=block_dv, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, VARLEN_Q=varlen, PAGED=paged,
-        HAS_BATCH_IDX=cache.batch_idx is not None, HAS_LEFTPAD=cache.leftpad is not None,
-        HAS_NEW=has_new, SPLIT=splits > 1,
-        SOFTCAP=params.softcap > 0, HAS_SINK=sink is not None, WRITE_LSE=lse is not None,
-        LEFT=mask.window_left >= 0, RIGHT=mask.window_right >= 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return out, lse
