@@ -117,6 +117,20 @@ def test_direct_launch_compiles_once_per_class(fake_cuda, monkeypatch):
     assert jit.log[1] == ("direct", (5, 1, 1), (x, 48, 0.25, 64, True))
 
 
+def test_bound_launch_of_a_kernel_without_descriptors(fake_cuda, monkeypatch):
+    # Call plans bind the binary after the first launch; a kernel without descriptor
+    # arguments binds Triton's C launcher (kernel.run) with the constexpr tail appended.
+    jit, kernel, x = fake_kernel(monkeypatch)
+    kwargs = dict(BLOCK=64, FLAG=True, num_warps=4)
+    assert kernel.bind((x, 32, 0.5), kwargs) is None  # nothing compiled yet
+    kernel[(3, 2)](x, 32, 0.5, **kwargs)
+    bound = kernel.bind((x, 32, 0.5), kwargs)
+    y = torch.randn(64)
+    assert bound((4, 1), (y, 48, 0.25)) is True
+    assert jit.log[-1] == ("direct", (4, 1, 1), (y, 48, 0.25, 64, True))
+    assert kernel.bind((x, 17, 0.5), kwargs) is None  # another class: not compiled
+
+
 def test_direct_launch_off_and_unkeyable(fake_cuda, monkeypatch):
     jit, kernel, x = fake_kernel(monkeypatch)
     monkeypatch.setenv("ASYMFLASH_DIRECT_LAUNCH", "0")

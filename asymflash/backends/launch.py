@@ -192,9 +192,15 @@ class DirectLaunch:
         except _Unkeyable:
             return None
         entry = self._compiled.get(key)
-        if entry is None or entry[3] is None:
+        if entry is None:
             return None
-        return BoundLaunch(device, entry[3], entry[1])
+        kernel, tail, _, fast = entry
+        if fast is None:  # no descriptor arguments: Triton's C launcher, called directly
+            run, function, metadata = kernel.run, kernel.function, kernel.packed_metadata
+
+            def fast(gx, gy, gz, stream, args):
+                run(gx, gy, gz, stream, function, metadata, None, None, None, *args)
+        return BoundLaunch(device, fast, tail)
 
     def _binder(self, device):
         return self.jit.device_caches[device][4]

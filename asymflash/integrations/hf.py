@@ -116,10 +116,12 @@ def _decode_step(q, k, v, sink) -> bool:
     mask is read on the host)."""
     if not (q.shape[1] <= DECODE_MAX_Q and k.shape[1] > q.shape[1]):
         return False
-    if torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    # (cheapest first: this runs in every layer of every decode step)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
+                                    (sink is not None and sink.requires_grad)):
         return False
-    leaves = (q, k, v) if sink is None else (q, k, v, sink)
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in leaves))
+    return not (torch.compiler.is_compiling() or
+                (q.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -135,7 +137,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if q.is_cuda and dtype == torch.float32:  # the GPU kernels are 16-bit tensor-core kernels
         q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
-    q, k, v = (t.contiguous() if t.stride(-1) != 1 else t for t in (q, k, v))
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = (t.contiguous() if t.stride(-1) != 1 else t for t in (q, k, v))
     kw = dict(softmax_scale=scaling, causal=causal, window_size=_window(sliding_window, causal),
               softcap=float(softcap or 0.0), learnable_sink=sink)
     if attention_mask is None:
@@ -157,7 +160,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         raise ValueError(f"asymflash: attention_mask has shape {tuple(attention_mask.shape)}; "
                          "expected None or a 2-D padding mask (register() installs the mask "
                          "function that produces one)")
-    return out.to(dtype), None
+    return (out if out.dtype == dtype else out.to(dtype)), None
 
 
 def register(name: str = NAME) -> None:
