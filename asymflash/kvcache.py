@@ -212,14 +212,9 @@ def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_ta
     if not plans.ENABLED or type(q) is not _T or type(k_cache) is not _T or \
             type(v_cache) is not _T:
         return None
-    if type(causal) is not bool or type(return_lse) is not bool or \
-            type(check_values) is not bool or type(num_splits) is not int:
-        return None
-    if type(window_size) is not tuple or len(window_size) != 2 or \
-            type(window_size[0]) is not int or type(window_size[1]) is not int:
-        return None
-    if (softmax_scale is not None and type(softmax_scale) not in (float, int)) or \
-            type(softcap) not in (float, int):
+    if type(return_lse) is not bool or type(check_values) is not bool or \
+            type(num_splits) is not int or \
+            not plans.plain_scalars(softmax_scale, causal, window_size, softcap):
         return None
     tables = (cache_batch_idx, page_table, cache_leftpad)
     if cache_seqlens is None or type(cache_seqlens) is int:

@@ -44,18 +44,25 @@ def rows(t: _Tensor) -> _Tensor:
     return t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
 
 
+def plain_scalars(softmax_scale, causal, window_size, softcap) -> bool:
+    """Whether the scalar arguments have the exact types a key may hold (see the module doc:
+    a bool is not taken for an int, nor an int for a bool)."""
+    if type(causal) is not bool:
+        return False
+    if type(window_size) is not tuple or len(window_size) != 2 or \
+            type(window_size[0]) is not int or type(window_size[1]) is not int:
+        return False
+    return (softmax_scale is None or type(softmax_scale) in (float, int)) and \
+        type(softcap) in (float, int)
+
+
 def dense_key(q, k, v, softmax_scale, causal, window_size, softcap, sink, deterministic):
     """flash_attn_func's call signature as a dict key, or None where calls are not planned
     (torch.compile tracing, tensor subclasses, arguments of other types than the usual)."""
     if not ENABLED or type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
         return None
-    if type(causal) is not bool or type(deterministic) is not bool:
-        return None
-    if type(window_size) is not tuple or len(window_size) != 2 or \
-            type(window_size[0]) is not int or type(window_size[1]) is not int:
-        return None
-    if (softmax_scale is not None and type(softmax_scale) not in (float, int)) or \
-            type(softcap) not in (float, int):
+    if type(deterministic) is not bool or \
+            not plain_scalars(softmax_scale, causal, window_size, softcap):
         return None
     if torch.compiler.is_compiling():
         return None

@@ -42,8 +42,9 @@ from ...core.params import cdiv
 from ..launch import DirectLaunch, sm_count
 from ..portable.decode import _workspace, num_splits_heuristic
 from . import fwd as _fwd
+from .fwd import _GLUON_ERROR
 
-try:  # Gluon is optional: a CPU-only or older triton must still import this module.
+if _GLUON_ERROR is None:  # fwd tried the import: Gluon is optional
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -54,10 +55,6 @@ try:  # Gluon is optional: a CPU-only or older triton must still import this mod
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-
-    _GLUON_ERROR: str | None = None
-except Exception as exc:  # noqa: BLE001 - any import failure means: no fast path
-    _GLUON_ERROR = f"triton.experimental.gluon (Hopper) not importable: {exc!r}"
 
 NAME = "sm90"
 # kvcache.flash_attn_with_kvcache: q stays (batch, seqlen_q, heads, d), the append is ours.
@@ -98,14 +95,8 @@ def stages(d: int, block: int) -> int:
 
 if _GLUON_ERROR is None:
 
-    @gluon.constexpr_function
-    def _mma_layout(n):
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                         instr_shape=[16, int(n), 16])
-
-    @gluon.constexpr_function
-    def _p_layout(d):
-        return gl.DotOperandLayout(operand_index=0, parent=_mma_layout(d), k_width=2)
+    # The accumulator layouts of one warpgroup's 64-row wgmma tile are the forward's: S
+    # (_fwd._s_layout), O (_fwd._o_layout), P as P·V's register operand (_fwd._p_layout).
 
     @gluon.constexpr_function
     def _rows_layout(width):
@@ -139,8 +130,8 @@ if _GLUON_ERROR is None:
                 LEFT: gl.constexpr, RIGHT: gl.constexpr):
         """One key block: scores s = q·k (fp32, 64 x BLOCK_N) into the running softmax, then
         acc += P·V with V from shared memory."""
-        s_layout: gl.constexpr = _mma_layout(BLOCK_N)
-        o_layout: gl.constexpr = _mma_layout(D)
+        s_layout: gl.constexpr = _fwd._s_layout(BLOCK_N)
+        o_layout: gl.constexpr = _fwd._o_layout(D)
         if SOFTCAP:
             s = _fwd._tanh(s * softcap_pre) * qk_scale
         else:
@@ -162,7 +153,7 @@ if _GLUON_ERROR is None:
         p = gl.exp2(s - gl.expand_dims(m_safe, 1))
         l_i = l_i * alpha + gl.sum(p, 1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        p_op = gl.convert_layout(_fwd._to_16bit(p, p_dtype), _p_layout(D))
+        p_op = gl.convert_layout(_fwd._to_16bit(p, p_dtype), _fwd._p_layout(D))
         tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(0, deps=[tok, p_op])
         return acc, m_new, l_i
@@ -263,8 +254,8 @@ if _GLUON_ERROR is None:
         cache's slots per sequence; paged: key j is row page·page_size + j % page_size of
         page table_row[j // page_size]. Rows of the (slots, heads·dim) view."""
         dtype: gl.constexpr = k_desc.dtype
-        s_layout: gl.constexpr = _mma_layout(BLOCK_N)
-        o_layout: gl.constexpr = _mma_layout(D)
+        s_layout: gl.constexpr = _fwd._s_layout(BLOCK_N)
+        o_layout: gl.constexpr = _fwd._o_layout(D)
         ld_layout: gl.constexpr = _rows_layout(D)
         pid = gl.program_id(0)
         split = gl.program_id(1)
