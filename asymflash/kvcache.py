@@ -88,6 +88,27 @@ def _check_new_kv(k, v, q, k_cache, v_cache):
     return k.shape[1]
 
 
+# Lengths tensors for cache_seqlens None or an int, kept per (device, batch, value): decode
+# calls repeat them layer after layer, and a torch.full is a launch and ~5 us of host time. A
+# call being captured into a CUDA graph gets a tensor of its own (the graph reads that
+# address at every replay: a kept tensor could be dropped with the table).
+_UNIFORM_LENGTHS: dict = {}
+_UNIFORM_LENGTHS_LIMIT = 1024
+
+
+def _uniform_lengths(batch, value, device):
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.full((batch,), value, dtype=torch.int32, device=device)
+    key = (device, batch, value)
+    lens = _UNIFORM_LENGTHS.get(key)
+    if lens is None:
+        if len(_UNIFORM_LENGTHS) >= _UNIFORM_LENGTHS_LIMIT:
+            _UNIFORM_LENGTHS.clear()
+        lens = _UNIFORM_LENGTHS[key] = torch.full((batch,), value, dtype=torch.int32,
+                                                  device=device)
+    return lens
+
+
 def _check_seqlens(cache_seqlens, batch, device, capacity, seqlen_new):
     """The cache lengths as an int32 (batch,) tensor; None means every cache is full. None
     and ints are checked here, on the host (the value checks then skip them)."""
@@ -95,13 +116,13 @@ def _check_seqlens(cache_seqlens, batch, device, capacity, seqlen_new):
         if seqlen_new:
             check._fail(ValueError, "cache_seqlens", "is None (every cache full)",
                         f"{seqlen_new} new tokens need room: pass the lengths")
-        return torch.full((batch,), capacity, dtype=torch.int32, device=device)
+        return _uniform_lengths(batch, capacity, device)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if cache_seqlens < 0 or cache_seqlens + seqlen_new > capacity:
             check._fail(ValueError, "cache_seqlens", f"is {cache_seqlens}",
                         f"allowed: 0..{capacity - seqlen_new} (capacity {capacity} minus "
                         f"{seqlen_new} new tokens)")
-        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+        return _uniform_lengths(batch, cache_seqlens, device)
     check.check_int_vector(cache_seqlens, "cache_seqlens", batch, device)
     return cache_seqlens
 
@@ -247,25 +268,28 @@ class _KvPlan:
     __slots__ = ("runner", "lens", "k_extra", "seqlen_q", "max_k", "batch", "return_lse")
 
     def __init__(self, runner, lens, spec: CacheSpec, return_lse):
+        # lens: the uniform length of cache_seqlens None / an int, None for a tensor
         self.runner, self.lens, self.return_lse = runner, lens, return_lse
         self.k_extra, self.seqlen_q = spec.k_extra, spec.max_seqlen_q
         self.max_k, self.batch = spec.max_seqlen_k, spec.batch
 
     def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                  learnable_sink, cache_leftpad):
-        spec = CacheSpec(k_cache, v_cache, cache_seqlens if self.lens is None else self.lens,
-                         self.k_extra, page_table, cache_batch_idx, None, self.seqlen_q,
-                         self.max_k, self.batch, k, v, cache_leftpad)
+        lens = cache_seqlens if self.lens is None else \
+            _uniform_lengths(self.batch, self.lens, q.device)
+        spec = CacheSpec(k_cache, v_cache, lens, self.k_extra, page_table, cache_batch_idx,
+                         None, self.seqlen_q, self.max_k, self.batch, k, v, cache_leftpad)
         sink = None if learnable_sink is None else \
             learnable_sink.detach().float().contiguous()
         out, lse = self.runner(q, spec, sink)
         return _returned(out, lse, self.return_lse)
 
 
-def _remember(key, backend, q, spec, params, sink, num_splits, return_lse, lens_made):
+def _remember(key, backend, q, spec, params, sink, num_splits, return_lse, uniform_len):
     """Store the plan of a call the full path has just validated (None where the backend
-    has no runner, or while a CUDA graph captures: a plan must not hold a tensor of the
-    graph's pool)."""
+    has no runner, and while a CUDA graph captures: the runner's first launch binds the
+    compiled kernel, which belongs outside a capture). uniform_len: the length of
+    cache_seqlens None / an int, or None for a lengths tensor."""
     make = getattr(backend, "decode_runner", None)
     if key is None or make is None or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
@@ -273,7 +297,7 @@ def _remember(key, backend, q, spec, params, sink, num_splits, return_lse, lens_
         _KV_PLANS.clear()
     plan = _KV_PLANS[key] = _KvPlan(make(q, spec, params, sink, num_splits,
                                          need_lse=return_lse),
-                                    spec.seqlens_k if lens_made else None, spec, return_lse)
+                                    uniform_len, spec, return_lse)
     return plan
 
 
@@ -418,7 +442,8 @@ def flash_attn_with_kvcache(
         if seqlen_new:
             spec.k_new, spec.v_new = k, v
         plan = _remember(key, backend, q, spec, params, sink, num_splits, return_lse,
-                         lens_on_host)
+                         (capacity if cache_seqlens is None else cache_seqlens)
+                         if lens_on_host else None)
         if plan is not None:
             return _returned(*plan.runner(q, spec, sink), return_lse)
         return _returned(*backend.decode(q, spec, params, sink, num_splits,

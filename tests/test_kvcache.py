@@ -789,3 +789,19 @@ def test_call_plans_never_skip_a_check(monkeypatch):
     monkeypatch.setattr(kvcache.plans, "ENABLED", False)
     assert kvcache._plan_key(q, cache.k, cache.v, k, v, 10, None, None, None, False, (-1, -1),
                              0.0, None, 0, False, True, None) is None
+
+
+def test_uniform_lengths_are_made_once_and_the_table_is_bounded(monkeypatch):
+    from asymflash import kvcache
+
+    monkeypatch.setattr(kvcache, "_UNIFORM_LENGTHS", {})
+    monkeypatch.setattr(kvcache, "_UNIFORM_LENGTHS_LIMIT", 3)
+    dev = torch.device(DEVICE)
+    a = kvcache._uniform_lengths(4, 17, dev)
+    assert a.dtype == torch.int32 and a.tolist() == [17] * 4
+    assert kvcache._uniform_lengths(4, 17, dev) is a
+    assert kvcache._uniform_lengths(2, 17, dev).tolist() == [17, 17]
+    kvcache._uniform_lengths(4, 18, dev)
+    kvcache._uniform_lengths(4, 19, dev)  # past the limit: the table starts over
+    assert len(kvcache._UNIFORM_LENGTHS) == 1
+    assert kvcache._uniform_lengths(4, 17, dev) is not a and a.tolist() == [17] * 4
