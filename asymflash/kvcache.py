@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -365,6 +366,9 @@ def flash_attn_with_kvcache(
     flash-attn 2's names are accepted too: block_table for page_table, return_softmax_lse
     for return_lse.
 
+    Under torch.compile, a call without k/v and rotary (and without return_lse) is one custom
+    op, asymflash::kvcache_attend, so fullgraph compiles; others run as Python (a graph break).
+
     Forward only: runs under no_grad, as flash-attn's does. Returns out
     (batch, seqlen_q, nheads_q, dv), or (out, lse) with lse fp32 (batch, nheads_q, seqlen_q).
     """
@@ -375,6 +379,11 @@ def flash_attn_with_kvcache(
         page_table = block_table
     if return_softmax_lse is not None:
         return_lse = bool(return_softmax_lse)
+    if torch.compiler.is_compiling() and k is None and v is None and rotary_cos is None and \
+            rotary_sin is None and not return_lse:
+        return _traced_attend(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, page_table,
+                              softmax_scale, causal, window_size, softcap, learnable_sink,
+                              num_splits, cache_leftpad)
     key = None
     if rotary_cos is None and rotary_sin is None:
         key = _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
@@ -454,6 +463,51 @@ def flash_attn_with_kvcache(
             _append(k_cache, v_cache, k, v, seqlens, page_table, cache_batch_idx)
         out, lse = backend.decode(q_packed, spec, params, sink, num_splits)
     return _returned(out.view(batch, seqlen_q, nheads_q, v_cache.shape[-1]), lse, return_lse)
+
+
+# Under torch.compile a call without new keys (what transformers' decode makes) is one opaque
+# custom op, `asymflash::kvcache_attend`: the launches inside flash_attn_with_kvcache are not
+# traceable (a graph break; an error with fullgraph=True), and the alternative transformers
+# had, flash_attn_func over the whole cache, copies the cache in every layer of every step.
+# The op only reads its inputs (appending calls keep the Python path); its implementation is
+# the eager call, so it checks and dispatches as that does, with check_values=False (a
+# traced call reads no values on the host).
+def _traced_attend(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, page_table,
+                   softmax_scale, causal, window_size, softcap, learnable_sink, num_splits,
+                   cache_leftpad):
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    lens_int = -1
+    if cache_seqlens is None or isinstance(cache_seqlens, int):
+        lens_int = -1 if cache_seqlens is None else cache_seqlens
+        cache_seqlens = None
+    left, right = window_size
+    sink = None if learnable_sink is None else learnable_sink.detach()
+    return torch.ops.asymflash.kvcache_attend(
+        q.detach(), k_cache.detach(), v_cache.detach(), cache_seqlens, lens_int,
+        cache_batch_idx, page_table, cache_leftpad, sink, scale, bool(causal), int(left),
+        int(right), float(softcap), int(num_splits))
+
+
+@torch.library.custom_op("asymflash::kvcache_attend", mutates_args=())
+def _attend_op(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor],
+    seqlens_int: int, cache_batch_idx: Optional[Tensor], page_table: Optional[Tensor],
+    cache_leftpad: Optional[Tensor], learnable_sink: Optional[Tensor], softmax_scale: float,
+    causal: bool, window_left: int, window_right: int, softcap: float, num_splits: int,
+) -> Tensor:
+    """flash_attn_with_kvcache without new keys; seqlens_int >= 0 stands for an int
+    cache_seqlens (-1: the tensor, or None when that is None too)."""
+    return flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=cache_seqlens if seqlens_int < 0 else seqlens_int,
+        cache_batch_idx=cache_batch_idx, page_table=page_table, softmax_scale=softmax_scale,
+        causal=causal, window_size=(window_left, window_right), softcap=softcap,
+        learnable_sink=learnable_sink, num_splits=num_splits, check_values=False,
+        cache_leftpad=cache_leftpad)
+
+
+@_attend_op.register_fake
+def _attend_fake(q, k_cache, v_cache, *rest):
+    return q.new_empty(*q.shape[:-1], v_cache.shape[-1])
 
 
 def _returned(out, lse, return_lse: bool):

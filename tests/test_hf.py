@@ -70,16 +70,47 @@ def test_decode_steps_read_the_cache_through_the_kvcache_path(monkeypatch):
     assert not any(c[2] for c in calls)  # the cache's (batch, heads, seq, dim) tensors, viewed
 
 
-def test_decode_steps_under_torch_compile_keep_the_custom_op(monkeypatch):
-    """While torch.compile traces, decode steps stay on flash_attn_func (a custom op), not
-    the kvcache path (plain Python launches: a graph break, an error with fullgraph)."""
+def test_decode_steps_under_torch_compile_take_custom_ops(monkeypatch):
+    """While torch.compile traces, an unpadded decode step is the kvcache custom op (the
+    cache read in place); a padded one, whose mask is read on the host, flash_attn_func."""
     from asymflash.integrations import hf
 
     q = torch.randn(2, 1, 4, 16)
     k = torch.randn(2, 9, 2, 16)
-    assert hf._decode_step(q, k, k, None)
+    assert hf._decode_step(q, k, k, None) and hf._decode_step(q, k, k, None, reads_mask=True)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not hf._decode_step(q, k, k, None)
+    assert hf._decode_step(q, k, k, None)
+    assert not hf._decode_step(q, k, k, None, reads_mask=True)
+
+
+def test_compiled_decode_steps_match_eager_and_read_the_cache_in_place():
+    """attention_forward's decode step compiled with fullgraph=True: one kvcache_attend op in
+    the graph (no flash_attn_func over a copied cache), the eager values."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from asymflash.integrations import hf
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+
+    layer = Layer()
+    query = torch.randn(2, 8, 1, 16)
+    key = torch.randn(2, 2, 23, 16)
+    value = torch.randn(2, 2, 23, 16)
+    ops = []
+
+    def record(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step(q, k, v):
+        return hf.attention_forward(layer, q, k, v, None, scaling=0.25)[0]
+
+    want = step(query, key, value)
+    got = torch.compile(step, fullgraph=True, backend=CompileCounterWithBackend(record))(
+        query, key, value)
+    torch.testing.assert_close(got, want)
+    assert any("kvcache_attend" in t for t in ops) and not any("asymflash.fwd" in t for t in ops)
 
 
 def test_left_padded_batch_matches_eager():

@@ -805,3 +805,23 @@ def test_uniform_lengths_are_made_once_and_the_table_is_bounded(monkeypatch):
     kvcache._uniform_lengths(4, 19, dev)  # past the limit: the table starts over
     assert len(kvcache._UNIFORM_LENGTHS) == 1
     assert kvcache._uniform_lengths(4, 17, dev) is not a and a.tolist() == [17] * 4
+
+
+@pytest.mark.parametrize("lengths", ["tensor", "int", "none"])
+def test_calls_without_new_keys_compile_fullgraph(lengths):
+    """Under torch.compile a call without new keys is the custom op asymflash::kvcache_attend
+    (the eager call inside): fullgraph compiles, the eager values, the cache untouched."""
+    cache = Cache("paged", 2, 2, 32, 32, capacity=48)
+    q = torch.randn(2, 1, 8, 32, dtype=torch.bfloat16, device=DEVICE)
+    sink = torch.randn(8, device=DEVICE)
+    arg = {"tensor": torch.tensor([17, 48], dtype=torch.int32, device=DEVICE), "int": 33,
+           "none": None}[lengths]
+
+    def step(q, k_cache, v_cache):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=arg, causal=True,
+                                       softcap=4.0, learnable_sink=sink, **cache.kwargs())
+
+    before = cache.k.clone()
+    want = step(q, cache.k, cache.v)
+    got = torch.compile(step, fullgraph=True)(q, cache.k, cache.v)
+    assert torch.equal(got, want) and torch.equal(cache.k, before)

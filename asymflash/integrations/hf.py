@@ -108,20 +108,21 @@ def _unpadded(q, k, v, mask, **kw):
     return out
 
 
-def _decode_step(q, k, v, sink) -> bool:
+def _decode_step(q, k, v, sink, reads_mask: bool = False) -> bool:
     """Whether a call is a decode step the kvcache path computes: a few new queries over a
-    longer cache, and no gradient to flow (the kvcache path is forward only). Not while
-    torch.compile traces (the kvcache path is not a custom op: a graph break, an error under
-    fullgraph=True; flash_attn_func is one) nor while a CUDA graph captures (a padded batch's
-    mask is read on the host)."""
+    longer cache, and no gradient to flow (the kvcache path is forward only). While
+    torch.compile traces, a step without a mask is one custom op (`asymflash::kvcache_attend`)
+    and a padded step (`reads_mask`: its mask is read on the host) takes flash_attn_func, a
+    custom op too; not while a CUDA graph captures."""
     if not (q.shape[1] <= DECODE_MAX_Q and k.shape[1] > q.shape[1]):
         return False
     # (cheapest first: this runs in every layer of every decode step)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
                                     (sink is not None and sink.requires_grad)):
         return False
-    return not (torch.compiler.is_compiling() or
-                (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+    if torch.compiler.is_compiling():
+        return not reads_mask
+    return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -147,7 +148,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         else:
             out = flash_attn_func(q, k, v, **kw)
     elif attention_mask.dim() == 2:
-        leftpad = _left_padding(attention_mask) if _decode_step(q, k, v, sink) else None
+        leftpad = _left_padding(attention_mask) \
+            if _decode_step(q, k, v, sink, reads_mask=True) else None
         if leftpad is not None:
             # A static cache may be longer than the mask: its slots past the mask are unused.
             used = attention_mask.shape[1]
