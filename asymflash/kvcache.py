@@ -216,14 +216,14 @@ def _pick(q, spec, params, sink):
 # The first call of a signature takes the full path and, once it has succeeded, stores a
 # `_KvPlan`; an equal key later runs the plan: allocate, launch. Only calls that read no
 # values on the host are planned (lengths None or an int, or check_values=False): a value
-# check cannot be skipped. The lengths tensor made for None or an int is kept in the plan.
+# check cannot be skipped. For lengths None or an int the plan keeps the value.
 _KV_PLANS: dict = {}
 _KV_PLAN_LIMIT = 256
 _T = torch.Tensor
 
 
 def _tensor_class(t):
-    """What a planned call's tensor argument may not change: None where it is not planned."""
+    """What may not change in a tensor argument between calls of one planned signature."""
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
 
 
@@ -475,9 +475,10 @@ def flash_attn_with_kvcache(
 def _traced_attend(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, page_table,
                    softmax_scale, causal, window_size, softcap, learnable_sink, num_splits,
                    cache_leftpad):
+    check.check_scalars(softmax_scale, window_size, softcap)  # the rest: in the op, at run time
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     lens_int = -1
-    if cache_seqlens is None or isinstance(cache_seqlens, int):
+    if cache_seqlens is None or isinstance(cache_seqlens, (int, torch.SymInt)):
         lens_int = -1 if cache_seqlens is None else cache_seqlens
         cache_seqlens = None
     left, right = window_size

@@ -825,3 +825,17 @@ def test_calls_without_new_keys_compile_fullgraph(lengths):
     want = step(q, cache.k, cache.v)
     got = torch.compile(step, fullgraph=True)(q, cache.k, cache.v)
     assert torch.equal(got, want) and torch.equal(cache.k, before)
+
+
+def test_compiled_calls_are_checked():
+    """The traced path checks its scalars while tracing and the rest in the op at run time:
+    bad input raises ValueError as in eager mode."""
+    cache = Cache("contiguous", 2, 2, 32, 32, capacity=48)
+    q = torch.randn(2, 1, 8, 32, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(Exception, match="window_size"):
+        torch.compile(lambda q: flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=5,
+                                                        window_size=(3,)),
+                      fullgraph=True)(q)
+    with pytest.raises(Exception, match="cache_seqlens"):
+        torch.compile(lambda q: flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=49),
+                      fullgraph=True)(q)
