@@ -55,13 +55,13 @@ run_tests() {
   done
 }
 if [ "$mode" = pending ]; then
-  # the whole file: d=64's split-kernel variants take dv_overlap too (d=64's default has it)
-  TEST_FILES="tests/test_sm90_bwd_gpu.py" TEST_TIMEOUT=${TEST_TIMEOUT:-240} run_tests
-  timeout 100 python3 scripts/sm90-bwd-probe.py --dims 128 --seqlens 512,2048,16384 \
-    --no-peers --budget 90 --variant dvo:dv_overlap=true \
-    --variant det:deterministic=true --variant detdvo:deterministic=true,dv_overlap=true \
-    > "$out/probe-d128-dvo.log" 2>&1
-  tail -n 8 "$out/probe-d128-dvo.log"
+  # session 13's changes after its final run: kvcache lengths table, the compiled kvcache op
+  TEST_FILES="tests/test_kvcache.py tests/test_hf.py tests/test_api.py tests/test_plans.py" \
+    TEST_TIMEOUT=${TEST_TIMEOUT:-240} run_tests
+  timeout 60 python3 scripts/decode-host.py > "$out/decode-host.log" 2>&1
+  head -4 "$out/decode-host.log"
+  timeout 120 python3 scripts/hf-generate-bench.py > "$out/hf-generate.log" 2>&1
+  grep -E "^\|" "$out/hf-generate.log"
 elif [ "$mode" = session ]; then
   # The benchmark first: if the call runs out of time, the table is what matters most.
   timeout "${BENCH_TIMEOUT:-240}" python3 -m asymflash bench --hdim 64,128,256 \

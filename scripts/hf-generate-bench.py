@@ -5,6 +5,8 @@ differ from sdpa's. A randomly initialised Llama-style model (no download), bf16
     PYTHONPATH=. python3 scripts/hf-generate-bench.py [--batch 8] [--prompt 1024] [--new 64]
         [--profile]   # torch.profiler over a few asymattn decode steps: where the time goes
         [--cprofile]  # cProfile of each implementation's timed loop (host time by function)
+        [--compile]   # each model's forward under torch.compile(dynamic=True): asymattn's
+                      # decode steps are then the asymflash::kvcache_attend custom op
 
 The loop is written out (prefill, then one token per forward pass over a DynamicCache) rather
 than `generate`, so the time is the model's and not generate's bookkeeping. Each
@@ -86,19 +88,23 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--compile", action="store_true")
     args = ap.parse_args()
     register()
     torch.manual_seed(1)
     ids = torch.randint(1, 32000, (args.batch, args.prompt), device="cuda")
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, "
           f"{torch.cuda.get_device_name()}; Llama-style {args.layers} layers, 16 q / 4 kv heads "
-          f"x 128, bf16; batch {args.batch}, prompt {args.prompt}, {args.new} new tokens")
+          f"x 128, bf16; batch {args.batch}, prompt {args.prompt}, {args.new} new tokens"
+          + ("; torch.compile(dynamic=True)" if args.compile else ""))
     print("| attention | prefill ms | decode ms/step | decode tokens/s | first token unlike "
           "sdpa's (median step) |")
     print("|---|---|---|---|---|")
     base = None
     for attn in ("sdpa", NAME, "eager"):
         model = model_for(attn, args.layers)
+        if args.compile:
+            model.forward = torch.compile(model.forward, dynamic=True)
         # Warm-up over the same lengths: kernels compile per specialisation (an int argument
         # divisible by 16 or not), so a shorter warm-up leaves a compile inside the timing.
         greedy(model, ids, args.new)
