@@ -6,8 +6,11 @@ each block with per-thread copies; at batch 8 x 4k keys it reached 57-63 % of th
 bandwidth per call (H200, session 8), the key loop of a program taking 20-24 us for what
 the HBM delivers in ~15. Here one thread asks the TMA unit for whole K and V blocks,
 `STAGES` blocks ahead in a shared-memory ring, from the program's first instructions: the
-warps only wait for blocks and compute, and the bytes in flight per SM do not depend on how
-many loads the threads can issue.
+warps only wait for blocks and compute. The hypothesis was that the per-thread loads limited
+the bytes in flight; on the H200 this kernel tied the portable one (`decode_enabled`), and
+its timeline (`scripts/decode-timeline.py`) showed why: the memory system's ramp when every
+SM starts at once, the splits finishing apart, and the merge. So it is off by default, kept
+as the base for those (and tested: tests/test_sm90_decode.py).
 
 Everything else follows the portable kernel, whose comments give the reasons:
 - GQA packing: the rows of the one 64-row tile are (query position, q head) pairs of one kv
@@ -66,7 +69,6 @@ HEAD_DIMS = (64, 128)
 # 128-key blocks at d=128.
 RING_BYTES = 192 * 1024
 MAX_STAGES = 8
-LOG2E = 1.4426950408889634
 
 
 def decode_enabled() -> bool:
