@@ -169,11 +169,7 @@ class DirectLaunch:
             self._check(device, args, kwargs, spec)
         g = tuple(grid) + (1,) * (3 - len(grid))
         stream = torch._C._cuda_getCurrentRawStream(device)
-        if fast is not None:
-            fast(g[0], g[1], g[2], stream, args + tail)
-            return
-        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None,
-                   None, None, *args, *tail)
+        fast(g[0], g[1], g[2], stream, args + tail)
 
     def bind(self, args, kwargs):
         """A launcher for calls whose specialisation equals that of (args, kwargs), or None.
@@ -183,7 +179,7 @@ class DirectLaunch:
         dtypes, ints in the same == 1 / % 16 / width classes, aligned tensors, descriptors of
         one class), so the key need not be rebuilt per call. Needs a launch with these
         arguments first (the binary must exist); None off the plain path (direct launch off
-        or in check mode, a launch hook, a binary Triton's launcher must run)."""
+        or in check mode, a launch hook, a call shape Triton's own path must launch)."""
         if mode() != "on" or not self.compiles or launch_hooked():
             return None
         device = torch.cuda.current_device()
@@ -194,13 +190,7 @@ class DirectLaunch:
         entry = self._compiled.get(key)
         if entry is None:
             return None
-        kernel, tail, _, fast = entry
-        if fast is None:  # no descriptor arguments: Triton's C launcher, called directly
-            run, function, metadata = kernel.run, kernel.function, kernel.packed_metadata
-
-            def fast(gx, gy, gz, stream, args):
-                run(gx, gy, gz, stream, function, metadata, None, None, None, *args)
-        return BoundLaunch(device, fast, tail)
+        return BoundLaunch(device, entry[3], entry[1])
 
     def _binder(self, device):
         return self.jit.device_caches[device][4]
@@ -216,13 +206,24 @@ class DirectLaunch:
         names = self.jit.arg_names[len(args):]
         if any(n not in kwargs for n in names):  # a defaulted parameter left out
             return None
-        return kernel, tuple(kwargs[n] for n in names), spec, _CachedMapLaunch.build(kernel)
+        fast = _CachedMapLaunch.build(kernel) or _plain_launch(kernel)
+        return kernel, tuple(kwargs[n] for n in names), spec, fast
 
     def _check(self, device, args, kwargs, spec):
         _, now, _ = self._binder(device)(*args, **kwargs)
         if now != spec:
             raise AssertionError(f"asymflash direct launch of {self.name}: Triton "
                                  f"specialises {now}, the cached binary was built for {spec}")
+
+
+def _plain_launch(kernel):
+    """Triton's C launcher of a compiled kernel without descriptor arguments, called directly
+    (`fast(gx, gy, gz, stream, args)`, as `_CachedMapLaunch`)."""
+    run, function, metadata = kernel.run, kernel.function, kernel.packed_metadata
+
+    def fast(gx, gy, gz, stream, args):
+        run(gx, gy, gz, stream, function, metadata, None, None, None, *args)
+    return fast
 
 
 class _CachedMapLaunch:
@@ -236,9 +237,9 @@ class _CachedMapLaunch:
     step's, a benchmark's, the caching allocator's recycled blocks) skip the encode. The C
     `launch` copies the map into the kernel's parameters, so reuse is safe.
 
-    `build` returns None, and the caller keeps Triton's own launcher, for kernels without
-    descriptor arguments and wherever this launcher's layout differs from the one this was
-    written against (scratch buffers, another wrapper).
+    `build` returns None, and the caller calls Triton's launcher as it is (`_plain_launch`),
+    for kernels without descriptor arguments and wherever this launcher's layout differs from
+    the one this was written against (scratch buffers, another wrapper).
     """
 
     _LIMIT = 512  # cached maps per kernel; cleared when full
