@@ -62,6 +62,8 @@ if [ "$mode" = pending ]; then
   head -4 "$out/decode-host.log"
   timeout 120 python3 scripts/hf-generate-bench.py > "$out/hf-generate.log" 2>&1
   grep -E "^\|" "$out/hf-generate.log"
+  timeout 90 python3 scripts/host-breakdown.py > "$out/host-breakdown.log" 2>&1
+  tail -28 "$out/host-breakdown.log"
 elif [ "$mode" = session ]; then
   # The benchmark first: if the call runs out of time, the table is what matters most.
   timeout "${BENCH_TIMEOUT:-240}" python3 -m asymflash bench --hdim 64,128,256 \

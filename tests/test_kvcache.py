@@ -129,7 +129,7 @@ def test_kvcache_matches_reference(backend, layout, name):
     run_case(backend, layout, name, splits=0)
 
 
-@pytest.mark.parametrize("splits", [1, 3, 0])
+@pytest.mark.parametrize("splits", [1, 3, 7, 0])
 @pytest.mark.parametrize("name", ["decode-gqa8", "decode-softcap-sink", "prefill-window"])
 def test_split_kv(splits, name):
     """Split counts only change how the portable kernel divides the keys, never the answer."""
