@@ -2,15 +2,22 @@
 # Nsight Compute beside FA4 (H200 diagnostics): where the forward's and the backward's cycles
 # go in our kernels and in FA4's, same shapes (scripts/profile-target.py). Run after
 # `source .peers/fa4-b/activate.sh`; logs under $OUT, a short table last.
-#   bash scripts/ncu-compare.sh [d=128 cases...]   (each case: impl:mode:d:causal:seqlen)
+#   CASES="ours:fwd:64:0:16384 ..." bash scripts/ncu-compare.sh   (impl:mode:d:causal:seqlen)
+#   STALLS=1: per-reason stall cycles and pipe utilisation (raw metrics) instead of sections
 set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats
           --section SchedulerStats --section InstructionStats --section Occupancy)
-# FA4's kernel names (CuTe DSL classes), to pick its main kernels below.
-python3 - > "$out/fa4-kernel-names.txt" 2>&1 <<'PY'
+if [ "${STALLS:-0}" = 1 ]; then
+  sections=(--metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
+            --metrics "regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active"
+            --metrics "regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active"
+            --metrics gpu__time_duration.sum,smsp__inst_executed.sum)
+fi
+# FA4's kernel names (CuTe DSL classes), to pick its main kernels below (NAMES=0: skip).
+[ "${NAMES:-1}" = 1 ] && python3 - > "$out/fa4-kernel-names.txt" 2>&1 <<'PY'
 import torch
 from torch.profiler import profile, ProfilerActivity
 from flash_attn.cute import flash_attn_func as fa4
@@ -32,10 +39,14 @@ for c in "${cases[@]}"; do
   if [ "$impl" = ours ]; then pat="attn_$mode"; elif [ "$mode" = fwd ]; then pat=Forward; else
     pat=Backward; skip=7
   fi
-  log="$out/ncu-$impl-$mode-d$d-c$causal-$seqlen.txt"
+  log="$out/ncu-$impl-$mode-d$d-c$causal-$seqlen${STALLS:+-stalls}.txt"
   timeout 150 ncu --clock-control none "${sections[@]}" -k "regex:$pat" -s "$skip" -c 1 \
     python3 scripts/profile-target.py "$impl" "$mode" "$d" "$causal" "$seqlen" > "$log" 2>&1
   echo "== $c: $(grep -m1 -oE '^  [A-Za-z_].*\(' "$log" | cut -c1-70)"
+  if [ "${STALLS:-0}" = 1 ]; then  # metric, unit, value: the larger stall reasons and pipes
+    awk '/stalled|pipe_|duration/ && $NF+0 > 0.3 {print $1, $NF}' "$log" | sed 's/\.avg\.pct.*active//; s/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//'
+    continue
+  fi
   grep -E "^    (Duration|Compute \(SM\) Throughput|Executed Ipc Active|Issue Slots Busy|\
 Warp Cycles Per Issued Instruction|No Eligible|Registers Per Thread|Achieved Occupancy)" "$log" \
     | sed 's/  */ /g'
