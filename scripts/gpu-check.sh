@@ -3,7 +3,7 @@
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
 # or ./out)
 #   pending: what the last session prepared without the GPU (benchmarks/NOTES.md, session
-#   12: bwd_ws with dV in flight while dSᵀ is formed): its GPU tests, then the probe. ~4 min.
+#   14: per-thread slot releases, arrive_all): its GPU tests, then the probes. ~6 min.
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
 #   (DECODE=1), host-overhead.py (HOST_OVERHEAD=1) and hf-generate-bench.py (HF=1);
@@ -55,15 +55,21 @@ run_tests() {
   done
 }
 if [ "$mode" = pending ]; then
-  # session 13's changes after its final run: kvcache lengths table, the compiled kvcache op
-  TEST_FILES="tests/test_kvcache.py tests/test_hf.py tests/test_api.py tests/test_plans.py" \
-    TEST_TIMEOUT=${TEST_TIMEOUT:-240} run_tests
-  timeout 60 python3 scripts/decode-host.py > "$out/decode-host.log" 2>&1
-  head -4 "$out/decode-host.log"
-  timeout 120 python3 scripts/hf-generate-bench.py > "$out/hf-generate.log" 2>&1
-  grep -E "^\|" "$out/hf-generate.log"
-  timeout 90 python3 scripts/host-breakdown.py > "$out/host-breakdown.log" 2>&1
-  tail -28 "$out/host-breakdown.log"
+  # session 14's prepared variant: per-thread slot releases (arrive_all.py's PTX pass,
+  # FwdConfig/BwdConfig.arrive_all, off by default): its GPU tests, then the two probes
+  TEST_FILES="tests/test_sm90_gpu.py tests/test_sm90_bwd_gpu.py" PYTEST_K="arrive" \
+    TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
+  timeout 150 python3 scripts/sm90-probe.py --no-check --graph \
+    --cells 64:0:2048,64:0:16384,64:1:16384,128:0:2048,128:0:16384,128:1:16384 \
+    --variant 64:aa:arrive_all=true --variant 64:wg3:consumer_wgs=3,persistent=true,q_buffers=1 \
+    --variant 64:wg3aa:consumer_wgs=3,persistent=true,q_buffers=1,arrive_all=true \
+    --variant 128:aa:arrive_all=true > "$out/probe-fwd-arrive-all.log" 2>&1
+  tail -8 "$out/probe-fwd-arrive-all.log"
+  timeout 150 python3 scripts/sm90-bwd-probe.py --no-peers --budget 140 --dims 128 \
+    --seqlens 2048,16384 --variant aa:arrive_all=true \
+    --variant det:deterministic=true --variant detaa:deterministic=true,arrive_all=true \
+    > "$out/probe-bwd-arrive-all.log" 2>&1
+  tail -8 "$out/probe-bwd-arrive-all.log"
 elif [ "$mode" = session ]; then
   # The benchmark first: if the call runs out of time, the table is what matters most.
   timeout "${BENCH_TIMEOUT:-240}" python3 -m asymflash bench --hdim 64,128,256 \

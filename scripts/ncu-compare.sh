@@ -11,10 +11,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats
           --section SchedulerStats --section InstructionStats --section Occupancy)
 if [ "${STALLS:-0}" = 1 ]; then
-  sections=(--metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
-            --metrics "regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active"
-            --metrics "regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active"
-            --metrics gpu__time_duration.sum,smsp__inst_executed.sum)
+  sections=(--metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,\
+regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active,\
+regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active,\
+gpu__time_duration.sum,smsp__inst_executed.sum")
 fi
 # FA4's kernel names (CuTe DSL classes), to pick its main kernels below (NAMES=0: skip).
 [ "${NAMES:-1}" = 1 ] && python3 - > "$out/fa4-kernel-names.txt" 2>&1 <<'PY'

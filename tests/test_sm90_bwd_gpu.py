@@ -189,8 +189,9 @@ SPLIT_CASES_D64 = [c for c in CASES if c["d"] == 64 and not c.get("softcap")]
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("variant", [dict(late_warpgroup=1), dict(late_warpgroup=-1),
-                                     dict(split_warpgroups=False), dict(dv_overlap=True)],
-                         ids=["late1", "in-step", "synchronous", "dv-overlap"])
+                                     dict(split_warpgroups=False), dict(dv_overlap=True),
+                                     dict(arrive_all=True)],
+                         ids=["late1", "in-step", "synchronous", "dv-overlap", "arrive-all"])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c["name"])
 def test_sm90_backward_d128_schedules_match_reference(case, variant):
     from dataclasses import replace
@@ -249,10 +250,12 @@ def test_sm90_deterministic_backward_is_bitwise_reproducible(case):
 
 # Deterministic mode on kernels and schedules the default config does not pick: at d=128
 # bwd.py's synchronous kernel (ws_deterministic=False; softcap calls take it anyway) and
-# bwd_ws.py's with dV retired before dSᵀ is formed (dv_overlap=False), at d=64 bwd_ws.py's
-# kernel with 64-row steps (its dQ warp adds both warpgroups' tiles in turn).
+# bwd_ws.py's with dV retired before dSᵀ is formed (dv_overlap=False) or with per-thread
+# slot releases (arrive_all), at d=64 bwd_ws.py's kernel with 64-row steps (its dQ warp adds
+# both warpgroups' tiles in turn).
 DET_VARIANTS = [(c, variant) for c in DET_CASES if c["d"] in (96, 128) and not c.get("softcap")
-                for variant in (dict(ws_deterministic=False), dict(dv_overlap=False))] + \
+                for variant in (dict(ws_deterministic=False), dict(dv_overlap=False),
+                                dict(arrive_all=True))] + \
     [(c, dict(block_m=64, split_warpgroups=True)) for c in DET_CASES
      if c["d"] == 64 and not c.get("softcap")]
 

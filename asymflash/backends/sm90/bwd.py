@@ -82,7 +82,7 @@ import torch
 from asymflash.core.params import AttnParams, SeqInfo, cdiv
 
 from ..launch import DirectLaunch, sm_count
-from . import bwd_wide, bwd_ws
+from . import arrive_all, bwd_wide, bwd_ws
 from . import fwd as _fwd
 from .fwd import _GLUON_ERROR
 
@@ -200,6 +200,11 @@ class BwdConfig:
     # 174 / 310 / 394 -> 196 / 382 / 495 (default 207 / 401 / 538): +3-10 % instead of
     # +14-39 %. 50 bitwise repeats pass (test_sm90_bwd_gpu).
     ws_deterministic: bool = True
+    # bwd_ws: the compute warpgroups release a Q/dO slot and a dSᵀ buffer by an arrive from
+    # every thread instead of a warpgroup barrier and one thread's arrive (`arrive_all.py`:
+    # ncu put 5.3 of our 13.1 stall cycles per instruction on barriers, FA4's 1.6 of 10.6).
+    # Off until measured on the H200.
+    arrive_all: bool = False
 
 
 # FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,
@@ -574,6 +579,10 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
     if split:
         consts["LATE_WG"] = cfg.late_warpgroup
         consts["RING"] = cfg.ring_slots
+        consts["ARRIVE"] = arrive_all.WARPGROUP if cfg.arrive_all else 1
+        consts["ARRIVE_PASS"] = arrive_all.VERSION if cfg.arrive_all else 0
+        if cfg.arrive_all:
+            arrive_all.install()  # the PTX pass that makes the marked arrives per-thread
     return consts
 
 

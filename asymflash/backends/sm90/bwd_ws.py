@@ -122,7 +122,7 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full, dq_empty, j, h,
                m0, q_start, softmax_scale, dq_zero, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-               BLOCK_M: gl.constexpr, DET: gl.constexpr):
+               BLOCK_M: gl.constexpr, DET: gl.constexpr, ARRIVE: gl.constexpr):
         """This warpgroup's part of dQ = dS·K for step j: wait for the other half of dSᵀ,
         MMA, stage, reduce-add (retires every MMA this warpgroup has in flight). With
         64-row steps (d=128) the warpgroups split dQ's columns, with 128-row steps (d=64)
@@ -140,7 +140,7 @@ if _GLUON_ERROR is None:
             dq_tok = warpgroup_mma(ds_smem.index(js).slice(WG * ROWS, ROWS, 1).permute((1, 0)),
                                    k_smem, dq_zero, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(0, deps=[dq_tok])
-        mbarrier.arrive(ds_free.index(js), count=1)
+        mbarrier.arrive(ds_free.index(js), count=ARRIVE)
         if DET:
             if j > 0:  # the dQ warp has read this warpgroup's tile of step j - 1
                 mbarrier.wait(dq_empty.index(WG), (j - 1) & 1)
@@ -192,7 +192,7 @@ if _GLUON_ERROR is None:
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                     HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DP_EARLY: gl.constexpr,
                     KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr, RING: gl.constexpr,
-                    DET: gl.constexpr, DV_OVERLAP: gl.constexpr):
+                    DET: gl.constexpr, DV_OVERLAP: gl.constexpr, ARRIVE: gl.constexpr):
         (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
          empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr,
          dv_ptr, q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h, m0, m_lo,
@@ -274,15 +274,16 @@ if _GLUON_ERROR is None:
                 if it > 0:
                     _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full,
                            dq_empty, it - 1, h_prev, m0_prev, q_start, softmax_scale, dq_zero,
-                           WG, HEAD_DIM, BLOCK_M, DET)
+                           WG, HEAD_DIM, BLOCK_M, DET, ARRIVE)
             else:
                 _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full, dq_empty,
-                       it, h, m0, q_start, softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M, DET)
+                       it, h, m0, q_start, softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M, DET,
+                       ARRIVE)
             if DV_OVERLAP:
                 dk, dv, ds_op, p_op = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok, ds_op, p_op])
             else:
                 dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])
-            mbarrier.arrive(empty.index(slot), count=1)
+            mbarrier.arrive(empty.index(slot), count=ARRIVE)
             # `+ 0`: with a plain `h_prev = h` triton 3.6's frontend carried neither h nor
             # h_prev through the loop (its scf.for kept only dK and dV; found in the TTGIR)
             h_prev = h + 0
@@ -292,7 +293,7 @@ if _GLUON_ERROR is None:
             if n_steps > 0:
                 _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full, dq_empty,
                        n_steps - 1, h_prev, m0_prev, q_start, softmax_scale, dq_zero, WG,
-                       HEAD_DIM, BLOCK_M, DET)
+                       HEAD_DIM, BLOCK_M, DET, ARRIVE)
         tma.store_wait(0)  # the last reduce reads dq_buf
         # The epilogue stages through the Q/dO ring, which the other warpgroup may still read.
         mbarrier.arrive(done.index(0), count=1)
@@ -327,12 +328,15 @@ if _GLUON_ERROR is None:
                            STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
                            WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
                            DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr,
-                           LATE_WG: gl.constexpr, RING: gl.constexpr):
+                           LATE_WG: gl.constexpr, RING: gl.constexpr, ARRIVE: gl.constexpr,
+                           ARRIVE_PASS: gl.constexpr):
         # Same arguments as bwd._attn_bwd_kernel (one host path); DK_LATE, STATS_LATE,
         # RELEASE_AT, WAIT_EARLY and dq_ptr belong to that kernel's schedule. DV_OVERLAP:
         # dV = Pᵀ·dO stays in flight while dSᵀ is formed (BwdConfig.dv_overlap).
         # DETERMINISTIC: the dQ warp adds the tiles in bwd.py's turn order (causal masks:
-        # the grid runs from the top key block down, as there).
+        # the grid runs from the top key block down, as there). ARRIVE: the count a compute
+        # warpgroup releases a Q/dO slot and a dSᵀ buffer with (128: `arrive_all.py`'s mark;
+        # ARRIVE_PASS, that pass's version, only keys Triton's cache).
         dtype: gl.constexpr = q_desc.dtype
         n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
             cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
@@ -382,9 +386,9 @@ if _GLUON_ERROR is None:
             mbarrier.init(done.index(0), count=2)
             for st in gl.static_range(RING):
                 mbarrier.init(ready.index(st), count=1)
-                mbarrier.init(empty.index(st), count=2)
+                mbarrier.init(empty.index(st), count=2 * ARRIVE)
             for st in gl.static_range(2):
-                mbarrier.init(ds_free.index(st), count=2)
+                mbarrier.init(ds_free.index(st), count=2 * ARRIVE)
                 if DETERMINISTIC:
                     mbarrier.init(dq_full.index(st), count=1)
                     mbarrier.init(dq_empty.index(st), count=1)
@@ -406,10 +410,10 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_ws_compute, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                               DETERMINISTIC, DV_OVERLAP)),
+                               DETERMINISTIC, DV_OVERLAP, ARRIVE)),
                 (_ws_compute, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                               DETERMINISTIC, DV_OVERLAP)),
+                               DETERMINISTIC, DV_OVERLAP, ARRIVE)),
                 (_ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
                               k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
                               empty, k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,

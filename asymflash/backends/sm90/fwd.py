@@ -49,6 +49,7 @@ import torch
 from asymflash.core.params import AttnParams, MaskSpec, SeqInfo, cdiv
 
 from ..launch import DirectLaunch, descriptor_token, sm_count
+from . import arrive_all
 
 try:  # Gluon is optional: a CPU-only or older triton must still import this module.
     import triton
@@ -107,6 +108,11 @@ class FwdConfig:
     # next tile's Q (and so its K/V) while this tile still runs, instead of after its last
     # S = Q·Kᵀ; costs 16 / 32 KB more shared memory at d = 64 / 128 (none left at d = 256).
     q_buffers: int = 1
+    # Consumers release K/V slots by an arrive from every thread instead of a warpgroup
+    # barrier and one thread's arrive (`arrive_all.py`: a PTX pass; ncu put ~2.4 of our
+    # ~8.4 stall cycles per instruction at d=64 on that barrier, FA4's 0.3). Off until
+    # measured on the H200.
+    arrive_all: bool = False
 
 
 # Tuning table. Measured on the H200 (2026-11-29, bf16, model dim 2048, batch 16384/seqlen,
@@ -589,9 +595,11 @@ if _GLUON_ERROR is None:
               SOFTCAP: gl.constexpr, EMU_EVERY: gl.constexpr,
               RESCALE_THRESHOLD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-              bars, q_phase, WG: gl.constexpr, PINGPONG: gl.constexpr):
+              bars, q_phase, WG: gl.constexpr, PINGPONG: gl.constexpr,
+              ARRIVE: gl.constexpr):
         """Ring position i holds key block n; P_{i-1} (p_op) still has to meet V_{i-1}.
-        With PINGPONG the two wgmmas are issued in this warpgroup's turn (`_take_turn`)."""
+        With PINGPONG the two wgmmas are issued in this warpgroup's turn (`_take_turn`).
+        ARRIVE: the count each warpgroup releases a K/V slot with (`arrive_all.py`)."""
         slot = i % STAGES
         prev = (i - 1) % STAGES
         mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
@@ -608,13 +616,13 @@ if _GLUON_ERROR is None:
             _pass_turn(bars, WG)
         # wgmma groups retire in order: with one group left in flight, S_i is complete.
         s = warpgroup_mma_wait(1, deps=[s_tok])
-        mbarrier.arrive(k_empty.index(slot), count=1)
+        mbarrier.arrive(k_empty.index(slot), count=ARRIVE)
         s = _scores(s, n, rows, shift, seqlen_k, window_left, window_right, softcap_pre, MASKED,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
         p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
         # p_op is a register operand of the P·V in flight: keep it alive until that group retires.
         acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
-        mbarrier.arrive(v_empty.index(prev), count=1)
+        mbarrier.arrive(v_empty.index(prev), count=ARRIVE)
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
         if RESCALE_THRESHOLD > 0:
             # Skip the O multiply when no row of the warpgroup moved its max (warpgroup-uniform).
@@ -633,14 +641,15 @@ if _GLUON_ERROR is None:
                        RESCALE_THRESHOLD: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
                        p_layout: gl.constexpr, bars, q_phase, WG: gl.constexpr,
-                       PINGPONG: gl.constexpr):
+                       PINGPONG: gl.constexpr, ARRIVE: gl.constexpr):
         # Ring position of key block n: n + base (base = ring position of n_lo minus n_lo).
         for n in range(lo, hi):
             acc, p_op, m_i, l_i = _step(
                 n + base, n, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p_op,
                 m_i, l_i, rows, shift, seqlen_k, window_left, window_right, qk_scale,
                 softcap_pre, MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD,
-                BLOCK_N, STAGES, s_layout, o_layout, p_layout, bars, q_phase, WG, PINGPONG)
+                BLOCK_N, STAGES, s_layout, o_layout, p_layout, bars, q_phase, WG, PINGPONG,
+                ARRIVE)
         return acc, p_op, m_i, l_i
 
     # ------------------------------------------------------------------------------------------
@@ -692,7 +701,7 @@ if _GLUON_ERROR is None:
                   HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
-                  RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr):
+                  RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr, ARRIVE: gl.constexpr):
         """From S_0 (the only wgmma group in flight) to the issue of the last P·V: returns
         (O in flight, its P operand, row max, row sum, the last V slot)."""
         s_layout: gl.constexpr = _s_layout(BLOCK_N)
@@ -705,7 +714,7 @@ if _GLUON_ERROR is None:
 
         # Peeled first block: no P·V to overlap with yet, and always masked.
         s = warpgroup_mma_wait(0, deps=[s_tok])
-        mbarrier.arrive(k_empty.index(it0 % STAGES), count=1)
+        mbarrier.arrive(k_empty.index(it0 % STAGES), count=ARRIVE)
         s = _scores(s, n_lo, rows, shift, seqlen_k, window_left, window_right, softcap_pre, True,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
         p, m_i, l_i, _alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
@@ -717,19 +726,19 @@ if _GLUON_ERROR is None:
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
             RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
-            WG, PINGPONG)
+            WG, PINGPONG, ARRIVE)
         acc, p_op, m_i, l_i = _consumer_loop(
             n_a, n_b, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
             RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
-            WG, PINGPONG)
+            WG, PINGPONG, ARRIVE)
         acc, p_op, m_i, l_i = _consumer_loop(
             n_b, n_hi, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
             RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
-            WG, PINGPONG)
+            WG, PINGPONG, ARRIVE)
 
         if RELEASE_Q:
             # Every S wgmma of this tile has retired (each step ends with a full wait).
@@ -747,10 +756,10 @@ if _GLUON_ERROR is None:
         return o_tok, p_op, m_i, l_i, slot
 
     @gluon.jit
-    def _tile_finish(o_tok, p_op, v_empty, slot):
+    def _tile_finish(o_tok, p_op, v_empty, slot, ARRIVE: gl.constexpr):
         """Wait for the last P·V and free its V slot; returns O."""
         acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
-        mbarrier.arrive(v_empty.index(slot), count=1)
+        mbarrier.arrive(v_empty.index(slot), count=ARRIVE)
         return acc
 
     @gluon.jit
@@ -824,7 +833,7 @@ if _GLUON_ERROR is None:
                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                        HAS_SINK: gl.constexpr, EMU_EVERY: gl.constexpr,
                        RESCALE_THRESHOLD: gl.constexpr, RELEASE_Q: gl.constexpr,
-                       PINGPONG: gl.constexpr):
+                       PINGPONG: gl.constexpr, ARRIVE: gl.constexpr):
         """One 64-row query tile of warpgroup WG: key blocks [n_lo, n_hi) sit at K/V ring
         positions it0, it0 + 1, ...; its Q arrives in Q buffer q_slot, on q_bar[q_slot] with
         parity q_phase (q_slot = WG, but for the persistent grid's second Q buffers). With
@@ -840,8 +849,9 @@ if _GLUON_ERROR is None:
             q, s_tok, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
             rows, seqlen_k - seqlen_q, seqlen_k, n_lo, n_a, n_b, n_hi, it0, q_slot, q_phase,
             window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V, BLOCK_N, STAGES,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, RELEASE_Q, PINGPONG)
-        acc = _tile_finish(o_tok, p_op, v_empty, slot)
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, RELEASE_Q, PINGPONG,
+            ARRIVE)
+        acc = _tile_finish(o_tok, p_op, v_empty, slot, ARRIVE)
         _tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
                     q_start, m0, seqlen_q, total_q, head, n_heads, WG, HEAD_DIM_V, BLOCK_N,
                     HAS_SINK, RELEASE_Q, PINGPONG)
@@ -991,7 +1001,7 @@ if _GLUON_ERROR is None:
                                   HAS_SINK: gl.constexpr, LPT: gl.constexpr,
                                   EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
                                   PINGPONG: gl.constexpr, NUM_WG: gl.constexpr,
-                                  Q_BUFS: gl.constexpr):
+                                  Q_BUFS: gl.constexpr, ARRIVE: gl.constexpr):
         BLOCK_M: gl.constexpr = 64 * NUM_WG
         it = 0
         tc = 0
@@ -1019,7 +1029,7 @@ if _GLUON_ERROR is None:
                                head, n_heads, n_lo, n_a, n_b, n_hi, it, q_slot, q_phase,
                                window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V,
                                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK,
-                               EMU_EVERY, RESCALE_THRESHOLD, True, PINGPONG)
+                               EMU_EVERY, RESCALE_THRESHOLD, True, PINGPONG, ARRIVE)
                 it += n_hi - n_lo
                 tc += 1
         tma.store_wait(0)  # the last tile's O store reads o_smem
@@ -1043,7 +1053,8 @@ if _GLUON_ERROR is None:
                          LPT: gl.constexpr, EMU_EVERY: gl.constexpr,
                          RESCALE_THRESHOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                          LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
-                         PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr):
+                         PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
+                         ARRIVE: gl.constexpr, ARRIVE_PASS: gl.constexpr):
         # NUM_WG = 3 only with PERSISTENT and without PINGPONG; Q_BUFS = 2 (a second Q buffer
         # per warpgroup: the loader brings the next tile's Q a whole tile ahead) only with
         # PERSISTENT, without PINGPONG and at d <= 128, so never with O_STAGING 2 (both
@@ -1093,8 +1104,8 @@ if _GLUON_ERROR is None:
             for st in gl.static_range(STAGES):
                 mbarrier.init(k_ready.index(st), count=1)
                 mbarrier.init(v_ready.index(st), count=1)
-                mbarrier.init(k_empty.index(st), count=NUM_WG)
-                mbarrier.init(v_empty.index(st), count=NUM_WG)
+                mbarrier.init(k_empty.index(st), count=NUM_WG * ARRIVE)
+                mbarrier.init(v_empty.index(st), count=NUM_WG * ARRIVE)
             fence_async_shared()
             if NUM_WG == 3:
                 # Written out: the role list must be literal (see the plain grid below).
@@ -1106,7 +1117,8 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 0,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3, Q_BUFS)),
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3, Q_BUFS,
+                        ARRIVE)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
                         v_empty, sched, out_ptr, o_desc, o_smem,
@@ -1114,7 +1126,8 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 1,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3, Q_BUFS)),
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3, Q_BUFS,
+                        ARRIVE)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
                         v_empty, sched, out_ptr, o_desc, o_smem,
@@ -1122,7 +1135,8 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 2,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3, Q_BUFS)),
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3, Q_BUFS,
+                        ARRIVE)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                         k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
@@ -1139,7 +1153,7 @@ if _GLUON_ERROR is None:
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 0, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS)),
+                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS, ARRIVE)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
                         sched, out_ptr, o_desc, o_smem,
@@ -1147,7 +1161,7 @@ if _GLUON_ERROR is None:
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 1, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS)),
+                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS, ARRIVE)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                         k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
@@ -1172,8 +1186,8 @@ if _GLUON_ERROR is None:
                     mbarrier.init(k_ready.index(st), count=1)
                     mbarrier.init(v_ready.index(st), count=1)
                     # Both consumer warpgroups must release a slot before it is refilled.
-                    mbarrier.init(k_empty.index(st), count=2)
-                    mbarrier.init(v_empty.index(st), count=2)
+                    mbarrier.init(k_empty.index(st), count=2 * ARRIVE)
+                    mbarrier.init(v_empty.index(st), count=2 * ARRIVE)
                 fence_async_shared()
 
                 kv_head = head // group
@@ -1187,7 +1201,7 @@ if _GLUON_ERROR is None:
                                       n_hi, 0, 0, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 0, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
-                                      False, PINGPONG)),
+                                      False, PINGPONG, ARRIVE)),
                     (_consumer_tile, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
                                       v_ready, v_empty, out_ptr, o_desc, o_smem,
                                       lse_ptr, sink_ptr, q_start, m0,
@@ -1195,7 +1209,7 @@ if _GLUON_ERROR is None:
                                       n_hi, 0, 1, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 1, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
-                                      False, PINGPONG)),
+                                      False, PINGPONG, ARRIVE)),
                     (_load_tile, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                                   k_ready, k_empty, v_ready, v_empty, q_start + m0, head,
                                   k_start, kv_head, n_lo, n_hi, 0, 0, 0, HEAD_DIM, HEAD_DIM_V,
@@ -1343,6 +1357,8 @@ def output_box_width(d: int, dv: int, full_tiles: bool = True) -> int:
 
 def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, has_left,
                 has_right, softcap, has_sink):
+    if cfg.arrive_all:
+        arrive_all.install()  # the PTX pass that makes the marked arrives per-thread
     return {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim_v, "BLOCK_N": cfg.block_n,
             "STAGES": cfg.stages, "UNIFORM": uniform, "HAS_SEQUSED": has_seqused,
             "HAS_LEFT": has_left, "HAS_RIGHT": has_right, "SOFTCAP": softcap,
@@ -1350,7 +1366,9 @@ def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, h
             "RESCALE_THRESHOLD": float(cfg.rescale_threshold),
             "CONSUMER_REGS": _consumer_regs(cfg), "LOADER_REGS": cfg.loader_regs,
             "PERSISTENT": bool(cfg.persistent), "PINGPONG": cfg.pingpong,
-            "NUM_WG": cfg.consumer_wgs, "Q_BUFS": cfg.q_buffers if cfg.persistent else 1}
+            "NUM_WG": cfg.consumer_wgs, "Q_BUFS": cfg.q_buffers if cfg.persistent else 1,
+            "ARRIVE": arrive_all.WARPGROUP if cfg.arrive_all else 1,
+            "ARRIVE_PASS": arrive_all.VERSION if cfg.arrive_all else 0}
 
 
 def _consumer_regs(cfg: FwdConfig) -> int:

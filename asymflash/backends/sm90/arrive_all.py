@@ -1,0 +1,164 @@
+"""Warpgroup arrives without a warpgroup barrier: a PTX pass for the Gluon kernels.
+
+Why. Triton 3.6 lowers `mbarrier.arrive` in a 4-warp partition to `bar.sync id, 128` (the
+warpgroup waits for its slowest warp) and one thread's arrive. Our consumer warpgroups
+release a K/V ring slot that way twice per key block (forward) and three times per step
+(backward). Nsight Compute beside FA4, same shapes (H200 2026-11-30, 16k rows,
+`scripts/ncu-compare.sh`, STALLS=1): stall cycles per issued instruction waiting at a
+barrier, ours / FA4's, forward d=64 2.37 / 0.31 and backward d=128 5.34 / 1.59, which is
+about the whole difference in cycles per instruction (8.36 / 6.15 and 13.1 / 10.6); both
+forwards issue the same 1.81 G instructions. FA4's pipelines (CUTLASS) arrive from every
+thread. Gluon 3.6 has no such arrive.
+
+How. A kernel asks for it by arriving with count 128 (its ARRIVE constexpr: a warpgroup's
+threads) on a barrier initialised for 128 arrivals per warpgroup. As compiled, that is
+thread 0 arriving for its warpgroup after the warpgroup barrier: correct without this pass.
+The pass, run on the PTX of our kernels (`install`: triton's add_stages_inspection_hook),
+turns each such arrive into an arrive of count 1 by every thread and deletes the `bar.sync`
+just before it where that barrier orders nothing else: on every path back to the previous
+barrier (labels followed to the jumps that reach them) no generic shared-memory access, no
+proxy fence, no wait for a bulk copy to have read shared memory. Each thread's arrive
+releases its own reads (CUTLASS's consumer_release); the waiter sees all 128 before the
+phase completes. Arrives the pass leaves alone stay correct as compiled.
+
+Binaries with and without the pass compute the same thing, so Triton's cache (whose key
+does not see the hook) cannot hand out a wrong one; VERSION keeps passes apart there. Off
+by default (FwdConfig.arrive_all, BwdConfig.arrive_all) until measured on the H200.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Threads of a warpgroup: an arrive of this count on a warpgroup's behalf is the pass's mark.
+WARPGROUP = 128
+# Bump when rewrite_ptx changes. Kernels built with the pass take it as a constexpr
+# (ARRIVE_PASS), so Triton's cache, whose key does not see this pass, keeps the binaries of
+# different versions apart.
+VERSION = 1
+
+_ARRIVE = re.compile(r"^(\s*)@%p\d+ mbarrier\.arrive\.shared::cta\.b64 _, \[(%r\d+)\], "
+                     rf"{WARPGROUP};\s*$")
+_WARPGROUP_BAR = re.compile(rf"^\s*(bar|barrier)\.sync\s+\d+,\s*{WARPGROUP};\s*$")
+_ANY_BAR = re.compile(r"^\s*(bar|barrier)\.(sync|arrive|red)\b")
+_NEUTRAL = re.compile(r"^\s*($|//|\.loc\b)")
+# What a deleted barrier might have been ordering: generic shared-memory accesses, proxy
+# fences (a thread's stores made visible to TMA/wgmma), non-bulk async copies, and the wait
+# for a bulk copy to have read shared memory (other threads may overwrite it after the
+# barrier). Issuing a bulk copy (TMA) needs no barrier after it; mbarrier waits and arrives
+# are synchronisation, not data.
+_MBARRIER = re.compile(r"^\s*(@!?%p\d+\s+)?mbarrier\.(try_wait|test_wait|arrive)\b")
+_BULK_ISSUE = re.compile(r"^\s*(@!?%p\d+\s+)?(cp\.async\.bulk\.(tensor|commit_group)|"
+                         r"cp\.reduce\.async\.bulk)")
+_DATA = re.compile(r"\.shared\b|\.shared::|matrix|fence\.proxy|cp\.async|cp\.reduce|"
+                   r"\bst\.async")
+# Block labels (the $L__tmp labels PTX carries are line-info markers, not targets) and jumps.
+_LABEL = re.compile(r"^\s*(\$L__BB\w*|[A-Za-z_]\w*):")
+_JUMP = re.compile(r"^\s*(@!?%p\d+\s+)?(bra|brx)(\.uni)?\s+(\$?\w+)\s*;")
+_END = re.compile(r"^\s*(@!?%p\d+\s+)?(ret|exit|trap)\b")
+
+
+def _previous(lines: list[str], i: int) -> int:
+    """Index of the last line before i that is not blank, a comment or a .loc (-1 if none)."""
+    i -= 1
+    while i >= 0 and _NEUTRAL.match(lines[i]):
+        i -= 1
+    return i
+
+
+def _jumps(lines: list[str]) -> dict[str, list[int]]:
+    """Label -> the lines that jump to it (outside inline-asm scopes)."""
+    out: dict[str, list[int]] = {}
+    for i, line in enumerate(lines):
+        m = _JUMP.match(line)
+        if m:
+            out.setdefault(m.group(4), []).append(i)
+    return out
+
+
+def _orders_nothing(lines: list[str], bar: int, jumps: dict, seen: set | None = None) -> bool:
+    """Whether the barrier at `bar` only synchronises execution: on every path back to a
+    previous barrier there is no data access it could order. Labels are followed to the
+    jumps that reach them; labels and jumps inside an inline-asm `{ }` scope (the mbarrier
+    wait loop's) stay local; a path that reaches the function's start fails."""
+    seen = set() if seen is None else seen
+    depth = 0  # inline-asm scopes we are inside, walking backwards
+    i = bar - 1
+    while i >= 0:
+        if depth == 0 and i in seen:
+            return True  # this path was checked already (or is being checked: a loop)
+        seen.add(i)
+        line = lines[i].strip()
+        if line == "}":
+            depth += 1
+        elif line == "{":
+            depth -= 1
+        elif depth > 0:
+            if _DATA.search(line) and not _MBARRIER.match(line):
+                return False
+        elif _ANY_BAR.match(line):
+            return True
+        elif (m := _LABEL.match(line)) is not None:
+            if not all(_orders_nothing(lines, j, jumps, seen) for j in jumps.get(m.group(1), ())):
+                return False
+            prev = _previous(lines, i)
+            if prev >= 0 and (_END.match(lines[prev]) or (
+                    _JUMP.match(lines[prev]) and not lines[prev].lstrip().startswith("@"))):
+                return True  # no fall-through into the label: its jumps were the only ways in
+        elif _DATA.search(line) and not _MBARRIER.match(line) and not _BULK_ISSUE.match(line):
+            return False
+        i -= 1
+    return False  # the function's start: leave it
+
+
+def rewrite_ptx(ptx: str) -> tuple[str, int]:
+    """(PTX with every marked arrive made per-thread where safe, how many were)."""
+    lines = ptx.split("\n")
+    jumps = _jumps(lines)
+    drop: set[int] = set()
+    done = 0
+    for a, line in enumerate(lines):
+        m = _ARRIVE.match(line)
+        if m is None:
+            continue
+        bar = _previous(lines, a)
+        # the arrive is wrapped in "// begin inline asm": _previous skips those comments
+        if bar < 0 or not _WARPGROUP_BAR.match(lines[bar]) or \
+                not _orders_nothing(lines, bar, jumps):
+            continue
+        drop.add(bar)
+        lines[a] = f"{m.group(1)}mbarrier.arrive.shared::cta.b64 _, [{m.group(2)}];"
+        done += 1
+    return "\n".join(x for i, x in enumerate(lines) if i not in drop), done
+
+
+# Kernels the pass may touch: ours, by the names Triton gives them.
+KERNELS = frozenset({"_attn_fwd_kernel", "attn_bwd_ws_kernel"})
+_installed: list = []
+
+
+def install() -> None:
+    """Run `rewrite_ptx` after the PTX stage of our kernels (idempotent; chains a hook
+    someone else installed)."""
+    if _installed:
+        return
+    from triton import knobs
+
+    previous = knobs.runtime.add_stages_inspection_hook
+
+    def hook(backend, stages, options, language, capability):
+        if previous is not None:
+            previous(backend, stages, options, language, capability)
+        make_ptx = stages.get("ptx")
+        if make_ptx is None:
+            return
+
+        def ptx_stage(src, metadata):
+            ptx = make_ptx(src, metadata)
+            if metadata.get("name") in KERNELS:
+                ptx, metadata["asym_arrives_per_thread"] = rewrite_ptx(ptx)
+            return ptx
+        stages["ptx"] = ptx_stage
+
+    knobs.runtime.add_stages_inspection_hook = hook
+    _installed.append(hook)

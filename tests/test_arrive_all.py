@@ -1,0 +1,105 @@
+"""arrive_all.py: the PTX pass that turns a warpgroup's marked arrive (thread 0, count 128,
+after a warpgroup barrier) into an arrive by every thread, dropping the barrier only where it
+orders nothing else. Synthetic PTX for each rule, then our kernels built for sm_90a."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sass_report import sass_report, sm90_build
+
+from asymflash.backends.sm90 import arrive_all, fwd
+
+MARKED = "\t@%p7 mbarrier.arrive.shared::cta.b64 _, [%r9], 128;"
+PER_THREAD = "\tmbarrier.arrive.shared::cta.b64 _, [%r9];"
+WAIT_LOOP = """\t// begin inline asm
+\t{
+\t.reg .pred complete;
+\twaitLoop:
+\tmbarrier.try_wait.parity.shared.b64 complete, [%r4], %r5;
+\t@!complete bra.uni waitLoop;
+\t}
+\t// end inline asm"""
+
+
+def ptx(*body: str) -> str:
+    return "\n".join([".visible .entry k()", "{", *body, "\tret;", "}"])
+
+
+def arrive_after(*region: str) -> str:
+    """A previous barrier, the region, the warpgroup barrier, the marked arrive."""
+    return ptx("\tbar.sync \t1, 128;", *region, "\t.loc\t1 611 20", "\tbar.sync \t1, 128;",
+               "\t// begin inline asm", MARKED, "\t// end inline asm")
+
+
+def test_a_barrier_that_orders_nothing_goes():
+    src = arrive_after("\twgmma.wait_group.sync.aligned 1;", "\tadd.s32 \t%r9, %r8, 16;",
+                       WAIT_LOOP, "\tcp.async.bulk.commit_group;")
+    out, n = arrive_all.rewrite_ptx(src)
+    assert n == 1
+    assert PER_THREAD in out and MARKED not in out
+    assert out.count("bar.sync") == 1  # the previous one stays
+
+
+@pytest.mark.parametrize("access", [
+    "\tst.shared.v2.b32 \t[%r56+163840], {%r1, %r2};",
+    "\tld.shared.f32 \t%r3, [%r56];",
+    "\tstmatrix.sync.aligned.m8n8.x4.shared.b16 [%r4], {%r1, %r2, %r3, %r5};",
+    "\tfence.proxy.async.shared::cta;",
+    "\tcp.async.bulk.wait_group.read 0;",  # others may overwrite what the copy still reads
+])
+def test_a_barrier_after_data_stays(access):
+    src = arrive_after("\tadd.s32 \t%r9, %r8, 16;", access)
+    out, n = arrive_all.rewrite_ptx(src)
+    assert n == 0 and out == src
+
+
+def test_unmarked_arrives_and_barriers_of_other_sizes_stay():
+    single = MARKED.replace(", 128;", ";")
+    src = ptx("\tbar.sync \t1, 128;", "\tbar.sync \t1, 128;", single)
+    assert arrive_all.rewrite_ptx(src) == (src, 0)
+    cta_wide = ptx("\tbar.sync \t1, 128;", "\tbar.sync \t0;", MARKED)
+    assert arrive_all.rewrite_ptx(cta_wide) == (cta_wide, 0)
+
+
+def _branchy(dirty_branch: bool) -> str:
+    """The region reaches a label: by fall-through (clean) and by a jump from a block that
+    may or may not touch shared memory."""
+    side = "\tst.shared.u32 \t[%r1], %r2;" if dirty_branch else "\tadd.s32 \t%r2, %r2, 1;"
+    return ptx("\tbar.sync \t1, 128;", "\t@%p1 bra \t$L__BB0_2;", "\tbar.sync \t1, 128;", side,
+               "\t@%p2 bra \t$L__BB0_3;", "\tadd.s32 \t%r3, %r3, 1;",
+               "$L__BB0_3:                             // in Loop",
+               "\tmul.lo.s32 \t%r4, %r3, 3;", "\tbar.sync \t1, 128;", MARKED,
+               "$L__BB0_2:", "\tadd.s32 \t%r5, %r5, 1;")
+
+
+def test_labels_are_followed_to_every_jump():
+    out, n = arrive_all.rewrite_ptx(_branchy(dirty_branch=False))
+    assert n == 1 and PER_THREAD in out
+    assert arrive_all.rewrite_ptx(_branchy(dirty_branch=True))[1] == 0
+
+
+def test_the_functions_start_is_not_a_barrier():
+    src = ptx("\tadd.s32 \t%r9, %r8, 16;", "\tbar.sync \t1, 128;", MARKED)
+    assert arrive_all.rewrite_ptx(src)[1] == 0
+
+
+gluon = pytest.mark.skipif(fwd._GLUON_ERROR is not None, reason=str(fwd._GLUON_ERROR))
+
+
+@gluon
+@pytest.mark.parametrize("module,kw", [
+    ("fwd", {"head_dim": 64}),
+    ("bwd", {"head_dim": 128}),
+], ids=["fwd-d64", "bwd-d128"])
+def test_kernels_arrive_per_thread_with_fewer_barriers(module, kw):
+    """Built for sm_90a with arrive_all: the pass rewrote the K/V (forward) or Q/dO and dSᵀ
+    (backward) releases, each taking one warpgroup barrier with it, and the build is
+    otherwise the default one's (tensor-core instructions, no new local memory)."""
+    base = sass_report(sm90_build(module), json.dumps(kw))
+    per_thread = sass_report(sm90_build(module), json.dumps({**kw, "cfg": {"arrive_all": True}}))
+    assert base["arrives_per_thread"] == 0
+    assert per_thread["arrives_per_thread"] >= (8 if module == "fwd" else 4)
+    assert per_thread["bars"] == base["bars"] - per_thread["arrives_per_thread"]
+    assert per_thread["hgmma"] == base["hgmma"] and per_thread["local"] <= base["local"]
