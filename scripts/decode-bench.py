@@ -181,13 +181,15 @@ def providers(case, smoke):
 
     def fa4():
         # FA4's own kvcache path: its varlen entry over the cache (paged or not) with
-        # seqused_k, num_splits < 1 = its split heuristic. Missing (no flash_attn.cute, e.g.
-        # without .peers/fa4-b/activate.sh) or failing: listed as failed, never fatal.
+        # seqused_k. One split: on sm90 it refuses split-KV ("SplitKV not supported on SM
+        # 9.0", 4.0.0b36, H200 2026-11-30), which its heuristic (num_splits=0) picks at batch
+        # 8. Missing (no flash_attn.cute, e.g. without .peers/fa4-b/activate.sh, or
+        # PYTHONPATH reset after it) or failing: listed as failed, never fatal.
         from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
 
         out = fa4_varlen(q, case["k_cache"], case["v_cache"], seqused_k=case["seqlens"],
                          max_seqlen_q=1, max_seqlen_k=int(case["k"].shape[1]),
-                         page_table=table, num_splits=0)
+                         page_table=table, num_splits=1)
         return out[0] if isinstance(out, tuple) else out
 
     # SDPA first: it is the yardstick the others' outputs are compared with.
