@@ -48,6 +48,7 @@ print(_json.dumps(dict(
     bars=_sass.count("BAR.SYNC"),
     # arrives the PTX pass of arrive_all.py made per-thread (0 where it did not run)
     arrives_per_thread=getattr(kernel.metadata, "asym_arrives_per_thread", 0),
+    barriers_dropped=getattr(kernel.metadata, "asym_barriers_dropped", 0),
     regs=int(_re.findall(r"REG:(\d+)", _res)[0]), shared=kernel.metadata.shared,
     maxnreg=sorted({int(x) for x in _re.findall(
         r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])}))))

@@ -1,6 +1,7 @@
 """arrive_all.py: the PTX pass that turns a warpgroup's marked arrive (thread 0, count 128,
-after a warpgroup barrier) into an arrive by every thread, dropping the barrier only where it
-orders nothing else. Synthetic PTX for each rule, then our kernels built for sm_90a."""
+after a warpgroup barrier) into an arrive by every thread, and drops the warpgroup barriers
+of those partitions that order nothing. Synthetic PTX for each rule, then our kernels built
+for sm_90a."""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def arrive_after(*region: str) -> str:
 def test_a_barrier_that_orders_nothing_goes():
     src = arrive_after("\twgmma.wait_group.sync.aligned 1;", "\tadd.s32 \t%r9, %r8, 16;",
                        WAIT_LOOP, "\tcp.async.bulk.commit_group;")
-    out, n = arrive_all.rewrite_ptx(src)
-    assert n == 1
+    out, n, dropped = arrive_all.rewrite_ptx(src)
+    assert n == 1 and dropped == 1
     assert PER_THREAD in out and MARKED not in out
     assert out.count("bar.sync") == 1  # the previous one stays
 
@@ -51,16 +52,15 @@ def test_a_barrier_that_orders_nothing_goes():
 ])
 def test_a_barrier_after_data_stays(access):
     src = arrive_after("\tadd.s32 \t%r9, %r8, 16;", access)
-    out, n = arrive_all.rewrite_ptx(src)
-    assert n == 0 and out == src
+    assert arrive_all.rewrite_ptx(src) == (src, 0, 0)
 
 
 def test_unmarked_arrives_and_barriers_of_other_sizes_stay():
     single = MARKED.replace(", 128;", ";")
     src = ptx("\tbar.sync \t1, 128;", "\tbar.sync \t1, 128;", single)
-    assert arrive_all.rewrite_ptx(src) == (src, 0)
+    assert arrive_all.rewrite_ptx(src) == (src, 0, 0)
     cta_wide = ptx("\tbar.sync \t1, 128;", "\tbar.sync \t0;", MARKED)
-    assert arrive_all.rewrite_ptx(cta_wide) == (cta_wide, 0)
+    assert arrive_all.rewrite_ptx(cta_wide) == (cta_wide, 0, 0)
 
 
 def _branchy(dirty_branch: bool) -> str:
@@ -75,14 +75,34 @@ def _branchy(dirty_branch: bool) -> str:
 
 
 def test_labels_are_followed_to_every_jump():
-    out, n = arrive_all.rewrite_ptx(_branchy(dirty_branch=False))
+    out, n, _ = arrive_all.rewrite_ptx(_branchy(dirty_branch=False))
     assert n == 1 and PER_THREAD in out
     assert arrive_all.rewrite_ptx(_branchy(dirty_branch=True))[1] == 0
 
 
 def test_the_functions_start_is_not_a_barrier():
     src = ptx("\tadd.s32 \t%r9, %r8, 16;", "\tbar.sync \t1, 128;", MARKED)
-    assert arrive_all.rewrite_ptx(src)[1] == 0
+    assert arrive_all.rewrite_ptx(src)[1:] == (0, 0)
+
+
+def _loop(body: list[str]) -> str:
+    """A key loop as Triton leaves it: a barrier before the K wait at the top (put there
+    because the last iteration's arrive counts as touching all shared memory), the marked
+    arrive with its barrier, a thread-0 arrive of another barrier with its own, and the
+    back edge; partition 2 has a barrier of its own after the loop."""
+    return ptx("\tbar.sync \t1, 128;", "$L__BB0_4:", "\tbar.sync \t1, 128;", WAIT_LOOP,
+               *body, "\tbar.sync \t1, 128;", MARKED,
+               "\tbar.sync \t1, 128;", "\t@%p7 mbarrier.arrive.shared::cta.b64 _, [%r6];",
+               "\t@%p3 bra \t$L__BB0_4;", "\tbar.sync \t2, 128;", "\tadd.s32 \t%r1, %r1, 1;")
+
+
+def test_the_loop_top_barrier_goes_with_the_arrives_when_the_loop_touches_no_data():
+    out, n, dropped = arrive_all.rewrite_ptx(_loop(["\twgmma.wait_group.sync.aligned 1;"]))
+    assert n == 1 and dropped == 2  # the arrive's and the loop top's
+    # kept: the one before the loop, the thread-0 arrive's, partition 2's
+    assert out.count("bar.sync \t1, 128;") == 2 and out.count("bar.sync \t2, 128;") == 1
+    dirty = arrive_all.rewrite_ptx(_loop(["\tld.shared.f32 \t%r3, [%r56];"]))
+    assert dirty[1:] == (0, 0)
 
 
 gluon = pytest.mark.skipif(fwd._GLUON_ERROR is not None, reason=str(fwd._GLUON_ERROR))
@@ -95,11 +115,12 @@ gluon = pytest.mark.skipif(fwd._GLUON_ERROR is not None, reason=str(fwd._GLUON_E
 ], ids=["fwd-d64", "bwd-d128"])
 def test_kernels_arrive_per_thread_with_fewer_barriers(module, kw):
     """Built for sm_90a with arrive_all: the pass rewrote the K/V (forward) or Q/dO and dSᵀ
-    (backward) releases, each taking one warpgroup barrier with it, and the build is
-    otherwise the default one's (tensor-core instructions, no new local memory)."""
+    (backward) releases and dropped their barriers and those that ordered nothing, and the
+    build is otherwise the default one's (tensor-core instructions, no new local memory)."""
     base = sass_report(sm90_build(module), json.dumps(kw))
     per_thread = sass_report(sm90_build(module), json.dumps({**kw, "cfg": {"arrive_all": True}}))
-    assert base["arrives_per_thread"] == 0
+    assert base["arrives_per_thread"] == 0 and base["barriers_dropped"] == 0
     assert per_thread["arrives_per_thread"] >= (8 if module == "fwd" else 4)
-    assert per_thread["bars"] == base["bars"] - per_thread["arrives_per_thread"]
+    assert per_thread["barriers_dropped"] > per_thread["arrives_per_thread"]
+    assert per_thread["bars"] == base["bars"] - per_thread["barriers_dropped"]
     assert per_thread["hgmma"] == base["hgmma"] and per_thread["local"] <= base["local"]

@@ -13,13 +13,22 @@ thread. Gluon 3.6 has no such arrive.
 How. A kernel asks for it by arriving with count 128 (its ARRIVE constexpr: a warpgroup's
 threads) on a barrier initialised for 128 arrivals per warpgroup. As compiled, that is
 thread 0 arriving for its warpgroup after the warpgroup barrier: correct without this pass.
-The pass, run on the PTX of our kernels (`install`: triton's add_stages_inspection_hook),
-turns each such arrive into an arrive of count 1 by every thread and deletes the `bar.sync`
-just before it where that barrier orders nothing else: on every path back to the previous
-barrier (labels followed to the jumps that reach them) no generic shared-memory access, no
-proxy fence, no wait for a bulk copy to have read shared memory. Each thread's arrive
-releases its own reads (CUTLASS's consumer_release); the waiter sees all 128 before the
-phase completes. Arrives the pass leaves alone stay correct as compiled.
+The pass, run on the PTX of our kernels (`install`: triton's add_stages_inspection_hook):
+1. turns each such arrive into an arrive of count 1 by every thread and deletes the
+   `bar.sync` just before it where that barrier orders nothing else: on every path back to
+   the previous barrier (labels followed to the jumps that reach them) no generic
+   shared-memory access, no proxy fence, no wait for a bulk copy to have read shared memory.
+   Each thread's arrive releases its own reads (CUTLASS's consumer_release); the waiter
+   sees all 128 before the phase completes;
+2. then drops, in the partitions where step 1 rewrote an arrive, every other warpgroup
+   barrier that orders nothing by the same test, except one right before a thread-0 arrive.
+   Triton's barrier pass counts an arrive as reading and writing all of shared memory (a
+   thread-0 arrive publishes the other threads' accesses), so it also puts a barrier before
+   the next shared-memory instruction after each arrive, an mbarrier wait or a wgmma
+   included: the barrier at the top of every key loop. Asynchronous wgmma reads need none:
+   a warpgroup's MMA has read its operands once any of its warps has waited for it (CUTLASS
+   releases a stage from one thread per warpgroup on the same ground).
+Arrives and barriers the pass leaves alone stay as compiled.
 
 Binaries with and without the pass compute the same thing, so Triton's cache (whose key
 does not see the hook) cannot hand out a wrong one; VERSION keeps passes apart there. Off
@@ -35,11 +44,12 @@ WARPGROUP = 128
 # Bump when rewrite_ptx changes. Kernels built with the pass take it as a constexpr
 # (ARRIVE_PASS), so Triton's cache, whose key does not see this pass, keeps the binaries of
 # different versions apart.
-VERSION = 1
+VERSION = 2
 
 _ARRIVE = re.compile(r"^(\s*)@%p\d+ mbarrier\.arrive\.shared::cta\.b64 _, \[(%r\d+)\], "
                      rf"{WARPGROUP};\s*$")
-_WARPGROUP_BAR = re.compile(rf"^\s*(bar|barrier)\.sync\s+\d+,\s*{WARPGROUP};\s*$")
+_WARPGROUP_BAR = re.compile(rf"^\s*(bar|barrier)\.sync\s+(\d+),\s*{WARPGROUP};\s*$")
+_THREAD0_ARRIVE = re.compile(r"^\s*@%p\d+ mbarrier\.arrive\b")
 _ANY_BAR = re.compile(r"^\s*(bar|barrier)\.(sync|arrive|red)\b")
 _NEUTRAL = re.compile(r"^\s*($|//|\.loc\b)")
 # What a deleted barrier might have been ordering: generic shared-memory accesses, proxy
@@ -76,60 +86,94 @@ def _jumps(lines: list[str]) -> dict[str, list[int]]:
     return out
 
 
-def _orders_nothing(lines: list[str], bar: int, jumps: dict, seen: set | None = None) -> bool:
+def _orders_nothing(lines: list[str], bar: int, jumps: dict, gone: set) -> bool:
     """Whether the barrier at `bar` only synchronises execution: on every path back to a
-    previous barrier there is no data access it could order. Labels are followed to the
-    jumps that reach them; labels and jumps inside an inline-asm `{ }` scope (the mbarrier
-    wait loop's) stay local; a path that reaches the function's start fails."""
-    seen = set() if seen is None else seen
-    depth = 0  # inline-asm scopes we are inside, walking backwards
-    i = bar - 1
-    while i >= 0:
-        if depth == 0 and i in seen:
-            return True  # this path was checked already (or is being checked: a loop)
-        seen.add(i)
-        line = lines[i].strip()
-        if line == "}":
-            depth += 1
-        elif line == "{":
-            depth -= 1
-        elif depth > 0:
-            if _DATA.search(line) and not _MBARRIER.match(line):
+    previous barrier (one not in `gone`, the barriers already dropped) there is no data
+    access it could order. Labels are followed to the jumps that reach them; labels and
+    jumps inside an inline-asm `{ }` scope (the mbarrier wait loop's) stay local; a path
+    that reaches the function's start fails."""
+    seen: set[int] = set()
+
+    def clean_before(start: int) -> bool:
+        depth = 0  # inline-asm scopes we are inside, walking backwards
+        i = start - 1
+        while i >= 0:
+            if depth == 0 and i in seen:
+                return True  # this path was checked already (or is being checked: a loop)
+            seen.add(i)
+            line = lines[i].strip()
+            if line == "}":
+                depth += 1
+            elif line == "{":
+                depth -= 1
+            elif depth > 0:
+                if _DATA.search(line) and not _MBARRIER.match(line):
+                    return False
+            elif _ANY_BAR.match(line) and i not in gone:
+                return True
+            elif (m := _LABEL.match(line)) is not None:
+                if not all(clean_before(j) for j in jumps.get(m.group(1), ())):
+                    return False
+                prev = _previous(lines, i)
+                if prev >= 0 and (_END.match(lines[prev]) or (
+                        _JUMP.match(lines[prev]) and not lines[prev].lstrip().startswith("@"))):
+                    return True  # no fall-through into the label: its jumps were the only ways
+            elif _DATA.search(line) and not _MBARRIER.match(line) and \
+                    not _BULK_ISSUE.match(line):
                 return False
-        elif _ANY_BAR.match(line):
-            return True
-        elif (m := _LABEL.match(line)) is not None:
-            if not all(_orders_nothing(lines, j, jumps, seen) for j in jumps.get(m.group(1), ())):
-                return False
-            prev = _previous(lines, i)
-            if prev >= 0 and (_END.match(lines[prev]) or (
-                    _JUMP.match(lines[prev]) and not lines[prev].lstrip().startswith("@"))):
-                return True  # no fall-through into the label: its jumps were the only ways in
-        elif _DATA.search(line) and not _MBARRIER.match(line) and not _BULK_ISSUE.match(line):
-            return False
-        i -= 1
-    return False  # the function's start: leave it
+            i -= 1
+        return False  # the function's start: leave it
+
+    return clean_before(bar)
 
 
-def rewrite_ptx(ptx: str) -> tuple[str, int]:
-    """(PTX with every marked arrive made per-thread where safe, how many were)."""
+def _next(lines: list[str], i: int) -> int:
+    """Index of the first line after i that is not blank, a comment or a .loc."""
+    i += 1
+    while i < len(lines) and _NEUTRAL.match(lines[i]):
+        i += 1
+    return i
+
+
+def rewrite_ptx(ptx: str) -> tuple[str, int, int]:
+    """(PTX with every marked arrive made per-thread where safe, how many were, how many
+    warpgroup barriers were dropped).
+
+    First each marked arrive with the barrier before it. Then, in the partitions that had
+    one (their barrier ids), every other warpgroup barrier that orders nothing either: those
+    are there because Triton's barrier pass counts an arrive as reading and writing all of
+    shared memory (a thread-0 arrive publishes the others' accesses), so it also puts one
+    before the next shared-memory instruction after the arrive, an mbarrier wait included:
+    the loop-top barrier of our key loops. A barrier right before an arrive the pass did not
+    make per-thread stays: that thread-0 arrive needs the warpgroup done."""
     lines = ptx.split("\n")
     jumps = _jumps(lines)
-    drop: set[int] = set()
-    done = 0
+    gone: set[int] = set()
+    ids: set[str] = set()
+    arrives = 0
     for a, line in enumerate(lines):
         m = _ARRIVE.match(line)
         if m is None:
             continue
         bar = _previous(lines, a)
         # the arrive is wrapped in "// begin inline asm": _previous skips those comments
-        if bar < 0 or not _WARPGROUP_BAR.match(lines[bar]) or \
-                not _orders_nothing(lines, bar, jumps):
+        b = _WARPGROUP_BAR.match(lines[bar]) if bar >= 0 else None
+        if b is None or not _orders_nothing(lines, bar, jumps, gone):
             continue
-        drop.add(bar)
+        gone.add(bar)
+        ids.add(b.group(2))
         lines[a] = f"{m.group(1)}mbarrier.arrive.shared::cta.b64 _, [{m.group(2)}];"
-        done += 1
-    return "\n".join(x for i, x in enumerate(lines) if i not in drop), done
+        arrives += 1
+    for i, line in enumerate(lines):
+        b = _WARPGROUP_BAR.match(line)
+        if b is None or i in gone or b.group(2) not in ids:
+            continue
+        nxt = _next(lines, i)
+        if nxt < len(lines) and _THREAD0_ARRIVE.match(lines[nxt]):
+            continue
+        if _orders_nothing(lines, i, jumps, gone):
+            gone.add(i)
+    return "\n".join(x for i, x in enumerate(lines) if i not in gone), arrives, len(gone)
 
 
 # Kernels the pass may touch: ours, by the names Triton gives them.
@@ -156,7 +200,8 @@ def install() -> None:
         def ptx_stage(src, metadata):
             ptx = make_ptx(src, metadata)
             if metadata.get("name") in KERNELS:
-                ptx, metadata["asym_arrives_per_thread"] = rewrite_ptx(ptx)
+                ptx, metadata["asym_arrives_per_thread"], metadata["asym_barriers_dropped"] = \
+                    rewrite_ptx(ptx)
             return ptx
         stages["ptx"] = ptx_stage
 
