@@ -68,6 +68,9 @@ def asymflash_providers(device: str) -> list:
                                         "one exponential in 8 on the FMA pipe"))
         providers.append(_sm90_switched("rescale8", "ASYMFLASH_SM90_RESCALE", "8",
                                         "O rescaled only when a row max grows by > 2^8"))
+        providers.append(_sm90_switched("arriveall", "ASYMFLASH_SM90_ARRIVE_ALL", "1",
+                                        "slots released per thread (arrive_all.py)",
+                                        modes=("fwd", "bwd")))
     return providers
 
 
@@ -84,8 +87,10 @@ def _switch_set(name: str, value: str):
             os.environ[name] = old
 
 
-def _sm90_switched(label: str, switch: str, value: str, what: str) -> Provider:
-    """The sm90 forward with one of FA4's tricks switched on: the table's on/off columns."""
+def _sm90_switched(label: str, switch: str, value: str, what: str,
+                   modes: tuple = ("fwd",)) -> Provider:
+    """The sm90 backend with one switch on (FA4's forward tricks, per-thread slot releases):
+    the table's on/off columns."""
     base = _asymflash_backend("sm90")
 
     @contextlib.contextmanager
@@ -94,7 +99,7 @@ def _sm90_switched(label: str, switch: str, value: str, what: str) -> Provider:
             yield
 
     return Provider(f"asymflash-sm90-{label}", base.make_fwd, base.available, context,
-                    is_asymflash=True, modes=("fwd",), opt_in=True,
+                    is_asymflash=True, modes=modes, opt_in=True,
                     description=f"the sm90 forward with {switch}={value}: {what}")
 
 

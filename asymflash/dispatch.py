@@ -52,7 +52,7 @@ SM90_TESTED_TRITON = ("3.6.",)
 # plan's key (`switches`).
 SWITCHES = ("ASYMFLASH_SM90_BWD", "ASYMFLASH_SM90_PACK_GQA", "ASYMFLASH_PORTABLE_SPLIT",
             "ASYMFLASH_SM90_STRIDED", "ASYMFLASH_SM90_EXP2_EMU", "ASYMFLASH_SM90_RESCALE",
-            "ASYMFLASH_SM90_DECODE")
+            "ASYMFLASH_SM90_DECODE", "ASYMFLASH_SM90_ARRIVE_ALL")
 _ENV_DATA = getattr(os.environ, "_data", None)  # CPython's dict behind os.environ
 _SWITCH_KEYS = tuple(os.fsencode(n) for n in SWITCHES) if os.name == "posix" else ()
 

@@ -124,3 +124,36 @@ def test_kernels_arrive_per_thread_with_fewer_barriers(module, kw):
     assert per_thread["barriers_dropped"] > per_thread["arrives_per_thread"]
     assert per_thread["bars"] == base["bars"] - per_thread["barriers_dropped"]
     assert per_thread["hgmma"] == base["hgmma"] and per_thread["local"] <= base["local"]
+
+
+def test_the_switch_applies_to_every_call_unless_a_config_is_given(monkeypatch):
+    """ASYMFLASH_SM90_ARRIVE_ALL=1 turns arrive_all on in the plans of calls without a
+    config (forward and backward), changes nothing else in them, and keys call plans."""
+    from dataclasses import replace
+
+    from asymflash import dispatch
+    from asymflash.backends.sm90 import bwd
+
+    def fwd_plan(cfg=None):
+        return fwd.launch_plan(128, 128, 2048, 2048, True, False, -1, 0, False, False, 2, 8,
+                               8, 132, cfg, (0, 0.0), cfg is None and fwd.arrive_all_switch())
+
+    def bwd_plan(cfg=None):
+        return bwd.launch_plan(128, 128, 2048, 2048, True, False, -1, 0, False, False, 2, 8,
+                               132, cfg, cfg is None and fwd.arrive_all_switch())
+
+    monkeypatch.delenv(fwd.ARRIVE_ALL_SWITCH, raising=False)
+    off_f, off_b = fwd_plan(), bwd_plan()
+    assert off_f.constexprs["ARRIVE"] == 1 and off_b.constexprs["ARRIVE"] == 1
+    monkeypatch.setenv(fwd.ARRIVE_ALL_SWITCH, "1")
+    on_f, on_b = fwd_plan(), bwd_plan()
+    assert on_f.constexprs["ARRIVE"] == arrive_all.WARPGROUP == on_b.constexprs["ARRIVE"]
+    assert on_f.constexprs["ARRIVE_PASS"] == arrive_all.VERSION
+    assert replace(on_f.cfg, arrive_all=False) == off_f.cfg and on_f.grid == off_f.grid
+    assert replace(on_b.cfg, arrive_all=False) == off_b.cfg and on_b.grid == off_b.grid
+    given = fwd._DEFAULT_CONFIGS[128]
+    assert not fwd_plan(cfg=given).cfg.arrive_all  # an explicit config wins
+    monkeypatch.setenv(fwd.ARRIVE_ALL_SWITCH, "yes")
+    with pytest.raises(ValueError, match=fwd.ARRIVE_ALL_SWITCH):
+        fwd.arrive_all_switch()
+    assert fwd.ARRIVE_ALL_SWITCH in dispatch.SWITCHES

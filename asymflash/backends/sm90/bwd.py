@@ -715,7 +715,7 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
     plan = launch_plan(width, width_v, seq.max_seqlen_q, seq.max_seqlen_k,
                        bool(seq.uniform and not has_seqused), has_seqused, wl, wr,
                        params.softcap > 0, params.deterministic, seq.batch, hkv,
-                       sm_count(q.device), cfg)
+                       sm_count(q.device), cfg, cfg is None and _fwd.arrive_all_switch())
     cfg = plan.cfg
     # The dO descriptor shares Q's compiled element type and needs TMA-friendly strides.
     # (Each no-op conversion still costs host time: convert only what needs it.)
@@ -787,9 +787,12 @@ class LaunchPlan:
 def launch_plan(width: int, width_v: int, max_seqlen_q: int, max_seqlen_k: int,
                 uniform: bool, has_seqused: bool, window_left: int, window_right: int,
                 softcap: bool, deterministic: bool, batch: int, hkv: int, sms: int,
-                cfg: BwdConfig | None) -> LaunchPlan:
-    """Config, grid and constexprs of one backward call (cfg: an override, or None)."""
+                cfg: BwdConfig | None, arrive: bool = False) -> LaunchPlan:
+    """Config, grid and constexprs of one backward call (cfg: an override, or None; arrive:
+    ASYMFLASH_SM90_ARRIVE_ALL, `fwd.arrive_all_switch`, applied to the config)."""
     cfg = select_config(width, cfg, softcap, deterministic)
+    if arrive:
+        cfg = replace(cfg, arrive_all=True)
     grid = (cdiv(max(max_seqlen_k, 1), cfg.block_n), hkv, batch)
     split = _splits_warpgroups(width, cfg, deterministic, softcap)
     consts = _constexprs(width, width_v, cfg, split=split, uniform=uniform,

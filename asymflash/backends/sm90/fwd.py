@@ -284,13 +284,30 @@ def fa4_tricks() -> tuple[int, float]:
     return emu, thr
 
 
+# Per-thread slot releases (FwdConfig.arrive_all, `arrive_all.py`) for every call:
+# ASYMFLASH_SM90_ARRIVE_ALL=1 (the forward here, the backward in bwd.py). Off by default until
+# measured on the H200; part of dispatch.SWITCHES.
+ARRIVE_ALL_SWITCH = "ASYMFLASH_SM90_ARRIVE_ALL"
+
+
+def arrive_all_switch() -> bool:
+    """ASYMFLASH_SM90_ARRIVE_ALL: "1" on, "0" or unset off; anything else raises."""
+    text = os.environ.get(ARRIVE_ALL_SWITCH) or "0"
+    if text not in ("0", "1"):
+        raise ValueError(f"{ARRIVE_ALL_SWITCH}={text!r}: expected 0 (off) or 1 (per-thread "
+                         "slot releases, arrive_all.py)")
+    return text == "1"
+
+
 @functools.lru_cache(maxsize=4096)
 def launch_plan(d: int, dv: int, max_seqlen_q: int, max_seqlen_k: int, uniform: bool,
                 has_seqused: bool, window_left: int, window_right: int, softcap: bool,
                 has_sink: bool, batch: int, hq: int, hkv: int, sms: int,
-                cfg: FwdConfig | None, tricks: tuple[int, float] = (0, 0.0)) -> LaunchPlan:
+                cfg: FwdConfig | None, tricks: tuple[int, float] = (0, 0.0),
+                arrive: bool = False) -> LaunchPlan:
     """The config, grid and constexprs of one call (cfg: an override, or None; tricks:
-    `fa4_tricks()` (callers pass (0, 0.0) with an override), applied to the config)."""
+    `fa4_tricks()` and arrive: `arrive_all_switch()` (callers pass the defaults with an
+    override), applied to the config)."""
     plain = not softcap and not has_sink and window_left < 0
     local = window_left >= 0 or window_right >= 0
     dense = uniform and not has_seqused
@@ -303,6 +320,8 @@ def launch_plan(d: int, dv: int, max_seqlen_q: int, max_seqlen_k: int, uniform: 
         cfg = _default_config(d, local)
     if tricks != (0, 0.0):
         cfg = replace(cfg, exp2_emu_every=tricks[0], rescale_threshold=tricks[1])
+    if arrive:
+        cfg = replace(cfg, arrive_all=True)
     num_m_blocks = cdiv(max_seqlen_q, BLOCK_M_WG * max(cfg.consumer_wgs, 1))
     num_tiles = num_m_blocks * hq * batch
     cfg, grid, hb_chunk = persistent_launch(cfg, max_seqlen_q, max_seqlen_k, dense, batch,
@@ -1612,7 +1631,8 @@ def _launch_plan_of(d, dv, q, k, seq: SeqInfo, params: AttnParams, sink, cfg) ->
                        seq.seqused_k is not None, params.mask.window_left,
                        params.mask.window_right, params.softcap > 0, sink is not None,
                        seq.batch, q.shape[1], k.shape[1], sm_count(q.device), cfg,
-                       (0, 0.0) if cfg is not None else fa4_tricks())
+                       (0, 0.0) if cfg is not None else fa4_tricks(),
+                       cfg is None and arrive_all_switch())
 
 
 def _launch(q, k, v, seq: SeqInfo, params: AttnParams, sink, plan: LaunchPlan, padded: bool,
