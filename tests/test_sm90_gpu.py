@@ -277,62 +277,38 @@ PERSISTENT_CASES = CASES + [
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("grid", ["plain-grid", "persistent", "plain-pingpong",
                                   "persistent-pingpong", "persistent-3wg", "persistent-2q",
-                                  "persistent-3wg-2q"])
+                                  "persistent-3wg-2q", "plain-grid-arrive", "persistent-arrive",
+                                  "persistent-3wg-arrive", "persistent-2q-arrive"])
 @pytest.mark.parametrize("case", PERSISTENT_CASES,
                          ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
 def test_sm90_forward_grid_matches_reference(case, grid):
     # Both grids forced, each with and without ping-pong between the consumer warpgroups,
     # the persistent one also with three consumer warpgroups and/or a second Q buffer each:
-    # the default (`use_persistent`, pingpong off) picks one per shape.
+    # the default (`use_persistent`, pingpong off) picks one per shape. "arrive": K/V slots
+    # released by every thread (FwdConfig.arrive_all, arrive_all.py's PTX pass), checked also
+    # for the same bits on every repeat (a slot refilled while a warp still read it would show
+    # as a change).
     from dataclasses import replace
 
     from asymflash.backends.sm90 import fwd
 
     batch, sq, sk, hq, hkv, d, dtype, window, softcap, use_sink, varlen = case
-    if "3wg" in grid and d != 64:
+    flags = grid.split("-")
+    if "3wg" in flags and d != 64:
         pytest.skip("three consumer warpgroups are built for d=64 only")
-    if grid.endswith("2q") and d > 128:
+    if "2q" in flags and d > 128:
         pytest.skip("a second Q buffer is built for d <= 128 only")
     q, k, v, seq = make_inputs(batch, sq, sk, hq, hkv, d, d, dtype, varlen=varlen)
     params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(*window), softcap=softcap)
     sink = torch.randn(hq, device="cuda") if use_sink else None
-    cfg = replace(fwd.select_config(d, d, params), persistent=grid.startswith("persistent"),
-                  pingpong=grid.endswith("pingpong"),
-                  consumer_wgs=3 if "3wg" in grid else 2,
-                  q_buffers=2 if grid.endswith("2q") else 1)
+    cfg = replace(fwd.select_config(d, d, params), persistent="persistent" in flags,
+                  pingpong="pingpong" in flags, consumer_wgs=3 if "3wg" in flags else 2,
+                  q_buffers=2 if "2q" in flags else 1, arrive_all="arrive" in flags)
     out_err, lse_err, tol = check_forward(fwd, q, k, v, seq, params, sink, cfg=cfg)
     assert out_err <= tol, (out_err, tol)
     assert lse_err <= 1e-3, lse_err
-
-
-@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("grid", ["plain-grid", "persistent", "persistent-3wg",
-                                  "persistent-2q"])
-@pytest.mark.parametrize("case", PERSISTENT_CASES,
-                         ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
-def test_sm90_forward_arrive_all_matches_reference(case, grid):
-    """K/V slots released by an arrive from every thread (FwdConfig.arrive_all, the PTX pass
-    of arrive_all.py): the reference's values, and the same bits on every repeat (a slot
-    refilled while a warp still read it would show as a change)."""
-    from dataclasses import replace
-
-    from asymflash.backends.sm90 import fwd
-
-    batch, sq, sk, hq, hkv, d, dtype, window, softcap, use_sink, varlen = case
-    if "3wg" in grid and d != 64:
-        pytest.skip("three consumer warpgroups are built for d=64 only")
-    if grid.endswith("2q") and d > 128:
-        pytest.skip("a second Q buffer is built for d <= 128 only")
-    q, k, v, seq = make_inputs(batch, sq, sk, hq, hkv, d, d, dtype, varlen=varlen)
-    params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(*window), softcap=softcap)
-    sink = torch.randn(hq, device="cuda") if use_sink else None
-    cfg = replace(fwd.select_config(d, d, params), persistent=grid.startswith("persistent"),
-                  consumer_wgs=3 if "3wg" in grid else 2,
-                  q_buffers=2 if grid.endswith("2q") else 1, arrive_all=True)
-    out_err, lse_err, tol = check_forward(fwd, q, k, v, seq, params, sink, cfg=cfg)
-    assert out_err <= tol, (out_err, tol)
-    assert lse_err <= 1e-3, lse_err
-    first = fwd.forward(q, k, v, seq, params, sink, cfg=cfg)
-    for _ in range(10):
-        again = fwd.forward(q, k, v, seq, params, sink, cfg=cfg)
-        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    if cfg.arrive_all:
+        first = fwd.forward(q, k, v, seq, params, sink, cfg=cfg)
+        for _ in range(10):
+            again = fwd.forward(q, k, v, seq, params, sink, cfg=cfg)
+            assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
