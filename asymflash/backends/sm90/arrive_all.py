@@ -44,7 +44,7 @@ WARPGROUP = 128
 # Bump when rewrite_ptx changes. Kernels built with the pass take it as a constexpr
 # (ARRIVE_PASS), so Triton's cache, whose key does not see this pass, keeps the binaries of
 # different versions apart.
-VERSION = 2
+VERSION = 3
 
 _ARRIVE = re.compile(r"^(\s*)@%p\d+ mbarrier\.arrive\.shared::cta\.b64 _, \[(%r\d+)\], "
                      rf"{WARPGROUP};\s*$")
@@ -52,16 +52,17 @@ _WARPGROUP_BAR = re.compile(rf"^\s*(bar|barrier)\.sync\s+(\d+),\s*{WARPGROUP};\s
 _THREAD0_ARRIVE = re.compile(r"^\s*@%p\d+ mbarrier\.arrive\b")
 _ANY_BAR = re.compile(r"^\s*(bar|barrier)\.(sync|arrive|red)\b")
 _NEUTRAL = re.compile(r"^\s*($|//|\.loc\b)")
-# What a deleted barrier might have been ordering: generic shared-memory accesses, proxy
-# fences (a thread's stores made visible to TMA/wgmma), non-bulk async copies, and the wait
-# for a bulk copy to have read shared memory (other threads may overwrite it after the
-# barrier). Issuing a bulk copy (TMA) needs no barrier after it; mbarrier waits and arrives
-# are synchronisation, not data.
+# What a deleted barrier might have been ordering: any load, store or atomic (shared or
+# global: a barrier orders both; kernel-parameter loads aside), proxy fences (a thread's
+# stores made visible to TMA/wgmma), non-bulk async copies, and the wait for a bulk copy to
+# have read shared memory (other threads may overwrite it after the barrier). Issuing a
+# bulk copy (TMA) needs no barrier after it; mbarrier waits and arrives are
+# synchronisation, not data.
 _MBARRIER = re.compile(r"^\s*(@!?%p\d+\s+)?mbarrier\.(try_wait|test_wait|arrive)\b")
 _BULK_ISSUE = re.compile(r"^\s*(@!?%p\d+\s+)?(cp\.async\.bulk\.(tensor|commit_group)|"
                          r"cp\.reduce\.async\.bulk)")
 _DATA = re.compile(r"\.shared\b|\.shared::|matrix|fence\.proxy|cp\.async|cp\.reduce|"
-                   r"\bst\.async")
+                   r"\bst\.async|\b(ld|st|atom|red)\.(?!param\b)")
 # Block labels (the $L__tmp labels PTX carries are line-info markers, not targets) and jumps.
 _LABEL = re.compile(r"^\s*(\$L__BB\w*|[A-Za-z_]\w*):")
 _JUMP = re.compile(r"^\s*(@!?%p\d+\s+)?(bra|brx)(\.uni)?\s+(\$?\w+)\s*;")
