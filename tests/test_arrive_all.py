@@ -96,6 +96,18 @@ def _loop(body: list[str]) -> str:
                "\t@%p3 bra \t$L__BB0_4;", "\tbar.sync \t2, 128;", "\tadd.s32 \t%r1, %r1, 1;")
 
 
+def test_register_arithmetic_between_a_barrier_and_its_arrive():
+    """The arrive's predicate is often computed between the barrier and the arrive: a marked
+    arrive is still found, and a thread-0 arrive still keeps its barrier."""
+    setp = "\tsetp.eq.b32 \t%p7, %r12, 0;"
+    src = ptx("\tbar.sync \t1, 128;", "\tadd.s32 \t%r9, %r8, 16;", "\tbar.sync \t1, 128;",
+              setp, MARKED, "\tadd.s32 \t%r2, %r2, 1;", "\tbar.sync \t1, 128;", setp,
+              "\t@%p7 mbarrier.arrive.shared::cta.b64 _, [%r6];")
+    out, n, dropped = arrive_all.rewrite_ptx(src)
+    assert n == 1 and dropped == 1 and PER_THREAD in out
+    assert out.count("bar.sync") == 2  # the first and the thread-0 arrive's
+
+
 def test_the_loop_top_barrier_goes_with_the_arrives_when_the_loop_touches_no_data():
     out, n, dropped = arrive_all.rewrite_ptx(_loop(["\twgmma.wait_group.sync.aligned 1;"]))
     assert n == 1 and dropped == 2  # the arrive's and the loop top's

@@ -44,7 +44,7 @@ WARPGROUP = 128
 # Bump when rewrite_ptx changes. Kernels built with the pass take it as a constexpr
 # (ARRIVE_PASS), so Triton's cache, whose key does not see this pass, keeps the binaries of
 # different versions apart.
-VERSION = 3
+VERSION = 5
 
 _ARRIVE = re.compile(r"^(\s*)@%p\d+ mbarrier\.arrive\.shared::cta\.b64 _, \[(%r\d+)\], "
                      rf"{WARPGROUP};\s*$")
@@ -128,12 +128,33 @@ def _orders_nothing(lines: list[str], bar: int, jumps: dict, gone: set) -> bool:
     return clean_before(bar)
 
 
-def _next(lines: list[str], i: int) -> int:
-    """Index of the first line after i that is not blank, a comment or a .loc."""
-    i += 1
-    while i < len(lines) and _NEUTRAL.match(lines[i]):
-        i += 1
-    return i
+def _plain(line: str) -> bool:
+    """A register-only instruction (or a neutral line): no memory, synchronisation, wgmma,
+    label or branch."""
+    return not (_ANY_BAR.match(line) or _LABEL.match(line) or _JUMP.match(line) or
+                _DATA.search(line) or "mbarrier" in line or "wgmma" in line)
+
+
+def _barrier_before(lines: list[str], a: int) -> int:
+    """The warpgroup barrier just before the arrive at `a` (register arithmetic, such as
+    the arrive's predicate, may sit between them), or -1."""
+    i = a - 1
+    while i >= 0 and not _ANY_BAR.match(lines[i]):
+        if not _plain(lines[i]):
+            return -1
+        i -= 1
+    return i if i >= 0 and _WARPGROUP_BAR.match(lines[i]) else -1
+
+
+def _guards_thread0_arrive(lines: list[str], bar: int) -> bool:
+    """Whether a thread-0 arrive follows the barrier at `bar` before anything else that
+    synchronises, touches memory or branches (register arithmetic may sit between them)."""
+    for line in lines[bar + 1:]:
+        if _THREAD0_ARRIVE.match(line):
+            return True
+        if not _plain(line):
+            return False
+    return False
 
 
 def rewrite_ptx(ptx: str) -> tuple[str, int, int]:
@@ -156,11 +177,10 @@ def rewrite_ptx(ptx: str) -> tuple[str, int, int]:
         m = _ARRIVE.match(line)
         if m is None:
             continue
-        bar = _previous(lines, a)
-        # the arrive is wrapped in "// begin inline asm": _previous skips those comments
-        b = _WARPGROUP_BAR.match(lines[bar]) if bar >= 0 else None
-        if b is None or not _orders_nothing(lines, bar, jumps, gone):
+        bar = _barrier_before(lines, a)
+        if bar < 0 or not _orders_nothing(lines, bar, jumps, gone):
             continue
+        b = _WARPGROUP_BAR.match(lines[bar])
         gone.add(bar)
         ids.add(b.group(2))
         lines[a] = f"{m.group(1)}mbarrier.arrive.shared::cta.b64 _, [{m.group(2)}];"
@@ -169,8 +189,7 @@ def rewrite_ptx(ptx: str) -> tuple[str, int, int]:
         b = _WARPGROUP_BAR.match(line)
         if b is None or i in gone or b.group(2) not in ids:
             continue
-        nxt = _next(lines, i)
-        if nxt < len(lines) and _THREAD0_ARRIVE.match(lines[nxt]):
+        if _guards_thread0_arrive(lines, i):
             continue
         if _orders_nothing(lines, i, jumps, gone):
             gone.add(i)
