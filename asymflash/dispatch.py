@@ -8,6 +8,7 @@ A backend is a module with
 and, if it has a backward,
     unsupported_backward(q, k, v, seq, params, sink) -> str | None
     backward(dout, q, k, v, out, lse, dlse, seq, params, sink) -> (dq, dk, dv, dsink)
+        (dsink None when sink is None)
 and optionally, for the call plans of `plans.py` (one per call signature),
     forward_runner(q, k, v, seq, params, sink) -> runner(q, k, v, sink) -> (out, lse), or None
 All backends compute the same semantics (reference.py + core/), so any forward may be paired

@@ -79,7 +79,10 @@ def _bwd_impl(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     seq = _seq(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, uniform)
     params = _params(softmax_scale, window_left, window_right, softcap, deterministic)
     backend = dispatch.pick_backward(q, k, v, seq, params, sink)
-    return backend.backward(dout, q, k, v, out, lse, dlse, seq, params, sink)
+    dq, dk, dv, dsink = backend.backward(dout, q, k, v, out, lse, dlse, seq, params, sink)
+    if dsink is None:  # no sink: the op still returns a tensor (its schema's)
+        dsink = torch.zeros(nheads_q, dtype=torch.float32, device=q.device)
+    return dq, dk, dv, dsink
 
 
 @torch.library.custom_op("asymflash::bwd", mutates_args=())

@@ -294,3 +294,25 @@ def test_flash_attn_2_keywords():
     assert none is None and torch.equal(vout, out.reshape(vout.shape))
     with pytest.raises(NotImplementedError, match="dropout_p"):
         flash_attn_varlen_func(*rows, cu, cu, 17, 17, dropout_p=0.5)
+
+
+def test_without_a_sink_backends_return_no_sink_gradient_and_the_op_zeros():
+    """Backends return dsink None without a sink (no zeros made per backward call); the
+    custom op's implementation, whose schema returns a tensor, makes the zeros."""
+    from asymflash import interface
+    from asymflash.backends import cpu
+    from asymflash.core.params import AttnParams, SeqInfo
+
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(17, 4, 32) for _ in range(4))
+    seq = SeqInfo.dense(1, 17, 17, "cpu")
+    params = AttnParams(32 ** -0.5)
+    out, lse = cpu.forward(q, k, v, seq, params, None)
+    grads = cpu.backward(dout, q, k, v, out, lse, None, seq, params, None)
+    assert grads[3] is None and grads[0].abs().max() > 0
+    op = interface._bwd_impl(dout, None, q, k, v, out, lse, seq.cu_seqlens_q,
+                             seq.cu_seqlens_k, None, None, 17, 17, params.softmax_scale, -1, -1,
+                             0.0, True, False)
+    assert torch.equal(op[3], torch.zeros(4))
+    for a, b in zip(op[:3], grads[:3]):
+        torch.testing.assert_close(a, b)

@@ -111,9 +111,11 @@ def row_terms(dout, out, dlse):
 
 
 def sink_grad(sink, lse, d_rows):
-    """d loss / d sink[h] = -sum over rows of P_sink * D (the sink carries no value)."""
+    """d loss / d sink[h] = -sum over rows of P_sink * D (the sink carries no value); None
+    without a sink (no zeros made per backward call: the eager path drops it, the custom op,
+    which must return a tensor, makes the zeros itself)."""
     if sink is None:
-        return torch.zeros(lse.shape[0], dtype=torch.float32, device=lse.device)
+        return None
     p_sink = torch.exp(sink.float().unsqueeze(1) - lse)
     return -(p_sink * d_rows).sum(1)
 
