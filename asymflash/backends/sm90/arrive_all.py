@@ -44,13 +44,16 @@ WARPGROUP = 128
 # Bump when rewrite_ptx changes. Kernels built with the pass take it as a constexpr
 # (ARRIVE_PASS), so Triton's cache, whose key does not see this pass, keeps the binaries of
 # different versions apart.
-VERSION = 5
+VERSION = 6
 
 _ARRIVE = re.compile(r"^(\s*)@%p\d+ mbarrier\.arrive\.shared::cta\.b64 _, \[(%r\d+)\], "
                      rf"{WARPGROUP};\s*$")
 _WARPGROUP_BAR = re.compile(rf"^\s*(bar|barrier)\.sync\s+(\d+),\s*{WARPGROUP};\s*$")
 _THREAD0_ARRIVE = re.compile(r"^\s*@%p\d+ mbarrier\.arrive\b")
-_ANY_BAR = re.compile(r"^\s*(bar|barrier)\.(sync|arrive|red)\b")
+_ANY_BAR = re.compile(r"^\s*(@!?%p\d+\s+)?(bar|barrier)(\.cta)?\.(sync|arrive|red)\b")
+# The barriers that order memory for every thread that reaches them (a bar.arrive does not
+# make its thread wait): only those end a region walked back from a barrier.
+_SYNC_BAR = re.compile(r"^\s*(bar|barrier)(\.cta)?\.(sync|red)\b")
 _NEUTRAL = re.compile(r"^\s*($|//|\.loc\b)")
 # What a deleted barrier might have been ordering: any load, store or atomic (shared or
 # global: a barrier orders both; kernel-parameter loads aside), proxy fences (a thread's
@@ -110,7 +113,7 @@ def _orders_nothing(lines: list[str], bar: int, jumps: dict, gone: set) -> bool:
             elif depth > 0:
                 if _DATA.search(line) and not _MBARRIER.match(line):
                     return False
-            elif _ANY_BAR.match(line) and i not in gone:
+            elif _SYNC_BAR.match(line) and i not in gone:
                 return True
             elif (m := _LABEL.match(line)) is not None:
                 if not all(clean_before(j) for j in jumps.get(m.group(1), ())):
@@ -139,7 +142,7 @@ def _barrier_before(lines: list[str], a: int) -> int:
     """The warpgroup barrier just before the arrive at `a` (register arithmetic, such as
     the arrive's predicate, may sit between them), or -1."""
     i = a - 1
-    while i >= 0 and not _ANY_BAR.match(lines[i]):
+    while i >= 0 and not _SYNC_BAR.match(lines[i]):
         if not _plain(lines[i]):
             return -1
         i -= 1
