@@ -5,6 +5,8 @@ here; on the GPU box the sm90 forward's runner, launched through a bound binary)
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers import forced
@@ -156,6 +158,10 @@ def test_switches_follow_the_environment(monkeypatch):
     got = dict(zip(dispatch.SWITCHES, dispatch.switches()))
     assert got["ASYMFLASH_SM90_PACK_GQA"] in ("0", b"0")
     assert got["ASYMFLASH_SM90_BWD"] is None
+    # one switch at a time (what the backends read per launch): os.environ.get's answer
+    monkeypatch.setenv("ASYMFLASH_SM90_ARRIVE_ALL", "1")
+    for name in dispatch.SWITCHES + ("NOT_A_SWITCH",):
+        assert dispatch.switch(name) == os.environ.get(name), name
 
 
 # flash_attn_varlen_func: the offsets tensors are part of the key by identity and version.

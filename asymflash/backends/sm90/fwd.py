@@ -41,11 +41,11 @@ once per (dtype, head dims, config, feature switches).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
+from asymflash import dispatch
 from asymflash.core.params import AttnParams, MaskSpec, SeqInfo, cdiv
 
 from ..launch import DirectLaunch, descriptor_token, sm_count
@@ -265,8 +265,8 @@ EXP2_EMU_CHOICES = (0, 2, 4, 8)
 
 def fa4_tricks() -> tuple[int, float]:
     """(exp2_emu_every, rescale_threshold) set by the switches; ValueError on a bad value."""
-    emu_text = os.environ.get(EXP2_EMU_SWITCH) or "0"
-    thr_text = os.environ.get(RESCALE_SWITCH) or "0"
+    emu_text = dispatch.switch(EXP2_EMU_SWITCH) or "0"
+    thr_text = dispatch.switch(RESCALE_SWITCH) or "0"
     try:
         emu = int(emu_text)
     except ValueError:
@@ -292,7 +292,7 @@ ARRIVE_ALL_SWITCH = "ASYMFLASH_SM90_ARRIVE_ALL"
 
 def arrive_all_switch() -> bool:
     """ASYMFLASH_SM90_ARRIVE_ALL: "1" on, "0" or unset off; anything else raises."""
-    text = os.environ.get(ARRIVE_ALL_SWITCH) or "0"
+    text = dispatch.switch(ARRIVE_ALL_SWITCH) or "0"
     if text not in ("0", "1"):
         raise ValueError(f"{ARRIVE_ALL_SWITCH}={text!r}: expected 0 (off) or 1 (per-thread "
                          "slot releases, arrive_all.py)")
@@ -1282,7 +1282,7 @@ STRIDED_SWITCH = "ASYMFLASH_SM90_STRIDED"
 
 
 def strided_inputs_enabled() -> bool:
-    return os.environ.get(STRIDED_SWITCH, "1") != "0"
+    return (dispatch.switch(STRIDED_SWITCH) or "1") != "0"
 
 
 def tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -1552,7 +1552,7 @@ def packs_gqa(total_q: int, hq: int, hkv: int, seq: SeqInfo, params: AttnParams,
     """
     if hq == hkv or sink is not None or seq.max_seqlen_q > PACK_GQA_MAX_SEQLEN_Q:
         return False
-    if os.environ.get("ASYMFLASH_SM90_PACK_GQA", "1") == "0":
+    if dispatch.switch("ASYMFLASH_SM90_PACK_GQA") == "0":
         return False
     if total_q * (hq // hkv) >= 2**31 - 3 * BLOCK_M:  # the packed rows' int32 TMA coordinates
         return False
