@@ -3,8 +3,8 @@
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
 # or ./out)
 #   pending: what the last session prepared without the GPU (benchmarks/NOTES.md, session
-#   14: per-thread slot releases, arrive_all): its GPU tests, the grid with and without it,
-#   then two probes. ~7 min.
+#   15: the dQ staging tile's swizzle): its GPU tests, then the backward probe with and
+#   without it. ~5 min.
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
 #   (DECODE=1), host-overhead.py (HOST_OVERHEAD=1) and hf-generate-bench.py (HF=1);
@@ -56,25 +56,16 @@ run_tests() {
   done
 }
 if [ "$mode" = pending ]; then
-  # session 14's prepared variant: per-thread slot releases (arrive_all.py's PTX pass,
-  # ASYMFLASH_SM90_ARRIVE_ALL=1 / FwdConfig / BwdConfig.arrive_all, off by default): its GPU
-  # tests, the benchmark grid with and without it (same process), then the probes for the
-  # shapes the grid does not run (d=64 three warpgroups, deterministic d=128). ~7 min.
-  TEST_FILES="tests/test_sm90_gpu.py tests/test_sm90_bwd_gpu.py" PYTEST_K="arrive" \
+  # session 15's prepared variant: the dQ staging tile with a 32-byte swizzle
+  # (BwdConfig.dq_swizzle; ncu put a 2-way bank conflict on every 64-bit store of the
+  # 128-byte swizzled tile): its GPU tests, then the backward probe with and without it
+  # (same process), d=64 / 128 / 256, default and deterministic. ~5 min.
+  TEST_FILES="tests/test_sm90_bwd_gpu.py" PYTEST_K="swizzle" \
     TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
-  timeout 200 python3 -m asymflash bench --hdim 64,128,256 --seqlen 2k,16k \
-    --providers cuDNN,asymflash-sm90,asymflash-sm90-arriveall --warmup 30 --rep 40 \
-    --no-plots --out "$out/bench-arrive-all" > "$out/bench-arrive-all.log" 2>&1
-  grep -E "^\| (hdim|[0-9])" "$out/bench-arrive-all.log" | cut -d'|' -f2-4,7-
-  timeout 90 python3 scripts/sm90-probe.py --no-check --graph --cells 64:0:2048,64:0:16384 \
-    --variant 64:wg3:consumer_wgs=3,persistent=true,q_buffers=1 \
-    --variant 64:wg3aa:consumer_wgs=3,persistent=true,q_buffers=1,arrive_all=true \
-    > "$out/probe-fwd-arrive-all.log" 2>&1
-  tail -4 "$out/probe-fwd-arrive-all.log"
-  timeout 100 python3 scripts/sm90-bwd-probe.py --no-peers --budget 90 --dims 128 \
-    --seqlens 2048,16384 --variant det:deterministic=true \
-    --variant detaa:deterministic=true,arrive_all=true > "$out/probe-bwd-arrive-all.log" 2>&1
-  tail -6 "$out/probe-bwd-arrive-all.log"
+  timeout 200 python3 scripts/sm90-bwd-probe.py --no-peers --budget 180 --dims 64,128,256 \
+    --seqlens 2048,16384 --variant sw32:dq_swizzle=32 --variant det:deterministic=true \
+    --variant detsw32:deterministic=true,dq_swizzle=32 > "$out/probe-bwd-dq-swizzle.log" 2>&1
+  tail -16 "$out/probe-bwd-dq-swizzle.log"
 elif [ "$mode" = session ]; then
   # The benchmark first: if the call runs out of time, the table is what matters most.
   timeout "${BENCH_TIMEOUT:-240}" python3 -m asymflash bench --hdim 64,128,256 \

@@ -3,6 +3,7 @@
 # go in our kernels and in FA4's, same shapes (scripts/profile-target.py). Run after
 # `source .peers/fa4-b/activate.sh`; logs under $OUT, a short table last.
 #   CASES="ours:fwd:64:0:16384 ..." bash scripts/ncu-compare.sh   (impl:mode:d:causal:seqlen)
+#   impl: ours, ours-aa (arrive_all on) or fa4
 #   STALLS=1: per-reason stall cycles and pipe utilisation (raw metrics) instead of sections
 set -uo pipefail
 out=${OUT:-out}
@@ -36,7 +37,7 @@ for c in "${cases[@]}"; do
   IFS=: read -r impl mode d causal seqlen <<< "$c"
   # the third repetition's main kernel: FA4's backward is preprocess, main, postprocess
   skip=2
-  if [ "$impl" = ours ]; then pat="attn_$mode"; elif [ "$mode" = fwd ]; then pat=Forward; else
+  if [ "${impl%-aa}" = ours ]; then pat="attn_$mode"; elif [ "$mode" = fwd ]; then pat=Forward; else
     pat=Backward; skip=7
   fi
   log="$out/ncu-$impl-$mode-d$d-c$causal-$seqlen${STALLS:+-stalls}.txt"

@@ -49,6 +49,9 @@ print(_json.dumps(dict(
     # arrives the PTX pass of arrive_all.py made per-thread (0 where it did not run)
     arrives_per_thread=getattr(kernel.metadata, "asym_arrives_per_thread", 0),
     barriers_dropped=getattr(kernel.metadata, "asym_barriers_dropped", 0),
+    # TMA boxes of the fp32 descriptors (the backward's dQ staging tile): [rows, columns]
+    fp32_boxes=[m["block_size"] for m in (getattr(kernel.metadata, "tensordesc_meta", None)
+                                          or []) if m["elem_size"] == 4],
     regs=int(_re.findall(r"REG:(\d+)", _res)[0]), shared=kernel.metadata.shared,
     maxnreg=sorted({int(x) for x in _re.findall(
         r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])}))))

@@ -139,6 +139,12 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
         assert rep["local_in_loop"] <= 2, f"spills in the main loop: {rep}"
     assert rep["regs"] <= 255
     assert rep["shared"] <= 227 * 1024
+    if kw.get("cfg", {}).get("dq_tma", True):
+        # dQ staging tile: d=64 with a 32-byte swizzle (8-column boxes: conflict-free stores
+        # from the wgmma accumulator, BwdConfig.dq_swizzle), the others 128 bytes (32 columns)
+        cfg = replace(bwd.select_config(kw["head_dim"], None, kw.get("softcap", False),
+                                        kw.get("deterministic", False)), **kw.get("cfg", {}))
+        assert [box[1] for box in rep["fp32_boxes"]] == [cfg.dq_swizzle // 4], rep
 
 
 # Head dims between the widths (96, 192/128, ...): q, k, v and dO through 3-D TMA boxes that

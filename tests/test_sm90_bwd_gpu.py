@@ -219,6 +219,25 @@ def test_sm90_backward_d64_split_warpgroups_match_reference(case, variant):
         assert_fa_close(name, g, r32, rlow, atol=atol)
 
 
+# The dQ staging tile with a 32-byte swizzle (BwdConfig.dq_swizzle: conflict-free stores from
+# the wgmma accumulator; the TMA reduce moves 8-column boxes; d=64's default), on every case
+# of each kernel: bwd.py's (d=64, softcap), bwd_ws.py's (d=128, deterministic with its dQ
+# warp), bwd_wide's (d=256).
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c["name"])
+def test_sm90_backward_dq_swizzle32_matches_reference(case):
+    from dataclasses import replace
+
+    from asymflash.backends.sm90 import bwd
+
+    width = bwd._fwd.forward_widths(case["d"], case.get("dv", case["d"]))[0]
+    default = bwd.select_config(width, softcap=bool(case.get("softcap")),
+                                deterministic=bool(case.get("deterministic")))
+    cfg = replace(default, dq_swizzle=32)
+    for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
+        assert_fa_close(name, g, r32, rlow, atol=atol)
+
+
 # Deterministic mode: the ordered dQ turns over every mask shape the turn formula handles
 # (non-causal ones walk staggered: d128, d128-gqa across the group's heads, d256,
 # d64-varlen-seqused with a different key-block count per sequence).
@@ -255,7 +274,7 @@ def test_sm90_deterministic_backward_is_bitwise_reproducible(case):
 # both warpgroups' tiles in turn).
 DET_VARIANTS = [(c, variant) for c in DET_CASES if c["d"] in (96, 128) and not c.get("softcap")
                 for variant in (dict(ws_deterministic=False), dict(dv_overlap=False),
-                                dict(arrive_all=True))] + \
+                                dict(arrive_all=True), dict(dq_swizzle=32))] + \
     [(c, dict(block_m=64, split_warpgroups=True)) for c in DET_CASES
      if c["d"] == 64 and not c.get("softcap")]
 

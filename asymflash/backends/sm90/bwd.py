@@ -205,6 +205,20 @@ class BwdConfig:
     # ncu put 5.3 of our 13.1 stall cycles per instruction on barriers, FA4's 1.6 of 10.6).
     # Off until measured on the H200.
     arrive_all: bool = False
+    # Swizzle (bytes) of the fp32 dQ staging tile. With 128 (Triton's default for its 256-byte
+    # rows) each warp's 64-bit stores from the wgmma accumulator take 4 shared-memory
+    # wavefronts instead of 2 (ncu source counters, H200 2026-11-30, d=128 16k: 8.39 M vs
+    # 4.19 M ideal per store instruction, 9 % of all the kernel's wavefronts): a half-warp
+    # writes rows 0-3 of a 32-byte column pair, and XOR-ing the 16-byte chunk with the row
+    # maps the pair's chunks onto each other. With 32 the four rows land in distinct banks;
+    # the TMA reduce then moves the tile as 8-column boxes (32-byte rows), which costs more
+    # than the conflicts where the reduce is on the path. H200 2026-11-30 (sm90-bwd-probe,
+    # TFLOP/s 2k / 16k, causal 2k / 16k, 128 -> 32): d=64 (128-row tiles) 420 / 459 -> 437 /
+    # 466, 336 / 447 -> 346 / 451, deterministic 315 / 360 -> 329 / 375, 280 / 368 -> 280 /
+    # 382 (so on at d=64); d=128 518 / 548 -> 519 / 557, causal 402 / 577 -> 423 / 559 (a
+    # tie), deterministic 477 / 541 -> 390 / 439 (its one dQ warp issues all the boxes);
+    # d=256 320 / 355 -> 287 / 309.
+    dq_swizzle: int = 128
 
 
 # FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,
@@ -215,7 +229,7 @@ class BwdConfig:
 # reduces; 255 registers): H200 2026-11-29, TFLOP/s non-causal 1k / 2k / 16k 288 / 332 / 377
 # -> 339 / 401 / 465, causal 2k / 16k 280 / 385 -> 329 / 471 (cuDNN 426 / 455 non-causal).
 _DEFAULT_CONFIGS = {
-    64: BwdConfig(block_m=128, block_n=128),
+    64: BwdConfig(block_m=128, block_n=128, dq_swizzle=32),
     128: BwdConfig(block_m=64, block_n=128, dv_overlap=False, dk_late=True,
                    split_warpgroups=True),
     256: BwdConfig(block_m=64, block_n=64, dv_overlap=False,  # FA3's hdim-256 tile
@@ -607,10 +621,12 @@ def _key_rows(cfg: BwdConfig, split: bool) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _dq_layout(block: tuple):
-    """Shared layout of the fp32 dQ staging tile; cached (building one cost ~30 us of host
-    time per backward call, H200 profile 2026-11-29)."""
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl.float32)
+def _dq_layout(block: tuple, swizzle: int = 128):
+    """Shared layout of the fp32 dQ staging tile (`BwdConfig.dq_swizzle`); cached (building
+    one cost ~30 us of host time per backward call, H200 profile 2026-11-29)."""
+    if swizzle == 128:
+        return gl.NVMMASharedLayout.get_default_for(list(block), gl.float32)
+    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -652,7 +668,8 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
     signature = {
         "q_desc": desc([cfg.block_m, head_dim]), "k_desc": desc([cfg.block_n, head_dim]),
         "v_desc": desc([cfg.block_n, head_dim_v]), "do_desc": desc([cfg.block_m, head_dim_v]),
-        "dq_desc": f"tensordesc<fp32[{dq_block[0]}, {dq_block[1]}],{_dq_layout(dq_block)!r}>",
+        "dq_desc": f"tensordesc<fp32[{dq_block[0]}, {dq_block[1]}],"
+                   f"{_dq_layout(dq_block, cfg.dq_swizzle)!r}>",
         "dk_desc": rows_desc([_key_rows(cfg, split), head_dim]),
         "dv_desc": rows_desc([_key_rows(cfg, split), head_dim_v]),
         "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "dk_ptr": f"*{ty}",
@@ -805,4 +822,4 @@ def launch_plan(width: int, width_v: int, max_seqlen_q: int, max_seqlen_k: int,
     consts.update(_launch_options(split, cfg))
     dq_block = _dq_block(width, cfg, split)
     return LaunchPlan(cfg, grid, cdiv(max(max_seqlen_q, 1), cfg.block_m), consts, dq_block,
-                      _dq_layout(dq_block), split)
+                      _dq_layout(dq_block, cfg.dq_swizzle), split)
