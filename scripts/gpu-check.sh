@@ -3,7 +3,7 @@
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
 # or ./out)
 #   pending: what the last session prepared without the GPU (benchmarks/NOTES.md, session
-#   15: the dQ staging tile's swizzle): its GPU tests, then the backward probe with and
+#   15: dQ tiles in fragment order): its GPU tests, then the backward probe with and
 #   without it. ~5 min.
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
@@ -56,16 +56,18 @@ run_tests() {
   done
 }
 if [ "$mode" = pending ]; then
-  # session 15's prepared variant: the dQ staging tile with a 32-byte swizzle
-  # (BwdConfig.dq_swizzle; ncu put a 2-way bank conflict on every 64-bit store of the
-  # 128-byte swizzled tile): its GPU tests, then the backward probe with and without it
-  # (same process), d=64 / 128 / 256, default and deterministic. ~5 min.
-  TEST_FILES="tests/test_sm90_bwd_gpu.py" PYTEST_K="swizzle" \
-    TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
-  timeout 200 python3 scripts/sm90-bwd-probe.py --no-peers --budget 180 --dims 64,128,256 \
-    --seqlens 2048,16384 --variant sw32:dq_swizzle=32 --variant det:deterministic=true \
-    --variant detsw32:deterministic=true,dq_swizzle=32 > "$out/probe-bwd-dq-swizzle.log" 2>&1
-  tail -16 "$out/probe-bwd-dq-swizzle.log"
+  # session 15's prepared variant: dQ tiles in the wgmma accumulator's order
+  # (BwdConfig.dq_fragment, dq_fragments.py; ncu put a 2-way bank conflict on every 64-bit
+  # store of the row-major tile): its GPU tests, then the backward probe with and without
+  # it (same process), d=128, default and deterministic. ~5 min.
+  TEST_FILES="tests/test_sm90_bwd_gpu.py tests/test_dq_fragments.py" \
+    PYTEST_K="fragment" TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
+  timeout 200 python3 scripts/sm90-bwd-probe.py --no-peers --budget 180 --dims 128 \
+    --seqlens 512,2048,4096,16384 --variant frag:dq_fragment=true \
+    --variant base2:dq_fragment=false --variant det:deterministic=true \
+    --variant detfrag:deterministic=true,dq_fragment=true \
+    > "$out/probe-bwd-dq-fragment.log" 2>&1
+  tail -12 "$out/probe-bwd-dq-fragment.log"
 elif [ "$mode" = session ]; then
   # The benchmark first: if the call runs out of time, the table is what matters most.
   timeout "${BENCH_TIMEOUT:-240}" python3 -m asymflash bench --hdim 64,128,256 \

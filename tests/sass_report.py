@@ -49,6 +49,9 @@ print(_json.dumps(dict(
     # arrives the PTX pass of arrive_all.py made per-thread (0 where it did not run)
     arrives_per_thread=getattr(kernel.metadata, "asym_arrives_per_thread", 0),
     barriers_dropped=getattr(kernel.metadata, "asym_barriers_dropped", 0),
+    sts128=len(_re.findall(r"\bSTS\.128\b", _sass)),
+    # 64-bit stores right before a fence of the async proxy: a row-major dQ staging tile
+    sts64_fp32_staging=len(_re.findall(r"STS\.64[^\n]*\n[^\n]*MEMBAR\.ALL\.CTA", _sass)),
     # TMA boxes of the fp32 descriptors (the backward's dQ staging tile): [rows, columns]
     fp32_boxes=[m["block_size"] for m in (getattr(kernel.metadata, "tensordesc_meta", None)
                                           or []) if m["elem_size"] == 4],

@@ -190,8 +190,10 @@ SPLIT_CASES_D64 = [c for c in CASES if c["d"] == 64 and not c.get("softcap")]
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("variant", [dict(late_warpgroup=1), dict(late_warpgroup=-1),
                                      dict(split_warpgroups=False), dict(dv_overlap=True),
-                                     dict(arrive_all=True)],
-                         ids=["late1", "in-step", "synchronous", "dv-overlap", "arrive-all"])
+                                     dict(arrive_all=True), dict(dq_fragment=True),
+                                     dict(dq_fragment=True, late_warpgroup=-1)],
+                         ids=["late1", "in-step", "synchronous", "dv-overlap", "arrive-all",
+                              "dq-fragment", "dq-fragment-in-step"])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c["name"])
 def test_sm90_backward_d128_schedules_match_reference(case, variant):
     from dataclasses import replace
@@ -205,8 +207,11 @@ def test_sm90_backward_d128_schedules_match_reference(case, variant):
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("variant", [dict(block_m=128), dict(block_m=64),
-                                     dict(block_m=64, ring_slots=3)],
-                         ids=["rows128", "rows64", "rows64-ring3"])
+                                     dict(block_m=64, ring_slots=3),
+                                     dict(block_m=128, dq_fragment=True),
+                                     dict(block_m=64, dq_fragment=True)],
+                         ids=["rows128", "rows64", "rows64-ring3", "rows128-dq-fragment",
+                              "rows64-dq-fragment"])
 @pytest.mark.parametrize("case", SPLIT_CASES_D64, ids=lambda c: c["name"])
 def test_sm90_backward_d64_split_warpgroups_match_reference(case, variant):
     from dataclasses import replace
@@ -274,7 +279,8 @@ def test_sm90_deterministic_backward_is_bitwise_reproducible(case):
 # both warpgroups' tiles in turn).
 DET_VARIANTS = [(c, variant) for c in DET_CASES if c["d"] in (96, 128) and not c.get("softcap")
                 for variant in (dict(ws_deterministic=False), dict(dv_overlap=False),
-                                dict(arrive_all=True), dict(dq_swizzle=32))] + \
+                                dict(arrive_all=True), dict(dq_swizzle=32),
+                                dict(dq_fragment=True))] + \
     [(c, dict(block_m=64, split_warpgroups=True)) for c in DET_CASES
      if c["d"] == 64 and not c.get("softcap")]
 

@@ -82,7 +82,7 @@ import torch
 from asymflash.core.params import AttnParams, SeqInfo, cdiv
 
 from ..launch import DirectLaunch, sm_count
-from . import arrive_all, bwd_wide, bwd_ws
+from . import arrive_all, bwd_wide, bwd_ws, dq_fragments
 from . import fwd as _fwd
 from .fwd import _GLUON_ERROR
 
@@ -219,6 +219,16 @@ class BwdConfig:
     # tie), deterministic 477 / 541 -> 390 / 439 (its one dQ warp issues all the boxes);
     # d=256 320 / 355 -> 287 / 309.
     dq_swizzle: int = 128
+    # bwd_ws: each warpgroup stores its dQ tile in the wgmma accumulator's own order (128-bit
+    # stores, 512 contiguous bytes per warp: no bank conflicts) and reduces it as one box into
+    # a buffer of such tiles, which a portable kernel puts back in row order
+    # (`dq_fragments.py`, after FA4's sm90 backward). Replaces dq_swizzle there. On at d=128:
+    # H200 2026-11-30 (sm90-bwd-probe, same process, two runs), TFLOP/s 2k / 16k row-major
+    # -> fragments: 501-506 / 542-560 -> 515-528 / 577-580, causal 400-406 / 544-547 -> 405-410
+    # / 551-560, 512 rows a tie; deterministic 472-476 / 514-540 -> 491-498 / 528-554, causal
+    # 16k 525-528 -> 540-544. It costs ptxas ~10 local-memory instructions in the loop
+    # (scalars around the dQ MMA; 2 -> 17 in all, causal 40 -> 52).
+    dq_fragment: bool = False
 
 
 # FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,
@@ -231,7 +241,7 @@ class BwdConfig:
 _DEFAULT_CONFIGS = {
     64: BwdConfig(block_m=128, block_n=128, dq_swizzle=32),
     128: BwdConfig(block_m=64, block_n=128, dv_overlap=False, dk_late=True,
-                   split_warpgroups=True),
+                   split_warpgroups=True, dq_fragment=True),
     256: BwdConfig(block_m=64, block_n=64, dv_overlap=False,  # FA3's hdim-256 tile
                    turn_release=0, stats_late=False),
 }
@@ -609,10 +619,24 @@ def kv_tma_store(uniform: bool, max_seqlen_k: int, batch: int, block_n: int) -> 
 
 def _dq_block(head_dim: int, cfg: BwdConfig, split: bool = False) -> tuple[int, int]:
     """The dQ reduce box: the whole row block, or half of its columns at d=256 (bwd_wide);
-    in bwd_ws each warpgroup reduces its half, of the columns (64-row steps) or the rows."""
+    in bwd_ws each warpgroup reduces its half, of the columns (64-row steps) or the rows,
+    or that 64-row tile in fragment order as 32-column rows (`BwdConfig.dq_fragment`)."""
     if split:
-        return (64, head_dim // 2) if cfg.block_m == 64 else (cfg.block_m // 2, head_dim)
+        rows, cols = (64, head_dim // 2) if cfg.block_m == 64 else (cfg.block_m // 2, head_dim)
+        return (rows * cols // 32, 32) if _fragments(cfg, split) else (rows, cols)
     return (cfg.block_m, head_dim // 2 if head_dim == 256 else head_dim)
+
+
+def _fragments(cfg: BwdConfig, split: bool) -> bool:
+    """Whether dQ leaves in fragment order (`dq_fragments.py`): bwd_ws's TMA reduces only."""
+    return split and cfg.dq_fragment and cfg.dq_tma
+
+
+def _dq_tile(head_dim: int, cfg: BwdConfig, split: bool) -> tuple[tuple, object]:
+    """(box, shared layout) of the dQ reduce; unswizzled in fragment order (the kernel tells
+    the two apart by the swizzle)."""
+    block = _dq_block(head_dim, cfg, split)
+    return block, _dq_layout(block, 0 if _fragments(cfg, split) else cfg.dq_swizzle)
 
 
 def _key_rows(cfg: BwdConfig, split: bool) -> int:
@@ -664,12 +688,11 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
         return rows_desc(block)
 
     split = _splits_warpgroups(head_dim, cfg, feats["deterministic"], feats["softcap"])
-    dq_block = _dq_block(head_dim, cfg, split)
+    dq_block, dq_layout = _dq_tile(head_dim, cfg, split)
     signature = {
         "q_desc": desc([cfg.block_m, head_dim]), "k_desc": desc([cfg.block_n, head_dim]),
         "v_desc": desc([cfg.block_n, head_dim_v]), "do_desc": desc([cfg.block_m, head_dim_v]),
-        "dq_desc": f"tensordesc<fp32[{dq_block[0]}, {dq_block[1]}],"
-                   f"{_dq_layout(dq_block, cfg.dq_swizzle)!r}>",
+        "dq_desc": f"tensordesc<fp32[{dq_block[0]}, {dq_block[1]}],{dq_layout!r}>",
         "dk_desc": rows_desc([_key_rows(cfg, split), head_dim]),
         "dv_desc": rows_desc([_key_rows(cfg, split), head_dim_v]),
         "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "dk_ptr": f"*{ty}",
@@ -744,8 +767,12 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
         dlse = dlse.contiguous()
     # The kernel's tensors are `width` (V side: width_v) wide: dQ_acc, dK, dV are cut below.
     # The preprocess (delta) zeroes dQ_acc: one launch instead of two.
-    dq_acc = torch.empty((total_q, hq, width), dtype=torch.float32, device=q.device)
-    delta = _delta(out, dout, dlse, zero=dq_acc)
+    if plan.dq_fragment:
+        dq_acc = dq_fragments.fragment_buffer(total_q, seq.batch, hq, width, q.device)
+        delta = _delta(out, dout, dlse)
+    else:
+        dq_acc = torch.empty((total_q, hq, width), dtype=torch.float32, device=q.device)
+        delta = _delta(out, dout, dlse, zero=dq_acc)
     # Varlen rows that belong to no sequence are never written: they must read as zero.
     alloc = torch.empty if seq.uniform and not has_seqused else torch.zeros
     dk = alloc((k.shape[0], hkv, width), dtype=k.dtype, device=k.device)
@@ -779,7 +806,13 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
         seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, hkv, hq // hkv, plan.num_m_blocks,
         qk_scale, params.softmax_scale, softcap_pre, wl, wr, **plan.constexprs)
     # The kernel folded softmax_scale into its dQ partial sums.
-    dq = dq_acc[..., :d].to(q.dtype, memory_format=torch.contiguous_format)
+    if plan.dq_fragment:
+        dq = dq_fragments.dq_from_fragments(dq_acc, seq.cu_seqlens_q, seq.max_seqlen_q,
+                                            total_q, hq, d, width,
+                                            plan.dq_block[0] * 32 // dq_fragments.ROWS,
+                                            q.dtype)
+    else:
+        dq = dq_acc[..., :d].to(q.dtype, memory_format=torch.contiguous_format)
     dsink = sink_grad(sink, lse, delta)
     if padded:
         dk, dv = dk[..., :d].contiguous(), dv[..., :dvd].contiguous()
@@ -798,6 +831,10 @@ class LaunchPlan:
     dq_block: tuple
     dq_layout: object
     split: bool  # bwd_ws's kernel
+
+    @property
+    def dq_fragment(self) -> bool:
+        return _fragments(self.cfg, self.split)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -820,6 +857,6 @@ def launch_plan(width: int, width_v: int, max_seqlen_q: int, max_seqlen_k: int,
                          kv_tma_store=cfg.kv_tma_store and kv_tma_store(
                              uniform, max_seqlen_k, batch, cfg.block_n))
     consts.update(_launch_options(split, cfg))
-    dq_block = _dq_block(width, cfg, split)
+    dq_block, dq_layout = _dq_tile(width, cfg, split)
     return LaunchPlan(cfg, grid, cdiv(max(max_seqlen_q, 1), cfg.block_m), consts, dq_block,
-                      _dq_layout(dq_block, cfg.dq_swizzle), split)
+                      dq_layout, split)

@@ -1,0 +1,107 @@
+"""dQ partial sums in the wgmma accumulator's own order (`BwdConfig.dq_fragment`).
+
+The backward's compute warpgroups each hold a 64 x C fp32 tile of dQ = dS·K in registers
+(the wgmma accumulator layout) and add it to global memory through shared memory and a TMA
+reduce. Stored into a row-major 128-byte-swizzled tile, every 64-bit store of a warp takes
+4 shared-memory wavefronts instead of 2 (ncu source counters, H200 2026-11-30, d=128 16k: 9 %
+of the kernel's wavefronts), and the fence and barrier after the stores wait for them.
+
+Here the tile is stored in *fragment order* instead: offset bit k of the shared tile holds
+the (row, column) step `fragment_bases(C)[k]`, chosen so that thread t's registers 4i..4i+3
+sit at offsets 512·i + 4·t + 0..3. Each warp then writes 512 contiguous bytes per 128-bit
+store (conflict-free), and the tile is reduced as one unswizzled [64·C/32, 32] TMA box into
+a global buffer of whole tiles in the same order. `dq_from_fragments` (a portable kernel)
+puts the rows back in place, casting to the input dtype, where the row-major path had a
+`.to()`.
+
+Tile numbering: the 64-row query block r of sequence b (rows q_start + 64·r ...) is global
+block `q_start // 64 + b + r`: sequences never share a block, so no tile holds two
+sequences' rows, and there are at most total_q // 64 + batch + 1 blocks. The buffer is a
+(rows, heads, 32) fp32 tensor: block g's column part p is rows (2g + p)·T ... (2g + p + 1)·T
+of it (T = 64·C/32; one part when C is the whole width), head h its columns 32h ... 32h + 31,
+so the kernel's reduce coordinates need no head count.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import constexpr_function
+
+from ...core.params import cdiv
+
+ROWS = 64  # rows of one warpgroup's dQ tile (a wgmma M)
+
+
+@constexpr_function  # also called inside Gluon kernels (bwd_ws._fragment_layout)
+def fragment_bases(cols: int) -> list[list[int]]:
+    """(row, column) step of each offset bit of a 64 x cols fragment-order tile.
+
+    The accumulator layout (NVMMA v3, four warps of 16 rows): lane 4a + q holds rows a and
+    a + 8 and columns 8j + 2q, 8j + 2q + 1; register bit 0 steps a column, bit 1 eight rows,
+    the higher bits 8, 16, ... columns; warp w adds 16·w rows. Offset bits: registers 0-1,
+    then the lane (q, then a), then the warp (a thread's four consecutive registers, then the
+    threads in order), then the remaining register bits (one 128-bit store each)."""
+    bases = [[0, 1], [8, 0], [0, 2], [0, 4], [1, 0], [2, 0], [4, 0], [16, 0], [32, 0]]
+    c = 8
+    cols = int(cols)
+    while c < cols:
+        bases.append([0, c])
+        c *= 2
+    return bases
+
+
+def num_blocks(total_q: int, batch: int) -> int:
+    """64-row blocks the fragment buffer holds (see the tile numbering above)."""
+    return total_q // ROWS + batch + 1
+
+
+def fragment_buffer(total_q: int, batch: int, heads: int, width: int,
+                    device: torch.device) -> torch.Tensor:
+    """Zeroed fp32 buffer of whole fragment-order tiles, (rows, heads, 32) (fwd.tma_rows
+    makes it a [rows, heads·32] descriptor with a [64·C/32, 32] box)."""
+    rows = num_blocks(total_q, batch) * ROWS * width // 32
+    return torch.zeros((rows, heads, 32), dtype=torch.float32, device=device)
+
+
+@triton.jit
+def _fragment_offset(row, col):
+    """Offset of (row, col) in a fragment-order tile: the inverse of `fragment_bases`."""
+    return ((col & 1) | (((row >> 3) & 1) << 1) | (((col >> 1) & 3) << 2) | ((row & 7) << 4)
+            | (((row >> 4) & 3) << 7) | ((col >> 3) << 9))
+
+
+@triton.jit
+def _dq_from_fragments_kernel(acc_ptr, dq_ptr, cu_q_ptr, stride_row, stride_head, n_heads,
+                              D: tl.constexpr, WIDTH: tl.constexpr, COLS: tl.constexpr,
+                              BLOCK_D: tl.constexpr):
+    block = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + b)
+    seqlen = tl.load(cu_q_ptr + b + 1) - q_start
+    if block * 64 < seqlen:
+        rows = tl.arange(0, 64)[:, None]
+        cols = tl.arange(0, BLOCK_D)[None, :]
+        g = (q_start // 64 + b + block).to(tl.int64)
+        off = _fragment_offset(rows, cols % COLS)
+        acc_row = (g * (WIDTH // COLS) + cols // COLS) * (2 * COLS) + off // 32
+        src = acc_ptr + (acc_row * n_heads + h) * 32 + off % 32
+        val = tl.load(src, mask=cols < D, other=0.0)
+        row = block * 64 + rows
+        dst = dq_ptr + (q_start + row).to(tl.int64) * stride_row + h * stride_head + cols
+        tl.store(dst, val.to(dq_ptr.dtype.element_ty), mask=(row < seqlen) & (cols < D))
+
+
+def dq_from_fragments(acc: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+                      total_q: int, heads: int, d: int, width: int, cols: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """dQ (total_q, heads, d) in `dtype` from the fragment buffer (tiles `cols` wide)."""
+    batch = cu_seqlens_q.numel() - 1
+    dq = torch.empty((total_q, heads, d), dtype=dtype, device=acc.device)
+    grid = (cdiv(max(max_seqlen_q, 1), ROWS), heads, batch)
+    _dq_from_fragments_kernel[grid](acc, dq, cu_seqlens_q, dq.stride(0), dq.stride(1), heads,
+                                    D=d, WIDTH=width, COLS=cols,
+                                    BLOCK_D=triton.next_power_of_2(width))
+    return dq

@@ -1,0 +1,76 @@
+"""dQ in the wgmma accumulator's order (sm90/dq_fragments.py): the layout is a bijection, and
+the portable kernel that puts the rows back inverts what the backward's tiles hold.
+
+The buffer is filled here from `fragment_bases` alone (the layout the Gluon kernel stores
+with), so the kernel's own offset formula is checked against it, not against itself. Runs
+in the interpreter on CPU machines, compiled on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asymflash.backends.sm90 import dq_fragments as frag
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def coords(cols: int) -> torch.Tensor:
+    """(64·cols, 2): the (row, column) that each offset of a tile holds, from the bases."""
+    bases = torch.tensor(frag.fragment_bases(cols))
+    offsets = torch.arange(64 * cols)
+    bits = (offsets[:, None] >> torch.arange(len(bases))) & 1
+    return bits @ bases
+
+
+@pytest.mark.parametrize("cols", [32, 64, 128])
+def test_fragment_layout_is_a_bijection(cols):
+    rc = coords(cols)
+    assert rc[:, 0].max() == 63 and rc[:, 1].max() == cols - 1
+    assert len({(int(r), int(c)) for r, c in rc}) == 64 * cols
+
+
+def fill_fragments(dq_true, lens, cols, width):
+    """The buffer the backward would leave for dQ = dq_true (rows past a sequence's end hold
+    noise the conversion must not read)."""
+    total_q, heads, _ = dq_true.shape
+    batch = len(lens)
+    acc = frag.fragment_buffer(total_q, batch, heads, width, torch.device("cpu"))
+    acc.normal_()  # tiles of nobody's rows: noise, never read
+    rc = coords(cols)
+    starts = [sum(lens[:b]) for b in range(batch)]
+    for b, (start, n) in enumerate(zip(starts, lens)):
+        for block in range(-(-n // 64)):
+            g = start // 64 + b + block
+            rows = block * 64 + rc[:, 0]
+            live = rows < n
+            for part in range(width // cols):
+                acc_rows = (g * (width // cols) + part) * 2 * cols + torch.arange(64 * cols) // 32
+                lane = torch.arange(64 * cols) % 32
+                vals = torch.randn(64 * cols, heads)  # past the end: noise
+                vals[live] = dq_true[start + rows[live], :, part * cols + rc[live, 1]]
+                acc[acc_rows, :, lane] = vals
+    return acc
+
+
+@pytest.mark.parametrize("lens,heads,d,width,cols", [
+    ([203], 2, 128, 128, 64),              # d=128: two column parts per block
+    ([1, 17, 113, 203], 3, 128, 128, 64),  # varlen, odd lengths
+    ([64, 128], 2, 96, 128, 64),           # d=96 runs at width 128: columns cut
+    ([17, 203], 2, 64, 64, 64),            # 128-row steps: one 64-column part per block
+    ([113, 1], 2, 64, 64, 32),             # d=64 with 64-row steps: 32-column parts
+])
+def test_dq_from_fragments_restores_rows(lens, heads, d, width, cols):
+    torch.manual_seed(0)
+    total_q = sum(lens)
+    dq_true = torch.randn(total_q, heads, width)
+    acc = fill_fragments(dq_true, lens, cols, width).to(DEVICE)
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEVICE)
+    for dtype in (torch.float32, torch.bfloat16):
+        dq = frag.dq_from_fragments(acc, cu, max(lens), total_q, heads, d, width, cols, dtype)
+        assert dq.shape == (total_q, heads, d) and dq.dtype == dtype
+        # fp32 exact; bf16 within one unit in the last place (the interpreter's conversion
+        # truncates where the GPU rounds to nearest)
+        torch.testing.assert_close(dq.float().cpu(), dq_true[..., :d].to(dtype).float(),
+                                   rtol=0 if dtype == torch.float32 else 2 ** -7, atol=0)
