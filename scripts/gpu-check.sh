@@ -2,9 +2,8 @@
 # What runs on the H200 (device tool): the whole test suite on CUDA, then the benchmark.
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
 # or ./out)
-#   pending: what the last session prepared without the GPU (benchmarks/NOTES.md, session
-#   15: dQ tiles in fragment order): its GPU tests, then the backward probe with and
-#   without it. ~5 min.
+#   pending: what the last session left unchecked on the GPU (benchmarks/NOTES.md, session
+#   15: the rewritten dQ-variant tests, the new backward's ncu samples). ~4 min.
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
 #   (DECODE=1), host-overhead.py (HOST_OVERHEAD=1) and hf-generate-bench.py (HF=1);
@@ -56,18 +55,16 @@ run_tests() {
   done
 }
 if [ "$mode" = pending ]; then
-  # session 15's prepared variant: dQ tiles in the wgmma accumulator's order
-  # (BwdConfig.dq_fragment, dq_fragments.py; ncu put a 2-way bank conflict on every 64-bit
-  # store of the row-major tile): its GPU tests, then the backward probe with and without
-  # it (same process), d=128, default and deterministic. ~5 min.
-  TEST_FILES="tests/test_sm90_bwd_gpu.py tests/test_dq_fragments.py" \
-    PYTEST_K="fragment" TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
-  timeout 200 python3 scripts/sm90-bwd-probe.py --no-peers --budget 180 --dims 128 \
-    --seqlens 512,2048,4096,16384 --variant frag:dq_fragment=true \
-    --variant base2:dq_fragment=false --variant det:deterministic=true \
-    --variant detfrag:deterministic=true,dq_fragment=true \
-    > "$out/probe-bwd-dq-fragment.log" 2>&1
-  tail -12 "$out/probe-bwd-dq-fragment.log"
+  # what session 15 left unchecked on the GPU: the backward tests rewritten after its final
+  # run (row-major dQ variants, now that d=128 defaults to fragment-order tiles), then the
+  # per-instruction samples of the new backward kernels (did the dQ stores' excess
+  # wavefronts go?). ~4 min.
+  TEST_FILES="tests/test_sm90_bwd_gpu.py" PYTEST_K="row-major or row_major or swizzle or \
+    dq_fragment or fragment" TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
+  CASES="ours:bwd:128:0:16384 ours:bwd:64:0:16384" timeout 200 bash scripts/ncu-source.sh
+  for f in "$out"/src-ours-bwd-*.csv.gz; do
+    python3 scripts/ncu-source-top.py "$f" --top 8 --reason mio | head -14
+  done
 elif [ "$mode" = session ]; then
   # The benchmark first: if the call runs out of time, the table is what matters most.
   timeout "${BENCH_TIMEOUT:-240}" python3 -m asymflash bench --hdim 64,128,256 \

@@ -76,6 +76,11 @@ def main():
     print(f"{len(rows)} instructions")
     print("all:          ", shares(rows, reasons))
     print("not parked:   ", shares(active, reasons))
+    waves = sum(num(r.get("L1 Wavefronts Shared", 0)) for r in rows)
+    ideal = sum(num(r.get("L1 Wavefronts Shared Ideal", 0)) for r in rows)
+    if waves:  # bank conflicts: wavefronts beyond the ideal (2026-11-30: the dQ staging's)
+        print(f"shared-memory wavefronts {waves}, ideal {ideal} "
+              f"(excess {(waves - ideal) / waves:.1%})")
     for lo, hi in hot_loops(rows):
         print(f"loop [{lo},{hi}] x{num(rows[lo][EXEC])}:", shares(rows[lo:hi + 1], reasons))
     key = f"stall_{a.reason}"

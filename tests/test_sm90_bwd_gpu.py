@@ -190,10 +190,10 @@ SPLIT_CASES_D64 = [c for c in CASES if c["d"] == 64 and not c.get("softcap")]
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("variant", [dict(late_warpgroup=1), dict(late_warpgroup=-1),
                                      dict(split_warpgroups=False), dict(dv_overlap=True),
-                                     dict(arrive_all=True), dict(dq_fragment=True),
-                                     dict(dq_fragment=True, late_warpgroup=-1)],
+                                     dict(arrive_all=True), dict(dq_fragment=False),
+                                     dict(dq_fragment=False, late_warpgroup=-1)],
                          ids=["late1", "in-step", "synchronous", "dv-overlap", "arrive-all",
-                              "dq-fragment", "dq-fragment-in-step"])
+                              "dq-row-major", "dq-row-major-in-step"])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c["name"])
 def test_sm90_backward_d128_schedules_match_reference(case, variant):
     from dataclasses import replace
@@ -238,7 +238,7 @@ def test_sm90_backward_dq_swizzle32_matches_reference(case):
     width = bwd._fwd.forward_widths(case["d"], case.get("dv", case["d"]))[0]
     default = bwd.select_config(width, softcap=bool(case.get("softcap")),
                                 deterministic=bool(case.get("deterministic")))
-    cfg = replace(default, dq_swizzle=32)
+    cfg = replace(default, dq_swizzle=32, dq_fragment=False)  # row-major tiles at d=128 too
     for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
         assert_fa_close(name, g, r32, rlow, atol=atol)
 
@@ -274,13 +274,14 @@ def test_sm90_deterministic_backward_is_bitwise_reproducible(case):
 
 # Deterministic mode on kernels and schedules the default config does not pick: at d=128
 # bwd.py's synchronous kernel (ws_deterministic=False; softcap calls take it anyway) and
-# bwd_ws.py's with dV retired before dSᵀ is formed (dv_overlap=False) or with per-thread
-# slot releases (arrive_all), at d=64 bwd_ws.py's kernel with 64-row steps (its dQ warp adds
+# bwd_ws.py's with dV retired before dSᵀ is formed (dv_overlap=False), with per-thread
+# slot releases (arrive_all), with row-major dQ tiles (dq_fragment=False, or with a 32-byte
+# swizzle), at d=64 bwd_ws.py's kernel with 64-row steps (its dQ warp adds
 # both warpgroups' tiles in turn).
 DET_VARIANTS = [(c, variant) for c in DET_CASES if c["d"] in (96, 128) and not c.get("softcap")
                 for variant in (dict(ws_deterministic=False), dict(dv_overlap=False),
-                                dict(arrive_all=True), dict(dq_swizzle=32),
-                                dict(dq_fragment=True))] + \
+                                dict(arrive_all=True), dict(dq_fragment=False, dq_swizzle=32),
+                                dict(dq_fragment=False))] + \
     [(c, dict(block_m=64, split_warpgroups=True)) for c in DET_CASES
      if c["d"] == 64 and not c.get("softcap")]
 
