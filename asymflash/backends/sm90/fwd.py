@@ -110,8 +110,10 @@ class FwdConfig:
     q_buffers: int = 1
     # Consumers release K/V slots by an arrive from every thread instead of a warpgroup
     # barrier and one thread's arrive (`arrive_all.py`: a PTX pass; ncu put ~2.4 of our
-    # ~8.4 stall cycles per instruction at d=64 on that barrier, FA4's 0.3). Off until
-    # measured on the H200.
+    # ~8.4 stall cycles per instruction at d=64 on that barrier, FA4's 0.3; two thirds of
+    # those samples were warps parked at the kernel's end). Off: H200 2026-11-30, TFLOP/s
+    # 2k / 16k, d=64 460 / 509 -> 459 / 505, d=128 589 / 645 -> 581 / 619, d=256 718 / 795
+    # -> 654 / 770 (benchmarks/NOTES.md, session 15).
     arrive_all: bool = False
 
 
