@@ -3,7 +3,8 @@
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
 # or ./out)
 #   pending: what the last session left unchecked on the GPU (benchmarks/NOTES.md, session
-#   15: the rewritten dQ-variant tests, the new backward's ncu samples). ~4 min.
+#   15: the rewritten dQ-variant tests, d=64's fragment-order dQ, the new backward's ncu
+#   samples). ~5 min.
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
 #   (DECODE=1), host-overhead.py (HOST_OVERHEAD=1) and hf-generate-bench.py (HF=1);
@@ -56,12 +57,19 @@ run_tests() {
 }
 if [ "$mode" = pending ]; then
   # what session 15 left unchecked on the GPU: the backward tests rewritten after its final
-  # run (row-major dQ variants, now that d=128 defaults to fragment-order tiles), then the
-  # per-instruction samples of the new backward kernels (did the dQ stores' excess
-  # wavefronts go?). ~4 min.
-  TEST_FILES="tests/test_sm90_bwd_gpu.py" PYTEST_K="row-major or row_major or swizzle or \
-    dq_fragment or fragment" TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
-  CASES="ours:bwd:128:0:16384 ours:bwd:64:0:16384" timeout 200 bash scripts/ncu-source.sh
+  # run (row-major dQ variants, now that d=128 defaults to fragment-order tiles) and d=64's
+  # fragment-order variant (prepared, off); the d=64 probe with and without it (same
+  # process); then the per-instruction samples of the new d=128 backward (did the dQ
+  # stores' excess wavefronts go?). ~5 min.
+  TEST_FILES="tests/test_sm90_bwd_gpu.py tests/test_dq_fragments.py" \
+    PYTEST_K="row-major or row_major or swizzle or fragment" \
+    TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
+  timeout 150 python3 scripts/sm90-bwd-probe.py --no-peers --budget 120 --dims 64 \
+    --seqlens 512,2048,16384 --variant frag:dq_fragment=true --variant base2:dq_fragment=false \
+    --variant frag2:dq_fragment=true --variant det:deterministic=true \
+    --variant detfrag:deterministic=true,dq_fragment=true > "$out/probe-d64-fragment.log" 2>&1
+  tail -8 "$out/probe-d64-fragment.log"
+  CASES="ours:bwd:128:0:16384" timeout 120 bash scripts/ncu-source.sh
   for f in "$out"/src-ours-bwd-*.csv.gz; do
     python3 scripts/ncu-source-top.py "$f" --top 8 --reason mio | head -14
   done

@@ -31,6 +31,31 @@ def test_fragment_layout_is_a_bijection(cols):
     assert len({(int(r), int(c)) for r, c in rc}) == 64 * cols
 
 
+def test_two_warpgroup_tile_is_two_64_row_tiles():
+    """bwd.py's 128-row dQ tile (d=64): its first 64·cols offsets are warpgroup 0's 64-row
+    tile, the rest warpgroup 1's, in the same order, so one box covers two buffer blocks."""
+    bases = torch.tensor(frag.fragment_bases(64, 128))
+    offsets = torch.arange(128 * 64)
+    rc = ((offsets[:, None] >> torch.arange(len(bases))) & 1) @ bases
+    assert torch.equal(rc[:4096], coords(64))
+    assert torch.equal(rc[4096:], coords(64) + torch.tensor([64, 0]))
+
+
+def test_sequences_never_share_a_block():
+    """Even a 128-row step's two blocks past a sequence's end stay clear of the next one."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        lens = (torch.randint(1, 400, (int(torch.randint(1, 6, (1,), generator=gen)),),
+                              generator=gen)).tolist()
+        starts = [sum(lens[:b]) for b in range(len(lens))]
+        last = -1
+        for b, (start, n) in enumerate(zip(starts, lens)):
+            first = start // 64 + 2 * b
+            assert first > last, (lens, b)
+            last = first + 2 * -(-n // 128) - 1  # the highest block a 128-row step reaches
+        assert last < frag.num_blocks(sum(lens), len(lens))
+
+
 def fill_fragments(dq_true, lens, cols, width):
     """The buffer the backward would leave for dQ = dq_true (rows past a sequence's end hold
     noise the conversion must not read)."""
@@ -42,7 +67,7 @@ def fill_fragments(dq_true, lens, cols, width):
     starts = [sum(lens[:b]) for b in range(batch)]
     for b, (start, n) in enumerate(zip(starts, lens)):
         for block in range(-(-n // 64)):
-            g = start // 64 + b + block
+            g = start // 64 + 2 * b + block
             rows = block * 64 + rc[:, 0]
             live = rows < n
             for part in range(width // cols):

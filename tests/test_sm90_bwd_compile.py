@@ -41,6 +41,10 @@ def _splits_warpgroups(kw: dict) -> bool:
 CONFIGS = [
     # d=64 steps over 128 query rows at the 255-register limit (3 seen, 10 with softcap)
     ({"head_dim": 64}, 8),
+    # ... with its dQ tile in fragment order (off by default): 3 seen, 46 causal (all in the
+    # loop, ptxas at the 255-register limit; 4 with the row-major tile)
+    ({"head_dim": 64, "cfg": {"dq_fragment": True}}, 8),
+    ({"head_dim": 64, "has_right": True, "cfg": {"dq_fragment": True}}, 56),
     ({"head_dim": 64, "dtype": "float16", "has_right": True}, 8),
     ({"head_dim": 64, "has_left": True, "has_right": True, "softcap": True, "uniform": False,
       "has_seqused": True}, 16),
@@ -124,6 +128,8 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
         # d=128 takes 1 unmasked, 6 causal: sm_90a, 2026-11-29; causal 10 since dK is
         # issued after dQ and stored straight from its wgmma layout, 2026-11-30)
         in_loop = 10 if kw.get("has_right") else 2
+        if kw.get("has_right") and kw.get("cfg", {}).get("dq_fragment"):
+            in_loop = 56  # d=64 with fragment-order dQ (see CONFIGS)
         if _splits_warpgroups(kw):  # the masked steps' scalars (see CONFIGS); 10 more
             # with fragment-order dQ tiles (the dQ MMA's descriptors)
             in_loop = 56 if kw.get("has_right") else 12
@@ -147,11 +153,14 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
     if kw.get("cfg", {}).get("dq_tma", True):
         cfg = replace(bwd.select_config(kw["head_dim"], None, kw.get("softcap", False),
                                         kw.get("deterministic", False)), **kw.get("cfg", {}))
-        if _splits_warpgroups(kw) and cfg.dq_fragment:
+        if bwd._fragments(cfg, _splits_warpgroups(kw)):
             # bwd_ws (d=128 by default): a warpgroup's 64-row dQ tile in fragment order, one
-            # unswizzled box of 32-column rows (dq_fragments.py)
-            cols = kw["head_dim"] // 2 if cfg.block_m == 64 else kw["head_dim"]
-            assert rep["fp32_boxes"] == [[64 * cols // 32, 32]], rep
+            # unswizzled box of 32-column rows (dq_fragments.py); bwd.py's 128-row tile (d=64)
+            # both warpgroups' tiles in one box
+            split = _splits_warpgroups(kw)
+            cols = kw["head_dim"] // 2 if split and cfg.block_m == 64 else kw["head_dim"]
+            rows = 64 if split else cfg.block_m
+            assert rep["fp32_boxes"] == [[rows * cols // 32, 32]], rep
             assert rep["sts128"] >= 8 and rep["sts64_fp32_staging"] == 0, rep
         else:
             # row-major staging tile: d=64 with a 32-byte swizzle (8-column boxes,

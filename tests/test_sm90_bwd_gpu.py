@@ -254,6 +254,36 @@ DET_CASES = [dict(c, deterministic=True) for c in CASES
                               "d256-dv128-causal", "d128-gqa-causal-tma")]
 
 
+# d=64's 128-row tiles in fragment order (BwdConfig.dq_fragment on bwd.py's kernel: two
+# warpgroups' 64-row tiles, one box; off by default until measured), every d=64 case,
+# deterministic ones with 20 bitwise repeats.
+D64_CASES = [c for c in CASES if c["d"] == 64] + [c for c in DET_CASES if c["d"] == 64]
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", D64_CASES, ids=lambda c: c["name"] + (
+    "-det" if c.get("deterministic") else ""))
+def test_sm90_backward_d64_dq_fragment_matches_reference(case):
+    from dataclasses import replace
+
+    from asymflash.backends import portable
+    from asymflash.backends.sm90 import bwd
+
+    default = bwd.select_config(64, softcap=bool(case.get("softcap")),
+                                deterministic=bool(case.get("deterministic")))
+    cfg = replace(default, dq_fragment=True)
+    for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
+        assert_fa_close(name, g, r32, rlow, atol=atol)
+    if case.get("deterministic"):
+        q, k, v, dout, seq, params, sink = make_case(case)
+        out, lse = portable.forward(q, k, v, seq, params, sink)
+        first = bwd.backward(dout, q, k, v, out, lse, None, seq, params, sink, cfg)
+        for _ in range(20):
+            again = bwd.backward(dout, q, k, v, out, lse, None, seq, params, sink, cfg)
+            for a, b in zip(first[:3], again[:3]):
+                assert torch.equal(a, b)
+
+
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("case", DET_CASES, ids=lambda c: c["name"])
 def test_sm90_deterministic_backward_is_bitwise_reproducible(case):

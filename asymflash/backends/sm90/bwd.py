@@ -101,6 +101,7 @@ if _GLUON_ERROR is None:
     from .bwd_parts import (
         add_dq,
         after_dq_reduce,
+        in_fragments,
         key_block,
         load_kv,
         load_qdo,
@@ -109,6 +110,7 @@ if _GLUON_ERROR is None:
         probabilities,
         query_range,
         release_dq_turn_after_tma,
+        stage_dq,
         stage_stats,
         step_needs_mask,
         store_key_grads,
@@ -229,7 +231,10 @@ class BwdConfig:
     # -> fragments: 501-506 / 542-560 -> 515-528 / 577-580, causal 400-406 / 544-547 -> 405-410
     # / 551-560, 512 rows a tie; deterministic 472-476 / 514-540 -> 491-498 / 528-554, causal
     # 16k 525-528 -> 540-544. It costs ptxas ~10 local-memory instructions in the loop
-    # (scalars around the dQ MMA; 2 -> 17 in all, causal 40 -> 52).
+    # (scalars around the dQ MMA; 2 -> 17 in all, causal 40 -> 52). bwd.py's kernel takes it
+    # with 128-row steps (d=64: both warpgroups' tiles, one box): built, GPU tests written,
+    # off until measured (sm_90a: 3 local-memory instructions non-causal as before, causal
+    # 4 -> 46 in the loop, at the 255-register limit).
     dq_fragment: bool = False
 
 
@@ -390,7 +395,7 @@ if _GLUON_ERROR is None:
             ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
             if DQ_TMA:
                 # dQ partials leave through one TMA reduce-add per step from here.
-                dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM],
+                dq_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape,
                                                     dq_desc.layout)
             kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
             ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -529,7 +534,8 @@ if _GLUON_ERROR is None:
                 if DQ_TMA:
                     # Rows past this sequence get exact zeros (P = 0 there): no row mask. Rows
                     # past the tensor are clipped by the TMA unit.
-                    dq_smem.store(dq * softmax_scale)
+                    FRAG: gl.constexpr = in_fragments(dq_desc.layout)
+                    stage_dq(dq_smem, dq * softmax_scale, FRAG, BLOCK_M, HEAD_DIM)
                     fence_async_shared()
                     if DETERMINISTIC:
                         if not WAIT_EARLY:
@@ -540,7 +546,13 @@ if _GLUON_ERROR is None:
                                                HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
                                                WARP_SPIN)
                     gl.thread_barrier()
-                    tma_reduce_add(dq_desc, [q_start + m0, h * HEAD_DIM], dq_smem)
+                    if FRAG:  # rows of the 64-row blocks from q_start // 64 + 2·sequence +
+                        # m0 // 64 in the fragment buffer, columns of head h (dq_fragments.py;
+                        # the sequence read from the grid, not kept live through the loop)
+                        block = q_start // 64 + 2 * gl.program_id(2) + m0 // 64
+                        tma_reduce_add(dq_desc, [block * (2 * HEAD_DIM), h * 32], dq_smem)
+                    else:
+                        tma_reduce_add(dq_desc, [q_start + m0, h * HEAD_DIM], dq_smem)
                     if DETERMINISTIC:
                         held = after_dq_reduce(sem, m0, RELEASE_AT)
                 else:
@@ -625,13 +637,15 @@ def _dq_block(head_dim: int, cfg: BwdConfig, split: bool = False) -> tuple[int, 
     or that 64-row tile in fragment order as 32-column rows (`BwdConfig.dq_fragment`)."""
     if split:
         rows, cols = (64, head_dim // 2) if cfg.block_m == 64 else (cfg.block_m // 2, head_dim)
-        return (rows * cols // 32, 32) if _fragments(cfg, split) else (rows, cols)
-    return (cfg.block_m, head_dim // 2 if head_dim == 256 else head_dim)
+    else:
+        rows, cols = cfg.block_m, head_dim // 2 if head_dim == 256 else head_dim
+    return (rows * cols // 32, 32) if _fragments(cfg, split) else (rows, cols)
 
 
 def _fragments(cfg: BwdConfig, split: bool) -> bool:
-    """Whether dQ leaves in fragment order (`dq_fragments.py`): bwd_ws's TMA reduces only."""
-    return split and cfg.dq_fragment and cfg.dq_tma
+    """Whether dQ leaves in fragment order (`dq_fragments.py`): TMA reduces of bwd_ws's
+    tiles, or of bwd.py's 128-row ones (two warpgroups of 64 rows; d=64)."""
+    return cfg.dq_fragment and cfg.dq_tma and (split or cfg.block_m == 128)
 
 
 def _dq_tile(head_dim: int, cfg: BwdConfig, split: bool) -> tuple[tuple, object]:
@@ -808,11 +822,10 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
         seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, hkv, hq // hkv, plan.num_m_blocks,
         qk_scale, params.softmax_scale, softcap_pre, wl, wr, **plan.constexprs)
     # The kernel folded softmax_scale into its dQ partial sums.
-    if plan.dq_fragment:
+    if plan.dq_fragment:  # tiles of 64 rows, width (or half of it: bwd_ws's d=128) wide
+        cols = width // 2 if plan.split and cfg.block_m == 64 else width
         dq = dq_fragments.dq_from_fragments(dq_acc, seq.cu_seqlens_q, seq.max_seqlen_q,
-                                            total_q, hq, d, width,
-                                            plan.dq_block[0] * 32 // dq_fragments.ROWS,
-                                            q.dtype)
+                                            total_q, hq, d, width, cols, q.dtype)
     else:
         dq = dq_acc[..., :d].to(q.dtype, memory_format=torch.contiguous_format)
     dsink = sink_grad(sink, lse, delta)

@@ -18,7 +18,28 @@ if _GLUON_ERROR is None:
     from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+    from .dq_fragments import fragment_bases
     from .fwd import _copy_rows, _sequence, _tanh
+
+    @gluon.constexpr_function
+    def fragment_layout(rows, cols):
+        """Shared layout of a dQ tile in the wgmma accumulator's order (`dq_fragments.py`)."""
+        return gl.SharedLinearLayout(fragment_bases(int(cols), int(rows)))
+
+    @gluon.constexpr_function
+    def in_fragments(layout):
+        """dQ tiles in the accumulator's order: the host gives their descriptor an unswizzled
+        layout, the row-major tiles a swizzled one."""
+        return layout.swizzle_byte_width == 0
+
+    @gluon.jit
+    def stage_dq(dq_buf, dq, FRAG: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
+        """Store a dQ tile (wgmma accumulator layout, ROWS x COLS) for its TMA reduce: as it
+        is, or (FRAG) in fragment order through the same buffer reinterpreted."""
+        if FRAG:
+            dq_buf._reinterpret(gl.float32, [ROWS, COLS], fragment_layout(ROWS, COLS)).store(dq)
+        else:
+            dq_buf.store(dq)
 
     @builtin
     def tma_reduce_add(desc, coord, src, _semantic=None):

@@ -66,6 +66,7 @@ if _GLUON_ERROR is None:
     )
 
     from .bwd_parts import (
+        in_fragments,
         key_block,
         load_kv,
         load_qdo,
@@ -74,6 +75,7 @@ if _GLUON_ERROR is None:
         probabilities,
         query_range,
         release_dq_turn_after_tma,
+        stage_dq,
         stage_stats,
         step_needs_mask,
         store_key_rows,
@@ -82,7 +84,6 @@ if _GLUON_ERROR is None:
         wait_dq_turn,
         walk_start,
     )
-    from .dq_fragments import fragment_bases
     from .fwd import _tile_layout
 
     # setmaxnreg per compute warpgroup and for the load warp (padded to a warpgroup):
@@ -120,38 +121,20 @@ if _GLUON_ERROR is None:
             return q_start + m0, h * HEAD_DIM + WG * (HEAD_DIM // 2)
         return q_start + m0 + WG * (BLOCK_M // 2), h * HEAD_DIM
 
-    @gluon.constexpr_function
-    def _fragment_layout(cols):
-        return gl.SharedLinearLayout(fragment_bases(int(cols)))
-
-    @gluon.constexpr_function
-    def _in_fragments(layout):
-        """dQ tiles in the accumulator's order (`dq_fragments.py`): the host gives their
-        descriptor an unswizzled layout, the row-major tiles a swizzled one."""
-        return layout.swizzle_byte_width == 0
-
     @gluon.jit
     def _dq_coord(WG: gl.constexpr, h, m0, q_start, FRAG: gl.constexpr,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, TILE_ROWS: gl.constexpr):
         """(row, column) of warpgroup WG's dQ reduce for the step at (h, m0): its box in dQ's
         rows (`_dq_box`), or its tile in the fragment buffer (FRAG: rows of the 64-row block
-        q_start // 64 + sequence + m0 // 64 (its column part), columns of head h;
+        q_start // 64 + 2·sequence + m0 // 64 (its column part), columns of head h;
         `dq_fragments.py`). The sequence is the grid's third index (`key_block`), read here
         rather than kept live through the loop (one more scalar cost ptxas spills)."""
         if FRAG:
-            block = q_start // 64 + gl.program_id(2) + m0 // 64
+            block = q_start // 64 + 2 * gl.program_id(2) + m0 // 64
             if BLOCK_M == 64:  # the warpgroups split dQ's columns: two tiles per block
                 return (block * 2 + WG) * TILE_ROWS, h * 32
             return (block + WG) * TILE_ROWS, h * 32  # ... or its rows
         return _dq_box(WG, h, m0, q_start, HEAD_DIM, BLOCK_M)
-
-    @gluon.jit
-    def _stage_dq(dq_buf, dq, FRAG: gl.constexpr, COLS: gl.constexpr):
-        """Store a warpgroup's dQ tile (wgmma accumulator layout) for its reduce."""
-        if FRAG:
-            dq_buf._reinterpret(gl.float32, [64, COLS], _fragment_layout(COLS)).store(dq)
-        else:
-            dq_buf.store(dq)
 
     @gluon.jit
     def _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full, dq_empty, j, h,
@@ -180,8 +163,8 @@ if _GLUON_ERROR is None:
                 mbarrier.wait(dq_empty.index(WG), (j - 1) & 1)
         else:
             tma.store_wait(0)  # this warpgroup's previous reduce has read dq_buf
-        FRAG: gl.constexpr = _in_fragments(dq_desc.layout)
-        _stage_dq(dq_buf, dq * softmax_scale, FRAG, dq_zero.shape[1])
+        FRAG: gl.constexpr = in_fragments(dq_desc.layout)
+        stage_dq(dq_buf, dq * softmax_scale, FRAG, 64, dq_zero.shape[1])
         fence_async_shared()
         gl.thread_barrier()
         if DET:
@@ -212,7 +195,7 @@ if _GLUON_ERROR is None:
                                stride, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, True)
             mbarrier.wait(dq_full.index(0), j & 1)
             mbarrier.wait(dq_full.index(1), j & 1)
-            FRAG: gl.constexpr = _in_fragments(dq_desc.layout)
+            FRAG: gl.constexpr = in_fragments(dq_desc.layout)
             TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
             row, col = _dq_coord(0, h, m0, q_start, FRAG, HEAD_DIM, BLOCK_M,
                                  TILE_ROWS)

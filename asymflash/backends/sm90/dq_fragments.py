@@ -15,8 +15,11 @@ puts the rows back in place, casting to the input dtype, where the row-major pat
 `.to()`.
 
 Tile numbering: the 64-row query block r of sequence b (rows q_start + 64·r ...) is global
-block `q_start // 64 + b + r`: sequences never share a block, so no tile holds two
-sequences' rows, and there are at most total_q // 64 + batch + 1 blocks. The buffer is a
+block `q_start // 64 + 2b + r`. Sequences never share a block, so no tile holds two
+sequences' rows, even where a 128-row step reduces two blocks at once past a sequence's end
+(a sequence of 128k + t rows, 0 < t < 64, reaches 2k + 2 blocks; the next one starts
+(q_start % 64 + len) // 64 + 2 >= 2k + 2 blocks later); there are at most total_q // 64 +
+2·batch + 2 blocks. The buffer is a
 (rows, heads, 32) fp32 tensor: block g's column part p is rows (2g + p)·T ... (2g + p + 1)·T
 of it (T = 64·C/32; one part when C is the whole width), head h its columns 32h ... 32h + 31,
 so the kernel's reduce coordinates need no head count.
@@ -34,27 +37,31 @@ from ...core.params import cdiv
 ROWS = 64  # rows of one warpgroup's dQ tile (a wgmma M)
 
 
-@constexpr_function  # also called inside Gluon kernels (bwd_ws._fragment_layout)
-def fragment_bases(cols: int) -> list[list[int]]:
-    """(row, column) step of each offset bit of a 64 x cols fragment-order tile.
+@constexpr_function  # also called inside Gluon kernels (bwd_parts.fragment_layout)
+def fragment_bases(cols: int, rows: int = 64) -> list[list[int]]:
+    """(row, column) step of each offset bit of a rows x cols fragment-order tile (rows 64:
+    one warpgroup's accumulator; 128: two warpgroups stacked, each one such 64-row tile).
 
-    The accumulator layout (NVMMA v3, four warps of 16 rows): lane 4a + q holds rows a and
-    a + 8 and columns 8j + 2q, 8j + 2q + 1; register bit 0 steps a column, bit 1 eight rows,
-    the higher bits 8, 16, ... columns; warp w adds 16·w rows. Offset bits: registers 0-1,
-    then the lane (q, then a), then the warp (a thread's four consecutive registers, then the
-    threads in order), then the remaining register bits (one 128-bit store each)."""
+    The accumulator layout (NVMMA v3, warps of 16 rows): lane 4a + q holds rows a and a + 8
+    and columns 8j + 2q, 8j + 2q + 1; register bit 0 steps a column, bit 1 eight rows, the
+    higher bits 8, 16, ... columns; warp w adds 16·w rows. Offset bits: registers 0-1, then
+    the lane (q, then a), then the warp within the warpgroup (a thread's four consecutive
+    registers, then the threads in order), then the remaining register bits (one 128-bit
+    store each), then the warpgroup."""
     bases = [[0, 1], [8, 0], [0, 2], [0, 4], [1, 0], [2, 0], [4, 0], [16, 0], [32, 0]]
     c = 8
     cols = int(cols)
     while c < cols:
         bases.append([0, c])
         c *= 2
+    if int(rows) == 128:
+        bases.append([64, 0])
     return bases
 
 
 def num_blocks(total_q: int, batch: int) -> int:
     """64-row blocks the fragment buffer holds (see the tile numbering above)."""
-    return total_q // ROWS + batch + 1
+    return total_q // ROWS + 2 * batch + 2
 
 
 def fragment_buffer(total_q: int, batch: int, heads: int, width: int,
@@ -84,7 +91,7 @@ def _dq_from_fragments_kernel(acc_ptr, dq_ptr, cu_q_ptr, stride_row, stride_head
     if block * 64 < seqlen:
         rows = tl.arange(0, 64)[:, None]
         cols = tl.arange(0, BLOCK_D)[None, :]
-        g = (q_start // 64 + b + block).to(tl.int64)
+        g = (q_start // 64 + 2 * b + block).to(tl.int64)
         off = _fragment_offset(rows, cols % COLS)
         acc_row = (g * (WIDTH // COLS) + cols // COLS) * (2 * COLS) + off // 32
         src = acc_ptr + (acc_row * n_heads + h) * 32 + off % 32
