@@ -9,6 +9,7 @@ set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source scripts/ncu-case.sh
 sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats
           --section SchedulerStats --section InstructionStats --section Occupancy)
 if [ "${STALLS:-0}" = 1 ]; then
@@ -34,12 +35,7 @@ PY
 cases=(${CASES:-ours:fwd:64:0:16384 fa4:fwd:64:0:16384 ours:fwd:128:0:16384 fa4:fwd:128:0:16384
        ours:bwd:128:0:16384 fa4:bwd:128:0:16384})
 for c in "${cases[@]}"; do
-  IFS=: read -r impl mode d causal seqlen <<< "$c"
-  # the third repetition's main kernel: FA4's backward is preprocess, main, postprocess
-  skip=2
-  if [ "${impl%-aa}" = ours ]; then pat="attn_$mode"; elif [ "$mode" = fwd ]; then pat=Forward; else
-    pat=Backward; skip=7
-  fi
+  read_ncu_case "$c"
   log="$out/ncu-$impl-$mode-d$d-c$causal-$seqlen${STALLS:+-stalls}.txt"
   timeout 150 ncu --clock-control none "${sections[@]}" -k "regex:$pat" -s "$skip" -c 1 \
     python3 scripts/profile-target.py "$impl" "$mode" "$d" "$causal" "$seqlen" > "$log" 2>&1

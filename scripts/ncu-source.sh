@@ -8,13 +8,10 @@ set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source scripts/ncu-case.sh
 cases=(${CASES:-ours:fwd:64:0:16384 ours:bwd:128:0:16384})
 for c in "${cases[@]}"; do
-  IFS=: read -r impl mode d causal seqlen <<< "$c"
-  skip=2
-  if [ "${impl%-aa}" = ours ]; then pat="attn_$mode"; elif [ "$mode" = fwd ]; then pat=Forward; else
-    pat=Backward; skip=7
-  fi
+  read_ncu_case "$c"
   name="src-$impl-$mode-d$d-c$causal-$seqlen"
   rep=/tmp/$name
   timeout 200 ncu --clock-control none --section WarpStateStats --section SourceCounters \

@@ -170,6 +170,23 @@ def run_case(c, device="cuda", fwd_mod=None, bwd_mod=None, cfg=None):
     return result
 
 
+def assert_repeats_bitwise(case, repeats, cfg=None):
+    """The sm90 backward of `case` (config `cfg`, or the default) gives bitwise the same
+    dQ, dK and dV `repeats` more times (deterministic mode)."""
+    from asymflash.backends import portable
+    from asymflash.backends.sm90 import bwd
+
+    q, k, v, dout, seq, params, sink = make_case(case)
+    assert params.deterministic and bwd.unsupported_backward(q, k, v, seq, params, sink) is None
+    out, lse = portable.forward(q, k, v, seq, params, sink)
+    extra = [cfg] if cfg is not None else []
+    first = bwd.backward(dout, q, k, v, out, lse, None, seq, params, sink, *extra)
+    for _ in range(repeats):
+        again = bwd.backward(dout, q, k, v, out, lse, None, seq, params, sink, *extra)
+        for a, b in zip(first[:3], again[:3]):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c["name"])
 def test_sm90_backward_matches_reference(case):
@@ -266,7 +283,6 @@ D64_CASES = [c for c in CASES if c["d"] == 64] + [c for c in DET_CASES if c["d"]
 def test_sm90_backward_d64_dq_fragment_matches_reference(case):
     from dataclasses import replace
 
-    from asymflash.backends import portable
     from asymflash.backends.sm90 import bwd
 
     default = bwd.select_config(64, softcap=bool(case.get("softcap")),
@@ -275,31 +291,16 @@ def test_sm90_backward_d64_dq_fragment_matches_reference(case):
     for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
         assert_fa_close(name, g, r32, rlow, atol=atol)
     if case.get("deterministic"):
-        q, k, v, dout, seq, params, sink = make_case(case)
-        out, lse = portable.forward(q, k, v, seq, params, sink)
-        first = bwd.backward(dout, q, k, v, out, lse, None, seq, params, sink, cfg)
-        for _ in range(20):
-            again = bwd.backward(dout, q, k, v, out, lse, None, seq, params, sink, cfg)
-            for a, b in zip(first[:3], again[:3]):
-                assert torch.equal(a, b)
+        assert_repeats_bitwise(case, 20, cfg)
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("case", DET_CASES, ids=lambda c: c["name"])
 def test_sm90_deterministic_backward_is_bitwise_reproducible(case):
-    from asymflash.backends import portable
-    from asymflash.backends.sm90 import bwd
 
     for name, (g, r32, rlow, atol) in run_case(case).items():
         assert_fa_close(name, g, r32, rlow, atol=atol)
-    q, k, v, dout, seq, params, sink = make_case(case)
-    assert params.deterministic and bwd.unsupported_backward(q, k, v, seq, params, sink) is None
-    out, lse = portable.forward(q, k, v, seq, params, sink)
-    first = bwd.backward(dout, q, k, v, out, lse, None, seq, params, sink)
-    for _ in range(50):
-        again = bwd.backward(dout, q, k, v, out, lse, None, seq, params, sink)
-        for a, b in zip(first[:3], again[:3]):
-            assert torch.equal(a, b)
+    assert_repeats_bitwise(case, 50)
 
 
 # Deterministic mode on kernels and schedules the default config does not pick: at d=128
@@ -322,22 +323,15 @@ DET_VARIANTS = [(c, variant) for c in DET_CASES if c["d"] in (96, 128) and not c
 def test_sm90_other_deterministic_kernel_is_bitwise_reproducible(case, variant):
     from dataclasses import replace
 
-    from asymflash.backends import portable
     from asymflash.backends.sm90 import bwd
 
     width = bwd._fwd.forward_widths(case["d"], case.get("dv", case["d"]))[0]
     default = bwd.select_config(width, deterministic=True)
     cfg = replace(default, **variant)
-    q, k, v, dout, seq, params, sink = make_case(case)
     assert cfg != default, "the default kernel"
     for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
         assert_fa_close(name, g, r32, rlow, atol=atol)
-    out, lse = portable.forward(q, k, v, seq, params, sink)
-    first = bwd.backward(dout, q, k, v, out, lse, None, seq, params, sink, cfg)
-    for _ in range(50):
-        again = bwd.backward(dout, q, k, v, out, lse, None, seq, params, sink, cfg)
-        for a, b in zip(first[:3], again[:3]):
-            assert torch.equal(a, b)
+    assert_repeats_bitwise(case, 50, cfg)
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
