@@ -57,13 +57,20 @@ run_tests() {
 }
 if [ "$mode" = pending ]; then
   # what session 15 left unchecked on the GPU: the backward tests rewritten after its final
-  # run (row-major dQ variants, now that d=128 defaults to fragment-order tiles) and d=64's
-  # fragment-order variant (prepared, off); the d=64 probe with and without it (same
-  # process); then the per-instruction samples of the new d=128 backward (did the dQ
-  # stores' excess wavefronts go?). ~5 min.
-  TEST_FILES="tests/test_sm90_bwd_gpu.py tests/test_dq_fragments.py" \
-    PYTEST_K="row-major or row_major or swizzle or fragment" \
+  # run (row-major dQ variants, now that d=128 defaults to fragment-order tiles), d=64's
+  # fragment-order variant and the forward's three-warpgroup ping-pong (both prepared, off)
+  # with their probes (same process as the defaults); then the per-instruction samples of
+  # the new d=128 backward (did the dQ stores' excess wavefronts go?). ~6 min.
+  TEST_FILES="tests/test_sm90_bwd_gpu.py tests/test_dq_fragments.py tests/test_sm90_gpu.py" \
+    PYTEST_K="row-major or row_major or swizzle or fragment or 3wg-pingpong" \
     TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
+  # the forward with three warpgroups taking turns (FwdConfig.pingpong with consumer_wgs=3,
+  # FA4's d=64 shape; prepared, off)
+  timeout 90 python3 scripts/sm90-probe.py --no-check --graph --cells 64:0:2048,64:0:16384 \
+    --variant 64:wg3:consumer_wgs=3,persistent=true,q_buffers=1 \
+    --variant 64:wg3pp:consumer_wgs=3,persistent=true,q_buffers=1,pingpong=true \
+    > "$out/probe-fwd-3wg-pingpong.log" 2>&1
+  tail -3 "$out/probe-fwd-3wg-pingpong.log"
   timeout 150 python3 scripts/sm90-bwd-probe.py --no-peers --budget 120 --dims 64 \
     --seqlens 512,2048,16384 --variant frag:dq_fragment=true --variant base2:dq_fragment=false \
     --variant frag2:dq_fragment=true --variant det:deterministic=true \

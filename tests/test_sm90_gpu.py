@@ -278,13 +278,15 @@ PERSISTENT_CASES = CASES + [
 @pytest.mark.parametrize("grid", ["plain-grid", "persistent", "plain-pingpong",
                                   "persistent-pingpong", "persistent-3wg", "persistent-2q",
                                   "persistent-3wg-2q", "plain-grid-arrive", "persistent-arrive",
-                                  "persistent-3wg-arrive", "persistent-2q-arrive"])
+                                  "persistent-3wg-arrive", "persistent-2q-arrive",
+                                  "persistent-3wg-pingpong"])
 @pytest.mark.parametrize("case", PERSISTENT_CASES,
                          ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
 def test_sm90_forward_grid_matches_reference(case, grid):
     # Both grids forced, each with and without ping-pong between the consumer warpgroups,
     # the persistent one also with three consumer warpgroups and/or a second Q buffer each:
-    # the default (`use_persistent`, pingpong off) picks one per shape. "arrive": K/V slots
+    # the default (`use_persistent`, pingpong off) picks one per shape; three warpgroups
+    # take their turns round robin ("3wg-pingpong"). "arrive": K/V slots
     # released by every thread (FwdConfig.arrive_all, arrive_all.py's PTX pass), checked also
     # for the same bits on every repeat (a slot refilled while a warp still read it would show
     # as a change).
@@ -307,7 +309,7 @@ def test_sm90_forward_grid_matches_reference(case, grid):
     out_err, lse_err, tol = check_forward(fwd, q, k, v, seq, params, sink, cfg=cfg)
     assert out_err <= tol, (out_err, tol)
     assert lse_err <= 1e-3, lse_err
-    if cfg.arrive_all:
+    if cfg.arrive_all or cfg.pingpong:  # (turns that went wrong could also change bits)
         first = fwd.forward(q, k, v, seq, params, sink, cfg=cfg)
         for _ in range(10):
             again = fwd.forward(q, k, v, seq, params, sink, cfg=cfg)

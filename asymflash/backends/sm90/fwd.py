@@ -96,9 +96,10 @@ class FwdConfig:
     # needs many tiles per CTA per chunk to even out the work); 0: chunks sized by L2 alone
     # (always so without LPT: every tile then does the same work).
     chunk_waves: int = 8
-    # FA3's ping-pong: the two consumer warpgroups take turns issuing their wgmmas (two
-    # mbarriers passed back and forth), so one's softmax overlaps the other's matrix work.
-    # Off until measured on the H200 (written after the device time of 2026-11-29 was spent).
+    # FA3's ping-pong: the consumer warpgroups take turns issuing their wgmmas (one mbarrier
+    # each, passed round robin), so one's softmax overlaps another's matrix work. Off: two
+    # warpgroups measured neutral on the H200 (2026-11-29, benchmarks/NOTES.md); three
+    # (consumer_wgs=3, as FA4 runs d=64) built 2026-11-30, not yet measured.
     pingpong: bool = False
     # Consumer warpgroups per CTA, 64 query rows each: 2 (128-row tiles) or 3 (FA3's 192-row
     # tile for d=64: a third instruction stream per SM sub-partition to hide MUFU and wgmma
@@ -598,16 +599,21 @@ if _GLUON_ERROR is None:
     # mma role: one pipelined step of a consumer warpgroup
     # ------------------------------------------------------------------------------------------
     @gluon.jit
-    def _take_turn(bars, k, WG: gl.constexpr):
-        """Ping-pong: wait until warpgroup WG may issue its k-th group of wgmmas (k counts the
-        groups this warpgroup issued in the CTA's life). bars[2 + w] is w's turn barrier:
-        the other warpgroup arrives on it after issuing its own group. Warpgroup 0 goes first:
-        its first wait is on parity 1 of a fresh barrier, which passes at once."""
-        mbarrier.wait(bars.index(2 + WG), (k + 1 + WG) & 1)
+    def _take_turn(bars, k, WG: gl.constexpr, TURNS: gl.constexpr):
+        """Ping-pong among TURNS (2 or 3) warpgroups, round robin: wait until warpgroup WG
+        may issue its k-th group of wgmmas (k counts the groups this warpgroup issued in the
+        CTA's life). bars[TURNS + w] (after the Q barriers) is w's turn barrier: the
+        warpgroup before it arrives there after issuing its own k-th group. Warpgroup 0 goes
+        first: its first wait is on parity 1 of a fresh barrier, which passes at once; the
+        others' k-th turn is the k-th completed phase of theirs."""
+        if WG == 0:
+            mbarrier.wait(bars.index(TURNS + WG), (k + 1) & 1)
+        else:
+            mbarrier.wait(bars.index(TURNS + WG), k & 1)
 
     @gluon.jit
-    def _pass_turn(bars, WG: gl.constexpr):
-        mbarrier.arrive(bars.index(3 - WG), count=1)
+    def _pass_turn(bars, WG: gl.constexpr, TURNS: gl.constexpr):
+        mbarrier.arrive(bars.index(TURNS + (WG + 1) % TURNS), count=1)
 
     @gluon.jit
     def _step(i, n, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p_op, m_i, l_i,
@@ -626,7 +632,7 @@ if _GLUON_ERROR is None:
         mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
-            _take_turn(bars, q_phase + i, WG)
+            _take_turn(bars, q_phase + i, WG, PINGPONG)
         s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
         s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
@@ -634,7 +640,7 @@ if _GLUON_ERROR is None:
             mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
         o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         if PINGPONG:
-            _pass_turn(bars, WG)
+            _pass_turn(bars, WG, PINGPONG)
         # wgmma groups retire in order: with one group left in flight, S_i is complete.
         s = warpgroup_mma_wait(1, deps=[s_tok])
         mbarrier.arrive(k_empty.index(slot), count=ARRIVE)
@@ -707,12 +713,12 @@ if _GLUON_ERROR is None:
         slot0 = it0 % STAGES
         mbarrier.wait(k_ready.index(slot0), (it0 // STAGES) & 1)
         if PINGPONG:
-            _take_turn(q_bar, q_phase + it0, WG)
+            _take_turn(q_bar, q_phase + it0, WG, PINGPONG)
         s_tok = warpgroup_mma(q, k_smem.index(slot0).permute((1, 0)),
                               gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
                               is_async=True)
         if PINGPONG:
-            _pass_turn(q_bar, WG)
+            _pass_turn(q_bar, WG, PINGPONG)
         return q, s_tok
 
     @gluon.jit
@@ -770,10 +776,10 @@ if _GLUON_ERROR is None:
         slot = last % STAGES
         mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
         if PINGPONG:
-            _take_turn(q_bar, q_phase + last + 1, WG)
+            _take_turn(q_bar, q_phase + last + 1, WG, PINGPONG)
         o_tok = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
         if PINGPONG:
-            _pass_turn(q_bar, WG)
+            _pass_turn(q_bar, WG, PINGPONG)
         return o_tok, p_op, m_i, l_i, slot
 
     @gluon.jit
@@ -904,8 +910,9 @@ if _GLUON_ERROR is None:
     @gluon.constexpr_function
     def _o_turn_index(pingpong, num_wg, q_bufs):
         """Index in q_bar of the staging turn barrier (`_o_staging` 2: two warpgroups, one Q
-        buffer each): after the Q barriers and the ping-pong turn barriers."""
-        return num_wg * q_bufs + (2 if pingpong else 0)
+        buffer each): after the Q barriers and the ping-pong turn barriers (`pingpong`: the
+        number of warpgroups taking turns, 0 without)."""
+        return num_wg * q_bufs + int(pingpong)
 
     @gluon.constexpr_function
     def _q_bar_count(num_wg, pingpong, o_staging, q_bufs):
@@ -1076,7 +1083,8 @@ if _GLUON_ERROR is None:
                          LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
                          PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
                          ARRIVE: gl.constexpr, ARRIVE_PASS: gl.constexpr):
-        # NUM_WG = 3 only with PERSISTENT and without PINGPONG; Q_BUFS = 2 (a second Q buffer
+        # PINGPONG: how many consumer warpgroups take turns issuing their wgmmas (NUM_WG, or 0
+        # for none). NUM_WG = 3 only with PERSISTENT; Q_BUFS = 2 (a second Q buffer
         # per warpgroup: the loader brings the next tile's Q a whole tile ahead) only with
         # PERSISTENT, without PINGPONG and at d <= 128, so never with O_STAGING 2 (both
         # checked on the host).
@@ -1138,7 +1146,7 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 0,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3, Q_BUFS,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
                         ARRIVE)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
@@ -1147,7 +1155,7 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 1,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3, Q_BUFS,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
                         ARRIVE)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
@@ -1156,7 +1164,7 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 2,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, False, 3, Q_BUFS,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
                         ARRIVE)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
@@ -1386,7 +1394,8 @@ def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, h
             "HAS_SINK": has_sink, "LPT": cfg.lpt, "EMU_EVERY": cfg.exp2_emu_every,
             "RESCALE_THRESHOLD": float(cfg.rescale_threshold),
             "CONSUMER_REGS": _consumer_regs(cfg), "LOADER_REGS": cfg.loader_regs,
-            "PERSISTENT": bool(cfg.persistent), "PINGPONG": cfg.pingpong,
+            "PERSISTENT": bool(cfg.persistent),
+            "PINGPONG": cfg.consumer_wgs if cfg.pingpong else 0,
             "NUM_WG": cfg.consumer_wgs, "Q_BUFS": cfg.q_buffers if cfg.persistent else 1,
             "ARRIVE": arrive_all.WARPGROUP if cfg.arrive_all else 1,
             "ARRIVE_PASS": arrive_all.VERSION if cfg.arrive_all else 0}
@@ -1407,9 +1416,8 @@ def check_config(cfg: FwdConfig, head_dim: int) -> None:
                          "and no ping-pong: set q_buffers=1")
     if cfg.consumer_wgs not in (2, 3):
         raise ValueError(f"FwdConfig.consumer_wgs must be 2 or 3, got {cfg.consumer_wgs}")
-    if cfg.consumer_wgs == 3 and (cfg.persistent is False or cfg.pingpong or head_dim != 64):
-        raise ValueError("FwdConfig.consumer_wgs=3 needs head_dim 64, the persistent grid and "
-                         "no ping-pong")
+    if cfg.consumer_wgs == 3 and (cfg.persistent is False or head_dim != 64):
+        raise ValueError("FwdConfig.consumer_wgs=3 needs head_dim 64 and the persistent grid")
 
 
 def _launch_options(cfg: FwdConfig):
