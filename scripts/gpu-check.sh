@@ -58,11 +58,13 @@ run_tests() {
 if [ "$mode" = pending ]; then
   # what session 15 left unchecked on the GPU: the backward tests rewritten after its final
   # run (row-major dQ variants, now that d=128 defaults to fragment-order tiles), d=64's
-  # fragment-order variant and the forward's three-warpgroup ping-pong (both prepared, off)
-  # with their probes (same process as the defaults); then the per-instruction samples of
-  # the new d=128 backward (did the dQ stores' excess wavefronts go?). ~6 min.
+  # fragment-order variant, the forward's three-warpgroup ping-pong (prepared, off)
+  # and d=128's dK behind dQ, with their probes (same process as the defaults); then the
+  # per-instruction samples of the new d=128 backward (did the dQ stores' excess wavefronts
+  # go?). ~7 min.
   TEST_FILES="tests/test_sm90_bwd_gpu.py tests/test_dq_fragments.py tests/test_sm90_gpu.py" \
-    PYTEST_K="row-major or row_major or swizzle or fragment or 3wg-pingpong" \
+    PYTEST_K="row-major or row_major or swizzle or fragment or 3wg-pingpong or dk-after or \
+dk_after" \
     TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
   # the forward with three warpgroups taking turns (FwdConfig.pingpong with consumer_wgs=3,
   # FA4's d=64 shape; prepared, off)
@@ -76,6 +78,12 @@ if [ "$mode" = pending ]; then
     --variant frag2:dq_fragment=true --variant det:deterministic=true \
     --variant detfrag:deterministic=true,dq_fragment=true > "$out/probe-d64-fragment.log" 2>&1
   tail -8 "$out/probe-d64-fragment.log"
+  # d=128: dK issued behind dQ (BwdConfig.ws_dk_after_dq; prepared, off)
+  timeout 150 python3 scripts/sm90-bwd-probe.py --no-peers --budget 120 --dims 128 \
+    --seqlens 512,2048,16384 --variant dka:ws_dk_after_dq=true --variant base2:dq_fragment=true \
+    --variant dka2:ws_dk_after_dq=true --variant det:deterministic=true \
+    --variant detdka:deterministic=true,ws_dk_after_dq=true > "$out/probe-d128-dk-after.log" 2>&1
+  tail -8 "$out/probe-d128-dk-after.log"
   CASES="ours:bwd:128:0:16384" timeout 120 bash scripts/ncu-source.sh
   for f in "$out"/src-ours-bwd-*.csv.gz; do
     python3 scripts/ncu-source-top.py "$f" --top 8 --reason mio | head -14

@@ -71,6 +71,11 @@ CONFIGS = [
      48),
     ({"head_dim": 64, "has_right": True, "deterministic": True,
       "cfg": {"ws_deterministic": True, "split_warpgroups": True, "block_m": 64}}, 8),
+    # dK issued behind dQ (ws_dk_after_dq, off): 2 seen, 40 causal, 2 / 38 deterministic
+    ({"head_dim": 128, "cfg": {"ws_dk_after_dq": True}}, 8),
+    ({"head_dim": 128, "has_right": True, "cfg": {"ws_dk_after_dq": True}}, 48),
+    ({"head_dim": 128, "has_right": True, "deterministic": True,
+      "cfg": {"ws_dk_after_dq": True}}, 48),
     # dV left in flight while dSᵀ is formed (dv_overlap, off by default outside deterministic
     # mode): 2 seen non-causal, 44 causal, 39 varlen with a window (two more wgmma waits of
     # depth 1); with fragment-order dQ tiles 14 / 61

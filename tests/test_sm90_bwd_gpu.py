@@ -208,9 +208,12 @@ SPLIT_CASES_D64 = [c for c in CASES if c["d"] == 64 and not c.get("softcap")]
 @pytest.mark.parametrize("variant", [dict(late_warpgroup=1), dict(late_warpgroup=-1),
                                      dict(split_warpgroups=False), dict(dv_overlap=True),
                                      dict(arrive_all=True), dict(dq_fragment=False),
-                                     dict(dq_fragment=False, late_warpgroup=-1)],
+                                     dict(dq_fragment=False, late_warpgroup=-1),
+                                     dict(ws_dk_after_dq=True),
+                                     dict(ws_dk_after_dq=True, late_warpgroup=-1)],
                          ids=["late1", "in-step", "synchronous", "dv-overlap", "arrive-all",
-                              "dq-row-major", "dq-row-major-in-step"])
+                              "dq-row-major", "dq-row-major-in-step", "dk-after-dq",
+                              "dk-after-dq-in-step"])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c["name"])
 def test_sm90_backward_d128_schedules_match_reference(case, variant):
     from dataclasses import replace
@@ -307,12 +310,12 @@ def test_sm90_deterministic_backward_is_bitwise_reproducible(case):
 # bwd.py's synchronous kernel (ws_deterministic=False; softcap calls take it anyway) and
 # bwd_ws.py's with dV retired before dSᵀ is formed (dv_overlap=False), with per-thread
 # slot releases (arrive_all), with row-major dQ tiles (dq_fragment=False, or with a 32-byte
-# swizzle), at d=64 bwd_ws.py's kernel with 64-row steps (its dQ warp adds
-# both warpgroups' tiles in turn).
+# swizzle), with dK issued behind dQ (ws_dk_after_dq), at d=64 bwd_ws.py's kernel with
+# 64-row steps (its dQ warp adds both warpgroups' tiles in turn).
 DET_VARIANTS = [(c, variant) for c in DET_CASES if c["d"] in (96, 128) and not c.get("softcap")
                 for variant in (dict(ws_deterministic=False), dict(dv_overlap=False),
                                 dict(arrive_all=True), dict(dq_fragment=False, dq_swizzle=32),
-                                dict(dq_fragment=False))] + \
+                                dict(dq_fragment=False), dict(ws_dk_after_dq=True))] + \
     [(c, dict(block_m=64, split_warpgroups=True)) for c in DET_CASES
      if c["d"] == 64 and not c.get("softcap")]
 

@@ -236,6 +236,12 @@ class BwdConfig:
     # off until measured (sm_90a: 3 local-memory instructions non-causal as before, causal
     # 4 -> 46 in the loop, at the 255-register limit).
     dq_fragment: bool = False
+    # bwd_ws: issue dK += dSᵀ·Q right after dQ = dS·K and wait for dQ alone, so dK runs while
+    # dQ is staged and reduced (FA4's order), instead of issuing dK first, which made the wait
+    # for dQ a wait for both (ncu source counters, H200 2026-11-30, d=128 16k: ~9 % of a
+    # compute warp's samples on that wait). dK then waits for the other warpgroup's dSᵀ half
+    # too. Off until measured.
+    ws_dk_after_dq: bool = False
 
 
 # FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,
@@ -619,6 +625,7 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
         consts["RING"] = cfg.ring_slots
         consts["ARRIVE"] = arrive_all.WARPGROUP if cfg.arrive_all else 1
         consts["ARRIVE_PASS"] = arrive_all.VERSION if cfg.arrive_all else 0
+        consts["DK_AFTER_DQ"] = cfg.ws_dk_after_dq
         if cfg.arrive_all:
             arrive_all.install()  # the PTX pass that makes the marked arrives per-thread
     return consts

@@ -139,12 +139,15 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full, dq_empty, j, h,
                m0, q_start, softmax_scale, dq_zero, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-               BLOCK_M: gl.constexpr, DET: gl.constexpr, ARRIVE: gl.constexpr):
+               BLOCK_M: gl.constexpr, DET: gl.constexpr, ARRIVE: gl.constexpr,
+               dk=None, ds_op=None, q_s=None, WITH_DK: gl.constexpr = False):
         """This warpgroup's part of dQ = dS·K for step j: wait for the other half of dSᵀ,
         MMA, stage, reduce-add (retires every MMA this warpgroup has in flight). With
         64-row steps (d=128) the warpgroups split dQ's columns, with 128-row steps (d=64)
         its rows: one wgmma M either way. DET (deterministic mode): the staged tile goes to
-        the dQ warp (`_ws_dq_turns`), which adds it in turn."""
+        the dQ warp (`_ws_dq_turns`), which adds it in turn. WITH_DK
+        (`BwdConfig.ws_dk_after_dq`): dK += dSᵀ·Q is issued right after the dQ MMA and left
+        in flight while dQ is staged (FA4's order); returns its token."""
         js = j % 2
         mbarrier.wait(ds_ready.index(2 * js + 1 - WG), (j // 2) & 1)
         if BLOCK_M == 64:
@@ -156,7 +159,11 @@ if _GLUON_ERROR is None:
             ROWS: gl.constexpr = BLOCK_M // 2
             dq_tok = warpgroup_mma(ds_smem.index(js).slice(WG * ROWS, ROWS, 1).permute((1, 0)),
                                    k_smem, dq_zero, use_acc=False, is_async=True)
-        dq = warpgroup_mma_wait(0, deps=[dq_tok])
+        if WITH_DK:  # wgmma groups retire in order: waiting for dQ leaves dK running
+            dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+            dq = warpgroup_mma_wait(1, deps=[dq_tok])
+        else:
+            dq = warpgroup_mma_wait(0, deps=[dq_tok])
         mbarrier.arrive(ds_free.index(js), count=ARRIVE)
         if DET:
             if j > 0:  # the dQ warp has read this warpgroup's tile of step j - 1
@@ -173,6 +180,8 @@ if _GLUON_ERROR is None:
             row, col = _dq_coord(WG, h, m0, q_start, FRAG, HEAD_DIM, BLOCK_M,
                                  dq_desc.block_type.shape[0])
             tma_reduce_add(dq_desc, [row, col], dq_buf)
+        if WITH_DK:
+            return dk
 
     @gluon.jit
     def _ws_dq_turns(dq_smem, dq_desc, dq_full, dq_empty, sem_ptr, q_start, n_steps, h, m0,
@@ -215,7 +224,8 @@ if _GLUON_ERROR is None:
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                     HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DP_EARLY: gl.constexpr,
                     KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr, RING: gl.constexpr,
-                    DET: gl.constexpr, DV_OVERLAP: gl.constexpr, ARRIVE: gl.constexpr):
+                    DET: gl.constexpr, DV_OVERLAP: gl.constexpr, ARRIVE: gl.constexpr,
+                    DK_AFTER_DQ: gl.constexpr):
         (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
          empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr,
          dv_ptr, q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h, m0, m_lo,
@@ -292,16 +302,31 @@ if _GLUON_ERROR is None:
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(2 * ds_slot + WG), count=1)
             ds_op = gl.convert_layout(ds16, dsq_op_layout)
-            dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-            if WG == LATE_WG:  # one step late: the other half of this step is not there yet
-                if it > 0:
-                    _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full,
-                           dq_empty, it - 1, h_prev, m0_prev, q_start, softmax_scale, dq_zero,
-                           WG, HEAD_DIM, BLOCK_M, DET, ARRIVE)
+            if DK_AFTER_DQ:  # dK issued inside _ws_dq, behind the dQ MMA
+                if WG == LATE_WG:
+                    if it > 0:
+                        dk_tok = _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free,
+                                        dq_full, dq_empty, it - 1, h_prev, m0_prev, q_start,
+                                        softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M, DET,
+                                        ARRIVE, dk, ds_op, q_s, True)
+                    else:
+                        dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                else:
+                    dk_tok = _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free,
+                                    dq_full, dq_empty, it, h, m0, q_start, softmax_scale,
+                                    dq_zero, WG, HEAD_DIM, BLOCK_M, DET, ARRIVE, dk, ds_op,
+                                    q_s, True)
             else:
-                _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full, dq_empty,
-                       it, h, m0, q_start, softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M, DET,
-                       ARRIVE)
+                dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                if WG == LATE_WG:  # one step late: the other half of this step is not there
+                    if it > 0:
+                        _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full,
+                               dq_empty, it - 1, h_prev, m0_prev, q_start, softmax_scale,
+                               dq_zero, WG, HEAD_DIM, BLOCK_M, DET, ARRIVE)
+                else:
+                    _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full,
+                           dq_empty, it, h, m0, q_start, softmax_scale, dq_zero, WG, HEAD_DIM,
+                           BLOCK_M, DET, ARRIVE)
             if DV_OVERLAP:
                 dk, dv, ds_op, p_op = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok, ds_op, p_op])
             else:
@@ -352,7 +377,7 @@ if _GLUON_ERROR is None:
                            WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
                            DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr,
                            LATE_WG: gl.constexpr, RING: gl.constexpr, ARRIVE: gl.constexpr,
-                           ARRIVE_PASS: gl.constexpr):
+                           ARRIVE_PASS: gl.constexpr, DK_AFTER_DQ: gl.constexpr):
         # Same arguments as bwd._attn_bwd_kernel (one host path); DK_LATE, STATS_LATE,
         # RELEASE_AT, WAIT_EARLY and dq_ptr belong to that kernel's schedule. DV_OVERLAP:
         # dV = Pᵀ·dO stays in flight while dSᵀ is formed (BwdConfig.dv_overlap).
@@ -433,10 +458,10 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_ws_compute, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                               DETERMINISTIC, DV_OVERLAP, ARRIVE)),
+                               DETERMINISTIC, DV_OVERLAP, ARRIVE, DK_AFTER_DQ)),
                 (_ws_compute, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                               DETERMINISTIC, DV_OVERLAP, ARRIVE)),
+                               DETERMINISTIC, DV_OVERLAP, ARRIVE, DK_AFTER_DQ)),
                 (_ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
                               k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
                               empty, k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
