@@ -60,7 +60,9 @@ def fragment_bases(cols: int, rows: int = 64) -> list[list[int]]:
 
 
 def num_blocks(total_q: int, batch: int) -> int:
-    """64-row blocks the fragment buffer holds (see the tile numbering above)."""
+    """64-row blocks the fragment buffer holds (see the tile numbering above). Its TMA row
+    coordinates (int32) reach 2·width rows per block: total_q up to ~2^29 at d=128, beyond
+    what a q tensor of one head can occupy on a 141 GB GPU."""
     return total_q // ROWS + 2 * batch + 2
 
 
