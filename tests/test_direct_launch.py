@@ -229,10 +229,13 @@ def test_cached_map_launch_passes_what_tritons_launcher_passes(monkeypatch):
     assert launch._CachedMapLaunch.build(kernel) is None
 
 
-@pytest.mark.parametrize("total_q,width", [(1, 64), (113, 128), (203, 256)])
-def test_preprocess_zeroes_the_dq_accumulator(total_q, width):
+@pytest.mark.parametrize("total_q,width,acc_rows", [(1, 64, 1), (113, 128, 113),
+                                                   (203, 256, 203), (17, 128, 320),
+                                                   (203, 64, 448)])
+def test_preprocess_zeroes_the_dq_accumulator(total_q, width, acc_rows):
     """The backward preprocess writes delta = rowsum(dO * O) - dlse and, for the sm90
-    backward, zeroes its fp32 dQ accumulator in the same launch."""
+    backward, zeroes its fp32 dQ accumulator in the same launch: total_q rows, or more (the
+    fragment-order buffer, sm90/dq_fragments.py)."""
     from asymflash.backends.portable import _delta
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -240,7 +243,7 @@ def test_preprocess_zeroes_the_dq_accumulator(total_q, width):
     out = torch.randn(total_q, hq, dv, device=device).to(torch.bfloat16)
     dout = torch.randn(total_q, hq, dv, device=device).to(torch.bfloat16)
     dlse = torch.randn(hq, total_q, device=device)
-    acc = torch.full((total_q, hq, width), float("nan"), device=device)
+    acc = torch.full((acc_rows, hq, width), float("nan"), device=device)
     delta = _delta(out, dout, dlse, zero=acc)
     want = (out.float() * dout.float()).sum(-1).transpose(0, 1) - dlse
     torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-4)

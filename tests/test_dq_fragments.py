@@ -61,8 +61,9 @@ def fill_fragments(dq_true, lens, cols, width):
     noise the conversion must not read)."""
     total_q, heads, _ = dq_true.shape
     batch = len(lens)
-    acc = frag.fragment_buffer(total_q, batch, heads, width, torch.device("cpu"))
-    acc.normal_()  # tiles of nobody's rows: noise, never read
+    buf = frag.fragment_buffer(total_q, batch, heads, width, torch.device("cpu"))
+    buf.normal_()  # tiles of nobody's rows: noise, never read
+    acc = frag.tiles_view(buf)  # the kernel's view: (rows, heads, 32)
     rc = coords(cols)
     starts = [sum(lens[:b]) for b in range(batch)]
     for b, (start, n) in enumerate(zip(starts, lens)):
@@ -76,7 +77,7 @@ def fill_fragments(dq_true, lens, cols, width):
                 vals = torch.randn(64 * cols, heads)  # past the end: noise
                 vals[live] = dq_true[start + rows[live], :, part * cols + rc[live, 1]]
                 acc[acc_rows, :, lane] = vals
-    return acc
+    return buf
 
 
 @pytest.mark.parametrize("lens,heads,d,width,cols", [

@@ -28,20 +28,22 @@ from .common import (
 @triton.jit
 def bwd_preprocess_kernel(
     Out, DO, DLSE, DELTA, total_q, stride_ot, stride_oh, stride_dot, stride_doh,
-    stride_delta_h, ZERO, stride_zt, stride_zh, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_T: tl.constexpr, HAS_DLSE: tl.constexpr, ZERO_D: tl.constexpr,
+    stride_delta_h, ZERO, stride_zt, stride_zh, zero_rows, DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, HAS_DLSE: tl.constexpr,
+    ZERO_D: tl.constexpr,
 ):
     """delta = rowsum(dO * O) - dlse per (head, token): the softmax Jacobian's row term.
-    With ZERO_D > 0 it also zeroes ZERO[rows, h, :ZERO_D] (the sm90 backward's fp32 dQ
-    accumulator: one launch fewer than a separate fill, host time being the limit at short
-    sequences)."""
+    With ZERO_D > 0 it also zeroes ZERO[rows, h, :ZERO_D] for rows < zero_rows (the sm90
+    backward's fp32 dQ accumulator, which may have more rows than total_q: the fragment-order
+    buffer; one launch fewer than a separate fill, host time being the limit at short
+    sequences). The grid covers max(total_q, zero_rows) rows."""
     h = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     if ZERO_D > 0:
         zcols = tl.arange(0, ZERO_D)
         zptr = ZERO + h.to(tl.int64) * stride_zh + rows.to(tl.int64)[:, None] * stride_zt
         tl.store(zptr + zcols[None, :], tl.zeros([BLOCK_T, ZERO_D], tl.float32),
-                 mask=(rows < total_q)[:, None])
+                 mask=(rows < zero_rows)[:, None])
     cols = tl.arange(0, BLOCK_DV)
     o = load_rows(Out + h * stride_oh, 0, rows, total_q, stride_ot, cols, DV)
     do = load_rows(DO + h * stride_doh, 0, rows, total_q, stride_dot, cols, DV)

@@ -792,10 +792,9 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
     # The preprocess (delta) zeroes dQ_acc: one launch instead of two.
     if plan.dq_fragment:
         dq_acc = dq_fragments.fragment_buffer(total_q, seq.batch, hq, width, q.device)
-        delta = _delta(out, dout, dlse)
     else:
         dq_acc = torch.empty((total_q, hq, width), dtype=torch.float32, device=q.device)
-        delta = _delta(out, dout, dlse, zero=dq_acc)
+    delta = _delta(out, dout, dlse, zero=dq_acc)
     # Varlen rows that belong to no sequence are never written: they must read as zero.
     alloc = torch.empty if seq.uniform and not has_seqused else torch.zeros
     dk = alloc((k.shape[0], hkv, width), dtype=k.dtype, device=k.device)
@@ -811,7 +810,8 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
         do_desc = _fwd.tma_rows(dout, (cfg.block_m, dvd))
         k_desc = _fwd.tma_rows(k, (cfg.block_n, d))
         v_desc = _fwd.tma_rows(v, (cfg.block_n, dvd))
-    dq_desc = _fwd.tma_rows(dq_acc, plan.dq_block, plan.dq_layout)
+    dq_desc = _fwd.tma_rows(dq_fragments.tiles_view(dq_acc) if plan.dq_fragment else dq_acc,
+                            plan.dq_block, plan.dq_layout)
     dk_desc = _fwd.tma_rows(dk, (_key_rows(cfg, plan.split), width))
     dv_desc = _fwd.tma_rows(dv, (_key_rows(cfg, plan.split), width_v))
 

@@ -33,6 +33,7 @@ import triton.language as tl
 from triton.runtime.jit import constexpr_function
 
 from ...core.params import cdiv
+from ..launch import DirectLaunch
 
 ROWS = 64  # rows of one warpgroup's dQ tile (a wgmma M)
 
@@ -68,10 +69,17 @@ def num_blocks(total_q: int, batch: int) -> int:
 
 def fragment_buffer(total_q: int, batch: int, heads: int, width: int,
                     device: torch.device) -> torch.Tensor:
-    """Zeroed fp32 buffer of whole fragment-order tiles, (rows, heads, 32) (fwd.tma_rows
-    makes it a [rows, heads·32] descriptor with a [64·C/32, 32] box)."""
-    rows = num_blocks(total_q, batch) * ROWS * width // 32
-    return torch.zeros((rows, heads, 32), dtype=torch.float32, device=device)
+    """The fp32 buffer of whole fragment-order tiles, uninitialised, as (64·blocks, heads,
+    width): the shape the backward preprocess zeroes (`portable._delta(zero=)`). The kernel
+    sees it through `tiles_view`."""
+    return torch.empty((num_blocks(total_q, batch) * ROWS, heads, width), dtype=torch.float32,
+                       device=device)
+
+
+def tiles_view(acc: torch.Tensor) -> torch.Tensor:
+    """`fragment_buffer` as (rows, heads, 32): fwd.tma_rows makes it a [rows, heads·32]
+    descriptor with a [64·C/32, 32] box (C the tile's columns)."""
+    return acc.view(-1, acc.shape[1], 32)
 
 
 @triton.jit
@@ -103,14 +111,17 @@ def _dq_from_fragments_kernel(acc_ptr, dq_ptr, cu_q_ptr, stride_row, stride_head
         tl.store(dst, val.to(dq_ptr.dtype.element_ty), mask=(row < seqlen) & (cols < D))
 
 
+_FROM_FRAGMENTS = DirectLaunch(_dq_from_fragments_kernel)  # host time: short calls are bound by it
+
+
 def dq_from_fragments(acc: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
                       total_q: int, heads: int, d: int, width: int, cols: int,
                       dtype: torch.dtype) -> torch.Tensor:
-    """dQ (total_q, heads, d) in `dtype` from the fragment buffer (tiles `cols` wide)."""
+    """dQ (total_q, heads, d) in `dtype` from the fragment buffer (`fragment_buffer`, or its
+    `tiles_view`; tiles `cols` wide)."""
     batch = cu_seqlens_q.numel() - 1
     dq = torch.empty((total_q, heads, d), dtype=dtype, device=acc.device)
     grid = (cdiv(max(max_seqlen_q, 1), ROWS), heads, batch)
-    _dq_from_fragments_kernel[grid](acc, dq, cu_seqlens_q, dq.stride(0), dq.stride(1), heads,
-                                    D=d, WIDTH=width, COLS=cols,
-                                    BLOCK_D=triton.next_power_of_2(width))
+    _FROM_FRAGMENTS[grid](acc, dq, cu_seqlens_q, dq.stride(0), dq.stride(1), heads,
+                          D=d, WIDTH=width, COLS=cols, BLOCK_D=triton.next_power_of_2(width))
     return dq
