@@ -19,10 +19,13 @@ block `q_start // 64 + 2b + r`. Sequences never share a block, so no tile holds 
 sequences' rows, even where a 128-row step reduces two blocks at once past a sequence's end
 (a sequence of 128k + t rows, 0 < t < 64, reaches 2k + 2 blocks; the next one starts
 (q_start % 64 + len) // 64 + 2 >= 2k + 2 blocks later); there are at most total_q // 64 +
-2·batch + 2 blocks. The buffer is a
-(rows, heads, 32) fp32 tensor: block g's column part p is rows (2g + p)·T ... (2g + p + 1)·T
-of it (T = 64·C/32; one part when C is the whole width), head h its columns 32h ... 32h + 31,
-so the kernel's reduce coordinates need no head count.
+2·batch + 2 blocks.
+
+The kernel sees the buffer as a (rows, heads, 32) fp32 tensor (`tiles_view`): with P column
+parts per block (2 at d=128 in bwd_ws, else 1) and T = 64·C/32 rows per tile, block g's part
+p is rows (P·g + p)·T ... (P·g + p + 1)·T, head h columns 32h ... 32h + 31, so the reduce
+coordinates need no head count. It is allocated as (64·blocks, heads, width), the shape the
+backward preprocess zeroes in the launch that computes delta.
 """
 
 from __future__ import annotations
