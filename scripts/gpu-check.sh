@@ -57,8 +57,8 @@ run_tests() {
 }
 if [ "$mode" = pending ]; then
   # what session 15 left unchecked on the GPU: the backward tests rewritten after its final
-  # run (row-major dQ variants, now that d=128 defaults to fragment-order tiles), d=64's
-  # fragment-order variant, the forward's three-warpgroup ping-pong (prepared, off)
+  # run (row-major dQ variants, now that d=128 defaults to fragment-order tiles), d=64's and
+  # d=256's fragment-order variants, the forward's three-warpgroup ping-pong (prepared, off)
   # and d=128's dK behind dQ, with their probes (same process as the defaults); then the
   # per-instruction samples of the new d=128 backward (did the dQ stores' excess wavefronts
   # go?). ~7 min.
@@ -73,11 +73,12 @@ dk_after" \
     --variant 64:wg3pp:consumer_wgs=3,persistent=true,q_buffers=1,pingpong=true \
     > "$out/probe-fwd-3wg-pingpong.log" 2>&1
   tail -3 "$out/probe-fwd-3wg-pingpong.log"
-  timeout 150 python3 scripts/sm90-bwd-probe.py --no-peers --budget 120 --dims 64 \
+  # fragment-order dQ at d=64 (bwd.py's kernel) and d=256 (bwd_wide), prepared, off
+  timeout 180 python3 scripts/sm90-bwd-probe.py --no-peers --budget 150 --dims 64,256 \
     --seqlens 512,2048,16384 --variant frag:dq_fragment=true --variant base2:dq_fragment=false \
     --variant frag2:dq_fragment=true --variant det:deterministic=true \
-    --variant detfrag:deterministic=true,dq_fragment=true > "$out/probe-d64-fragment.log" 2>&1
-  tail -8 "$out/probe-d64-fragment.log"
+    --variant detfrag:deterministic=true,dq_fragment=true > "$out/probe-fragment.log" 2>&1
+  tail -14 "$out/probe-fragment.log"
   # d=128: dK issued behind dQ (BwdConfig.ws_dk_after_dq; prepared, off)
   timeout 150 python3 scripts/sm90-bwd-probe.py --no-peers --budget 120 --dims 128 \
     --seqlens 512,2048,16384 --variant dka:ws_dk_after_dq=true --variant base2:dq_fragment=true \

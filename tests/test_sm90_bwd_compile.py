@@ -71,6 +71,10 @@ CONFIGS = [
      48),
     ({"head_dim": 64, "has_right": True, "deterministic": True,
       "cfg": {"ws_deterministic": True, "split_warpgroups": True, "block_m": 64}}, 8),
+    # d=256 (bwd_wide) with fragment-order dQ halves (off until measured)
+    ({"head_dim": 256, "cfg": {"dq_fragment": True}}, 8),
+    ({"head_dim": 256, "has_right": True, "deterministic": True, "cfg": {"dq_fragment": True}},
+     8),
     # dK issued behind dQ (ws_dk_after_dq, off): 2 seen, 40 causal, 2 / 38 deterministic
     ({"head_dim": 128, "cfg": {"ws_dk_after_dq": True}}, 8),
     ({"head_dim": 128, "has_right": True, "cfg": {"ws_dk_after_dq": True}}, 48),
@@ -151,19 +155,22 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
         assert rep["tma_store"] >= 4 or kw.get("uniform") is False, rep
     if kw["head_dim"] == 256 and kw.get("deterministic") and not kw.get("softcap"):
         # the dQ turn's wait inside the loop (bwd_parts.spin_until_equal) costs no spills (it
-        # cost 35-54 polling from one thread); causal takes 2 with the dK/dV TMA epilogue
-        assert rep["local_in_loop"] <= 2, f"spills in the main loop: {rep}"
+        # cost 35-54 polling from one thread); causal takes 2 with the dK/dV TMA epilogue, 4
+        # with fragment-order dQ halves
+        allowed = 4 if kw.get("cfg", {}).get("dq_fragment") else 2
+        assert rep["local_in_loop"] <= allowed, f"spills in the main loop: {rep}"
     assert rep["regs"] <= 255
     assert rep["shared"] <= 227 * 1024
     if kw.get("cfg", {}).get("dq_tma", True):
         cfg = replace(bwd.select_config(kw["head_dim"], None, kw.get("softcap", False),
                                         kw.get("deterministic", False)), **kw.get("cfg", {}))
-        if bwd._fragments(cfg, _splits_warpgroups(kw)):
+        split = _splits_warpgroups(kw)
+        if bwd._fragments(cfg, split, kw["head_dim"]):
             # bwd_ws (d=128 by default): a warpgroup's 64-row dQ tile in fragment order, one
             # unswizzled box of 32-column rows (dq_fragments.py); bwd.py's 128-row tile (d=64)
-            # both warpgroups' tiles in one box
-            split = _splits_warpgroups(kw)
-            cols = kw["head_dim"] // 2 if split and cfg.block_m == 64 else kw["head_dim"]
+            # both warpgroups' tiles in one box; bwd_wide (d=256) each 128-column half
+            half = (split and cfg.block_m == 64) or kw["head_dim"] == 256
+            cols = kw["head_dim"] // 2 if half else kw["head_dim"]
             rows = 64 if split else cfg.block_m
             assert rep["fp32_boxes"] == [[rows * cols // 32, 32]], rep
             assert rep["sts128"] >= 8 and rep["sts64_fp32_staging"] == 0, rep

@@ -170,6 +170,13 @@ def run_case(c, device="cuda", fwd_mod=None, bwd_mod=None, cfg=None):
     return result
 
 
+def bwd_width(case) -> int:
+    """The compiled head dim the sm90 backward runs `case` at (96 -> 128, 192 -> 256)."""
+    from asymflash.backends.sm90 import bwd
+
+    return bwd._fwd.forward_widths(case["d"], case.get("dv", case["d"]))[0]
+
+
 def assert_repeats_bitwise(case, repeats, cfg=None):
     """The sm90 backward of `case` (config `cfg`, or the default) gives bitwise the same
     dQ, dK and dV `repeats` more times (deterministic mode)."""
@@ -274,21 +281,23 @@ DET_CASES = [dict(c, deterministic=True) for c in CASES
                               "d256-dv128-causal", "d128-gqa-causal-tma")]
 
 
-# d=64's 128-row tiles in fragment order (BwdConfig.dq_fragment on bwd.py's kernel: two
-# warpgroups' 64-row tiles, one box; off by default until measured), every d=64 case,
-# deterministic ones with 20 bitwise repeats.
-D64_CASES = [c for c in CASES if c["d"] == 64] + [c for c in DET_CASES if c["d"] == 64]
+# Fragment-order dQ where it is not the default (BwdConfig.dq_fragment, off until measured):
+# d=64's 128-row tiles in bwd.py's kernel (two warpgroups' 64-row tiles, one box) and
+# d=256's 128-column halves in bwd_wide's; every case of those widths, deterministic ones
+# with 20 bitwise repeats.
+FRAGMENT_CASES = [c for c in CASES + DET_CASES
+                  if bwd_width(c) in (64, 256)]
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("case", D64_CASES, ids=lambda c: c["name"] + (
+@pytest.mark.parametrize("case", FRAGMENT_CASES, ids=lambda c: c["name"] + (
     "-det" if c.get("deterministic") else ""))
-def test_sm90_backward_d64_dq_fragment_matches_reference(case):
+def test_sm90_backward_dq_fragment_variants_match_reference(case):
     from dataclasses import replace
 
     from asymflash.backends.sm90 import bwd
 
-    default = bwd.select_config(64, softcap=bool(case.get("softcap")),
+    default = bwd.select_config(bwd_width(case), softcap=bool(case.get("softcap")),
                                 deterministic=bool(case.get("deterministic")))
     cfg = replace(default, dq_fragment=True)
     for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():

@@ -232,9 +232,10 @@ class BwdConfig:
     # / 551-560, 512 rows a tie; deterministic 472-476 / 514-540 -> 491-498 / 528-554, causal
     # 16k 525-528 -> 540-544. It costs ptxas ~10 local-memory instructions in the loop
     # (scalars around the dQ MMA; 2 -> 17 in all, causal 40 -> 52). bwd.py's kernel takes it
-    # with 128-row steps (d=64: both warpgroups' tiles, one box): built, GPU tests written,
-    # off until measured (sm_90a: 3 local-memory instructions non-causal as before, causal
-    # 4 -> 46 in the loop, at the 255-register limit).
+    # with 128-row steps (d=64: both warpgroups' tiles, one box) and bwd_wide (d=256: each
+    # 128-column half): built, GPU tests written, off until measured (sm_90a: d=64 3
+    # local-memory instructions non-causal as before, causal 4 -> 46 in the loop, at the
+    # 255-register limit; d=256 none).
     dq_fragment: bool = False
     # bwd_ws: issue dK += dSᵀ·Q right after dQ = dS·K and wait for dQ alone, so dK runs while
     # dQ is staged and reduced (FA4's order), instead of issuing dK first, which made the wait
@@ -646,20 +647,21 @@ def _dq_block(head_dim: int, cfg: BwdConfig, split: bool = False) -> tuple[int, 
         rows, cols = (64, head_dim // 2) if cfg.block_m == 64 else (cfg.block_m // 2, head_dim)
     else:
         rows, cols = cfg.block_m, head_dim // 2 if head_dim == 256 else head_dim
-    return (rows * cols // 32, 32) if _fragments(cfg, split) else (rows, cols)
+    return (rows * cols // 32, 32) if _fragments(cfg, split, head_dim) else (rows, cols)
 
 
-def _fragments(cfg: BwdConfig, split: bool) -> bool:
+def _fragments(cfg: BwdConfig, split: bool, head_dim: int) -> bool:
     """Whether dQ leaves in fragment order (`dq_fragments.py`): TMA reduces of bwd_ws's
-    tiles, or of bwd.py's 128-row ones (two warpgroups of 64 rows; d=64)."""
-    return cfg.dq_fragment and cfg.dq_tma and (split or cfg.block_m == 128)
+    tiles, of bwd.py's 128-row ones (two warpgroups of 64 rows; d=64), or of bwd_wide's
+    128-column halves (the warpgroups' 64 columns each; d=256)."""
+    return cfg.dq_fragment and cfg.dq_tma and (split or cfg.block_m == 128 or head_dim == 256)
 
 
 def _dq_tile(head_dim: int, cfg: BwdConfig, split: bool) -> tuple[tuple, object]:
     """(box, shared layout) of the dQ reduce; unswizzled in fragment order (the kernel tells
     the two apart by the swizzle)."""
     block = _dq_block(head_dim, cfg, split)
-    return block, _dq_layout(block, 0 if _fragments(cfg, split) else cfg.dq_swizzle)
+    return block, _dq_layout(block, 0 if _fragments(cfg, split, head_dim) else cfg.dq_swizzle)
 
 
 def _key_rows(cfg: BwdConfig, split: bool) -> int:
@@ -829,8 +831,8 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
         seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, hkv, hq // hkv, plan.num_m_blocks,
         qk_scale, params.softmax_scale, softcap_pre, wl, wr, **plan.constexprs)
     # The kernel folded softmax_scale into its dQ partial sums.
-    if plan.dq_fragment:  # tiles of 64 rows, width (or half of it: bwd_ws's d=128) wide
-        cols = width // 2 if plan.split and cfg.block_m == 64 else width
+    if plan.dq_fragment:  # tiles of 64 rows, width (or half of it: bwd_ws's d=128, d=256) wide
+        cols = width // 2 if (plan.split and cfg.block_m == 64) or width == 256 else width
         dq = dq_fragments.dq_from_fragments(dq_acc, seq.cu_seqlens_q, seq.max_seqlen_q,
                                             total_q, hq, d, width, cols, q.dtype)
     else:
@@ -856,7 +858,7 @@ class LaunchPlan:
 
     @property
     def dq_fragment(self) -> bool:
-        return _fragments(self.cfg, self.split)
+        return _fragments(self.cfg, self.split, self.constexprs["HEAD_DIM"])
 
 
 @functools.lru_cache(maxsize=4096)

@@ -49,6 +49,7 @@ if _GLUON_ERROR is None:
     from .bwd_parts import (
         add_dq,
         after_dq_reduce,
+        in_fragments,
         key_block,
         load_kv,
         load_rows,
@@ -57,6 +58,7 @@ if _GLUON_ERROR is None:
         probabilities,
         query_range,
         release_dq_turn_after_tma,
+        stage_dq,
         stage_stats,
         step_needs_mask,
         store_key_grads,
@@ -130,7 +132,7 @@ if _GLUON_ERROR is None:
             ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pt_layout)
             kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
             if DQ_TMA:
-                dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ_COLS],
+                dq_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape,
                                                     dq_desc.layout)
             q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             do_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -243,8 +245,21 @@ if _GLUON_ERROR is None:
                 if DQ_TMA:
                     # One staging tile for both halves (bwd.py: rows past the sequence add
                     # exact zeros): three more barriers, but no per-thread atomics.
-                    dq_row = q_start + m0
-                    dq_smem.store(dq_lo * softmax_scale)
+                    # FRAG: the halves as tiles in the accumulator's order (dq_fragments.py:
+                    # parts 0 and 1 of the 64-row block q_start // 64 + 2·sequence + m0 // 64)
+                    FRAG: gl.constexpr = in_fragments(dq_desc.layout)
+                    if FRAG:
+                        TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
+                        dq_row = (q_start // 64 + 2 * gl.program_id(2) + m0 // 64) * 2 * TILE_ROWS
+                        lo_col = h * 32
+                        hi_row = dq_row + TILE_ROWS
+                        hi_col = lo_col
+                    else:
+                        dq_row = q_start + m0
+                        lo_col = h * HEAD_DIM
+                        hi_row = dq_row
+                        hi_col = lo_col + DQ_COLS
+                    stage_dq(dq_smem, dq_lo * softmax_scale, FRAG, BLOCK_M, DQ_COLS)
                     fence_async_shared()
                     if DETERMINISTIC:
                         if not WAIT_EARLY:
@@ -255,14 +270,14 @@ if _GLUON_ERROR is None:
                                                HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
                                                True)
                     gl.thread_barrier()
-                    tma_reduce_add(dq_desc, [dq_row, h * HEAD_DIM], dq_smem)
+                    tma_reduce_add(dq_desc, [dq_row, lo_col], dq_smem)
                     dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
                     tma.store_wait(0)
                     gl.thread_barrier()
-                    dq_smem.store(dq_hi * softmax_scale)
+                    stage_dq(dq_smem, dq_hi * softmax_scale, FRAG, BLOCK_M, DQ_COLS)
                     fence_async_shared()
                     gl.thread_barrier()
-                    tma_reduce_add(dq_desc, [dq_row, h * HEAD_DIM + DQ_COLS], dq_smem)
+                    tma_reduce_add(dq_desc, [hi_row, hi_col], dq_smem)
                     if DETERMINISTIC:
                         held = after_dq_reduce(sem, m0, RELEASE_AT)
                 else:
