@@ -62,7 +62,8 @@ if [ "$mode" = pending ]; then
   # and d=128's dK behind dQ, with their probes (same process as the defaults); then the
   # per-instruction samples of the new d=128 backward (did the dQ stores' excess wavefronts
   # go?). ~7 min.
-  TEST_FILES="tests/test_sm90_bwd_gpu.py tests/test_dq_fragments.py tests/test_sm90_gpu.py" \
+  TEST_FILES="tests/test_sm90_bwd_gpu.py@0/3 tests/test_sm90_bwd_gpu.py@1/3 \
+tests/test_sm90_bwd_gpu.py@2/3 tests/test_dq_fragments.py tests/test_sm90_gpu.py" \
     PYTEST_K="row-major or row_major or swizzle or fragment or 3wg-pingpong or dk-after or \
 dk_after" \
     TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
