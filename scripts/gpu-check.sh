@@ -3,8 +3,7 @@
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
 # or ./out)
 #   pending: what the last session left unchecked on the GPU (benchmarks/NOTES.md, session
-#   15: the rewritten dQ-variant tests, d=64's fragment-order dQ, the new backward's ncu
-#   samples). ~5 min.
+#   15: the rewritten dQ-variant tests, the prepared variants and their probes). ~7-8 min.
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
 #   (DECODE=1), host-overhead.py (HOST_OVERHEAD=1) and hf-generate-bench.py (HF=1);
@@ -59,9 +58,7 @@ if [ "$mode" = pending ]; then
   # what session 15 left unchecked on the GPU: the backward tests rewritten after its final
   # run (row-major dQ variants, now that d=128 defaults to fragment-order tiles), d=64's and
   # d=256's fragment-order variants, the forward's three-warpgroup ping-pong (prepared, off)
-  # and d=128's dK behind dQ, with their probes (same process as the defaults); then the
-  # per-instruction samples of the new d=128 backward (did the dQ stores' excess wavefronts
-  # go?). ~7 min.
+  # and d=128's dK behind dQ, with their probes (same process as the defaults). ~7-8 min.
   TEST_FILES="tests/test_sm90_bwd_gpu.py@0/3 tests/test_sm90_bwd_gpu.py@1/3 \
 tests/test_sm90_bwd_gpu.py@2/3 tests/test_dq_fragments.py tests/test_sm90_gpu.py" \
     PYTEST_K="row-major or row_major or swizzle or fragment or 3wg-pingpong or dk-after or \
@@ -75,21 +72,19 @@ dk_after" \
     > "$out/probe-fwd-3wg-pingpong.log" 2>&1
   tail -3 "$out/probe-fwd-3wg-pingpong.log"
   # fragment-order dQ at d=64 (bwd.py's kernel) and d=256 (bwd_wide), prepared, off
-  timeout 180 python3 scripts/sm90-bwd-probe.py --no-peers --budget 150 --dims 64,256 \
-    --seqlens 512,2048,16384 --variant frag:dq_fragment=true --variant base2:dq_fragment=false \
+  timeout 150 python3 scripts/sm90-bwd-probe.py --no-peers --budget 110 --dims 64,256 \
+    --seqlens 2048,16384 --variant frag:dq_fragment=true --variant base2:dq_fragment=false \
     --variant frag2:dq_fragment=true --variant det:deterministic=true \
     --variant detfrag:deterministic=true,dq_fragment=true > "$out/probe-fragment.log" 2>&1
   tail -14 "$out/probe-fragment.log"
   # d=128: dK issued behind dQ (BwdConfig.ws_dk_after_dq; prepared, off)
-  timeout 150 python3 scripts/sm90-bwd-probe.py --no-peers --budget 120 --dims 128 \
-    --seqlens 512,2048,16384 --variant dka:ws_dk_after_dq=true --variant base2:dq_fragment=true \
+  timeout 120 python3 scripts/sm90-bwd-probe.py --no-peers --budget 90 --dims 128 \
+    --seqlens 2048,16384 --variant dka:ws_dk_after_dq=true --variant base2:dq_fragment=true \
     --variant dka2:ws_dk_after_dq=true --variant det:deterministic=true \
     --variant detdka:deterministic=true,ws_dk_after_dq=true > "$out/probe-d128-dk-after.log" 2>&1
-  tail -8 "$out/probe-d128-dk-after.log"
-  CASES="ours:bwd:128:0:16384" timeout 120 bash scripts/ncu-source.sh
-  for f in "$out"/src-ours-bwd-*.csv.gz; do
-    python3 scripts/ncu-source-top.py "$f" --top 8 --reason mio | head -14
-  done
+  tail -6 "$out/probe-d128-dk-after.log"
+  # (then, in a call of its own: CASES="ours:bwd:128:0:16384" bash scripts/ncu-source.sh, and
+  # scripts/ncu-source-top.py on its CSV: are the dQ stores' excess wavefronts gone?)
 elif [ "$mode" = session ]; then
   # The benchmark first: if the call runs out of time, the table is what matters most.
   timeout "${BENCH_TIMEOUT:-240}" python3 -m asymflash bench --hdim 64,128,256 \
