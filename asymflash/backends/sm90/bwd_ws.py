@@ -142,7 +142,8 @@ if _GLUON_ERROR is None:
                BLOCK_M: gl.constexpr, DET: gl.constexpr, ARRIVE: gl.constexpr,
                dk=None, ds_op=None, q_s=None, WITH_DK: gl.constexpr = False):
         """This warpgroup's part of dQ = dS·K for step j: wait for the other half of dSᵀ,
-        MMA, stage, reduce-add (retires every MMA this warpgroup has in flight). With
+        MMA, stage, reduce-add (retires every MMA this warpgroup has in flight but the dK
+        that WITH_DK issues behind it). With
         64-row steps (d=128) the warpgroups split dQ's columns, with 128-row steps (d=64)
         its rows: one wgmma M either way. DET (deterministic mode): the staged tile goes to
         the dQ warp (`_ws_dq_turns`), which adds it in turn. WITH_DK
