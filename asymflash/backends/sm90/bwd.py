@@ -228,10 +228,11 @@ class BwdConfig:
     # a buffer of such tiles, which a portable kernel puts back in row order
     # (`dq_fragments.py`, after FA4's sm90 backward). Replaces dq_swizzle there. On at d=128:
     # H200 2026-11-30 (sm90-bwd-probe, same process, two runs), TFLOP/s 2k / 16k row-major
-    # -> fragments: 501-506 / 542-560 -> 515-528 / 577-580, causal 400-406 / 544-547 -> 405-410
-    # / 551-560, 512 rows a tie; deterministic 472-476 / 514-540 -> 491-498 / 528-554, causal
-    # 16k 525-528 -> 540-544. It costs ptxas ~10 local-memory instructions in the loop
-    # (scalars around the dQ MMA; 2 -> 17 in all, causal 40 -> 52). bwd.py's kernel takes it
+    # -> fragments (every measurement of each): 501-515 / 542-562 -> 515-528 / 577-580, causal
+    # 400-406 / 544-578 -> 405-410 / 551-560 (a tie there), 512 rows a tie; deterministic
+    # 472-476 / 514-540 -> 491-498 / 528-554, causal 16k 525-528 -> 540-544. It costs ptxas
+    # ~10 local-memory instructions in the loop (scalars around the dQ MMA; 2 -> 17 in all,
+    # causal 40 -> 52). bwd.py's kernel takes it
     # with 128-row steps (d=64: both warpgroups' tiles, one box) and bwd_wide (d=256: each
     # 128-column half): built, GPU tests written, off until measured (sm_90a: d=64 3
     # local-memory instructions non-causal as before, causal 4 -> 46 in the loop, at the
