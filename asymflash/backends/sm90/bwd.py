@@ -232,11 +232,10 @@ class BwdConfig:
     # 400-406 / 544-578 -> 405-410 / 551-560 (a tie there), 512 rows a tie; deterministic
     # 472-476 / 514-540 -> 491-498 / 528-554, causal 16k 525-528 -> 540-544. It costs ptxas
     # ~10 local-memory instructions in the loop (scalars around the dQ MMA; 2 -> 17 in all,
-    # causal 40 -> 52). bwd.py's kernel takes it
-    # with 128-row steps (d=64: both warpgroups' tiles, one box) and bwd_wide (d=256: each
-    # 128-column half): built, GPU tests written, off until measured (sm_90a: d=64 3
-    # local-memory instructions non-causal as before, causal 4 -> 46 in the loop, at the
-    # 255-register limit; d=256 none).
+    # causal 40 -> 52). bwd.py's kernel takes it with 128-row steps (d=64: both warpgroups'
+    # tiles, one box) and bwd_wide (d=256: each 128-column half): built, GPU tests written,
+    # off until measured (sm_90a: d=64 3 local-memory instructions non-causal as before,
+    # causal 4 -> 46 in the loop, at the 255-register limit; d=256 none).
     dq_fragment: bool = False
     # bwd_ws: issue dK += dSᵀ·Q right after dQ = dS·K and wait for dQ alone, so dK runs while
     # dQ is staged and reduced (FA4's order), instead of issuing dK first, which made the wait
@@ -640,14 +639,19 @@ def kv_tma_store(uniform: bool, max_seqlen_k: int, batch: int, block_n: int) -> 
     return uniform and (max_seqlen_k % block_n == 0 or batch == 1)
 
 
-def _dq_block(head_dim: int, cfg: BwdConfig, split: bool = False) -> tuple[int, int]:
-    """The dQ reduce box: the whole row block, or half of its columns at d=256 (bwd_wide);
-    in bwd_ws each warpgroup reduces its half, of the columns (64-row steps) or the rows,
-    or that 64-row tile in fragment order as 32-column rows (`BwdConfig.dq_fragment`)."""
+def _dq_tile(head_dim: int, cfg: BwdConfig, split: bool) -> tuple[int, int]:
+    """(rows, columns) of dQ one reduce adds: the whole row block, or half of its columns at
+    d=256 (bwd_wide); in bwd_ws each warpgroup's half, of the columns (64-row steps) or the
+    rows."""
     if split:
-        rows, cols = (64, head_dim // 2) if cfg.block_m == 64 else (cfg.block_m // 2, head_dim)
-    else:
-        rows, cols = cfg.block_m, head_dim // 2 if head_dim == 256 else head_dim
+        return (64, head_dim // 2) if cfg.block_m == 64 else (cfg.block_m // 2, head_dim)
+    return cfg.block_m, head_dim // 2 if head_dim == 256 else head_dim
+
+
+def _dq_block(head_dim: int, cfg: BwdConfig, split: bool = False) -> tuple[int, int]:
+    """The dQ reduce box: `_dq_tile`, or that tile in fragment order as 32-column rows
+    (`BwdConfig.dq_fragment`)."""
+    rows, cols = _dq_tile(head_dim, cfg, split)
     return (rows * cols // 32, 32) if _fragments(cfg, split, head_dim) else (rows, cols)
 
 
@@ -658,7 +662,7 @@ def _fragments(cfg: BwdConfig, split: bool, head_dim: int) -> bool:
     return cfg.dq_fragment and cfg.dq_tma and (split or cfg.block_m == 128 or head_dim == 256)
 
 
-def _dq_tile(head_dim: int, cfg: BwdConfig, split: bool) -> tuple[tuple, object]:
+def _dq_box_and_layout(head_dim: int, cfg: BwdConfig, split: bool) -> tuple[tuple, object]:
     """(box, shared layout) of the dQ reduce; unswizzled in fragment order (the kernel tells
     the two apart by the swizzle)."""
     block = _dq_block(head_dim, cfg, split)
@@ -714,7 +718,7 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
         return rows_desc(block)
 
     split = _splits_warpgroups(head_dim, cfg, feats["deterministic"], feats["softcap"])
-    dq_block, dq_layout = _dq_tile(head_dim, cfg, split)
+    dq_block, dq_layout = _dq_box_and_layout(head_dim, cfg, split)
     signature = {
         "q_desc": desc([cfg.block_m, head_dim]), "k_desc": desc([cfg.block_n, head_dim]),
         "v_desc": desc([cfg.block_n, head_dim_v]), "do_desc": desc([cfg.block_m, head_dim_v]),
@@ -832,8 +836,8 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
         seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, hkv, hq // hkv, plan.num_m_blocks,
         qk_scale, params.softmax_scale, softcap_pre, wl, wr, **plan.constexprs)
     # The kernel folded softmax_scale into its dQ partial sums.
-    if plan.dq_fragment:  # tiles of 64 rows, width (or half of it: bwd_ws's d=128, d=256) wide
-        cols = width // 2 if (plan.split and cfg.block_m == 64) or width == 256 else width
+    if plan.dq_fragment:
+        cols = _dq_tile(width, cfg, plan.split)[1]
         dq = dq_fragments.dq_from_fragments(dq_acc, seq.cu_seqlens_q, seq.max_seqlen_q,
                                             total_q, hq, d, width, cols, q.dtype)
     else:
@@ -882,6 +886,6 @@ def launch_plan(width: int, width_v: int, max_seqlen_q: int, max_seqlen_k: int,
                          kv_tma_store=cfg.kv_tma_store and kv_tma_store(
                              uniform, max_seqlen_k, batch, cfg.block_n))
     consts.update(_launch_options(split, cfg))
-    dq_block, dq_layout = _dq_tile(width, cfg, split)
+    dq_block, dq_layout = _dq_box_and_layout(width, cfg, split)
     return LaunchPlan(cfg, grid, cdiv(max(max_seqlen_q, 1), cfg.block_m), consts, dq_block,
                       dq_layout, split)
