@@ -101,6 +101,7 @@ if _GLUON_ERROR is None:
     from .bwd_parts import (
         add_dq,
         after_dq_reduce,
+        fragment_block,
         in_fragments,
         key_block,
         load_kv,
@@ -553,10 +554,9 @@ if _GLUON_ERROR is None:
                                                HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
                                                WARP_SPIN)
                     gl.thread_barrier()
-                    if FRAG:  # rows of the 64-row blocks from q_start // 64 + 2·sequence +
-                        # m0 // 64 in the fragment buffer, columns of head h (dq_fragments.py;
-                        # the sequence read from the grid, not kept live through the loop)
-                        block = q_start // 64 + 2 * gl.program_id(2) + m0 // 64
+                    if FRAG:  # rows of the two 64-row blocks from `fragment_block` in the
+                        # fragment buffer, columns of head h (dq_fragments.py)
+                        block = fragment_block(q_start, m0)
                         tma_reduce_add(dq_desc, [block * (2 * HEAD_DIM), h * 32], dq_smem)
                     else:
                         tma_reduce_add(dq_desc, [q_start + m0, h * HEAD_DIM], dq_smem)

@@ -33,6 +33,14 @@ if _GLUON_ERROR is None:
         return layout.swizzle_byte_width == 0
 
     @gluon.jit
+    def fragment_block(q_start, m0):
+        """The fragment buffer's 64-row block holding query row m0 of this CTA's sequence
+        (`dq_fragments.py`'s numbering: q_start // 64 + 2·sequence + m0 // 64). The sequence
+        is the grid's third index (`key_block`), read here rather than kept live through the
+        loop (one more live scalar cost ptxas spills)."""
+        return q_start // 64 + 2 * gl.program_id(2) + m0 // 64
+
+    @gluon.jit
     def stage_dq(dq_buf, dq, FRAG: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
         """Store a dQ tile (wgmma accumulator layout, ROWS x COLS) for its TMA reduce: as it
         is, or (FRAG) in fragment order through the same buffer reinterpreted."""

@@ -49,6 +49,7 @@ if _GLUON_ERROR is None:
     from .bwd_parts import (
         add_dq,
         after_dq_reduce,
+        fragment_block,
         in_fragments,
         key_block,
         load_kv,
@@ -246,11 +247,11 @@ if _GLUON_ERROR is None:
                     # One staging tile for both halves (bwd.py: rows past the sequence add
                     # exact zeros): three more barriers, but no per-thread atomics.
                     # FRAG: the halves as tiles in the accumulator's order (dq_fragments.py:
-                    # parts 0 and 1 of the 64-row block q_start // 64 + 2·sequence + m0 // 64)
+                    # parts 0 and 1 of the 64-row block `fragment_block`)
                     FRAG: gl.constexpr = in_fragments(dq_desc.layout)
                     if FRAG:
                         TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
-                        dq_row = (q_start // 64 + 2 * gl.program_id(2) + m0 // 64) * 2 * TILE_ROWS
+                        dq_row = fragment_block(q_start, m0) * 2 * TILE_ROWS
                         lo_col = h * 32
                         hi_row = dq_row + TILE_ROWS
                         hi_col = lo_col

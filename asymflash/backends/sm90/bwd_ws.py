@@ -66,6 +66,7 @@ if _GLUON_ERROR is None:
     )
 
     from .bwd_parts import (
+        fragment_block,
         in_fragments,
         key_block,
         load_kv,
@@ -125,12 +126,10 @@ if _GLUON_ERROR is None:
     def _dq_coord(WG: gl.constexpr, h, m0, q_start, FRAG: gl.constexpr,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, TILE_ROWS: gl.constexpr):
         """(row, column) of warpgroup WG's dQ reduce for the step at (h, m0): its box in dQ's
-        rows (`_dq_box`), or its tile in the fragment buffer (FRAG: rows of the 64-row block
-        q_start // 64 + 2·sequence + m0 // 64 (its column part), columns of head h;
-        `dq_fragments.py`). The sequence is the grid's third index (`key_block`), read here
-        rather than kept live through the loop (one more scalar cost ptxas spills)."""
+        rows (`_dq_box`), or its tile in the fragment buffer (FRAG: rows of block
+        `fragment_block` (its column part), columns of head h; `dq_fragments.py`)."""
         if FRAG:
-            block = q_start // 64 + 2 * gl.program_id(2) + m0 // 64
+            block = fragment_block(q_start, m0)
             if BLOCK_M == 64:  # the warpgroups split dQ's columns: two tiles per block
                 return (block * 2 + WG) * TILE_ROWS, h * 32
             return (block + WG) * TILE_ROWS, h * 32  # ... or its rows
