@@ -100,7 +100,7 @@ def _sm90_switched(label: str, switch: str, value: str, what: str,
 
     return Provider(f"asymflash-sm90-{label}", base.make_fwd, base.available, context,
                     is_asymflash=True, modes=modes, opt_in=True,
-                    description=f"the sm90 forward with {switch}={value}: {what}")
+                    description=f"the sm90 {' and '.join(modes)} with {switch}={value}: {what}")
 
 
 def _never(q, k, v, causal):
