@@ -288,8 +288,8 @@ def fa4_tricks() -> tuple[int, float]:
 
 
 # Per-thread slot releases (FwdConfig.arrive_all, `arrive_all.py`) for every call:
-# ASYMFLASH_SM90_ARRIVE_ALL=1 (the forward here, the backward in bwd.py). Off by default until
-# measured on the H200; part of dispatch.SWITCHES.
+# ASYMFLASH_SM90_ARRIVE_ALL=1 (the forward here, the backward in bwd.py). Off by default: a
+# tie on the H200 (2026-11-30, FwdConfig.arrive_all); part of dispatch.SWITCHES.
 ARRIVE_ALL_SWITCH = "ASYMFLASH_SM90_ARRIVE_ALL"
 
 
