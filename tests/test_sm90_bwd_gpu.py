@@ -216,11 +216,11 @@ SPLIT_CASES_D64 = [c for c in CASES if c["d"] == 64 and not c.get("softcap")]
                                      dict(split_warpgroups=False), dict(dv_overlap=True),
                                      dict(arrive_all=True), dict(dq_fragment=False),
                                      dict(dq_fragment=False, late_warpgroup=-1),
-                                     dict(ws_dk_after_dq=True),
-                                     dict(ws_dk_after_dq=True, late_warpgroup=-1)],
+                                     dict(ws_dk_after_dq=False),
+                                     dict(ws_dk_after_dq=False, late_warpgroup=-1)],
                          ids=["late1", "in-step", "synchronous", "dv-overlap", "arrive-all",
-                              "dq-row-major", "dq-row-major-in-step", "dk-after-dq",
-                              "dk-after-dq-in-step"])
+                              "dq-row-major", "dq-row-major-in-step", "dk-before-dq",
+                              "dk-before-dq-in-step"])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c["name"])
 def test_sm90_backward_d128_schedules_match_reference(case, variant):
     from dataclasses import replace
@@ -281,10 +281,11 @@ DET_CASES = [dict(c, deterministic=True) for c in CASES
                               "d256-dv128-causal", "d128-gqa-causal-tma")]
 
 
-# Fragment-order dQ where it is not the default (BwdConfig.dq_fragment, off until measured):
-# d=64's 128-row tiles in bwd.py's kernel (two warpgroups' 64-row tiles, one box) and
-# d=256's 128-column halves in bwd_wide's; every case of those widths, deterministic ones
-# with 20 bitwise repeats.
+# dQ tiles in the order the default does not take (BwdConfig.dq_fragment): at d=64 (bwd.py's
+# 128-row tiles: two warpgroups' 64-row tiles in one box) fragments on masked, softcap and
+# deterministic calls, row-major ones on the others; at d=256 (bwd_wide's 128-column
+# halves) row-major tiles. Every case of those widths, deterministic ones with 20 bitwise
+# repeats.
 FRAGMENT_CASES = [c for c in CASES + DET_CASES
                   if bwd_width(c) in (64, 256)]
 
@@ -298,8 +299,9 @@ def test_sm90_backward_dq_fragment_variants_match_reference(case):
     from asymflash.backends.sm90 import bwd
 
     default = bwd.select_config(bwd_width(case), softcap=bool(case.get("softcap")),
-                                deterministic=bool(case.get("deterministic")))
-    cfg = replace(default, dq_fragment=True)
+                                deterministic=bool(case.get("deterministic")),
+                                masked=case.get("window", (-1, -1)) != (-1, -1))
+    cfg = replace(default, dq_fragment=not default.dq_fragment)
     for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
         assert_fa_close(name, g, r32, rlow, atol=atol)
     if case.get("deterministic"):

@@ -123,8 +123,9 @@ PINGPONG_CONFIGS = [  # (one Q buffer per warpgroup: the turns count from its pa
 @pytest.mark.parametrize("kw", PINGPONG_CONFIGS,
                          ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_pingpong_compiles_with_turn_barriers(kw):
-    # Off by default (not yet run on a GPU): it must build within the same budgets, with the
-    # turn waits and arrives (mbarrier SYNCS instructions) on top of the plain build's.
+    # On by default with three warpgroups only (two measured neutral): it must build within
+    # the same budgets, with the turn waits and arrives (mbarrier SYNCS instructions) on top
+    # of the plain build's.
     rep = compile_report(**kw)
     plain_cfg = {k: v for k, v in kw["cfg"].items() if k != "pingpong"}
     plain = compile_report(**{k: v for k, v in kw.items() if k != "cfg"}, cfg=plain_cfg)
@@ -169,8 +170,9 @@ def test_heads_axis_descriptors_compile(kw):
 
 @pytest.mark.parametrize("kw", [
     {"head_dim": 128, "has_right": True, "cfg": {"persistent": True, "lpt": True}},
-    # (three warpgroups: one Q buffer each where the stores are masked, as `launch_plan`)
-    {"head_dim": 64, "cfg": {"persistent": True, "consumer_wgs": 3, "q_buffers": 1}},
+    # (three warpgroups taking turns, one Q buffer each, as `launch_plan` builds them)
+    {"head_dim": 64, "cfg": {"persistent": True, "consumer_wgs": 3, "q_buffers": 1,
+                             "pingpong": True}},
     {"head_dim": 256},  # staged in Q's buffer
     {"head_dim": 256, "has_right": True, "cfg": {"persistent": True, "lpt": True}},
 ])
@@ -319,9 +321,10 @@ def test_persistent_launch_plan(d, causal, seqlen, batch):
     # buffer, 256/128 in a buffer of its own).
     assert p.o_width == (d if seqlen % 64 == 0 else 32)
     # Two Q buffers per warpgroup on the persistent grid at d <= 128, except three
-    # warpgroups with masked stores (that build spills).
-    q_bufs = 2 if want and d <= 128 and (wgs == 2 or p.o_width == d) else 1
+    # warpgroups, which take turns (FwdConfig.pingpong: one Q buffer each).
+    q_bufs = 2 if want and d <= 128 and wgs == 2 else 1
     assert p.constexprs["Q_BUFS"] == q_bufs
+    assert p.constexprs["PINGPONG"] == (3 if wgs == 3 else 0)
     assert fwd.output_box_width(256, 128) == 128 and fwd.output_box_width(128, 256) == 32
     # Ragged batches, softcap, sinks or a left window always take the plain grid.
     for kw in ({"uniform": False}, {"softcap": True}, {"has_sink": True},

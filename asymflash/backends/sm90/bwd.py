@@ -234,15 +234,22 @@ class BwdConfig:
     # 472-476 / 514-540 -> 491-498 / 528-554, causal 16k 525-528 -> 540-544. It costs ptxas
     # ~10 local-memory instructions in the loop (scalars around the dQ MMA; 2 -> 17 in all,
     # causal 40 -> 52). bwd.py's kernel takes it with 128-row steps (d=64: both warpgroups'
-    # tiles, one box) and bwd_wide (d=256: each 128-column half): built, GPU tests written,
-    # off until measured (sm_90a: d=64 3 local-memory instructions non-causal as before,
-    # causal 4 -> 46 in the loop, at the 255-register limit; d=256 none).
+    # tiles, one box) and bwd_wide (d=256: each 128-column half). H200 2026-11-30 session 16
+    # (sm90-bwd-probe, TFLOP/s 2k / 16k, causal 2k / 16k, row-major -> fragments): d=256
+    # 319 / 351 -> 328 / 378, 276 / 353 -> 275 / 375, deterministic 245 / 277 -> 250 / 292,
+    # causal 16k 257 -> 275: on at d=256. d=64 427-434 / 462-467 -> 423-433 / 479, causal a
+    # tie (sm_90a: 4 -> 46 local-memory instructions in its loop, at the 255-register limit),
+    # deterministic 16k 375 -> 364: on at d=64 for unmasked calls without softcap or
+    # deterministic mode only (`select_config`).
     dq_fragment: bool = False
     # bwd_ws: issue dK += dSᵀ·Q right after dQ = dS·K and wait for dQ alone, so dK runs while
     # dQ is staged and reduced (FA4's order), instead of issuing dK first, which made the wait
     # for dQ a wait for both (ncu source counters, H200 2026-11-30, d=128 16k: ~9 % of a
     # compute warp's samples on that wait). dK then waits for the other warpgroup's dSᵀ half
-    # too. Off until measured.
+    # too. sm_90a local memory 17 -> 2 (non-causal), 52 -> 40 causal. H200 2026-11-30
+    # session 16 (sm90-bwd-probe, d=128, TFLOP/s 2k / 16k, two runs each): 499-536 / 560-562
+    # -> 501-532 / 560-569 (a tie), causal 393-405 / 536-555 -> 415-425 / 571-576: on;
+    # deterministic 16k 559 -> 477, causal 525 -> 496: off there (`select_config`).
     ws_dk_after_dq: bool = False
 
 
@@ -256,9 +263,9 @@ class BwdConfig:
 _DEFAULT_CONFIGS = {
     64: BwdConfig(block_m=128, block_n=128, dq_swizzle=32),
     128: BwdConfig(block_m=64, block_n=128, dv_overlap=False, dk_late=True,
-                   split_warpgroups=True, dq_fragment=True),
+                   split_warpgroups=True, dq_fragment=True, ws_dk_after_dq=True),
     256: BwdConfig(block_m=64, block_n=64, dv_overlap=False,  # FA3's hdim-256 tile
-                   turn_release=0, stats_late=False),
+                   turn_release=0, stats_late=False, dq_fragment=True),
 }
 
 
@@ -291,14 +298,18 @@ def _launch_options(split: bool, cfg: BwdConfig) -> dict:
 
 
 def select_config(head_dim: int, override: BwdConfig | None = None,
-                  softcap: bool = False, deterministic: bool = False) -> BwdConfig:
-    """Heuristic config; `override` wins when given."""
+                  softcap: bool = False, deterministic: bool = False,
+                  masked: bool = False) -> BwdConfig:
+    """Heuristic config; `override` wins when given. masked: a causal or sliding window."""
     if override is not None:
         cfg = override
     else:
         cfg = _DEFAULT_CONFIGS[head_dim]
+        if head_dim == 64 and not (masked or softcap or deterministic):
+            cfg = replace(cfg, dq_fragment=True)  # see BwdConfig.dq_fragment
         if deterministic:
-            cfg = replace(cfg, stats_late=False)  # see BwdConfig.stats_late
+            # see BwdConfig.stats_late and BwdConfig.ws_dk_after_dq
+            cfg = replace(cfg, stats_late=False, ws_dk_after_dq=False)
             if head_dim == 128 and not softcap:
                 # bwd_ws's deterministic kernel keeps dV in flight (BwdConfig.dv_overlap):
                 # H200 2026-11-30, TFLOP/s 512 / 2k / 16k, non-causal 303 / 460 / 536 ->
@@ -703,7 +714,8 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
     feats = {"uniform": True, "has_seqused": False, "has_left": False, "has_right": False,
              "softcap": False, "deterministic": False}
     feats.update(features)
-    cfg = select_config(head_dim, cfg, feats["softcap"], feats["deterministic"])
+    cfg = select_config(head_dim, cfg, feats["softcap"], feats["deterministic"],
+                        feats["has_left"] or feats["has_right"])
     feats.setdefault("kv_tma_store", cfg.kv_tma_store and feats["uniform"]
                      and not feats["has_seqused"])
     ty = _fwd._SIG_DTYPES[dtype]
@@ -873,7 +885,8 @@ def launch_plan(width: int, width_v: int, max_seqlen_q: int, max_seqlen_k: int,
                 cfg: BwdConfig | None, arrive: bool = False) -> LaunchPlan:
     """Config, grid and constexprs of one backward call (cfg: an override, or None; arrive:
     ASYMFLASH_SM90_ARRIVE_ALL, `fwd.arrive_all_switch`, applied to the config)."""
-    cfg = select_config(width, cfg, softcap, deterministic)
+    cfg = select_config(width, cfg, softcap, deterministic,
+                        window_left >= 0 or window_right >= 0)
     if arrive:
         cfg = replace(cfg, arrive_all=True)
     grid = (cdiv(max(max_seqlen_k, 1), cfg.block_n), hkv, batch)

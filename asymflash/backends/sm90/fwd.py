@@ -97,9 +97,11 @@ class FwdConfig:
     # (always so without LPT: every tile then does the same work).
     chunk_waves: int = 8
     # FA3's ping-pong: the consumer warpgroups take turns issuing their wgmmas (one mbarrier
-    # each, passed round robin), so one's softmax overlaps another's matrix work. Off: two
-    # warpgroups measured neutral on the H200 (2026-11-29, benchmarks/NOTES.md); three
-    # (consumer_wgs=3, as FA4 runs d=64) built 2026-11-30, not yet measured.
+    # each, passed round robin), so one's softmax overlaps another's matrix work. Two
+    # warpgroups measured neutral on the H200 (2026-11-29, benchmarks/NOTES.md): off there.
+    # Three (consumer_wgs=3, as FA4 runs d=64) gained: on wherever d=64 takes three
+    # (`_three_warpgroups`; H200 2026-11-30 session 16, same process, TFLOP/s 2k / 16k:
+    # three warpgroups 425 / 492 -> taking turns 445 / 509).
     pingpong: bool = False
     # Consumer warpgroups per CTA, 64 query rows each: 2 (128-row tiles) or 3 (FA3's 192-row
     # tile for d=64: a third instruction stream per SM sub-partition to hide MUFU and wgmma
@@ -152,9 +154,11 @@ def _default_config(head_dim: int, local: bool) -> FwdConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def _three_warpgroups(cfg: FwdConfig, tma_store: bool) -> FwdConfig:
-    return replace(cfg, consumer_wgs=3, persistent=True,
-                   q_buffers=cfg.q_buffers if tma_store else 1)
+def _three_warpgroups(cfg: FwdConfig) -> FwdConfig:
+    # Taking turns (FwdConfig.pingpong), with one Q buffer each: the turns count from its
+    # barrier's parity (`check_config`). Before the turns, a second Q buffer had gained 0-3 %
+    # here where O left by TMA store (2026-11-29); the turns gained 4-11 % over that.
+    return replace(cfg, consumer_wgs=3, persistent=True, q_buffers=1, pingpong=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -316,9 +320,7 @@ def launch_plan(d: int, dv: int, max_seqlen_q: int, max_seqlen_k: int, uniform: 
     dense = uniform and not has_seqused
     o_width = output_box_width(d, dv, uniform and max_seqlen_q % 64 == 0)
     if cfg is None and use_three_warpgroups(d, window_right >= 0, max_seqlen_q, dense, plain):
-        # Three warpgroups with two Q buffers each spill (76 local-memory instructions,
-        # sm_90a) unless O leaves by TMA store: lengths that are not a multiple of 64 get one.
-        cfg = _three_warpgroups(_default_config(d, local), o_width == dv)
+        cfg = _three_warpgroups(_default_config(d, local))
     if cfg is None:
         cfg = _default_config(d, local)
     if tricks != (0, 0.0):
