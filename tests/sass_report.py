@@ -50,9 +50,6 @@ print(_json.dumps(dict(
     arrives_per_thread=getattr(kernel.metadata, "asym_arrives_per_thread", 0),
     barriers_dropped=getattr(kernel.metadata, "asym_barriers_dropped", 0),
     sts128=len(_re.findall(r"\bSTS\.128\b", _sass)),
-    # shared-memory loads and stores of the threads (not TMA's, not the MMAs' operand reads)
-    lds_sts=len(_re.findall(r"\b(?:LDS|STS|LDSM|STSM)\b", _sass)),
-    fmnmx=_sass.count("FMNMX"),
     # 64-bit stores right before a fence of the async proxy: a row-major dQ staging tile
     sts64_fp32_staging=len(_re.findall(r"STS\.64[^\n]*\n[^\n]*MEMBAR\.ALL\.CTA", _sass)),
     # TMA boxes of the fp32 descriptors (the backward's dQ staging tile): [rows, columns]

@@ -137,37 +137,6 @@ def test_pingpong_compiles_with_turn_barriers(kw):
     assert rep["shared"] <= 227 * 1024
 
 
-# The softmax's row reductions as a tree over column slices (FwdConfig.reduce_parts): the
-# cuts fall between a thread's own registers, so no shared memory, barriers or spills beyond
-# the default build's, and fewer FMNMX (the tree folds pairs before the one chain per row).
-# (Three warpgroups, 160 registers each: 4 slices; 8 or 16 spill 2 values in the loop.)
-@pytest.mark.parametrize("kw,parts", [
-    ({"head_dim": 64, "cfg": {"persistent": True, "consumer_wgs": 3, "q_buffers": 1,
-                              "pingpong": True}}, 4),
-    ({"head_dim": 64, "cfg": {}}, 16),
-    ({"head_dim": 128, "has_right": True, "cfg": {}}, 16),
-    ({"head_dim": 256, "cfg": {}}, 8),
-], ids=["64-3wg", "64", "128-causal", "256"])
-def test_row_reduction_tree_compiles(kw, parts):
-    base = compile_report(**kw)
-    tree = compile_report(**{**kw, "cfg": {**kw["cfg"], "reduce_parts": parts}})
-    for key in ("local", "bars", "syncs", "hgmma", "mufu_ex2", "shared", "lds_sts"):
-        assert tree[key] == base[key], (key, base, tree)
-    assert tree["fmnmx"] == base["fmnmx"], (base, tree)  # n - 1 either way, as a tree
-
-
-def test_row_reduction_tree_config_checked():
-    from dataclasses import replace
-
-    from asymflash.backends.sm90 import fwd
-
-    base = fwd._DEFAULT_CONFIGS[256]  # 64-key blocks: 8 slices at most
-    fwd.check_config(replace(base, reduce_parts=8), 256)
-    for parts in (3, 16, 32):
-        with pytest.raises(ValueError, match="reduce_parts"):
-            fwd.check_config(replace(base, reduce_parts=parts), 256)
-
-
 # Three consumer warpgroups (192-row tiles, d=64, persistent grid only): 160 registers
 # each. A causal build spills 2-3 values around the peeled first block's mask (14 LDL/STL
 # over three roles, none in the key loops): allowed up to 16.

@@ -118,12 +118,6 @@ class FwdConfig:
     # 2k / 16k, d=64 460 / 509 -> 459 / 505, d=128 589 / 645 -> 581 / 619, d=256 718 / 795
     # -> 654 / 770 (benchmarks/NOTES.md, session 15).
     arrive_all: bool = False
-    # The online softmax's row max and sum as a tree over this many column slices (1, 2, 4, 8
-    # or 16; `_row_reduce`) before Triton's own reduction, which reduces a thread's 32 values
-    # of a row (128-column tile) in one dependent chain: ncu (H200 2026-11-30, d=64 16k) put
-    # 21 % of the compute loop's samples on that max chain's FMNMX, mostly "wait" (fixed
-    # latency), and the FADD sum chain sits between the exponentials. Not yet measured.
-    reduce_parts: int = 1
 
 
 # Tuning table. Measured on the H200 (2026-11-29, bf16, model dim 2048, batch 16384/seqlen,
@@ -580,42 +574,14 @@ if _GLUON_ERROR is None:
         return s
 
     @gluon.jit
-    def _row_reduce(x, IS_MAX: gl.constexpr, PARTS: gl.constexpr):
-        """Row max or sum of x [rows, cols]: its columns cut into PARTS contiguous slices that
-        are combined elementwise as a tree (halves, then quarters, ...), then Triton's
-        reduction of what is left. In the wgmma accumulator layout a thread holds columns 8
-        apart, so every cut falls between its own registers (no data moves). Triton alone
-        reduces a thread's values in one dependent chain (32 FMNMX or FADD per row of a
-        128-column tile, each waiting for the one before); the tree's levels are independent
-        instructions."""
-        if PARTS == 1:
-            if IS_MAX:
-                r = gl.max(x, 1)
-            else:
-                r = gl.sum(x, 1)
-        else:
-            lo, hi = x.reshape([x.shape[0], 2, x.shape[1] // 2]).permute(0, 2, 1).split()
-            if IS_MAX:
-                r = _row_reduce(gl.maximum(lo, hi), IS_MAX, PARTS // 2)
-            else:
-                r = _row_reduce(lo + hi, IS_MAX, PARTS // 2)
-        return r
-
-    @gluon.jit
-    def _row_stat(x, IS_MAX: gl.constexpr, PARTS: gl.constexpr):
-        """`_row_reduce` in the layout of x's rows."""
-        return gl.convert_layout(_row_reduce(x, IS_MAX, PARTS), gl.SliceLayout(1, x.type.layout))
-
-    @gluon.jit
     def _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY: gl.constexpr,
-                        RESCALE_THRESHOLD: gl.constexpr, REDUCE_PARTS: gl.constexpr):
+                        RESCALE_THRESHOLD: gl.constexpr):
         """One block of the online softmax in log2 units.
 
         Returns P (fp32, unnormalised), the new running max/sum and the factor O must be
         multiplied by. m_i is in scaled log2 units; -inf while a row has seen no key.
-        REDUCE_PARTS: independent chains per row reduction (`FwdConfig.reduce_parts`).
         """
-        m_blk = _row_stat(s, True, REDUCE_PARTS) * qk_scale
+        m_blk = gl.max(s, 1) * qk_scale
         m_cand = gl.maximum(m_i, m_blk)
         if RESCALE_THRESHOLD > 0:
             # Stale max: P may reach 2^threshold, harmless in fp32 and in bf16/fp16 P.
@@ -628,7 +594,7 @@ if _GLUON_ERROR is None:
         alpha = gl.exp2(m_i - m_sub)
         # s * qk_scale - m folds into one FFMA per element before the exponential.
         p = _exp2(s * qk_scale - gl.expand_dims(m_sub, 1), EMU_EVERY)
-        l_i = l_i * alpha + _row_stat(p, False, REDUCE_PARTS)
+        l_i = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_i, alpha
 
     # ------------------------------------------------------------------------------------------
@@ -656,8 +622,7 @@ if _GLUON_ERROR is None:
               rows, shift, seqlen_k, window_left, window_right, qk_scale, softcap_pre,
               MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               SOFTCAP: gl.constexpr, EMU_EVERY: gl.constexpr,
-              RESCALE_THRESHOLD: gl.constexpr, REDUCE_PARTS: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr,
+              RESCALE_THRESHOLD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
               bars, q_phase, WG: gl.constexpr, PINGPONG: gl.constexpr,
               ARRIVE: gl.constexpr):
@@ -683,8 +648,7 @@ if _GLUON_ERROR is None:
         mbarrier.arrive(k_empty.index(slot), count=ARRIVE)
         s = _scores(s, n, rows, shift, seqlen_k, window_left, window_right, softcap_pre, MASKED,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
-        p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD,
-                                             REDUCE_PARTS)
+        p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
         # p_op is a register operand of the P·V in flight: keep it alive until that group retires.
         acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
         mbarrier.arrive(v_empty.index(prev), count=ARRIVE)
@@ -703,8 +667,7 @@ if _GLUON_ERROR is None:
                        p_op, m_i, l_i, rows, shift, seqlen_k, window_left, window_right, qk_scale,
                        softcap_pre, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
                        HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, EMU_EVERY: gl.constexpr,
-                       RESCALE_THRESHOLD: gl.constexpr, REDUCE_PARTS: gl.constexpr,
-                       BLOCK_N: gl.constexpr,
+                       RESCALE_THRESHOLD: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
                        p_layout: gl.constexpr, bars, q_phase, WG: gl.constexpr,
                        PINGPONG: gl.constexpr, ARRIVE: gl.constexpr):
@@ -714,7 +677,6 @@ if _GLUON_ERROR is None:
                 n + base, n, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p_op,
                 m_i, l_i, rows, shift, seqlen_k, window_left, window_right, qk_scale,
                 softcap_pre, MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD,
-                REDUCE_PARTS,
                 BLOCK_N, STAGES, s_layout, o_layout, p_layout, bars, q_phase, WG, PINGPONG,
                 ARRIVE)
         return acc, p_op, m_i, l_i
@@ -768,7 +730,6 @@ if _GLUON_ERROR is None:
                   HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
-                  REDUCE_PARTS: gl.constexpr,
                   RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr, ARRIVE: gl.constexpr):
         """From S_0 (the only wgmma group in flight) to the issue of the last P·V: returns
         (O in flight, its P operand, row max, row sum, the last V slot)."""
@@ -785,8 +746,7 @@ if _GLUON_ERROR is None:
         mbarrier.arrive(k_empty.index(it0 % STAGES), count=ARRIVE)
         s = _scores(s, n_lo, rows, shift, seqlen_k, window_left, window_right, softcap_pre, True,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
-        p, m_i, l_i, _alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD,
-                                              REDUCE_PARTS)
+        p, m_i, l_i, _alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
         p_op = gl.convert_layout(_to_16bit(p, q.dtype), p_layout)
 
         base = it0 - n_lo
@@ -794,22 +754,19 @@ if _GLUON_ERROR is None:
             n_lo + 1, n_a, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
-            RESCALE_THRESHOLD, REDUCE_PARTS, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar,
-            q_phase,
+            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
             WG, PINGPONG, ARRIVE)
         acc, p_op, m_i, l_i = _consumer_loop(
             n_a, n_b, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
-            RESCALE_THRESHOLD, REDUCE_PARTS, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar,
-            q_phase,
+            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
             WG, PINGPONG, ARRIVE)
         acc, p_op, m_i, l_i = _consumer_loop(
             n_b, n_hi, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
-            RESCALE_THRESHOLD, REDUCE_PARTS, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar,
-            q_phase,
+            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
             WG, PINGPONG, ARRIVE)
 
         if RELEASE_Q:
@@ -904,8 +861,7 @@ if _GLUON_ERROR is None:
                        HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                        HAS_SINK: gl.constexpr, EMU_EVERY: gl.constexpr,
-                       RESCALE_THRESHOLD: gl.constexpr, REDUCE_PARTS: gl.constexpr,
-                       RELEASE_Q: gl.constexpr,
+                       RESCALE_THRESHOLD: gl.constexpr, RELEASE_Q: gl.constexpr,
                        PINGPONG: gl.constexpr, ARRIVE: gl.constexpr):
         """One 64-row query tile of warpgroup WG: key blocks [n_lo, n_hi) sit at K/V ring
         positions it0, it0 + 1, ...; its Q arrives in Q buffer q_slot, on q_bar[q_slot] with
@@ -922,8 +878,7 @@ if _GLUON_ERROR is None:
             q, s_tok, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
             rows, seqlen_k - seqlen_q, seqlen_k, n_lo, n_a, n_b, n_hi, it0, q_slot, q_phase,
             window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V, BLOCK_N, STAGES,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, REDUCE_PARTS, RELEASE_Q,
-            PINGPONG,
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, RELEASE_Q, PINGPONG,
             ARRIVE)
         acc = _tile_finish(o_tok, p_op, v_empty, slot, ARRIVE)
         _tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
@@ -1075,7 +1030,6 @@ if _GLUON_ERROR is None:
                                   HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                                   HAS_SINK: gl.constexpr, LPT: gl.constexpr,
                                   EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
-                                  REDUCE_PARTS: gl.constexpr,
                                   PINGPONG: gl.constexpr, NUM_WG: gl.constexpr,
                                   Q_BUFS: gl.constexpr, ARRIVE: gl.constexpr):
         BLOCK_M: gl.constexpr = 64 * NUM_WG
@@ -1105,7 +1059,7 @@ if _GLUON_ERROR is None:
                                head, n_heads, n_lo, n_a, n_b, n_hi, it, q_slot, q_phase,
                                window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V,
                                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK,
-                               EMU_EVERY, RESCALE_THRESHOLD, REDUCE_PARTS, True, PINGPONG, ARRIVE)
+                               EMU_EVERY, RESCALE_THRESHOLD, True, PINGPONG, ARRIVE)
                 it += n_hi - n_lo
                 tc += 1
         tma.store_wait(0)  # the last tile's O store reads o_smem
@@ -1127,8 +1081,7 @@ if _GLUON_ERROR is None:
                          HAS_SEQUSED: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr,
                          LPT: gl.constexpr, EMU_EVERY: gl.constexpr,
-                         RESCALE_THRESHOLD: gl.constexpr, REDUCE_PARTS: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr,
+                         RESCALE_THRESHOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                          LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
                          PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
                          ARRIVE: gl.constexpr, ARRIVE_PASS: gl.constexpr):
@@ -1195,8 +1148,7 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 0,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, REDUCE_PARTS,
-                        PINGPONG, 3, Q_BUFS,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
                         ARRIVE)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
@@ -1205,8 +1157,7 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 1,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, REDUCE_PARTS,
-                        PINGPONG, 3, Q_BUFS,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
                         ARRIVE)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
@@ -1215,8 +1166,7 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 2,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, REDUCE_PARTS,
-                        PINGPONG, 3, Q_BUFS,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
                         ARRIVE)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
@@ -1234,7 +1184,7 @@ if _GLUON_ERROR is None:
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 0, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, REDUCE_PARTS, PINGPONG, 2, Q_BUFS, ARRIVE)),
+                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS, ARRIVE)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
                         sched, out_ptr, o_desc, o_smem,
@@ -1242,7 +1192,7 @@ if _GLUON_ERROR is None:
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 1, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, REDUCE_PARTS, PINGPONG, 2, Q_BUFS, ARRIVE)),
+                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS, ARRIVE)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                         k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
@@ -1282,7 +1232,6 @@ if _GLUON_ERROR is None:
                                       n_hi, 0, 0, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 0, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
-                                      REDUCE_PARTS,
                                       False, PINGPONG, ARRIVE)),
                     (_consumer_tile, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
                                       v_ready, v_empty, out_ptr, o_desc, o_smem,
@@ -1291,7 +1240,6 @@ if _GLUON_ERROR is None:
                                       n_hi, 0, 1, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 1, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
-                                      REDUCE_PARTS,
                                       False, PINGPONG, ARRIVE)),
                     (_load_tile, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                                   k_ready, k_empty, v_ready, v_empty, q_start + m0, head,
@@ -1446,7 +1394,7 @@ def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, h
             "STAGES": cfg.stages, "UNIFORM": uniform, "HAS_SEQUSED": has_seqused,
             "HAS_LEFT": has_left, "HAS_RIGHT": has_right, "SOFTCAP": softcap,
             "HAS_SINK": has_sink, "LPT": cfg.lpt, "EMU_EVERY": cfg.exp2_emu_every,
-            "RESCALE_THRESHOLD": float(cfg.rescale_threshold), "REDUCE_PARTS": cfg.reduce_parts,
+            "RESCALE_THRESHOLD": float(cfg.rescale_threshold),
             "CONSUMER_REGS": _consumer_regs(cfg), "LOADER_REGS": cfg.loader_regs,
             "PERSISTENT": bool(cfg.persistent),
             "PINGPONG": cfg.consumer_wgs if cfg.pingpong else 0,
@@ -1468,12 +1416,6 @@ def check_config(cfg: FwdConfig, head_dim: int) -> None:
     if cfg.q_buffers == 2 and cfg.persistent and (cfg.pingpong or head_dim > 128):
         raise ValueError("FwdConfig.q_buffers=2 on the persistent grid needs head_dim <= 128 "
                          "and no ping-pong: set q_buffers=1")
-    if cfg.reduce_parts not in (1, 2, 4, 8, 16):
-        raise ValueError(f"FwdConfig.reduce_parts must be 1, 2, 4, 8 or 16, got "
-                         f"{cfg.reduce_parts}")
-    if cfg.reduce_parts > cfg.block_n // 8:  # past that the cuts fall between threads
-        raise ValueError(f"FwdConfig.reduce_parts={cfg.reduce_parts} needs block_n >= "
-                         f"{8 * cfg.reduce_parts}")
     if cfg.consumer_wgs not in (2, 3):
         raise ValueError(f"FwdConfig.consumer_wgs must be 2 or 3, got {cfg.consumer_wgs}")
     if cfg.consumer_wgs == 3 and (cfg.persistent is False or head_dim != 64):
