@@ -229,7 +229,8 @@ def _time_variant(fields, inputs, ref, tflops):
     fields = dict(fields)
     det = bool(fields.pop("deterministic", False))
     params = dataclasses.replace(params, deterministic=det)
-    cfg = dataclasses.replace(bwd.select_config(q.shape[-1], deterministic=det), **fields)
+    cfg = dataclasses.replace(bwd.select_config(q.shape[-1], deterministic=det,
+                                                masked=params.mask.is_local), **fields)
     try:
         rel, nan = _grad_error(
             bwd.backward(dout, q, k, v, out, lse, None, seq, params, None, cfg), ref)

@@ -202,6 +202,27 @@ def test_heads_axis_descriptors_compile(kw):
     assert rep["hgmma"] >= 20 and rep["local"] <= 56 and rep["tma_reduce"] > 0, rep
 
 
+def test_defaults_where_the_h200_measured_a_gain():
+    # fragment-order dQ tiles (FRAGMENT_MIN_ROWS) and dK issued behind dQ (not deterministic)
+    sel = bwd.select_config
+    assert sel(128, max_seqlen_q=512).dq_fragment
+    assert sel(256, max_seqlen_q=2048).dq_fragment and sel(256).dq_fragment
+    assert not sel(256, max_seqlen_q=1024).dq_fragment
+    assert sel(256, deterministic=True, masked=True, max_seqlen_q=16384).dq_fragment
+    assert sel(64, max_seqlen_q=16384).dq_fragment
+    assert not sel(64, max_seqlen_q=8192).dq_fragment
+    for kw in ({"masked": True}, {"softcap": True}, {"deterministic": True}):
+        assert not sel(64, max_seqlen_q=16384, **kw).dq_fragment, kw
+    assert sel(128).ws_dk_after_dq and not sel(128, deterministic=True).ws_dk_after_dq
+    def plan(seqlen):  # d=256, non-causal, batch * seqlen = 16k
+        return bwd.launch_plan(256, 256, seqlen, seqlen, True, False, -1, -1, False, False,
+                               16384 // seqlen, 8, 132, None)
+
+    # a warpgroup's 64 columns of a 64-row half, or that half as 32-column fragment rows
+    assert not plan(512).dq_fragment and plan(512).dq_block == (64, 128)
+    assert plan(2048).dq_fragment and plan(2048).dq_block == (256, 32)
+
+
 def test_config_outside_the_hardwired_layouts_refused():
     with pytest.raises(ValueError):
         bwd.select_config(128, bwd.BwdConfig(block_m=128))

@@ -281,11 +281,11 @@ DET_CASES = [dict(c, deterministic=True) for c in CASES
                               "d256-dv128-causal", "d128-gqa-causal-tma")]
 
 
-# dQ tiles in the order the default does not take (BwdConfig.dq_fragment): at d=64 (bwd.py's
-# 128-row tiles: two warpgroups' 64-row tiles in one box) fragments on masked, softcap and
-# deterministic calls, row-major ones on the others; at d=256 (bwd_wide's 128-column
-# halves) row-major tiles. Every case of those widths, deterministic ones with 20 bitwise
-# repeats.
+# dQ tiles in the order the default does not take (BwdConfig.dq_fragment, `select_config`):
+# at d=64 (bwd.py's 128-row tiles: two warpgroups' 64-row tiles in one box) and d=256
+# (bwd_wide's 128-column halves) fragments here (these sequences are shorter than
+# FRAGMENT_MIN_ROWS), row-major tiles on long ones. Every case of those widths,
+# deterministic ones with 20 bitwise repeats.
 FRAGMENT_CASES = [c for c in CASES + DET_CASES
                   if bwd_width(c) in (64, 256)]
 
@@ -300,7 +300,8 @@ def test_sm90_backward_dq_fragment_variants_match_reference(case):
 
     default = bwd.select_config(bwd_width(case), softcap=bool(case.get("softcap")),
                                 deterministic=bool(case.get("deterministic")),
-                                masked=case.get("window", (-1, -1)) != (-1, -1))
+                                masked=case.get("window", (-1, -1)) != (-1, -1),
+                                max_seqlen_q=max(case["lens_q"]))
     cfg = replace(default, dq_fragment=not default.dq_fragment)
     for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
         assert_fa_close(name, g, r32, rlow, atol=atol)

@@ -237,10 +237,11 @@ class BwdConfig:
     # tiles, one box) and bwd_wide (d=256: each 128-column half). H200 2026-11-30 session 16
     # (sm90-bwd-probe, TFLOP/s 2k / 16k, causal 2k / 16k, row-major -> fragments): d=256
     # 319 / 351 -> 328 / 378, 276 / 353 -> 275 / 375, deterministic 245 / 277 -> 250 / 292,
-    # causal 16k 257 -> 275: on at d=256. d=64 427-434 / 462-467 -> 423-433 / 479, causal a
-    # tie (sm_90a: 4 -> 46 local-memory instructions in its loop, at the 255-register limit),
-    # deterministic 16k 375 -> 364: on at d=64 for unmasked calls without softcap or
-    # deterministic mode only (`select_config`).
+    # causal 16k 257 -> 275, but 512 rows 241 / 172 -> 223 / 152 (causal): on at d=256 from
+    # 2k rows. d=64 427-434 / 462-467 -> 423-433 / 479, shorter a tie, causal a tie (sm_90a:
+    # 4 -> 46 local-memory instructions in its loop, at the 255-register limit),
+    # deterministic 16k 375 -> 364: on at d=64 for long unmasked calls without softcap or
+    # deterministic mode only (`select_config`, `FRAGMENT_MIN_ROWS`).
     dq_fragment: bool = False
     # bwd_ws: issue dK += dSᵀ·Q right after dQ = dS·K and wait for dQ alone, so dK runs while
     # dQ is staged and reduced (FA4's order), instead of issuing dK first, which made the wait
@@ -297,16 +298,29 @@ def _launch_options(split: bool, cfg: BwdConfig) -> dict:
     return {"num_warps": 4, "maxnreg": 168} if split else {"num_warps": cfg.num_warps}
 
 
+# Fragment-order dQ tiles (BwdConfig.dq_fragment) from this many query rows on: where the H200
+# measured a gain (2026-11-30 session 16, sm90-bwd-probe, same process, TFLOP/s row-major ->
+# fragments): d=256 512 / 1k / 2k 241 / 288 / 321 -> 223 / 285 / 330, causal 172 / 230 / 275
+# -> 152 / 217 / 275; d=64 512 / 1k / 2k a tie (287 / 372 / 420-434 -> 286 / 367 / 413-420),
+# 16k 462-467 -> 479. d=128 takes them at every length (512 rows a tie, session 15).
+FRAGMENT_MIN_ROWS = {64: 16384, 128: 0, 256: 2048}
+
+
 def select_config(head_dim: int, override: BwdConfig | None = None,
                   softcap: bool = False, deterministic: bool = False,
-                  masked: bool = False) -> BwdConfig:
-    """Heuristic config; `override` wins when given. masked: a causal or sliding window."""
+                  masked: bool = False, max_seqlen_q: int | None = None) -> BwdConfig:
+    """Heuristic config; `override` wins when given. masked: a causal or sliding window;
+    max_seqlen_q: the call's longest query sequence (None: a long one, as the compile checks
+    build)."""
     if override is not None:
         cfg = override
     else:
         cfg = _DEFAULT_CONFIGS[head_dim]
-        if head_dim == 64 and not (masked or softcap or deterministic):
+        long = max_seqlen_q is None or max_seqlen_q >= FRAGMENT_MIN_ROWS[head_dim]
+        if head_dim == 64 and long and not (masked or softcap or deterministic):
             cfg = replace(cfg, dq_fragment=True)  # see BwdConfig.dq_fragment
+        elif head_dim == 256 and not long:
+            cfg = replace(cfg, dq_fragment=False)
         if deterministic:
             # see BwdConfig.stats_late and BwdConfig.ws_dk_after_dq
             cfg = replace(cfg, stats_late=False, ws_dk_after_dq=False)
@@ -886,7 +900,7 @@ def launch_plan(width: int, width_v: int, max_seqlen_q: int, max_seqlen_k: int,
     """Config, grid and constexprs of one backward call (cfg: an override, or None; arrive:
     ASYMFLASH_SM90_ARRIVE_ALL, `fwd.arrive_all_switch`, applied to the config)."""
     cfg = select_config(width, cfg, softcap, deterministic,
-                        window_left >= 0 or window_right >= 0)
+                        window_left >= 0 or window_right >= 0, max_seqlen_q)
     if arrive:
         cfg = replace(cfg, arrive_all=True)
     grid = (cdiv(max(max_seqlen_k, 1), cfg.block_n), hkv, batch)
