@@ -2,8 +2,9 @@
 # What runs on the H200 (device tool): the whole test suite on CUDA, then the benchmark.
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
 # or ./out)
-#   pending: what the last session left unchecked on the GPU (benchmarks/NOTES.md, session
-#   15: the rewritten dQ-variant tests, the prepared variants and their probes). ~7-8 min.
+#   pending: what a session left unchecked on the GPU for the next (session 15's list: the
+#   rewritten dQ-variant tests, the prepared variants and their probes, ~3-8 min; run in
+#   session 16, benchmarks/results/2026-11-30-h200-session16/pending/).
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
 #   (DECODE=1), host-overhead.py (HOST_OVERHEAD=1) and hf-generate-bench.py (HF=1);
@@ -61,7 +62,7 @@ if [ "$mode" = pending ]; then
   # and d=128's dK behind dQ, with their probes (same process as the defaults). ~7-8 min.
   TEST_FILES="tests/test_sm90_bwd_gpu.py@0/3 tests/test_sm90_bwd_gpu.py@1/3 \
 tests/test_sm90_bwd_gpu.py@2/3 tests/test_dq_fragments.py tests/test_sm90_gpu.py" \
-    PYTEST_K="row-major or row_major or swizzle or fragment or 3wg-pingpong or dk-after or \
+    PYTEST_K="row-major or row_major or swizzle or fragment or 3wg-pingpong or dk-before or \
 dk_after" \
     TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
   # the forward with three warpgroups taking turns (FwdConfig.pingpong with consumer_wgs=3,
