@@ -213,7 +213,8 @@ def test_three_consumer_warpgroups_default_only_where_measured_faster():
 
     assert use_three_warpgroups(64, False, 2048, True, True)
     assert use_three_warpgroups(64, False, 16384, True, True)
-    assert not use_three_warpgroups(64, True, 16384, True, True)  # causal: slower
+    assert use_three_warpgroups(64, True, 16384, True, True)  # causal: from 16k rows
+    assert not use_three_warpgroups(64, True, 8192, True, True)  # causal, shorter: slower
     assert not use_three_warpgroups(64, False, 512, True, True)  # short: slower
     assert not use_three_warpgroups(128, False, 16384, True, True)  # not built
     assert not use_three_warpgroups(64, False, 16384, False, True)  # varlen: plain grid
@@ -293,7 +294,7 @@ def test_unsupported_reports_reason_on_cpu():
                                                    (256, True, 16384, 1), (128, False, 16384, 1),
                                                    (256, False, 16384, 1), (256, False, 2048, 8),
                                                    (64, True, 1000, 3), (64, False, 2048, 8),
-                                                   (64, False, 2050, 2)])
+                                                   (64, False, 2050, 2), (64, True, 16384, 1)])
 def test_persistent_launch_plan(d, causal, seqlen, batch):
     # Host side of the persistent grid (no GPU needed): one CTA per SM at most, (sequence,
     # head) chunks within [1, all pairs], and the plain grid wherever the rule says so.

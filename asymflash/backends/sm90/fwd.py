@@ -216,8 +216,13 @@ def use_three_warpgroups(head_dim: int, masked: bool, max_seqlen_q: int, uniform
     (scripts/sm90-probe.py --graph --variant 64:wg3:consumer_wgs=3,persistent=true,
     2026-11-29 13:28): non-causal 16k 451 -> 479, 2k 400 -> 414, 512 308 -> 285; causal 16k
     420 -> 414, 2k 328 -> 284, 512 185 -> 148 (a 192-row tile wastes more of the diagonal).
+    Taking turns (FwdConfig.pingpong, 2026-11-30 session 16, two probes): non-causal 2k / 16k
+    428 / 452-457 -> 445-447 / 502-509; causal 16k 428-430 -> 441-442 (so from 16k rows
+    there), 2k 349-357 -> 330-334, 512 215 -> 161; non-causal 1k 402 -> 371.
     """
-    return head_dim == 64 and not masked and max_seqlen_q >= 2048 and uniform and plain
+    if head_dim != 64 or not (uniform and plain):
+        return False
+    return max_seqlen_q >= (16384 if masked else 2048)
 
 
 def persistent_launch(cfg: FwdConfig, max_seqlen_q: int, max_seqlen_k: int, uniform: bool,
