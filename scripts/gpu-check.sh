@@ -2,9 +2,9 @@
 # What runs on the H200 (device tool): the whole test suite on CUDA, then the benchmark.
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
 # or ./out)
-#   pending: what a session left unchecked on the GPU for the next (session 15's list: the
-#   rewritten dQ-variant tests, the prepared variants and their probes, ~3-8 min; run in
-#   session 16, benchmarks/results/2026-11-30-h200-session16/pending/).
+#   pending: what a session left unchecked on the GPU for the next (now session 16's: the
+#   forward's next-tile S, its tests and probe, ~3 min; session 15's ran in session 16,
+#   benchmarks/results/2026-11-30-h200-session16/pending/).
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
 #   (DECODE=1), host-overhead.py (HOST_OVERHEAD=1) and hf-generate-bench.py (HF=1);
@@ -56,36 +56,18 @@ run_tests() {
   done
 }
 if [ "$mode" = pending ]; then
-  # what session 15 left unchecked on the GPU: the backward tests rewritten after its final
-  # run (row-major dQ variants, now that d=128 defaults to fragment-order tiles), d=64's and
-  # d=256's fragment-order variants, the forward's three-warpgroup ping-pong (prepared, off)
-  # and d=128's dK behind dQ, with their probes (same process as the defaults). ~7-8 min.
-  TEST_FILES="tests/test_sm90_bwd_gpu.py@0/3 tests/test_sm90_bwd_gpu.py@1/3 \
-tests/test_sm90_bwd_gpu.py@2/3 tests/test_dq_fragments.py tests/test_sm90_gpu.py" \
-    PYTEST_K="row-major or row_major or swizzle or fragment or 3wg-pingpong or dk-before or \
-dk_after" \
-    TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
-  # the forward with three warpgroups taking turns (FwdConfig.pingpong with consumer_wgs=3,
-  # FA4's d=64 shape; prepared, off)
-  timeout 90 python3 scripts/sm90-probe.py --no-check --graph --cells 64:0:2048,64:0:16384 \
-    --variant 64:wg3:consumer_wgs=3,persistent=true,q_buffers=1 \
-    --variant 64:wg3pp:consumer_wgs=3,persistent=true,q_buffers=1,pingpong=true \
-    > "$out/probe-fwd-3wg-pingpong.log" 2>&1
-  tail -3 "$out/probe-fwd-3wg-pingpong.log"
-  # fragment-order dQ at d=64 (bwd.py's kernel) and d=256 (bwd_wide), prepared, off
-  timeout 150 python3 scripts/sm90-bwd-probe.py --no-peers --budget 110 --dims 64,256 \
-    --seqlens 2048,16384 --variant frag:dq_fragment=true --variant base2:dq_fragment=false \
-    --variant frag2:dq_fragment=true --variant det:deterministic=true \
-    --variant detfrag:deterministic=true,dq_fragment=true > "$out/probe-fragment.log" 2>&1
-  tail -14 "$out/probe-fragment.log"
-  # d=128: dK issued behind dQ (BwdConfig.ws_dk_after_dq; prepared, off)
-  timeout 120 python3 scripts/sm90-bwd-probe.py --no-peers --budget 90 --dims 128 \
-    --seqlens 2048,16384 --variant dka:ws_dk_after_dq=true --variant base2:dq_fragment=true \
-    --variant dka2:ws_dk_after_dq=true --variant det:deterministic=true \
-    --variant detdka:deterministic=true,ws_dk_after_dq=true > "$out/probe-d128-dk-after.log" 2>&1
-  tail -6 "$out/probe-d128-dk-after.log"
-  # (then, in a call of its own: CASES="ours:bwd:128:0:16384" bash scripts/ncu-source.sh, and
-  # scripts/ncu-source-top.py on its CSV: are the dQ stores' excess wavefronts gone?)
+  # what session 16 left unchecked on the GPU: the forward's next-tile S (FwdConfig.next_s,
+  # prepared, off): its grid tests (10 bitwise repeats each), then a probe beside the
+  # persistent grid without it, on the short cells it targets. ~3 min.
+  TEST_FILES="tests/test_sm90_gpu.py" PYTEST_K="2q-next" TEST_TIMEOUT=${TEST_TIMEOUT:-200} \
+    run_tests
+  timeout 200 python3 scripts/sm90-probe.py --no-check --graph \
+    --cells 128:0:512,128:1:512,128:0:1024,128:1:2048,64:0:512,64:1:512,64:1:2048 \
+    --variant 128:pers:persistent=true,q_buffers=2 \
+    --variant 128:next:persistent=true,q_buffers=2,next_s=true \
+    --variant 64:pers:persistent=true,q_buffers=2 \
+    --variant 64:next:persistent=true,q_buffers=2,next_s=true > "$out/probe-next-s.log" 2>&1
+  tail -8 "$out/probe-next-s.log"
 elif [ "$mode" = session ]; then
   # The benchmark first: if the call runs out of time, the table is what matters most.
   timeout "${BENCH_TIMEOUT:-240}" python3 -m asymflash bench --hdim 64,128,256 \

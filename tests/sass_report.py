@@ -29,7 +29,20 @@ _sass = _sp.run([_os.path.join(_bin, "nvdisasm"), "-c", _f.name], capture_output
 _res = _sp.run([_os.path.join(_bin, "cuobjdump"), "-res-usage", _f.name],
                capture_output=True, text=True, check=True).stdout
 _os.unlink(_f.name)
+# ptxas's own verdict on the wgmma pipeline (C7511: it serialised every wgmma of the kernel);
+# a second ptxas run, so only when asked (ASYM_PTXAS_VERDICT=1: `sass_report(ptxas=True)`)
+_serialized = None
+if _os.environ.get("ASYM_PTXAS_VERDICT") == "1":
+    with _tf.NamedTemporaryFile(suffix=".ptx", delete=False, mode="w") as _p:
+        _p.write(kernel.asm["ptx"])
+    _ptxas = _sp.run([_os.path.join(_bin, "ptxas"), "-arch=sm_90a", "-v", _p.name, "-o",
+                      _p.name + ".cubin"], capture_output=True, text=True)
+    for _name in (_p.name, _p.name + ".cubin"):
+        if _os.path.exists(_name):
+            _os.unlink(_name)
+    _serialized = "wgmma.mma_async instructions are serialized" in _ptxas.stdout + _ptxas.stderr
 print(_json.dumps(dict(
+    wgmma_serialized=_serialized,
     hgmma=_sass.count("HGMMA"), mma=_sass.count("HGMMA") + _sass.count("HMMA"),
     local=len(_re.findall(r"\b(LDL|STL)\b", _sass)), mufu_ex2=_sass.count("MUFU.EX2"),
     # local-memory instructions between the first and the last HGMMA: the main loop's body
@@ -87,11 +100,13 @@ kernel = mod.compile_for_target(**kw)
 """
 
 
-def sass_report(script: str, *args: str) -> dict:
-    """Run `script` (which compiles `kernel`, with `triton` imported) + REPORT_TAIL."""
+def sass_report(script: str, *args: str, ptxas: bool = False) -> dict:
+    """Run `script` (which compiles `kernel`, with `triton` imported) + REPORT_TAIL; ptxas:
+    also report whether ptxas serialised the kernel's wgmmas (None otherwise)."""
     if not (BIN / "nvdisasm").exists():
         pytest.skip("nvdisasm not shipped with this triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["ASYM_PTXAS_VERDICT"] = "1" if ptxas else "0"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, "-c", script + REPORT_TAIL, *args],
                          capture_output=True, text=True, env=env, timeout=600, check=False)
