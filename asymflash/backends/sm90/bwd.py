@@ -266,7 +266,7 @@ _DEFAULT_CONFIGS = {
     128: BwdConfig(block_m=64, block_n=128, dv_overlap=False, dk_late=True,
                    split_warpgroups=True, dq_fragment=True, ws_dk_after_dq=True),
     256: BwdConfig(block_m=64, block_n=64, dv_overlap=False,  # FA3's hdim-256 tile
-                   turn_release=0, stats_late=False, dq_fragment=True),
+                   turn_release=0, stats_late=False),
 }
 
 
@@ -302,8 +302,9 @@ def _launch_options(split: bool, cfg: BwdConfig) -> dict:
 # measured a gain (2026-11-30 session 16, sm90-bwd-probe, same process, TFLOP/s row-major ->
 # fragments): d=256 512 / 1k / 2k 241 / 288 / 321 -> 223 / 285 / 330, causal 172 / 230 / 275
 # -> 152 / 217 / 275; d=64 512 / 1k / 2k a tie (287 / 372 / 420-434 -> 286 / 367 / 413-420),
-# 16k 462-467 -> 479. d=128 takes them at every length (512 rows a tie, session 15).
-FRAGMENT_MIN_ROWS = {64: 16384, 128: 0, 256: 2048}
+# 16k 462-467 -> 479 (there only unmasked, without softcap or deterministic mode). d=128
+# takes them at every length (its default config; 512 rows a tie, session 15).
+FRAGMENT_MIN_ROWS = {64: 16384, 256: 2048}
 
 
 def select_config(head_dim: int, override: BwdConfig | None = None,
@@ -316,11 +317,10 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
         cfg = override
     else:
         cfg = _DEFAULT_CONFIGS[head_dim]
-        long = max_seqlen_q is None or max_seqlen_q >= FRAGMENT_MIN_ROWS[head_dim]
-        if head_dim == 64 and long and not (masked or softcap or deterministic):
-            cfg = replace(cfg, dq_fragment=True)  # see BwdConfig.dq_fragment
-        elif head_dim == 256 and not long:
-            cfg = replace(cfg, dq_fragment=False)
+        if head_dim in FRAGMENT_MIN_ROWS:  # see BwdConfig.dq_fragment
+            long = max_seqlen_q is None or max_seqlen_q >= FRAGMENT_MIN_ROWS[head_dim]
+            plain = not (masked or softcap or deterministic)
+            cfg = replace(cfg, dq_fragment=long and (head_dim == 256 or plain))
         if deterministic:
             # see BwdConfig.stats_late and BwdConfig.ws_dk_after_dq
             cfg = replace(cfg, stats_late=False, ws_dk_after_dq=False)
