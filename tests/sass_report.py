@@ -63,6 +63,8 @@ print(_json.dumps(dict(
     arrives_per_thread=getattr(kernel.metadata, "asym_arrives_per_thread", 0),
     barriers_dropped=getattr(kernel.metadata, "asym_barriers_dropped", 0),
     sts128=len(_re.findall(r"\bSTS\.128\b", _sass)),
+    ldg128=len(_re.findall(r"\bLDG\.E\.128\b", _sass)),
+    ldg32=len(_re.findall(r"\bLDG\.E\s", _sass)),
     # 64-bit stores right before a fence of the async proxy: a row-major dQ staging tile
     sts64_fp32_staging=len(_re.findall(r"STS\.64[^\n]*\n[^\n]*MEMBAR\.ALL\.CTA", _sass)),
     # TMA boxes of the fp32 descriptors (the backward's dQ staging tile): [rows, columns]

@@ -2,7 +2,7 @@
 the portable kernel that puts the rows back inverts what the backward's tiles hold.
 
 The buffer is filled here from `fragment_bases` alone (the layout the Gluon kernel stores
-with), so the kernel's own offset formula is checked against it, not against itself. Runs
+with), so the conversion's own bit order is checked against it, not against itself. Runs
 in the interpreter on CPU machines, compiled on a GPU.
 """
 
@@ -86,6 +86,8 @@ def fill_fragments(dq_true, lens, cols, width):
     ([64, 128], 2, 96, 128, 64),           # d=96 runs at width 128: columns cut
     ([17, 203], 2, 64, 64, 64),            # 128-row steps: one 64-column part per block
     ([113, 1], 2, 64, 64, 32),             # d=64 with 64-row steps: 32-column parts
+    ([203, 17], 2, 256, 256, 128),         # d=256: two 128-column halves per block
+    ([70], 1, 192, 256, 128),              # d=192 runs at width 256: the second half cut
 ])
 def test_dq_from_fragments_restores_rows(lens, heads, d, width, cols):
     torch.manual_seed(0)

@@ -106,3 +106,31 @@ def test_decode_kernel_builds_for_sm90(paged, leftpad):
     report = sass_report(_DECODE_BUILD, str(int(paged)), str(int(leftpad)))
     assert report["mma"] > 0, "no tensor-core instructions"
     assert report["local"] < 200, f"{report['local']} local-memory (spill) instructions"
+
+
+_CONVERT = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from asymflash.backends.sm90.dq_fragments import _dq_from_fragments_kernel as fn
+
+width, cols = int(sys.argv[1]), int(sys.argv[2])
+sig = {"acc_ptr": "*fp32", "dq_ptr": "*bf16", "cu_q_ptr": "*i32", "stride_row": "i32",
+       "stride_head": "i32", "n_heads": "i32", "D": "constexpr", "WIDTH": "constexpr",
+       "COLS": "constexpr"}
+# aligned pointers and strides divisible by 16, as Triton's launch specialises them
+attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
+kernel = triton.compile(ASTSource(fn, sig, {"D": width, "WIDTH": width, "COLS": cols}, attrs),
+                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+"""
+
+
+@pytest.mark.parametrize("width,cols", [(64, 64), (128, 64), (256, 128)])
+def test_dq_from_fragments_reads_whole_rows(width, cols):
+    # The fragment buffer read in memory order: 128-bit loads of whole 128-byte rows, no
+    # spills (the earlier per-element gather issued 32-bit loads and spilled 137 values at
+    # d=256).
+    rep = sass_report(_CONVERT, str(width), str(cols))
+    assert rep["local"] == 0, rep
+    assert rep["ldg128"] == width // 8 and rep["ldg32"] <= 2, rep  # (+2: the sequence bounds)

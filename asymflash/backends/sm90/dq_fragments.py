@@ -12,7 +12,11 @@ sit at offsets 512·i + 4·t + 0..3. Each warp then writes 512 contiguous bytes 
 store (conflict-free), and the tile is reduced as one unswizzled [64·C/32, 32] TMA box into
 a global buffer of whole tiles in the same order. `dq_from_fragments` (a portable kernel)
 puts the rows back in place, casting to the input dtype, where the row-major path had a
-`.to()`.
+`.to()`: it reads each tile in memory order (128-bit loads of whole 128-byte rows) and lets
+Triton permute the values into rows through shared memory. (Its first version gathered
+element by element: 32-bit loads, half of each row used, and 137 spilled values at d=256;
+with a tile per 16k tokens the conversion costs the same at every sequence length, so it
+weighed most on short ones: d=256 at 512 rows lost 8-12 % with fragments, session 16.)
 
 Tile numbering: the 64-row query block r of sequence b (rows q_start + 64·r ...) is global
 block `q_start // 64 + 2b + r`. Sequences never share a block, so no tile holds two
@@ -86,32 +90,43 @@ def tiles_view(acc: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _fragment_offset(row, col):
-    """Offset of (row, col) in a fragment-order tile: the inverse of `fragment_bases`."""
-    return ((col & 1) | (((row >> 3) & 1) << 1) | (((col >> 1) & 3) << 2) | ((row & 7) << 4)
-            | (((row >> 4) & 3) << 7) | ((col >> 3) << 9))
+def _tile_rows(x, COLS: tl.constexpr):
+    """A fragment-order tile read in memory order, x [2·COLS, 32] (offset = 32·row + lane),
+    as its 64 x COLS rows: offset bit k holds `fragment_bases(COLS)[k]`, i.e. from the lowest
+    bit column 0, row 3, columns 1-2, rows 0-2, rows 4-5, then columns 3 and up (tests check
+    this against the bases themselves). Split into
+    one dimension per bit (highest first) and permuted into row-major bit order; Triton moves
+    the values between threads through shared memory."""
+    x = tl.reshape(x, [COLS // 8, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+    # dims: 0 col 3+, 1 row 5, 2 row 4, 3 row 2, 4 row 1, 5 row 0, 6 col 2, 7 col 1, 8 row 3,
+    # 9 col 0
+    x = tl.permute(x, [1, 2, 8, 3, 4, 5, 0, 6, 7, 9])
+    return tl.reshape(x, [64, COLS])
 
 
 @triton.jit
 def _dq_from_fragments_kernel(acc_ptr, dq_ptr, cu_q_ptr, stride_row, stride_head, n_heads,
-                              D: tl.constexpr, WIDTH: tl.constexpr, COLS: tl.constexpr,
-                              BLOCK_D: tl.constexpr):
+                              D: tl.constexpr, WIDTH: tl.constexpr, COLS: tl.constexpr):
+    # One 64-row block of one head and sequence: each of its WIDTH / COLS tiles is read in
+    # memory order (whole 128-byte rows: the loads coalesce) and stored as rows.
     block = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_start = tl.load(cu_q_ptr + b)
     seqlen = tl.load(cu_q_ptr + b + 1) - q_start
     if block * 64 < seqlen:
-        rows = tl.arange(0, 64)[:, None]
-        cols = tl.arange(0, BLOCK_D)[None, :]
         g = (q_start // 64 + 2 * b + block).to(tl.int64)
-        off = _fragment_offset(rows, cols % COLS)
-        acc_row = (g * (WIDTH // COLS) + cols // COLS) * (2 * COLS) + off // 32
-        src = acc_ptr + (acc_row * n_heads + h) * 32 + off % 32
-        val = tl.load(src, mask=cols < D, other=0.0)
-        row = block * 64 + rows
-        dst = dq_ptr + (q_start + row).to(tl.int64) * stride_row + h * stride_head + cols
-        tl.store(dst, val.to(dq_ptr.dtype.element_ty), mask=(row < seqlen) & (cols < D))
+        tile_rows = tl.arange(0, 2 * COLS)[:, None]
+        lane = tl.arange(0, 32)[None, :]
+        rows = block * 64 + tl.arange(0, 64)[:, None]
+        cols = tl.arange(0, COLS)[None, :]
+        for part in tl.static_range(WIDTH // COLS):
+            acc_row = (g * (WIDTH // COLS) + part) * (2 * COLS) + tile_rows
+            x = tl.load(acc_ptr + (acc_row * n_heads + h) * 32 + lane)
+            val = _tile_rows(x, COLS)
+            col = part * COLS + cols
+            dst = dq_ptr + (q_start + rows).to(tl.int64) * stride_row + h * stride_head + col
+            tl.store(dst, val.to(dq_ptr.dtype.element_ty), mask=(rows < seqlen) & (col < D))
 
 
 _FROM_FRAGMENTS = DirectLaunch(_dq_from_fragments_kernel)  # host time: short calls are bound by it
@@ -126,5 +141,5 @@ def dq_from_fragments(acc: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_
     dq = torch.empty((total_q, heads, d), dtype=dtype, device=acc.device)
     grid = (cdiv(max(max_seqlen_q, 1), ROWS), heads, batch)
     _FROM_FRAGMENTS[grid](acc, dq, cu_seqlens_q, dq.stride(0), dq.stride(1), heads,
-                          D=d, WIDTH=width, COLS=cols, BLOCK_D=triton.next_power_of_2(width))
+                          D=d, WIDTH=width, COLS=cols)
     return dq
