@@ -64,10 +64,10 @@ if [ "$mode" = pending ]; then
   TEST_FILES="tests/test_dq_fragments.py tests/test_sm90_bwd_gpu.py@0/3 \
 tests/test_sm90_bwd_gpu.py@1/3 tests/test_sm90_bwd_gpu.py@2/3 tests/test_sm90_gpu.py" \
     PYTEST_K="not test_sm90_gpu or 2q-next" TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
-  timeout 120 python3 scripts/sm90-bwd-probe.py --no-peers --budget 90 --dims 128,256 \
+  timeout 150 python3 scripts/sm90-bwd-probe.py --no-peers --budget 120 --dims 64,128,256 \
     --seqlens 512,1024,2048 --variant row:dq_fragment=false --variant frag:dq_fragment=true \
     > "$out/probe-fragment-short.log" 2>&1
-  tail -8 "$out/probe-fragment-short.log"
+  tail -12 "$out/probe-fragment-short.log"
   timeout 200 python3 scripts/sm90-probe.py --no-check --graph \
     --cells 128:0:512,128:1:512,128:0:1024,128:1:2048,64:0:512,64:1:512,64:1:2048 \
     --variant 128:pers:persistent=true,q_buffers=2 \
