@@ -3,7 +3,8 @@
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
 # or ./out)
 #   pending: what a session left unchecked on the GPU for the next (now session 16's: the
-#   forward's next-tile S, its tests and probe, ~3 min; session 15's ran in session 16,
+#   rewritten dQ conversion from fragment order with every backward test, the forward's
+#   next-tile S, and their probes, ~5 min; session 15's ran in session 16,
 #   benchmarks/results/2026-11-30-h200-session16/pending/).
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py

@@ -94,9 +94,9 @@ def _tile_rows(x, COLS: tl.constexpr):
     """A fragment-order tile read in memory order, x [2·COLS, 32] (offset = 32·row + lane),
     as its 64 x COLS rows: offset bit k holds `fragment_bases(COLS)[k]`, i.e. from the lowest
     bit column 0, row 3, columns 1-2, rows 0-2, rows 4-5, then columns 3 and up (tests check
-    this against the bases themselves). Split into
-    one dimension per bit (highest first) and permuted into row-major bit order; Triton moves
-    the values between threads through shared memory."""
+    this against the bases themselves). Split into one dimension per bit (highest first) and
+    permuted into row-major bit order; Triton moves the values between threads through
+    shared memory."""
     x = tl.reshape(x, [COLS // 8, 2, 2, 2, 2, 2, 2, 2, 2, 2])
     # dims: 0 col 3+, 1 row 5, 2 row 4, 3 row 2, 4 row 1, 5 row 0, 6 col 2, 7 col 1, 8 row 3,
     # 9 col 0

@@ -910,10 +910,10 @@ if _GLUON_ERROR is None:
         """`_consumer_tile` on the persistent grid with FwdConfig.next_s: this tile's S_0 is
         already in flight (s_tok, issued by the tile before), and the next tile's S_0 (Q
         buffer next_slot, its first key block at the ring position after this tile's last)
-        is issued right after this tile's last P·V, when next_live, so that it runs under
-        this tile's epilogue. Returns the next tile's S_0 (s_tok itself when there is none).
-        The next Q sits in the other Q buffer, long loaded; its first K block's ring slot was
-        freed by this tile's second-to-last S."""
+        is issued right after this tile's last P·V, so that it runs under this tile's
+        epilogue. Returns that S_0, still in flight (a dummy, to be dropped, when next_live
+        is false: see below). The next Q sits in the other Q buffer, long loaded; its first
+        K block's ring slot was freed by this tile's second-to-last S."""
         row_layout: gl.constexpr = _row_layout(BLOCK_N)
         rows = m0 + WG * 64 + gl.arange(0, 64, layout=row_layout)
         q = q_smem.index(q_slot)
