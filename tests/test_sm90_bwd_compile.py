@@ -206,8 +206,7 @@ def test_defaults_where_the_h200_measured_a_gain():
     # fragment-order dQ tiles (FRAGMENT_MIN_ROWS) and dK issued behind dQ (not deterministic)
     sel = bwd.select_config
     assert sel(128, max_seqlen_q=512).dq_fragment
-    assert sel(256, max_seqlen_q=2048).dq_fragment and sel(256).dq_fragment
-    assert not sel(256, max_seqlen_q=1024).dq_fragment
+    assert sel(256, max_seqlen_q=512).dq_fragment and sel(256).dq_fragment
     assert sel(256, deterministic=True, masked=True, max_seqlen_q=16384).dq_fragment
     assert sel(64, max_seqlen_q=16384).dq_fragment
     assert not sel(64, max_seqlen_q=8192).dq_fragment
@@ -218,9 +217,11 @@ def test_defaults_where_the_h200_measured_a_gain():
         return bwd.launch_plan(256, 256, seqlen, seqlen, True, False, -1, -1, False, False,
                                16384 // seqlen, 8, 132, None)
 
-    # a warpgroup's 64 columns of a 64-row half, or that half as 32-column fragment rows
-    assert not plan(512).dq_fragment and plan(512).dq_block == (64, 128)
-    assert plan(2048).dq_fragment and plan(2048).dq_block == (256, 32)
+    # a 64-row half as 32-column fragment rows, or a warpgroup's 64 columns of it (override)
+    assert plan(512).dq_fragment and plan(2048).dq_block == (256, 32)
+    row_major = bwd.launch_plan(256, 256, 512, 512, True, False, -1, -1, False, False, 32, 8,
+                                132, replace(bwd.select_config(256), dq_fragment=False))
+    assert row_major.dq_block == (64, 128)
 
 
 def test_config_outside_the_hardwired_layouts_refused():

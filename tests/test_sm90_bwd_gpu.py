@@ -282,9 +282,9 @@ DET_CASES = [dict(c, deterministic=True) for c in CASES
 
 
 # dQ tiles in the order the default does not take (BwdConfig.dq_fragment, `select_config`):
-# at d=64 (bwd.py's 128-row tiles: two warpgroups' 64-row tiles in one box) and d=256
-# (bwd_wide's 128-column halves) fragments here (these sequences are shorter than
-# FRAGMENT_MIN_ROWS), row-major tiles on long ones. Every case of those widths,
+# at d=64 (bwd.py's 128-row tiles: two warpgroups' 64-row tiles in one box) fragments here
+# (these sequences are shorter than FRAGMENT_MIN_ROWS), at d=256 (bwd_wide's 128-column
+# halves, fragments by default) row-major tiles. Every case of those widths,
 # deterministic ones with 20 bitwise repeats.
 FRAGMENT_CASES = [c for c in CASES + DET_CASES
                   if bwd_width(c) in (64, 256)]

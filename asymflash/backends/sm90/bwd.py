@@ -299,12 +299,15 @@ def _launch_options(split: bool, cfg: BwdConfig) -> dict:
 
 
 # Fragment-order dQ tiles (BwdConfig.dq_fragment) from this many query rows on: where the H200
-# measured a gain (2026-11-30 session 16, sm90-bwd-probe, same process, TFLOP/s row-major ->
-# fragments): d=256 512 / 1k / 2k 241 / 288 / 321 -> 223 / 285 / 330, causal 172 / 230 / 275
-# -> 152 / 217 / 275; d=64 512 / 1k / 2k a tie (287 / 372 / 420-434 -> 286 / 367 / 413-420),
-# 16k 462-467 -> 479 (there only unmasked, without softcap or deterministic mode). d=128
-# takes them at every length (its default config; 512 rows a tie, session 15).
-FRAGMENT_MIN_ROWS = {64: 16384, 256: 2048}
+# measured a gain (sm90-bwd-probe, same process, TFLOP/s row-major -> fragments). d=256 at
+# every length since the conversion reads its tiles in memory order (commit f574cd4; 2026-11-30
+# session 17: 512 / 1k / 2k 240 / 290 / 322 -> 249 / 305 / 342, causal 173 / 230 / 275 -> 176 /
+# 239 / 291; session 16's gathering conversion lost below 2k). d=64 512 / 1k / 2k a tie (286 /
+# 370 / 418 -> 288 / 365 / 420, causal a tie), 16k 462-467 -> 479 (there only unmasked,
+# without softcap or deterministic mode). d=128 takes them at every length (its default
+# config; session 17 512 / 1k / 2k 335 / 421 / 481 -> 338 / 441 / 486, causal 212 / 309 / 383
+# -> 212 / 317 / 402).
+FRAGMENT_MIN_ROWS = {64: 16384, 256: 0}
 
 
 def select_config(head_dim: int, override: BwdConfig | None = None,

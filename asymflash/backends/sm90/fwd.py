@@ -118,12 +118,6 @@ class FwdConfig:
     # 2k / 16k, d=64 460 / 509 -> 459 / 505, d=128 589 / 645 -> 581 / 619, d=256 718 / 795
     # -> 654 / 770 (benchmarks/NOTES.md, session 15).
     arrive_all: bool = False
-    # Persistent grid with two Q buffers (d <= 128, two warpgroups, no ping-pong; uniform
-    # lengths): issue the next tile's first S = Q·K₀ᵀ right after this tile's last P·V, so it
-    # runs under this tile's epilogue instead of starting the next tile with nothing to
-    # overlap (scripts/fwd-timeline.py, d=128 512 rows: the first key block 2260 and the
-    # epilogue ~2000 of a 12600-cycle tile). Prepared 2026-11-30 (session 16), not measured.
-    next_s: bool = False
 
 
 # Tuning table. Measured on the H200 (2026-11-29, bf16, model dim 2048, batch 16384/seqlen,
@@ -896,53 +890,6 @@ if _GLUON_ERROR is None:
                     q_start, m0, seqlen_q, total_q, head, n_heads, WG, HEAD_DIM_V, BLOCK_N,
                     HAS_SINK, RELEASE_Q, PINGPONG)
 
-    @gluon.jit
-    def _consumer_tile_ahead(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                             v_empty, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_start, m0,
-                             seqlen_q, seqlen_k, total_q, head, n_heads, n_lo, n_a, n_b, n_hi,
-                             it0, q_slot, q_phase, s_tok, next_live, next_slot, next_phase,
-                             window_left, window_right, qk_scale, softcap_pre, WG: gl.constexpr,
-                             HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
-                             STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                             HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                             HAS_SINK: gl.constexpr, EMU_EVERY: gl.constexpr,
-                             RESCALE_THRESHOLD: gl.constexpr, ARRIVE: gl.constexpr):
-        """`_consumer_tile` on the persistent grid with FwdConfig.next_s: this tile's S_0 is
-        already in flight (s_tok, issued by the tile before), and the next tile's S_0 (Q
-        buffer next_slot, its first key block at the ring position after this tile's last)
-        is issued right after this tile's last P·V, so that it runs under this tile's
-        epilogue. Returns that S_0, still in flight (a dummy, to be dropped, when next_live
-        is false: see below). The next Q sits in the other Q buffer, long loaded; its first
-        K block's ring slot was freed by this tile's second-to-last S."""
-        row_layout: gl.constexpr = _row_layout(BLOCK_N)
-        rows = m0 + WG * 64 + gl.arange(0, 64, layout=row_layout)
-        q = q_smem.index(q_slot)
-        o_tok, p_op, m_i, l_i, slot = _tile_run(
-            q, s_tok, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-            rows, seqlen_k - seqlen_q, seqlen_k, n_lo, n_a, n_b, n_hi, it0, q_slot, q_phase,
-            window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V, BLOCK_N, STAGES,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, True, 0, ARRIVE)
-        # The next tile's S_0, issued unconditionally (a branch around an in-flight wgmma makes
-        # ptxas serialise every wgmma of the kernel): after the CTA's last tile it multiplies
-        # this tile's Q by its last K block again (both still in shared memory, nothing left
-        # to load) and the result is dropped.
-        it_next = it0 + n_hi - n_lo
-        if next_live:
-            mbarrier.wait(q_bar.index(next_slot), next_phase)
-            mbarrier.wait(k_ready.index(it_next % STAGES), (it_next // STAGES) & 1)
-        q_idx = gl.where(next_live, next_slot, q_slot)
-        k_idx = gl.where(next_live, it_next, it_next - 1) % STAGES
-        s_next = warpgroup_mma(q_smem.index(q_idx), k_smem.index(k_idx).permute((1, 0)),
-                               gl.zeros([64, BLOCK_N], gl.float32, _s_layout(BLOCK_N)),
-                               use_acc=False, is_async=True)
-        # wgmma groups retire in order: P·V, with the next S_0 left in flight
-        acc, p_op = warpgroup_mma_wait(1, deps=[o_tok, p_op])
-        mbarrier.arrive(v_empty.index(slot), count=ARRIVE)
-        _tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
-                    q_start, m0, seqlen_q, total_q, head, n_heads, WG, HEAD_DIM_V, BLOCK_N,
-                    HAS_SINK, True, 0)
-        return s_next
-
     @gluon.constexpr_function
     def _stacked(n, block_shape):
         return [n] + [int(x) for x in block_shape]
@@ -1089,17 +1036,11 @@ if _GLUON_ERROR is None:
                                   HAS_SINK: gl.constexpr, LPT: gl.constexpr,
                                   EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
                                   PINGPONG: gl.constexpr, NUM_WG: gl.constexpr,
-                                  Q_BUFS: gl.constexpr, ARRIVE: gl.constexpr,
-                                  NEXT_S: gl.constexpr):
+                                  Q_BUFS: gl.constexpr, ARRIVE: gl.constexpr):
         BLOCK_M: gl.constexpr = 64 * NUM_WG
         it = 0
         tc = 0
         nprog = gl.num_programs(0)
-        if NEXT_S:
-            # S_0 of this CTA's first tile (the grid has at most one CTA per tile: wave 0 is
-            # live); every later tile's S_0 is issued by the tile before (`_consumer_tile_ahead`).
-            _q0, s_next = _tile_begin(q_smem, k_smem, q_bar, k_ready, 0, WG, 0, WG, BLOCK_N,
-                                      STAGES, 0)
         for wave in range(0, (num_tiles + nprog - 1) // nprog):
             if UNIFORM:  # the tile's coordinates come from the loader (`_publish_tile`)
                 live = _wave_tile(wave, gl.program_id(0), nprog) < num_tiles
@@ -1117,29 +1058,15 @@ if _GLUON_ERROR is None:
                     sk = seqlen_k
                 n_lo, n_a, n_b, n_hi = _key_blocks(m0, sq, sk, window_left, window_right,
                                                    HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_M)
-                if NEXT_S:
-                    nxt = tc + 1
-                    s_next = _consumer_tile_ahead(
-                        q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_start, m0, sq, sk,
-                        total_q, head, n_heads, n_lo, n_a, n_b, n_hi, it, q_slot, q_phase,
-                        s_next, _wave_tile(wave + 1, gl.program_id(0), nprog) < num_tiles,
-                        (nxt % Q_BUFS) * NUM_WG + WG, (nxt // Q_BUFS) & 1, window_left,
-                        window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V, BLOCK_N, STAGES,
-                        HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
-                        ARRIVE)
-                else:
-                    _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
-                                   v_ready, v_empty, out_ptr, o_desc, o_smem,
-                                   lse_ptr, sink_ptr, q_start, m0, sq, sk, total_q,
-                                   head, n_heads, n_lo, n_a, n_b, n_hi, it, q_slot, q_phase,
-                                   window_left, window_right, qk_scale, softcap_pre, WG,
-                                   HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                                   HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD, True, PINGPONG, ARRIVE)
+                _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                               v_empty, out_ptr, o_desc, o_smem,
+                               lse_ptr, sink_ptr, q_start, m0, sq, sk, total_q,
+                               head, n_heads, n_lo, n_a, n_b, n_hi, it, q_slot, q_phase,
+                               window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V,
+                               BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK,
+                               EMU_EVERY, RESCALE_THRESHOLD, True, PINGPONG, ARRIVE)
                 it += n_hi - n_lo
                 tc += 1
-        if NEXT_S:  # the S_0 issued after the last tile, dropped (`_consumer_tile_ahead`)
-            s_next = warpgroup_mma_wait(0, deps=[s_next])
         tma.store_wait(0)  # the last tile's O store reads o_smem
 
     # ------------------------------------------------------------------------------------------
@@ -1162,8 +1089,7 @@ if _GLUON_ERROR is None:
                          RESCALE_THRESHOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                          LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
                          PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
-                         ARRIVE: gl.constexpr, ARRIVE_PASS: gl.constexpr,
-                         NEXT_S: gl.constexpr):
+                         ARRIVE: gl.constexpr, ARRIVE_PASS: gl.constexpr):
         # PINGPONG: how many consumer warpgroups take turns issuing their wgmmas (NUM_WG, or 0
         # for none). NUM_WG = 3 only with PERSISTENT; Q_BUFS = 2 (a second Q buffer
         # per warpgroup: the loader brings the next tile's Q a whole tile ahead) only with
@@ -1228,7 +1154,7 @@ if _GLUON_ERROR is None:
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 0,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
                         SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
-                        ARRIVE, NEXT_S)),
+                        ARRIVE)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
                         v_empty, sched, out_ptr, o_desc, o_smem,
@@ -1237,7 +1163,7 @@ if _GLUON_ERROR is None:
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 1,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
                         SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
-                        ARRIVE, NEXT_S)),
+                        ARRIVE)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
                         v_empty, sched, out_ptr, o_desc, o_smem,
@@ -1246,7 +1172,7 @@ if _GLUON_ERROR is None:
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 2,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
                         SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
-                        ARRIVE, NEXT_S)),
+                        ARRIVE)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                         k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
@@ -1263,8 +1189,7 @@ if _GLUON_ERROR is None:
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 0, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS, ARRIVE,
-                        NEXT_S)),
+                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS, ARRIVE)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
                         sched, out_ptr, o_desc, o_smem,
@@ -1272,8 +1197,7 @@ if _GLUON_ERROR is None:
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 1, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS, ARRIVE,
-                        NEXT_S)),
+                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS, ARRIVE)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                         k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
@@ -1480,7 +1404,6 @@ def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, h
             "PERSISTENT": bool(cfg.persistent),
             "PINGPONG": cfg.consumer_wgs if cfg.pingpong else 0,
             "NUM_WG": cfg.consumer_wgs, "Q_BUFS": cfg.q_buffers if cfg.persistent else 1,
-            "NEXT_S": bool(cfg.next_s and cfg.persistent and uniform),
             "ARRIVE": arrive_all.WARPGROUP if cfg.arrive_all else 1,
             "ARRIVE_PASS": arrive_all.VERSION if cfg.arrive_all else 0}
 
@@ -1498,9 +1421,6 @@ def check_config(cfg: FwdConfig, head_dim: int) -> None:
     if cfg.q_buffers == 2 and cfg.persistent and (cfg.pingpong or head_dim > 128):
         raise ValueError("FwdConfig.q_buffers=2 on the persistent grid needs head_dim <= 128 "
                          "and no ping-pong: set q_buffers=1")
-    if cfg.next_s and not (cfg.persistent and cfg.q_buffers == 2 and not cfg.pingpong):
-        raise ValueError("FwdConfig.next_s needs the persistent grid with q_buffers=2 and no "
-                         "ping-pong")
     if cfg.consumer_wgs not in (2, 3):
         raise ValueError(f"FwdConfig.consumer_wgs must be 2 or 3, got {cfg.consumer_wgs}")
     if cfg.consumer_wgs == 3 and (cfg.persistent is False or head_dim != 64):
