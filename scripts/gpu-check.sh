@@ -2,10 +2,9 @@
 # What runs on the H200 (device tool): the whole test suite on CUDA, then the benchmark.
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
 # or ./out)
-#   pending: what a session left unchecked on the GPU for the next (now session 16's: the
-#   rewritten dQ conversion from fragment order with every backward test, the forward's
-#   next-tile S, and their probes, ~5 min; session 15's ran in session 16,
-#   benchmarks/results/2026-11-30-h200-session16/pending/).
+#   pending: what a session left unchecked on the GPU (now session 17's: warpgroups that stop
+#   at their own last key block, with every forward test and a probe, ~5 min; session 16's
+#   ran in session 17, benchmarks/results/2026-11-30-h200-session17/pending/).
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
 #   (DECODE=1), host-overhead.py (HOST_OVERHEAD=1) and hf-generate-bench.py (HF=1);
@@ -57,25 +56,18 @@ run_tests() {
   done
 }
 if [ "$mode" = pending ]; then
-  # what session 16 left unchecked on the GPU: the dQ conversion from fragment order, rewritten
-  # after the final run (on every d=128 backward: its own tests and the backward's), and the
-  # forward's next-tile S (FwdConfig.next_s, prepared, off): its grid tests (10 bitwise
-  # repeats each), then probes: next_s beside the persistent grid without it on the short
-  # cells it targets, fragment-order dQ on short d=128 / d=256 calls. ~5 min.
-  TEST_FILES="tests/test_dq_fragments.py tests/test_sm90_bwd_gpu.py@0/3 \
-tests/test_sm90_bwd_gpu.py@1/3 tests/test_sm90_bwd_gpu.py@2/3 tests/test_sm90_gpu.py" \
-    PYTEST_K="not test_sm90_gpu or 2q-next" TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
-  timeout 150 python3 scripts/sm90-bwd-probe.py --no-peers --budget 120 --dims 64,128,256 \
-    --seqlens 512,1024,2048 --variant row:dq_fragment=false --variant frag:dq_fragment=true \
-    > "$out/probe-fragment-short.log" 2>&1
-  tail -12 "$out/probe-fragment-short.log"
-  timeout 200 python3 scripts/sm90-probe.py --no-check --graph \
-    --cells 128:0:512,128:1:512,128:0:1024,128:1:2048,64:0:512,64:1:512,64:1:2048 \
-    --variant 128:pers:persistent=true,q_buffers=2 \
-    --variant 128:next:persistent=true,q_buffers=2,next_s=true \
-    --variant 64:pers:persistent=true,q_buffers=2 \
-    --variant 64:next:persistent=true,q_buffers=2,next_s=true > "$out/probe-next-s.log" 2>&1
-  tail -8 "$out/probe-next-s.log"
+  # what session 17 left unchecked on the GPU: the forward's warpgroups stopping at their own
+  # last key block under a right bound (FwdConfig.tail_skip, on: d=256 causal / windows), on
+  # every forward test; then a probe beside tail_skip=false, and d=128 causal on 64-key
+  # blocks (where the skip then applies) beside its default. ~5 min.
+  TEST_FILES="tests/test_sm90_gpu.py@0/3 tests/test_sm90_gpu.py@1/3 tests/test_sm90_gpu.py@2/3 \
+tests/test_gpu.py" TEST_TIMEOUT=${TEST_TIMEOUT:-280} run_tests
+  timeout 240 python3 scripts/sm90-probe.py --no-check --graph \
+    --cells 256:1:512,256:1:1024,256:1:2048,256:1:16384,128:1:512,128:1:2048 \
+    --variant 256:noskip:tail_skip=false \
+    --variant 128:bn64:block_n=64,stages=3 \
+    --variant 128:bn64noskip:block_n=64,stages=3,tail_skip=false > "$out/probe-tail-skip.log" 2>&1
+  tail -8 "$out/probe-tail-skip.log"
 elif [ "$mode" = session ]; then
   # The benchmark first: if the call runs out of time, the table is what matters most.
   timeout "${BENCH_TIMEOUT:-240}" python3 -m asymflash bench --hdim 64,128,256 \

@@ -128,6 +128,12 @@ CASES = [
     (3, 384, 384, 2, 2, 256, torch.bfloat16, (-1, -1), 0.0, False, False),
     (4, 64, 64, 2, 1, 256, torch.bfloat16, (-1, 0), 0.0, False, False),
     (2, 640, 900, 4, 2, 128, torch.bfloat16, (100, 50), 0.0, False, False),
+    # d=256 with a right bound: 64-key blocks, so a warpgroup whose rows end a block before
+    # its tile's last row skips the tile's last blocks (fwd._warpgroup_end); more query rows
+    # than keys leave rows without keys; window and varlen shift where each warpgroup ends
+    (2, 640, 900, 4, 2, 256, torch.bfloat16, (100, 50), 0.0, False, False),
+    (3, 203, 113, 2, 1, 256, torch.float16, (-1, 0), 0.0, False, False),
+    (5, 300, 400, 2, 2, 256, torch.bfloat16, (-1, 0), 0.0, True, True),
     (2, 640, 640, 4, 4, 64, torch.bfloat16, (-1, -1), 30.0, True, False),
     (5, 300, 400, 4, 2, 128, torch.bfloat16, (-1, 0), 0.0, True, True),
     (5, 300, 400, 4, 4, 64, torch.float16, (-1, -1), 0.0, False, True),

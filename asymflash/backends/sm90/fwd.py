@@ -118,6 +118,12 @@ class FwdConfig:
     # 2k / 16k, d=64 460 / 509 -> 459 / 505, d=128 589 / 645 -> 581 / 619, d=256 718 / 795
     # -> 654 / 770 (benchmarks/NOTES.md, session 15).
     arrive_all: bool = False
+    # With a right bound (causal, windows) and 64-key blocks (d=256), a warpgroup whose 64
+    # rows end a whole key block before its tile's last row stops there and releases the
+    # tile's remaining blocks unread (`_warpgroup_end`), instead of computing blocks masked
+    # out for all its rows: under a causal mask one in 2 (i + 1) blocks of the i-th 128-row
+    # tile. Prepared 2026-11-30 (session 17).
+    tail_skip: bool = True
 
 
 # Tuning table. Measured on the H200 (2026-11-29, bf16, model dim 2048, batch 16384/seqlen,
@@ -730,13 +736,14 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _tile_run(q, s_tok, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                  rows, shift, seqlen_k, n_lo, n_a, n_b, n_hi, it0, q_slot, q_phase,
+                  rows, shift, seqlen_k, n_lo, n_a, n_b, n_end, it0, q_slot, q_phase,
                   window_left, window_right, qk_scale, softcap_pre, WG: gl.constexpr,
                   HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
                   RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr, ARRIVE: gl.constexpr):
-        """From S_0 (the only wgmma group in flight) to the issue of the last P·V: returns
+        """From S_0 (the only wgmma group in flight) to the issue of the last P·V, over key
+        blocks [n_lo, n_end) (n_end: this warpgroup's last block, `_warpgroup_end`): returns
         (O in flight, its P operand, row max, row sum, the last V slot)."""
         s_layout: gl.constexpr = _s_layout(BLOCK_N)
         o_layout: gl.constexpr = _o_layout(HEAD_DIM_V)
@@ -755,6 +762,8 @@ if _GLUON_ERROR is None:
         p_op = gl.convert_layout(_to_16bit(p, q.dtype), p_layout)
 
         base = it0 - n_lo
+        n_a = gl.minimum(n_a, n_end)
+        n_b = gl.minimum(n_b, n_end)
         acc, p_op, m_i, l_i = _consumer_loop(
             n_lo + 1, n_a, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
@@ -768,7 +777,7 @@ if _GLUON_ERROR is None:
             RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
             WG, PINGPONG, ARRIVE)
         acc, p_op, m_i, l_i = _consumer_loop(
-            n_b, n_hi, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+            n_b, n_end, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
             RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
@@ -779,7 +788,7 @@ if _GLUON_ERROR is None:
             mbarrier.arrive(q_empty.index(q_slot), count=1)
 
         # Last P·V, left in flight.
-        last = n_hi - 1 + base
+        last = n_end - 1 + base
         slot = last % STAGES
         mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
         if PINGPONG:
@@ -795,6 +804,37 @@ if _GLUON_ERROR is None:
         acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
         mbarrier.arrive(v_empty.index(slot), count=ARRIVE)
         return acc
+
+    @gluon.jit
+    def _warpgroup_end(m0, seqlen_q, seqlen_k, window_right, n_lo, n_hi, WG: gl.constexpr,
+                       BLOCK_N: gl.constexpr, SKIP: gl.constexpr):
+        """End of warpgroup WG's key blocks within its tile's [n_lo, n_hi). With SKIP (a right
+        bound and 64-key blocks), a warpgroup whose 64 rows end a whole block before the
+        tile's last row stops there: under a causal mask, a 128-row tile's first warpgroup
+        would otherwise multiply, exponentiate and add one block that is masked out for
+        every one of its rows (d=256: one in 2 (i + 1) blocks of the i-th tile)."""
+        n_end = n_hi
+        if SKIP:
+            row_last = gl.minimum(m0 + WG * 64 + 63, seqlen_q - 1)
+            allowed = gl.maximum(row_last + seqlen_k - seqlen_q + window_right + 1, 0)
+            n_end = gl.maximum(gl.minimum(n_hi, (allowed + BLOCK_N - 1) // BLOCK_N), n_lo + 1)
+        return n_end
+
+    @gluon.jit
+    def _release_blocks(k_ready, k_empty, v_ready, v_empty, lo, hi, base,
+                        STAGES: gl.constexpr, ARRIVE: gl.constexpr):
+        """Release key blocks [lo, hi) (ring positions lo + base, ...) without reading them:
+        each slot is waited for first, so the arrival counts toward this use of the slot and
+        not the one before. Called once the warpgroup's own last V slot is released (a slot
+        held while waiting for a later fill of the ring could stall the loader for good)."""
+        for n in range(lo, hi):
+            pos = n + base
+            slot = pos % STAGES
+            phase = (pos // STAGES) & 1
+            mbarrier.wait(k_ready.index(slot), phase)
+            mbarrier.arrive(k_empty.index(slot), count=ARRIVE)
+            mbarrier.wait(v_ready.index(slot), phase)
+            mbarrier.arrive(v_empty.index(slot), count=ARRIVE)
 
     @gluon.jit
     def _tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
@@ -867,7 +907,7 @@ if _GLUON_ERROR is None:
                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                        HAS_SINK: gl.constexpr, EMU_EVERY: gl.constexpr,
                        RESCALE_THRESHOLD: gl.constexpr, RELEASE_Q: gl.constexpr,
-                       PINGPONG: gl.constexpr, ARRIVE: gl.constexpr):
+                       PINGPONG: gl.constexpr, ARRIVE: gl.constexpr, TAIL_SKIP: gl.constexpr):
         """One 64-row query tile of warpgroup WG: key blocks [n_lo, n_hi) sit at K/V ring
         positions it0, it0 + 1, ...; its Q arrives in Q buffer q_slot, on q_bar[q_slot] with
         parity q_phase (q_slot = WG, but for the persistent grid's second Q buffers). With
@@ -879,9 +919,11 @@ if _GLUON_ERROR is None:
         rows = m0 + WG * 64 + gl.arange(0, 64, layout=row_layout)
         q, s_tok = _tile_begin(q_smem, k_smem, q_bar, k_ready, it0, q_slot, q_phase, WG,
                                BLOCK_N, STAGES, PINGPONG)
+        n_end = _warpgroup_end(m0, seqlen_q, seqlen_k, window_right, n_lo, n_hi, WG, BLOCK_N,
+                               TAIL_SKIP)
         o_tok, p_op, m_i, l_i, slot = _tile_run(
             q, s_tok, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-            rows, seqlen_k - seqlen_q, seqlen_k, n_lo, n_a, n_b, n_hi, it0, q_slot, q_phase,
+            rows, seqlen_k - seqlen_q, seqlen_k, n_lo, n_a, n_b, n_end, it0, q_slot, q_phase,
             window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V, BLOCK_N, STAGES,
             HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, RELEASE_Q, PINGPONG,
             ARRIVE)
@@ -889,6 +931,11 @@ if _GLUON_ERROR is None:
         _tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
                     q_start, m0, seqlen_q, total_q, head, n_heads, WG, HEAD_DIM_V, BLOCK_N,
                     HAS_SINK, RELEASE_Q, PINGPONG)
+        if TAIL_SKIP:
+            n_end = _warpgroup_end(m0, seqlen_q, seqlen_k, window_right, n_lo, n_hi, WG,
+                                   BLOCK_N, True)
+            _release_blocks(k_ready, k_empty, v_ready, v_empty, n_end, n_hi, it0 - n_lo,
+                            STAGES, ARRIVE)
 
     @gluon.constexpr_function
     def _stacked(n, block_shape):
@@ -1036,7 +1083,8 @@ if _GLUON_ERROR is None:
                                   HAS_SINK: gl.constexpr, LPT: gl.constexpr,
                                   EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
                                   PINGPONG: gl.constexpr, NUM_WG: gl.constexpr,
-                                  Q_BUFS: gl.constexpr, ARRIVE: gl.constexpr):
+                                  Q_BUFS: gl.constexpr, ARRIVE: gl.constexpr,
+                                  TAIL_SKIP: gl.constexpr):
         BLOCK_M: gl.constexpr = 64 * NUM_WG
         it = 0
         tc = 0
@@ -1064,7 +1112,8 @@ if _GLUON_ERROR is None:
                                head, n_heads, n_lo, n_a, n_b, n_hi, it, q_slot, q_phase,
                                window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V,
                                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK,
-                               EMU_EVERY, RESCALE_THRESHOLD, True, PINGPONG, ARRIVE)
+                               EMU_EVERY, RESCALE_THRESHOLD, True, PINGPONG, ARRIVE,
+                               TAIL_SKIP)
                 it += n_hi - n_lo
                 tc += 1
         tma.store_wait(0)  # the last tile's O store reads o_smem
@@ -1089,7 +1138,8 @@ if _GLUON_ERROR is None:
                          RESCALE_THRESHOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                          LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
                          PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
-                         ARRIVE: gl.constexpr, ARRIVE_PASS: gl.constexpr):
+                         ARRIVE: gl.constexpr, ARRIVE_PASS: gl.constexpr,
+                         TAIL_SKIP: gl.constexpr):
         # PINGPONG: how many consumer warpgroups take turns issuing their wgmmas (NUM_WG, or 0
         # for none). NUM_WG = 3 only with PERSISTENT; Q_BUFS = 2 (a second Q buffer
         # per warpgroup: the loader brings the next tile's Q a whole tile ahead) only with
@@ -1154,7 +1204,7 @@ if _GLUON_ERROR is None:
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 0,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
                         SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
-                        ARRIVE)),
+                        ARRIVE, TAIL_SKIP)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
                         v_empty, sched, out_ptr, o_desc, o_smem,
@@ -1163,7 +1213,7 @@ if _GLUON_ERROR is None:
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 1,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
                         SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
-                        ARRIVE)),
+                        ARRIVE, TAIL_SKIP)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
                         v_empty, sched, out_ptr, o_desc, o_smem,
@@ -1172,7 +1222,7 @@ if _GLUON_ERROR is None:
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 2,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
                         SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
-                        ARRIVE)),
+                        ARRIVE, TAIL_SKIP)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                         k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
@@ -1189,7 +1239,8 @@ if _GLUON_ERROR is None:
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 0, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS, ARRIVE)),
+                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS, ARRIVE,
+                        TAIL_SKIP)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
                         sched, out_ptr, o_desc, o_smem,
@@ -1197,7 +1248,8 @@ if _GLUON_ERROR is None:
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 1, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS, ARRIVE)),
+                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS, ARRIVE,
+                        TAIL_SKIP)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                         k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
@@ -1237,7 +1289,7 @@ if _GLUON_ERROR is None:
                                       n_hi, 0, 0, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 0, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
-                                      False, PINGPONG, ARRIVE)),
+                                      False, PINGPONG, ARRIVE, TAIL_SKIP)),
                     (_consumer_tile, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
                                       v_ready, v_empty, out_ptr, o_desc, o_smem,
                                       lse_ptr, sink_ptr, q_start, m0,
@@ -1245,7 +1297,7 @@ if _GLUON_ERROR is None:
                                       n_hi, 0, 1, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 1, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
-                                      False, PINGPONG, ARRIVE)),
+                                      False, PINGPONG, ARRIVE, TAIL_SKIP)),
                     (_load_tile, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                                   k_ready, k_empty, v_ready, v_empty, q_start + m0, head,
                                   k_start, kv_head, n_lo, n_hi, 0, 0, 0, HEAD_DIM, HEAD_DIM_V,
@@ -1405,7 +1457,10 @@ def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, h
             "PINGPONG": cfg.consumer_wgs if cfg.pingpong else 0,
             "NUM_WG": cfg.consumer_wgs, "Q_BUFS": cfg.q_buffers if cfg.persistent else 1,
             "ARRIVE": arrive_all.WARPGROUP if cfg.arrive_all else 1,
-            "ARRIVE_PASS": arrive_all.VERSION if cfg.arrive_all else 0}
+            "ARRIVE_PASS": arrive_all.VERSION if cfg.arrive_all else 0,
+            # ping-pong counts its turns per key block: there every warpgroup visits them all
+            "TAIL_SKIP": bool(cfg.tail_skip and has_right and cfg.block_n == 64
+                              and not cfg.pingpong)}
 
 
 def _consumer_regs(cfg: FwdConfig) -> int:
