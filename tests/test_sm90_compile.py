@@ -228,6 +228,39 @@ def test_three_consumer_warpgroups_default_only_where_measured_faster():
     assert not use_three_warpgroups(64, False, 16384, True, False)  # softcap/sink/left
 
 
+def test_short_masked_calls_stop_each_warpgroup_at_its_last_block():
+    from asymflash.backends.sm90.fwd import _DEFAULT_CONFIGS, default_for_call
+
+    def cfg(d, rows, masked=True, dense=True, plain=True):
+        return default_for_call(d, masked, masked, rows, dense, plain)
+
+    assert cfg(128, 512).tail_skip and cfg(128, 512).block_n == 64
+    assert cfg(256, 1024).tail_skip and cfg(256, 1024).block_n == 64
+    # measured slower or not measured: longer, unmasked, varlen, softcap/sink/left, d=64
+    for d, c in ((128, cfg(128, 1024)), (256, cfg(256, 2048)), (128, cfg(128, 512, False)),
+                 (256, cfg(256, 512, dense=False)), (128, cfg(128, 512, plain=False)),
+                 (64, cfg(64, 512))):
+        assert not c.tail_skip and c.block_n == _DEFAULT_CONFIGS[d].block_n, (d, c)
+    assert cfg(64, 16384).consumer_wgs == 3
+
+
+# The skip's builds: wgmmas still asynchronous (its release loop holds no wgmma), no spills
+# in the plain-grid builds; the persistent d=256 one keeps ~6 scalars of the tile loop in
+# local memory (23 LDL/STL, 2 without the skip; none in the key loop's body).
+@pytest.mark.parametrize("kw,max_local", [
+    ({"head_dim": 256, "has_right": True, "cfg": {"tail_skip": True}}, 0),
+    ({"head_dim": 256, "has_right": True, "cfg": {"tail_skip": True, "persistent": True,
+                                                   "lpt": True}}, 24),
+    ({"head_dim": 128, "has_right": True, "cfg": {"tail_skip": True, "block_n": 64,
+                                                   "stages": 3, "persistent": True,
+                                                   "lpt": True}}, 0),
+], ids=["256", "256-persistent", "128-64-key-blocks"])
+def test_tail_skip_compiles(kw, max_local):
+    rep = sass_report(_BUILD, json.dumps(kw), ptxas=True)
+    assert rep["hgmma"] > 0 and rep["local"] <= max_local, rep
+    assert rep["wgmma_serialized"] is False, "ptxas serialised the wgmmas"
+
+
 def test_three_consumer_warpgroups_refused_where_not_built():
     from dataclasses import replace
 

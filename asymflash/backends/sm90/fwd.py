@@ -122,8 +122,12 @@ class FwdConfig:
     # rows end a whole key block before its tile's last row stops there and releases the
     # tile's remaining blocks unread (`_warpgroup_end`), instead of computing blocks masked
     # out for all its rows: under a causal mask one in 2 (i + 1) blocks of the i-th 128-row
-    # tile. Prepared 2026-11-30 (session 17).
-    tail_skip: bool = True
+    # tile. H200 2026-11-30 session 17 (sm90-probe --graph, causal, TFLOP/s, without -> with):
+    # d=256 512 / 1k / 2k / 16k 284 / 375 / 490 / 664 -> 292 / 380 / 485 / 636 (the 16k loss
+    # is unexplained: a few more scalars spill outside the key loop); d=128 on 64-key blocks,
+    # 3 stages, 512 / 2k 286 / 433 -> 292 / 443 (its 128-key default: 282 / 461). On for
+    # short masked calls only (`default_for_call`).
+    tail_skip: bool = False
 
 
 # Tuning table. Measured on the H200 (2026-11-29, bf16, model dim 2048, batch 16384/seqlen,
@@ -231,6 +235,29 @@ def use_three_warpgroups(head_dim: int, masked: bool, max_seqlen_q: int, uniform
     return max_seqlen_q >= (16384 if masked else 2048)
 
 
+# Short masked calls (dense, no softcap, sink or left window) up to this many query rows
+# take these fields (FwdConfig.tail_skip has the measurements): a warpgroup stops at its own
+# last key block, and d=128 takes 64-key blocks so that it can.
+SHORT_MASKED = {128: (512, {"block_n": 64, "stages": 3, "tail_skip": True}),
+                256: (1024, {"tail_skip": True})}
+
+
+def default_for_call(d: int, local: bool, masked: bool, max_seqlen_q: int, dense: bool,
+                     plain: bool) -> FwdConfig:
+    """The default config of one call (`persistent` still open): head dim and mask first,
+    then the shape-dependent choices where the H200 measured a gain."""
+    if use_three_warpgroups(d, masked, max_seqlen_q, dense, plain):
+        return _three_warpgroups(_default_config(d, local))
+    if masked and dense and plain and max_seqlen_q <= SHORT_MASKED.get(d, (0,))[0]:
+        return _short_masked(d, local)
+    return _default_config(d, local)
+
+
+@functools.lru_cache(maxsize=None)
+def _short_masked(d: int, local: bool) -> FwdConfig:
+    return replace(_default_config(d, local), **SHORT_MASKED[d][1])
+
+
 def persistent_launch(cfg: FwdConfig, max_seqlen_q: int, max_seqlen_k: int, uniform: bool,
                       batch: int, num_tiles: int, hq: int, hkv: int, d: int, dv: int, sms: int,
                       plain: bool) -> tuple[FwdConfig, int, int]:
@@ -330,10 +357,8 @@ def launch_plan(d: int, dv: int, max_seqlen_q: int, max_seqlen_k: int, uniform: 
     local = window_left >= 0 or window_right >= 0
     dense = uniform and not has_seqused
     o_width = output_box_width(d, dv, uniform and max_seqlen_q % 64 == 0)
-    if cfg is None and use_three_warpgroups(d, window_right >= 0, max_seqlen_q, dense, plain):
-        cfg = _three_warpgroups(_default_config(d, local))
     if cfg is None:
-        cfg = _default_config(d, local)
+        cfg = default_for_call(d, local, window_right >= 0, max_seqlen_q, dense, plain)
     if tricks != (0, 0.0):
         cfg = replace(cfg, exp2_emu_every=tricks[0], rescale_threshold=tricks[1])
     if arrive:
