@@ -234,12 +234,13 @@ def test_short_masked_calls_stop_each_warpgroup_at_its_last_block():
     def cfg(d, rows, masked=True, dense=True, plain=True):
         return default_for_call(d, masked, masked, rows, dense, plain)
 
+    assert cfg(64, 512).tail_skip and cfg(64, 512).block_n == 64
     assert cfg(128, 512).tail_skip and cfg(128, 512).block_n == 64
     assert cfg(256, 1024).tail_skip and cfg(256, 1024).block_n == 64
     # measured slower or not measured: longer, unmasked, varlen, softcap/sink/left, d=64
     for d, c in ((128, cfg(128, 1024)), (256, cfg(256, 2048)), (128, cfg(128, 512, False)),
                  (256, cfg(256, 512, dense=False)), (128, cfg(128, 512, plain=False)),
-                 (64, cfg(64, 512))):
+                 (64, cfg(64, 1024))):
         assert not c.tail_skip and c.block_n == _DEFAULT_CONFIGS[d].block_n, (d, c)
     assert cfg(64, 16384).consumer_wgs == 3
 
@@ -254,7 +255,9 @@ def test_short_masked_calls_stop_each_warpgroup_at_its_last_block():
     ({"head_dim": 128, "has_right": True, "cfg": {"tail_skip": True, "block_n": 64,
                                                    "stages": 3, "persistent": True,
                                                    "lpt": True}}, 0),
-], ids=["256", "256-persistent", "128-64-key-blocks"])
+    ({"head_dim": 64, "has_right": True, "cfg": {"tail_skip": True, "block_n": 64,
+                                                  "persistent": True, "lpt": True}}, 0),
+], ids=["256", "256-persistent", "128-64-key-blocks", "64-64-key-blocks"])
 def test_tail_skip_compiles(kw, max_local):
     rep = sass_report(_BUILD, json.dumps(kw), ptxas=True)
     assert rep["hgmma"] > 0 and rep["local"] <= max_local, rep

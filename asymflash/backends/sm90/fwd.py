@@ -125,8 +125,10 @@ class FwdConfig:
     # tile. H200 2026-11-30 session 17 (sm90-probe --graph, causal, TFLOP/s, without -> with):
     # d=256 512 / 1k / 2k / 16k 284 / 375 / 490 / 664 -> 292 / 380 / 485 / 636 (the 16k loss
     # is unexplained: a few more scalars spill outside the key loop); d=128 on 64-key blocks,
-    # 3 stages, 512 / 2k 286 / 433 -> 292 / 443 (its 128-key default: 282 / 461). On for
-    # short masked calls only (`default_for_call`).
+    # 3 stages, 512 / 2k 286 / 433 -> 292 / 443 (its 128-key default: 282 / 461). Again
+    # (64-key blocks without -> with, 128-key default): d=64 512 / 1k 222 / 283 -> 229 / 290
+    # (216 / 292), d=128 512 / 1k 274 / 350 -> 279 / 348 (269 / 355), d=256 512 276 -> 284.
+    # On for short masked calls only (`default_for_call`, `SHORT_MASKED`).
     tail_skip: bool = False
 
 
@@ -238,7 +240,8 @@ def use_three_warpgroups(head_dim: int, masked: bool, max_seqlen_q: int, uniform
 # Short masked calls (dense, no softcap, sink or left window) up to this many query rows
 # take these fields (FwdConfig.tail_skip has the measurements): a warpgroup stops at its own
 # last key block, and d=128 takes 64-key blocks so that it can.
-SHORT_MASKED = {128: (512, {"block_n": 64, "stages": 3, "tail_skip": True}),
+SHORT_MASKED = {64: (512, {"block_n": 64, "tail_skip": True}),
+                128: (512, {"block_n": 64, "stages": 3, "tail_skip": True}),
                 256: (1024, {"tail_skip": True})}
 
 
