@@ -84,21 +84,21 @@ EDITS = [
      "        mbarrier.wait(q_bar.index(q_slot), q_phase)\n"
      "        _stamp(tl_ptr, 1, WG, TL)\n        q = q_smem.index(q_slot)\n", 1),
     # _tile_run: 2 first key block done, 3 key loops done
-    ("                  RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr):\n"
+    ("                  RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr, ARRIVE: gl.constexpr):\n"
      "        \"\"\"From S_0",
-     "                  RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr" + TL_PARAMS + "):\n"
-     "        \"\"\"From S_0", 1),
+     "                  RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr, ARRIVE: gl.constexpr"
+     + TL_PARAMS + "):\n        \"\"\"From S_0", 1),
     ("        p_op = gl.convert_layout(_to_16bit(p, q.dtype), p_layout)\n\n        base = it0 - n_lo\n",
      "        p_op = gl.convert_layout(_to_16bit(p, q.dtype), p_layout)\n"
      "        _stamp(tl_ptr, 2, WG, TL)\n\n        base = it0 - n_lo\n", 1),
     ("        if RELEASE_Q:\n            # Every S wgmma",
      "        _stamp(tl_ptr, 3, WG, TL)\n        if RELEASE_Q:\n            # Every S wgmma", 1),
     # _tile_finish: 4 last P·V done (it has no WG: one more default)
-    ("    def _tile_finish(o_tok, p_op, v_empty, slot):\n",
-     "    def _tile_finish(o_tok, p_op, v_empty, slot, WG: gl.constexpr = 0" + TL_PARAMS + "):\n",
-     1),
-    ("        mbarrier.arrive(v_empty.index(slot), count=1)\n        return acc\n",
-     "        mbarrier.arrive(v_empty.index(slot), count=1)\n"
+    ("    def _tile_finish(o_tok, p_op, v_empty, slot, ARRIVE: gl.constexpr):\n",
+     "    def _tile_finish(o_tok, p_op, v_empty, slot, ARRIVE: gl.constexpr, WG: gl.constexpr = 0"
+     + TL_PARAMS + "):\n", 1),
+    ("        mbarrier.arrive(v_empty.index(slot), count=ARRIVE)\n        return acc\n",
+     "        mbarrier.arrive(v_empty.index(slot), count=ARRIVE)\n"
      "        _stamp(tl_ptr, 4, WG, TL)\n        return acc\n", 1),
     # _tile_store: 5 lse stored, 6 O stored (TMA-store epilogue: the store issued)
     ("                    RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr):\n"
@@ -112,16 +112,17 @@ EDITS = [
      "            _stamp(tl_ptr, 6, WG, TL)\n            if not RELEASE_Q:  # a one-tile CTA",
      1),
     # _consumer_tile: takes the row and the switch and hands them to the pieces
-    ("                       PINGPONG: gl.constexpr):\n        \"\"\"One 64-row query tile",
-     "                       PINGPONG: gl.constexpr" + TL_PARAMS + "):\n"
-     "        \"\"\"One 64-row query tile", 1),
+    ("                       PINGPONG: gl.constexpr, ARRIVE: gl.constexpr, TAIL_SKIP: gl.constexpr):\n"
+     "        \"\"\"One 64-row query tile",
+     "                       PINGPONG: gl.constexpr, ARRIVE: gl.constexpr, TAIL_SKIP: gl.constexpr"
+     + TL_PARAMS + "):\n        \"\"\"One 64-row query tile", 1),
     ("                               BLOCK_N, STAGES, PINGPONG)\n",
      "                               BLOCK_N, STAGES, PINGPONG, tl_ptr, TL)\n", 1),
-    ("            HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, RELEASE_Q, PINGPONG)\n"
-     "        acc = _tile_finish(o_tok, p_op, v_empty, slot)\n",
+    ("            HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, RELEASE_Q, PINGPONG,\n"
+     "            ARRIVE)\n        acc = _tile_finish(o_tok, p_op, v_empty, slot, ARRIVE)\n",
      "            HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, RELEASE_Q, PINGPONG,\n"
-     "            tl_ptr, TL)\n"
-     "        acc = _tile_finish(o_tok, p_op, v_empty, slot, WG, tl_ptr, TL)\n", 1),
+     "            ARRIVE, tl_ptr, TL)\n"
+     "        acc = _tile_finish(o_tok, p_op, v_empty, slot, ARRIVE, WG, tl_ptr, TL)\n", 1),
     ("                    HAS_SINK, RELEASE_Q, PINGPONG)\n",
      "                    HAS_SINK, RELEASE_Q, PINGPONG, tl_ptr, TL)\n", 1),
     # the persistent consumer: 0 tile start (before its Q wait, with uniform lengths), slot 7
@@ -134,9 +135,10 @@ EDITS = [
      "                _stamp_value(tl_ptr, 7, n_hi - n_lo, WG, not HAS_SINK)\n"
      "                _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,\n",
      1),
-    ("                               EMU_EVERY, RESCALE_THRESHOLD, True, PINGPONG)\n",
-     "                               EMU_EVERY, RESCALE_THRESHOLD, True, PINGPONG, tl_ptr,\n"
-     "                               not HAS_SINK)\n", 1),
+    ("                               EMU_EVERY, RESCALE_THRESHOLD, True, PINGPONG, ARRIVE,\n"
+     "                               TAIL_SKIP)\n",
+     "                               EMU_EVERY, RESCALE_THRESHOLD, True, PINGPONG, ARRIVE,\n"
+     "                               TAIL_SKIP, tl_ptr, not HAS_SINK)\n", 1),
     # the host passes the stamp buffer where the (absent) sink would go (`_launch`)
     ("sink if sink is not None else lse,", "sink if sink is not None else TIMELINE,", 1),
 ]
@@ -180,10 +182,11 @@ def report(stamps: torch.Tensor, label: str):
 
 
 # (d, seqlen, causal), bf16, model dim 2048, 16k rows: all on the persistent grid by default
-# (`fwd.use_persistent`: d=64 always, d=128 non-causal up to 1k rows, causal below 16k; d=64
-# three consumer warpgroups only from 2k non-causal rows)
+# (`fwd.use_persistent`: d=64 always, d=128 non-causal up to 1k rows, causal below 16k, d=256
+# causal; d=64 three consumer warpgroups only from 2k non-causal rows; causal 512 rows on
+# 64-key blocks, `fwd.SHORT_MASKED`)
 SHAPES = ((128, 512, False), (128, 512, True), (64, 512, False), (64, 512, True),
-          (128, 2048, True))
+          (128, 2048, True), (256, 512, True))
 H200_SMS = 132
 
 
