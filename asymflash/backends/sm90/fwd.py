@@ -130,13 +130,6 @@ class FwdConfig:
     # (216 / 292), d=128 512 / 1k 274 / 350 -> 279 / 348 (269 / 355), d=256 512 276 -> 284.
     # On for short masked calls only (`default_for_call`, `SHORT_MASKED`).
     tail_skip: bool = False
-    # Persistent grid, uniform lengths, one Q buffer per warpgroup (d=256; d=64's three
-    # warpgroups): the loader brings a warpgroup's next Q as soon as that warpgroup released
-    # its last one, instead of once every warpgroup has (`_publish_tile`). Timeline (H200
-    # 2026-11-30 session 17, scripts/fwd-timeline.py, d=256 causal 512 with tail_skip, per
-    # tile of ~17700 cycles): the first warpgroup waited 3448 cycles for its Q. Prepared, off
-    # (not measured).
-    early_q: bool = False
 
 
 # Tuning table. Measured on the H200 (2026-11-29, bf16, model dim 2048, batch 16384/seqlen,
@@ -1048,7 +1041,7 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _publish_tile(sched, q_empty, tc, m0, head, q_start, NUM_WG: gl.constexpr,
-                      Q_BUFS: gl.constexpr, EARLY_Q: gl.constexpr = False):
+                      Q_BUFS: gl.constexpr):
         """Loader, uniform lengths: hand this tile's (m0, head, q_start) to the consumers in
         shared memory slot tc % 2, so they need not work out the schedule's integer divisions
         between two tiles (~600 cycles, d=128 512 rows, scripts/fwd-timeline.py). The slot was
@@ -1056,13 +1049,8 @@ if _GLUON_ERROR is None:
         warpgroup has released tile tc - Q_BUFS's Q (tc - 1 or tc - 2). The Q barriers'
         arrivals (after the stores, and a warp barrier) publish it."""
         slot0 = (tc % Q_BUFS) * NUM_WG
-        # EARLY_Q (one Q buffer per warpgroup, FwdConfig.early_q): no wait. Slot tc % 2 was
-        # last read at the start of tile tc - 2, and loading tile tc - 1's Q already waited
-        # for every warpgroup's release of tile tc - 2. Waiting here for tile tc - 1 held the
-        # first warpgroup's next Q until the last warpgroup's last S.
-        if not (EARLY_Q and Q_BUFS == 1):
-            for wg in gl.static_range(NUM_WG):
-                mbarrier.wait(q_empty.index(slot0 + wg), ((tc // Q_BUFS) & 1) ^ 1)
+        for wg in gl.static_range(NUM_WG):
+            mbarrier.wait(q_empty.index(slot0 + wg), ((tc // Q_BUFS) & 1) ^ 1)
         idx = gl.arange(0, 4, layout=_sched_layout(gl.num_warps()))
         sched.index(tc & 1).store(gl.where(idx == 0, m0, gl.where(idx == 1, head, q_start)))
         gl.thread_barrier()
@@ -1086,8 +1074,7 @@ if _GLUON_ERROR is None:
                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                               UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr,
                               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                              LPT: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
-                              EARLY_Q: gl.constexpr):
+                              LPT: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr):
         BLOCK_M: gl.constexpr = 64 * NUM_WG
         it = 0  # K/V ring position of the next tile's first key block
         tc = 0  # tiles done by this CTA: tile tc's Q goes to buffer set tc % Q_BUFS
@@ -1101,8 +1088,7 @@ if _GLUON_ERROR is None:
                                                    HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_M)
                 kv_head = head // group
                 if UNIFORM:
-                    _publish_tile(sched, q_empty, tc, m0, head, q_start, NUM_WG, Q_BUFS,
-                                  EARLY_Q)
+                    _publish_tile(sched, q_empty, tc, m0, head, q_start, NUM_WG, Q_BUFS)
                 _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                            k_ready, k_empty, v_ready, v_empty, q_start + m0, head, k_start,
                            kv_head, n_lo, n_hi, it, (tc % Q_BUFS) * NUM_WG,
@@ -1181,7 +1167,7 @@ if _GLUON_ERROR is None:
                          LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
                          PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
                          ARRIVE: gl.constexpr, ARRIVE_PASS: gl.constexpr,
-                         TAIL_SKIP: gl.constexpr, EARLY_Q: gl.constexpr):
+                         TAIL_SKIP: gl.constexpr):
         # PINGPONG: how many consumer warpgroups take turns issuing their wgmmas (NUM_WG, or 0
         # for none). NUM_WG = 3 only with PERSISTENT; Q_BUFS = 2 (a second Q buffer
         # per warpgroup: the loader brings the next tile's Q a whole tile ahead) only with
@@ -1270,7 +1256,7 @@ if _GLUON_ERROR is None:
                         k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
                         seqlen_k, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk, group,
                         window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES,
-                        UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, LPT, 3, Q_BUFS, EARLY_Q)),
+                        UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, LPT, 3, Q_BUFS)),
                 ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
             else:
                 gl.warp_specialize([
@@ -1297,7 +1283,7 @@ if _GLUON_ERROR is None:
                         k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
                         seqlen_k, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk, group,
                         window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM,
-                        HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, LPT, 2, Q_BUFS, EARLY_Q)),
+                        HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, LPT, 2, Q_BUFS)),
                 ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
         else:
             m_blk, head, batch = _tile_of(gl.program_id(0), n_heads, n_batch, num_m_blocks,
@@ -1502,8 +1488,7 @@ def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, h
             "ARRIVE_PASS": arrive_all.VERSION if cfg.arrive_all else 0,
             # ping-pong counts its turns per key block: there every warpgroup visits them all
             "TAIL_SKIP": bool(cfg.tail_skip and has_right and cfg.block_n == 64
-                              and not cfg.pingpong),
-            "EARLY_Q": bool(cfg.early_q)}
+                              and not cfg.pingpong)}
 
 
 def _consumer_regs(cfg: FwdConfig) -> int:
