@@ -2,9 +2,9 @@
 # What runs on the H200 (device tool): the whole test suite on CUDA, then the benchmark.
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
 # or ./out)
-#   pending: what a session left unchecked on the GPU (now session 17's: warpgroups that stop
-#   at their own last key block, with every forward test and a probe, ~5 min; session 16's
-#   ran in session 17, benchmarks/results/2026-11-30-h200-session17/pending/).
+#   pending: what a session left unchecked on the GPU (now session 17's: d=256 forward with
+#   two Q buffers on one K/V stage, its grid tests and a probe, ~4 min; session 16's ran in
+#   session 17, benchmarks/results/2026-11-30-h200-session17/pending/).
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
 #   (DECODE=1), host-overhead.py (HOST_OVERHEAD=1) and hf-generate-bench.py (HF=1);
@@ -58,20 +58,19 @@ run_tests() {
   done
 }
 if [ "$mode" = pending ]; then
-  # what session 17 left unchecked on the GPU: short masked forwards whose warpgroups stop at
-  # their own last key block (FwdConfig.tail_skip; `fwd.default_for_call`: d=128 causal up to
-  # 512 rows on 64-key blocks, d=256 up to 1k), with every forward test and the API-level
-  # ones that reach them; then a probe: 64-key blocks with and without the skip at d=64,
-  # d=128 at 1k, beside the 128-key default. ~5 min.
-  TEST_FILES="tests/test_sm90_gpu.py@0/4 tests/test_sm90_gpu.py@1/4 tests/test_sm90_gpu.py@2/4 \
-tests/test_sm90_gpu.py@3/4 tests/test_attention.py tests/test_varlen.py" \
-    TEST_TIMEOUT=${TEST_TIMEOUT:-280} run_tests
+  # what session 17 left unchecked on the GPU: d=256 with a second Q buffer per warpgroup
+  # beside one K/V stage (prepared, off; the causal 512 timeline spent a third of each tile
+  # waiting for the next Q): the forward grid tests' "2q" cases, which now include d=256
+  # (with stages=1); then a probe beside the default and the short-masked skip. ~4 min.
+  TEST_FILES="tests/test_sm90_gpu.py@0/2 tests/test_sm90_gpu.py@1/2" PYTEST_K="2q" \
+    TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
   timeout 200 python3 scripts/sm90-probe.py --no-check --graph \
-    --cells 64:1:512,64:1:1024,128:1:512,128:1:1024,256:1:512 \
-    --variant 64:bn64:block_n=64 --variant 64:bn64skip:block_n=64,tail_skip=true \
-    --variant 128:bn64:block_n=64,stages=3 --variant 128:bn64skip:block_n=64,stages=3,tail_skip=true \
-    --variant 256:skip:tail_skip=true > "$out/probe-tail-skip.log" 2>&1
-  tail -8 "$out/probe-tail-skip.log"
+    --cells 256:1:512,256:1:1024,256:1:2048,256:0:512,256:0:2048 \
+    --variant 256:skip:persistent=true,tail_skip=true \
+    --variant 256:q2:persistent=true,stages=1,q_buffers=2 \
+    --variant 256:q2skip:persistent=true,stages=1,q_buffers=2,tail_skip=true \
+    > "$out/probe-d256-q2.log" 2>&1
+  tail -8 "$out/probe-d256-q2.log"
 elif [ "$mode" = session ]; then
   # The benchmark first: if the call runs out of time, the table is what matters most.
   timeout "${BENCH_TIMEOUT:-240}" python3 -m asymflash bench --hdim 64,128,256 \

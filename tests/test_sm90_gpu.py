@@ -304,14 +304,14 @@ def test_sm90_forward_grid_matches_reference(case, grid):
     flags = grid.split("-")
     if "3wg" in flags and d != 64:
         pytest.skip("three consumer warpgroups are built for d=64 only")
-    if "2q" in flags and d > 128:
-        pytest.skip("a second Q buffer is built for d <= 128 only")
     q, k, v, seq = make_inputs(batch, sq, sk, hq, hkv, d, d, dtype, varlen=varlen)
     params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(*window), softcap=softcap)
     sink = torch.randn(hq, device="cuda") if use_sink else None
     cfg = replace(fwd.select_config(d, d, params), persistent="persistent" in flags,
                   pingpong="pingpong" in flags, consumer_wgs=3 if "3wg" in flags else 2,
                   q_buffers=2 if "2q" in flags else 1, arrive_all="arrive" in flags)
+    if "2q" in flags and d > 128:  # d=256: two Q buffers fit beside one K/V stage only
+        cfg = replace(cfg, stages=1)
     out_err, lse_err, tol = check_forward(fwd, q, k, v, seq, params, sink, cfg=cfg)
     assert out_err <= tol, (out_err, tol)
     assert lse_err <= 1e-3, lse_err
