@@ -386,6 +386,9 @@ def test_persistent_launch_plan(d, causal, seqlen, batch):
     q_bufs = 2 if want and d <= 128 and wgs == 2 else 1
     assert p.constexprs["Q_BUFS"] == q_bufs
     assert p.constexprs["PINGPONG"] == (3 if wgs == 3 else 0)
+    # Short causal calls: each warpgroup stops at its own last key block (fwd.SHORT_MASKED)
+    short = causal and seqlen <= fwd.SHORT_MASKED[d][0]
+    assert p.constexprs["TAIL_SKIP"] is short and (p.cfg.block_n == 64) is (short or d == 256)
     assert fwd.output_box_width(256, 128) == 128 and fwd.output_box_width(128, 256) == 32
     # Ragged batches, softcap, sinks or a left window always take the plain grid.
     for kw in ({"uniform": False}, {"softcap": True}, {"has_sink": True},
