@@ -1,0 +1,234 @@
+"""The sm90 forward's configuration: what one compiled kernel is (`FwdConfig`), the tuning
+table per head dim, and the per-call choices made from a call's shape where the H200
+measured a gain (`default_for_call`, `use_persistent`, `use_three_warpgroups`,
+`SHORT_MASKED`, `persistent_launch`). Pure Python, no Gluon: the kernel and its launch are in
+`fwd.py`, which re-exports these names."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+from asymflash.core.params import AttnParams
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Tile shape, pipeline depth and FA4 switches of one compiled kernel."""
+
+    block_n: int = 128  # keys per block
+    stages: int = 2  # depth of each of the K and V rings
+    consumer_regs: int = 240  # setmaxnreg for each consumer warpgroup
+    loader_regs: int = 24  # setmaxnreg for the TMA warp (padded to a warpgroup)
+    exp2_emu_every: int = 0  # 0: every exp2 on MUFU; k in (2, 4, 8): 1 in k on the FMA pipe
+    rescale_threshold: float = 0.0  # 0: rescale O every block; > 0: FA4 conditional rescale
+    lpt: bool = False  # longest-first tile order (causal/local: later query tiles work more)
+    # Persistent grid (one CTA per SM looping over tiles, next tile's loads overlapping this
+    # tile's epilogue). None: chosen per call from the shape (`use_persistent`).
+    persistent: bool | None = None
+    # Persistent grid with longest-first order, host side only: a chunk of (sequence, head)
+    # pairs worked on together spans at least this many waves of the grid (a static schedule
+    # needs many tiles per CTA per chunk to even out the work); 0: chunks sized by L2 alone
+    # (always so without LPT: every tile then does the same work).
+    chunk_waves: int = 8
+    # FA3's ping-pong: the consumer warpgroups take turns issuing their wgmmas (one mbarrier
+    # each, passed round robin), so one's softmax overlaps another's matrix work. Two
+    # warpgroups measured neutral on the H200 (2026-11-29, benchmarks/NOTES.md): off there.
+    # Three (consumer_wgs=3, as FA4 runs d=64) gained: on wherever d=64 takes three
+    # (`_three_warpgroups`; H200 2026-11-30 session 16, same process, TFLOP/s 2k / 16k:
+    # three warpgroups 425 / 492 -> taking turns 445 / 509).
+    pingpong: bool = False
+    # Consumer warpgroups per CTA, 64 query rows each: 2 (128-row tiles) or 3 (FA3's 192-row
+    # tile for d=64: a third instruction stream per SM sub-partition to hide MUFU and wgmma
+    # latencies; needs the persistent grid, registers drop to 160 per consumer thread).
+    consumer_wgs: int = 2
+    # Q buffers per consumer warpgroup on the persistent grid: with 2 the loader brings the
+    # next tile's Q (and so its K/V) while this tile still runs, instead of after its last
+    # S = Q·Kᵀ; costs 16 / 32 KB more shared memory at d = 64 / 128 (none left at d = 256).
+    q_buffers: int = 1
+    # Consumers release K/V slots by an arrive from every thread instead of a warpgroup
+    # barrier and one thread's arrive (`arrive_all.py`: a PTX pass; ncu put ~2.4 of our
+    # ~8.4 stall cycles per instruction at d=64 on that barrier, FA4's 0.3; two thirds of
+    # those samples were warps parked at the kernel's end). Off: H200 2026-11-30, TFLOP/s
+    # 2k / 16k, d=64 460 / 509 -> 459 / 505, d=128 589 / 645 -> 581 / 619, d=256 718 / 795
+    # -> 654 / 770 (benchmarks/NOTES.md, session 15).
+    arrive_all: bool = False
+    # With a right bound (causal, windows) and 64-key blocks (d=256), a warpgroup whose 64
+    # rows end a whole key block before its tile's last row stops there and releases the
+    # tile's remaining blocks unread (`_warpgroup_end`), instead of computing blocks masked
+    # out for all its rows: under a causal mask one in 2 (i + 1) blocks of the i-th 128-row
+    # tile. H200 2026-11-30 session 17 (sm90-probe --graph, causal, TFLOP/s, without -> with):
+    # d=256 512 / 1k / 2k / 16k 284 / 375 / 490 / 664 -> 292 / 380 / 485 / 636 (the 16k loss
+    # is unexplained: a few more scalars spill outside the key loop); d=128 on 64-key blocks,
+    # 3 stages, 512 / 2k 286 / 433 -> 292 / 443 (its 128-key default: 282 / 461). Again
+    # (64-key blocks without -> with, 128-key default): d=64 512 / 1k 222 / 283 -> 229 / 290
+    # (216 / 292), d=128 512 / 1k 274 / 350 -> 279 / 348 (269 / 355), d=256 512 276 -> 284.
+    # On for short masked calls only (`default_for_call`, `SHORT_MASKED`).
+    tail_skip: bool = False
+
+
+# Tuning table. Measured on the H200 (2026-11-29, bf16, model dim 2048, batch 16384/seqlen,
+# TFLOP/s fwd, torch SDPA cuDNN 9.19 in the same process; scripts/sm90-probe.py):
+#   d=64:  BN=128, 4 stages (148 KB smem): 438 vs 426 with 3 stages, 386 with BN=64 (cuDNN 459)
+#   d=128: BN=128, 2 stages (160 KB; 3 do not fit): 640 non-causal / 589 causal at 16k (cuDNN
+#          618 / 574)
+#   d=256: BN=64 keeps S at 32 registers next to a 128-register O; 2 stages + Q = 192 KB:
+#          682 / 660 at 16k (cuDNN 694 / 608)
+#   FA4 switches, 16k non-causal, all slower here, so off: d=64 emu8 396-391, emu4 401-394,
+#   rescale8 401-402 (base 426-436); d=128 emu8 597, emu4 557, rescale8 619 (base 640).
+#   A second Q buffer per warpgroup (persistent grid, graph replay, 2026-11-29 23:12, one vs
+#   two): d=64 causal 512 / 2k / 16k 200 / 338 / 420 -> 207 / 340 / 428, non-causal 512 / 2k
+#   319 / 397 -> 349 / 416 (3 warpgroups at 2k / 16k: 415 / 482 -> 429 / 479); d=128 causal
+#   512 / 2k 248 / 422 -> 268 / 445, non-causal 512 419 -> 437.
+_DEFAULT_CONFIGS = {
+    64: FwdConfig(block_n=128, stages=4, q_buffers=2),
+    128: FwdConfig(block_n=128, stages=2, q_buffers=2),
+    256: FwdConfig(block_n=64, stages=2),
+}
+
+
+def select_config(head_dim: int, head_dim_v: int, params: AttnParams,
+                  override: FwdConfig | None = None) -> FwdConfig:
+    """Heuristic config; `override` wins when given."""
+    if override is not None:
+        return override
+    return _default_config(head_dim, params.mask.is_local)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_config(head_dim: int, local: bool) -> FwdConfig:
+    return replace(_DEFAULT_CONFIGS[head_dim], lpt=local)
+
+
+@functools.lru_cache(maxsize=None)
+def _three_warpgroups(cfg: FwdConfig) -> FwdConfig:
+    # Taking turns (FwdConfig.pingpong), with one Q buffer each: the turns count from its
+    # barrier's parity (`check_config`). Before the turns, a second Q buffer had gained 0-3 %
+    # here where O left by TMA store (2026-11-29); the turns gained 4-11 % over that.
+    return replace(cfg, consumer_wgs=3, persistent=True, q_buffers=1, pingpong=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _with_persistent(cfg: FwdConfig, persistent: bool) -> FwdConfig:
+    return replace(cfg, persistent=persistent)
+
+
+# K/V bytes one wave of a persistent grid should keep hot in L2 (H200: 50 MB L2; Q and O
+# stream through it too).
+L2_KV_BUDGET = 24 << 20
+
+
+def use_persistent(head_dim: int, lpt: bool, max_seqlen_q: int, uniform: bool,
+                   plain: bool) -> bool:
+    """Default of FwdConfig.persistent for one call: only where the H200 measured a gain.
+
+    Persistent grid vs one CTA per tile, H200, bf16, model dim 2048, batch 16384/seqlen,
+    CUDA-graph replay, TFLOP/s (scripts/sm90-probe.py --persistent --graph, 2026-11-29):
+      causal (LPT, chunk_waves 8), seqlen 512 / 1k / 2k / 16k:
+        d=64   189 / 268 / 332 / 425  vs 138 / 210 / 272 / 398
+        d=128  235 / 322 / 412 / 551  vs 209 / 294 / 366 / 560
+        d=256  231 / 329 / 443 / 637  vs 225 / 314 / 430 / 626
+      non-causal (chunks by L2 alone):
+        d=64   312 / 365 / 400 / 444  vs 254 / 328 / 377 / 438
+        d=128  372 / 453 / 518 / 599  vs 349 / 447 / 518 / 602
+        d=256  381 / 486 / 563 / 658  vs 397 / 500 / 568 / 651
+      (chunks of >= 8 waves without LPT lost 3-9 % at d=128 / d=256 non-causal; L2-only
+      chunks with LPT lost 7 % / 26 % at d=128 / d=256 causal 16k: load imbalance.)
+    Again with the TMA-store epilogues (2026-11-29 21:41, plain vs persistent): d=256
+      non-causal 512 / 2k / 16k 480 / 626 / 672 vs 458 / 614 / 700; d=128 non-causal 2k / 16k
+      561 / 633 vs 558 / 631; d=128 causal 2k / 16k 382 / 593 vs 442 / 586; 512 rows d=64
+      268 / 153 vs 331 / 175 (non-causal / causal), d=128 non-causal 395 vs 431.
+    With a second Q buffer per warpgroup on the persistent grid (2026-11-29 23:17, plain vs
+      persistent): d=128 causal 8k / 16k 541 / 579 vs 565 / 567; non-causal 1k / 2k / 4k / 16k
+      492 / 549 / 587 / 612 vs 505 / 548 / 572 / 599.
+    Not measured, so on the plain grid: varlen / seqused_k, softcap, sink, sliding windows
+    (those persistent builds also keep a few values in local memory around the tile loop).
+    """
+    if not (uniform and plain):
+        return False
+    if lpt:
+        return not (head_dim == 128 and max_seqlen_q >= 16384)
+    if head_dim == 64:
+        return True
+    if head_dim == 256:
+        return max_seqlen_q >= 16384
+    return head_dim == 128 and max_seqlen_q <= 1024
+
+
+def use_three_warpgroups(head_dim: int, masked: bool, max_seqlen_q: int, uniform: bool,
+                         plain: bool) -> bool:
+    """Default of FwdConfig.consumer_wgs: 3 (192-row tiles) only where the H200 measured a gain.
+
+    d=64, persistent grid, CUDA-graph replay, TFLOP/s, 2 vs 3 consumer warpgroups
+    (scripts/sm90-probe.py --graph --variant 64:wg3:consumer_wgs=3,persistent=true,
+    2026-11-29 13:28): non-causal 16k 451 -> 479, 2k 400 -> 414, 512 308 -> 285; causal 16k
+    420 -> 414, 2k 328 -> 284, 512 185 -> 148 (a 192-row tile wastes more of the diagonal).
+    Taking turns (FwdConfig.pingpong, 2026-11-30 session 16, two probes): non-causal 2k / 16k
+    428 / 452-457 -> 445-447 / 502-509; causal 16k 428-430 -> 441-442 (so from 16k rows
+    there), 2k 349-357 -> 330-334, 512 215 -> 161; non-causal 1k 402 -> 371.
+    """
+    if head_dim != 64 or not (uniform and plain):
+        return False
+    return max_seqlen_q >= (16384 if masked else 2048)
+
+
+# Short masked calls (dense, no softcap, sink or left window) up to this many query rows
+# take these fields (FwdConfig.tail_skip has the measurements): a warpgroup stops at its own
+# last key block, and d=128 takes 64-key blocks so that it can.
+SHORT_MASKED = {64: (512, {"block_n": 64, "tail_skip": True}),
+                128: (512, {"block_n": 64, "stages": 3, "tail_skip": True}),
+                256: (1024, {"tail_skip": True})}
+
+
+def default_for_call(d: int, local: bool, masked: bool, max_seqlen_q: int, dense: bool,
+                     plain: bool) -> FwdConfig:
+    """The default config of one call (`persistent` still open): head dim and mask first,
+    then the shape-dependent choices where the H200 measured a gain."""
+    if use_three_warpgroups(d, masked, max_seqlen_q, dense, plain):
+        return _three_warpgroups(_default_config(d, local))
+    if masked and dense and plain and max_seqlen_q <= SHORT_MASKED.get(d, (0,))[0]:
+        return _short_masked(d, local)
+    return _default_config(d, local)
+
+
+@functools.lru_cache(maxsize=None)
+def _short_masked(d: int, local: bool) -> FwdConfig:
+    return replace(_default_config(d, local), **SHORT_MASKED[d][1])
+
+
+def persistent_launch(cfg: FwdConfig, max_seqlen_q: int, max_seqlen_k: int, uniform: bool,
+                      batch: int, num_tiles: int, hq: int, hkv: int, d: int, dv: int, sms: int,
+                      plain: bool) -> tuple[FwdConfig, int, int]:
+    """(config with `persistent` decided, grid size, hb_chunk) of one call.
+
+    hb_chunk: how many (sequence, head) pairs a persistent grid works on together, so that
+    their K/V (shared by a GQA group) fit in `L2_KV_BUDGET` (and, with LPT, the chunk spans
+    `chunk_waves` waves). uniform: dense sequences without seqused_k; plain: no softcap,
+    sink or left window.
+    """
+    if cfg.persistent is None:
+        cfg = _with_persistent(cfg, cfg.consumer_wgs == 3 or use_persistent(
+            d, cfg.lpt, max_seqlen_q, uniform, plain))
+    if not cfg.persistent:
+        return cfg, num_tiles, 1
+    grid = min(num_tiles, sms)
+    num_m_blocks = num_tiles // (hq * batch)
+    kv_bytes = max(max_seqlen_k, 1) * (d + dv) * 2 * hkv // hq
+    waves = cfg.chunk_waves if cfg.lpt else 0
+    hb_chunk = max(L2_KV_BUDGET // max(kv_bytes, 1), -(-waves * grid // num_m_blocks), 1)
+    return cfg, grid, min(hb_chunk, hq * batch)
+
+
+def check_config(cfg: FwdConfig, head_dim: int) -> None:
+    """Refuse configs the kernel cannot build (before anything is launched); `persistent`
+    decided (the plain grid ignores q_buffers)."""
+    if cfg.q_buffers not in (1, 2):
+        raise ValueError(f"FwdConfig.q_buffers must be 1 or 2, got {cfg.q_buffers}")
+    if cfg.q_buffers == 2 and cfg.persistent and (
+            cfg.pingpong or head_dim > 128 and cfg.stages != 1):
+        raise ValueError("FwdConfig.q_buffers=2 on the persistent grid needs no ping-pong and "
+                         "head_dim <= 128 (d=256: stages=1): set q_buffers=1")
+    if cfg.consumer_wgs not in (2, 3):
+        raise ValueError(f"FwdConfig.consumer_wgs must be 2 or 3, got {cfg.consumer_wgs}")
+    if cfg.consumer_wgs == 3 and (cfg.persistent is False or head_dim != 64):
+        raise ValueError("FwdConfig.consumer_wgs=3 needs head_dim 64 and the persistent grid")
