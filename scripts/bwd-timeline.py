@@ -221,8 +221,8 @@ EDITS_WS = [
     ("            else:\n                dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])\n",
      "            else:\n    " + _ws(6) + "                dk, ds_op = warpgroup_mma_wait(0, "
      "deps=[dk_tok, ds_op])\n" + _ws(7), 1),
-    ("            mbarrier.arrive(empty.index(slot), count=1)\n",
-     "            mbarrier.arrive(empty.index(slot), count=1)\n" + _ws(8), 1),
+    ("            mbarrier.arrive(empty.index(slot), count=ARRIVE)\n",
+     "            mbarrier.arrive(empty.index(slot), count=ARRIVE)\n" + _ws(8), 1),
 ]
 
 

@@ -84,6 +84,13 @@ from asymflash.core.params import AttnParams, SeqInfo, cdiv
 from ..launch import DirectLaunch, sm_count
 from . import arrive_all, bwd_wide, bwd_ws, dq_fragments
 from . import fwd as _fwd
+from .bwd_config import (  # noqa: F401 - re-exported: tests and scripts read them here
+    _DEFAULT_CONFIGS,
+    FRAGMENT_MIN_ROWS,
+    BwdConfig,
+    _splits_warpgroups,
+    select_config,
+)
 from .fwd import _GLUON_ERROR
 
 if _GLUON_ERROR is None:
@@ -125,151 +132,6 @@ if _GLUON_ERROR is None:
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
-@dataclass(frozen=True)
-class BwdConfig:
-    """Tile shape and scheduling switches of one compiled backward kernel."""
-
-    block_m: int = 64  # query rows per step (the N of the Sᵀ/dPᵀ MMAs, the M of dQ)
-    block_n: int = 128  # keys per CTA: two warpgroups of 64 (d <= 128), or shared (d = 256)
-    num_warps: int = 8  # two warpgroups; the MMA layouts below assume exactly 8
-    # Keep dV = Pᵀ·dO in flight while dSᵀ is formed (more registers). bwd_ws (d=128; sm_90a
-    # 2 / 44 local-memory instructions non-causal / causal vs 2 / 38 without), H200
-    # 2026-11-30 (sm90-bwd-probe), TFLOP/s 512 / 2k / 16k: default 340 / 507 / 561 -> 339 /
-    # 506 / 557, causal 209 / 402 / 574 -> 212 / 414 / 550 (a tie: stays off); deterministic
-    # +0-5 % (on there, `select_config`).
-    dv_overlap: bool = True
-    dp_early: bool = True  # issue dPᵀ = V·dOᵀ with Sᵀ, overlapping the exponentials (more regs)
-    # Causal masks: launch key blocks top-down, as deterministic mode must. In bench run 2
-    # (H200) deterministic mode beat the default at d=128 causal 512 (146 vs 80 TFLOP/s):
-    # to measure for the default too (scripts/sm90-bwd-probe.py --set reverse_causal=true).
-    reverse_causal: bool = False
-    # dQ partials leave through one TMA reduce-add per step (cp.reduce.async.bulk.tensor)
-    # instead of per-thread fp32 atomics (deterministic mode: the turn passes on once the
-    # reduce has completed).
-    dq_tma: bool = True
-    # Masks without a window: key block j starts its walk over the query blocks at step
-    # j·(steps // key blocks) instead of 0 (bwd_parts.walk_start), so the CTAs of a sequence
-    # do not all reduce into the same dQ rows at once, and deterministic turns follow that
-    # schedule instead of queueing every CTA behind the one before it.
-    stagger: bool = True
-    # Deterministic mode, when a CTA passes a dQ turn on (its TMA reduce must have landed):
-    # 0 in the step that issued it (waiting for the reduce there), 1 at the next step's main
-    # barrier, 2 at the next step's reduce point (the reduce has had a whole step to land, but
-    # the turn is held that much longer). H200, deterministic TFLOP/s at 2k / 16k non-causal
-    # (2026-11-29, sm90-bwd-probe --variant): d=128 0: 308 / 343, 1: 341 / 391, 2: 340 / 385;
-    # d=256 0: 192 / 207, 1: 180 / 184, 2: 176 / 181 (64-key blocks: a query block's next
-    # visitor arrives one step later, so a late release makes it wait); d=64 within 2 %.
-    turn_release: int = 1
-    # Deterministic mode: wait for the dQ turn while the step's last MMAs run (the semaphore's
-    # round trip overlaps them) instead of after they retire.
-    turn_wait_early: bool = True
-    # dK and dV leave through shared memory and TMA stores where no key block straddles two
-    # sequences (`kv_tma_store`), instead of masked per-thread stores.
-    kv_tma_store: bool = True
-    # Issue dK += dSᵀ·Q after dQ = dS·K (not before it) and retire it only at the end of the
-    # step: the tensor cores run dK while dQ is staged and reduced (a step's timeline, H200
-    # scripts/bwd-timeline.py, d=128 16k: idle there for ~640 of ~4800 cycles). It moves the
-    # gap rather than filling it: dK no longer covers forming dSᵀ. H200 2026-11-30, TFLOP/s
-    # at 512 / 2k / 16k: d=128 non-causal 303 / 451 / 509 -> 306 / 467 / 506, causal 199 /
-    # 380 / 510 -> 198 / 377 / 517; d=64 1-4 % slower (ptxas spills 0 -> 8; d=128 4 -> 0).
-    dk_late: bool = False
-    # Load and stage the next step's lse/delta while the dQ MMA runs, instead of between the
-    # Sᵀ issue and its wait. There, the shared-memory store of one stats buffer followed by
-    # the read of the other made Triton's barrier pass put a CTA-wide bar.sync right after the
-    # Sᵀ wait (the slot index is a runtime value: it cannot prove the two disjoint), and that
-    # barrier waited for the stores, i.e. for the loads' latency. H200 2026-11-30, TFLOP/s
-    # (scripts/sm90-bwd-probe.py, two runs): d=128 2k 457 -> 474, causal 2k / 16k 380 / 493-505
-    # -> 389 / 546-550, 512 rows +1-2 %; d=64 +0-5 %; d=256 (bwd_wide) 0-2 % slower, causal
-    # 16k up to 7 %; deterministic d=128 causal 16k 409 -> 389 (the turn's wait sits right
-    # behind the loads). Loading into registers at the step's start and storing before the dQ
-    # reduce's barrier (the loads' latency spread over the whole step): d=128 2k 456, causal
-    # 16k 497, d=64 within 2 %.
-    stats_late: bool = True
-    # The warp-specialised kernel (`bwd_ws.py`): a load warp, and the two warpgroups out of
-    # phase, meeting only through mbarriers (dQ by column halves, one reduce each). On at
-    # d=128; d=64 (128-row steps) can take it but spills and loses. Not for softcap or dQ
-    # atomics, nor for deterministic mode without `ws_deterministic` (`_splits_warpgroups`:
-    # those keep this module's kernel).
-    # H200 2026-11-30 (sm90-bwd-probe), TFLOP/s 512 / 2k / 16k: non-causal 317 / 474 / 534
-    # -> 338 / 516 / 554, causal 207 / 392 / 520 -> 209 / 395 / 533.
-    split_warpgroups: bool = False
-    late_warpgroup: int = 0  # bwd_ws: the warpgroup that computes dQ one step late (-1: none)
-    ring_slots: int = 2  # bwd_ws: steps of Q/dO (and their statistics) its load warp keeps
-    # Deterministic mode on bwd_ws's kernel: a dQ warp of its own waits for the turns and
-    # adds both warpgroups' tiles, so the turns' round trips leave the compute warpgroups'
-    # path (bwd.py's kernel has no registers for such a warp). H200 2026-11-30
-    # (sm90-bwd-probe, d=128, deterministic TFLOP/s at 512 / 2k / 16k, default beside):
-    # non-causal 251 / 354 / 397 -> 303 / 476 / 534 (default 336 / 513 / 551), causal
-    # 174 / 310 / 394 -> 196 / 382 / 495 (default 207 / 401 / 538): +3-10 % instead of
-    # +14-39 %. 50 bitwise repeats pass (test_sm90_bwd_gpu).
-    ws_deterministic: bool = True
-    # bwd_ws: the compute warpgroups release a Q/dO slot and a dSᵀ buffer by an arrive from
-    # every thread instead of a warpgroup barrier and one thread's arrive (`arrive_all.py`:
-    # ncu put 5.3 of our 13.1 stall cycles per instruction on barriers, FA4's 1.6 of 10.6,
-    # most of them parked warps' as it turned out). Off: H200 2026-11-30, TFLOP/s 2k / 16k
-    # d=128 495 / 549 -> 509 / 557, d=256 322 / 348 -> 294 / 349, deterministic d=128 479 /
-    # 547 -> 479 / 539 (benchmarks/NOTES.md, session 15).
-    arrive_all: bool = False
-    # Swizzle (bytes) of the fp32 dQ staging tile. With 128 (Triton's default for its 256-byte
-    # rows) each warp's 64-bit stores from the wgmma accumulator take 4 shared-memory
-    # wavefronts instead of 2 (ncu source counters, H200 2026-11-30, d=128 16k: 8.39 M vs
-    # 4.19 M ideal per store instruction, 9 % of all the kernel's wavefronts): a half-warp
-    # writes rows 0-3 of a 32-byte column pair, and XOR-ing the 16-byte chunk with the row
-    # maps the pair's chunks onto each other. With 32 the four rows land in distinct banks;
-    # the TMA reduce then moves the tile as 8-column boxes (32-byte rows), which costs more
-    # than the conflicts where the reduce is on the path. H200 2026-11-30 (sm90-bwd-probe,
-    # TFLOP/s 2k / 16k, causal 2k / 16k, 128 -> 32): d=64 (128-row tiles) 420 / 459 -> 437 /
-    # 466, 336 / 447 -> 346 / 451, deterministic 315 / 360 -> 329 / 375, 280 / 368 -> 280 /
-    # 382 (so on at d=64); d=128 518 / 548 -> 519 / 557, causal 402 / 577 -> 423 / 559 (a
-    # tie), deterministic 477 / 541 -> 390 / 439 (its one dQ warp issues all the boxes);
-    # d=256 320 / 355 -> 287 / 309.
-    dq_swizzle: int = 128
-    # bwd_ws: each warpgroup stores its dQ tile in the wgmma accumulator's own order (128-bit
-    # stores, 512 contiguous bytes per warp: no bank conflicts) and reduces it as one box into
-    # a buffer of such tiles, which a portable kernel puts back in row order
-    # (`dq_fragments.py`, after FA4's sm90 backward). Replaces dq_swizzle there. On at d=128:
-    # H200 2026-11-30 (sm90-bwd-probe, same process, two runs), TFLOP/s 2k / 16k row-major
-    # -> fragments (every measurement of each): 501-515 / 542-562 -> 515-528 / 577-580, causal
-    # 400-406 / 544-578 -> 405-410 / 551-560 (a tie there), 512 rows a tie; deterministic
-    # 472-476 / 514-540 -> 491-498 / 528-554, causal 16k 525-528 -> 540-544. It costs ptxas
-    # ~10 local-memory instructions in the loop (scalars around the dQ MMA; 2 -> 17 in all,
-    # causal 40 -> 52). bwd.py's kernel takes it with 128-row steps (d=64: both warpgroups'
-    # tiles, one box) and bwd_wide (d=256: each 128-column half). H200 2026-11-30 session 16
-    # (sm90-bwd-probe, TFLOP/s 2k / 16k, causal 2k / 16k, row-major -> fragments): d=256
-    # 319 / 351 -> 328 / 378, 276 / 353 -> 275 / 375, deterministic 245 / 277 -> 250 / 292,
-    # causal 16k 257 -> 275, but 512 rows 241 / 172 -> 223 / 152 (causal): on at d=256 from
-    # 2k rows. d=64 427-434 / 462-467 -> 423-433 / 479, shorter a tie, causal a tie (sm_90a:
-    # 4 -> 46 local-memory instructions in its loop, at the 255-register limit),
-    # deterministic 16k 375 -> 364: on at d=64 for long unmasked calls without softcap or
-    # deterministic mode only (`select_config`, `FRAGMENT_MIN_ROWS`).
-    dq_fragment: bool = False
-    # bwd_ws: issue dK += dSᵀ·Q right after dQ = dS·K and wait for dQ alone, so dK runs while
-    # dQ is staged and reduced (FA4's order), instead of issuing dK first, which made the wait
-    # for dQ a wait for both (ncu source counters, H200 2026-11-30, d=128 16k: ~9 % of a
-    # compute warp's samples on that wait). dK then waits for the other warpgroup's dSᵀ half
-    # too. sm_90a local memory 17 -> 2 (non-causal), 52 -> 40 causal. H200 2026-11-30
-    # session 16 (sm90-bwd-probe, d=128, TFLOP/s 2k / 16k, two runs each): 499-536 / 560-562
-    # -> 501-532 / 560-569 (a tie), causal 393-405 / 536-555 -> 415-425 / 571-576: on;
-    # deterministic 16k 559 -> 477, causal 525 -> 496: off there (`select_config`).
-    ws_dk_after_dq: bool = False
-
-
-# FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,
-# sm_90a) runs at the 255-register limit: it retires dV before forming dSᵀ (dv_overlap=False:
-# 252 registers unmasked, 2-14 spill instructions on the masked path only, vs 254 and 10-22
-# with the overlap); 128 query rows per step would need 256 accumulator registers. d=64 takes
-# 128 query rows per step (half the steps, so half the per-step barriers, waits and dQ
-# reduces; 255 registers): H200 2026-11-29, TFLOP/s non-causal 1k / 2k / 16k 288 / 332 / 377
-# -> 339 / 401 / 465, causal 2k / 16k 280 / 385 -> 329 / 471 (cuDNN 426 / 455 non-causal).
-_DEFAULT_CONFIGS = {
-    64: BwdConfig(block_m=128, block_n=128, dq_swizzle=32),
-    128: BwdConfig(block_m=64, block_n=128, dv_overlap=False, dk_late=True,
-                   split_warpgroups=True, dq_fragment=True, ws_dk_after_dq=True),
-    256: BwdConfig(block_m=64, block_n=64, dv_overlap=False,  # FA3's hdim-256 tile
-                   turn_release=0, stats_late=False),
-}
-
-
 @functools.lru_cache(maxsize=None)
 def _launcher_for(head_dim: int, split: bool = False) -> DirectLaunch:
     """The backward kernel, launched without Triton's per-call binding once compiled."""
@@ -282,71 +144,11 @@ def _kernel_for(head_dim: int, split: bool = False):
     return bwd_wide.attn_bwd_wide_kernel if head_dim == 256 else _attn_bwd_kernel
 
 
-def _splits_warpgroups(head_dim: int, cfg: BwdConfig, deterministic: bool,
-                       softcap: bool) -> bool:
-    """Whether a call runs `bwd_ws`'s kernel (BwdConfig.split_warpgroups). Not with softcap:
-    its chain-rule tile does not fit a partition's 240 registers (sm_90a: 40 local-memory
-    instructions in every step). Deterministic calls only with `ws_deterministic`."""
-    return (cfg.split_warpgroups and (head_dim, cfg.block_m) in ((128, 64), (64, 64), (64, 128))
-            and cfg.dq_tma and (cfg.ws_deterministic or not deterministic) and not softcap)
-
-
 def _launch_options(split: bool, cfg: BwdConfig) -> dict:
     # bwd_ws: 4 warps per compute warpgroup (the default partition is one), the load warp
     # padded to a warpgroup; maxnreg is the pool the partitions' setmaxnreg draw from
     # (168 * 384 = 64512 <= 64K registers).
     return {"num_warps": 4, "maxnreg": 168} if split else {"num_warps": cfg.num_warps}
-
-
-# Fragment-order dQ tiles (BwdConfig.dq_fragment) from this many query rows on: where the H200
-# measured a gain (sm90-bwd-probe, same process, TFLOP/s row-major -> fragments). d=256 at
-# every length since the conversion reads its tiles in memory order (commit f574cd4; 2026-11-30
-# session 17: 512 / 1k / 2k 240 / 290 / 322 -> 249 / 305 / 342, causal 173 / 230 / 275 -> 176 /
-# 239 / 291; session 16's gathering conversion lost below 2k). d=64 512 / 1k / 2k a tie (286 /
-# 370 / 418 -> 288 / 365 / 420, causal a tie), 16k 462-467 -> 479 (there only unmasked,
-# without softcap or deterministic mode). d=128 takes them at every length (its default
-# config; session 17 512 / 1k / 2k 335 / 421 / 481 -> 338 / 441 / 486, causal 212 / 309 / 383
-# -> 212 / 317 / 402).
-FRAGMENT_MIN_ROWS = {64: 16384, 256: 0}
-
-
-def select_config(head_dim: int, override: BwdConfig | None = None,
-                  softcap: bool = False, deterministic: bool = False,
-                  masked: bool = False, max_seqlen_q: int | None = None) -> BwdConfig:
-    """Heuristic config; `override` wins when given. masked: a causal or sliding window;
-    max_seqlen_q: the call's longest query sequence (None: a long one, as the compile checks
-    build)."""
-    if override is not None:
-        cfg = override
-    else:
-        cfg = _DEFAULT_CONFIGS[head_dim]
-        if head_dim in FRAGMENT_MIN_ROWS:  # see BwdConfig.dq_fragment
-            long = max_seqlen_q is None or max_seqlen_q >= FRAGMENT_MIN_ROWS[head_dim]
-            plain = not (masked or softcap or deterministic)
-            cfg = replace(cfg, dq_fragment=long and (head_dim == 256 or plain))
-        if deterministic:
-            # see BwdConfig.stats_late and BwdConfig.ws_dk_after_dq
-            cfg = replace(cfg, stats_late=False, ws_dk_after_dq=False)
-            if head_dim == 128 and not softcap:
-                # bwd_ws's deterministic kernel keeps dV in flight (BwdConfig.dv_overlap):
-                # H200 2026-11-30, TFLOP/s 512 / 2k / 16k, non-causal 303 / 460 / 536 ->
-                # 304 / 466 / 545, causal 196 / 375 / 492 -> 194 / 393 / 519.
-                cfg = replace(cfg, dv_overlap=True)
-        if softcap:
-            # The softcap chain-rule tile takes the registers dPᵀ's early issue needs (d=128:
-            # 2 spill instructions in the unmasked loop otherwise; d=64 with 128-row steps:
-            # ~200).
-            cfg = replace(cfg, dp_early=False)
-    # The MMA layouts hard-wire two warpgroups; d <= 128 gives each warpgroup 64 keys, d = 256
-    # has them share 64 keys. 64 query rows per step, or 128 at d = 64 (registers allow it).
-    block_n = 64 if head_dim == 256 else 128
-    block_ms = (64, 128) if head_dim == 64 else (64,)
-    if cfg.num_warps != 8 or cfg.block_n != block_n or cfg.block_m not in block_ms \
-            or cfg.ring_slots < 2:
-        raise ValueError(f"unsupported sm90 backward config {cfg} at head dim {head_dim}: "
-                         f"needs 8 warps, block_n {block_n}, block_m in {block_ms}, "
-                         "ring_slots >= 2")
-    return cfg
 
 
 # ----------------------------------------------------------------------------------------------
