@@ -767,11 +767,7 @@ if _GLUON_ERROR is None:
         _tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
                     q_start, m0, seqlen_q, total_q, head, n_heads, WG, HEAD_DIM_V, BLOCK_N,
                     HAS_SINK, RELEASE_Q, PINGPONG)
-        if TAIL_SKIP:
-            # The blocks past this warpgroup's end, released once its O is out (n_end
-            # recomputed from the tile's scalars rather than carried through the key loops).
-            n_end = _warpgroup_end(m0, seqlen_q, seqlen_k, window_right, n_lo, n_hi, WG,
-                                   BLOCK_N, True)
+        if TAIL_SKIP:  # the blocks past this warpgroup's end, released once its O is out
             _release_blocks(k_ready, k_empty, v_ready, v_empty, n_end, n_hi, it0 - n_lo,
                             STAGES, ARRIVE)
 
