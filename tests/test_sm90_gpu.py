@@ -146,15 +146,8 @@ CASES = [
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
 def test_sm90_forward_matches_reference(case):
-    from asymflash.backends.sm90 import fwd
-
-    batch, sq, sk, hq, hkv, d, dtype, window, softcap, use_sink, varlen = case
-    q, k, v, seq = make_inputs(batch, sq, sk, hq, hkv, d, d, dtype, varlen=varlen)
-    params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(*window), softcap=softcap)
-    sink = torch.randn(hq, device="cuda") if use_sink else None
-    out_err, lse_err, tol = check_forward(fwd, q, k, v, seq, params, sink)
-    assert out_err <= tol, (out_err, tol)
-    assert lse_err <= 1e-3, lse_err
+    # cfg None: the config each call picks by default (`fwd.launch_plan`)
+    _forward_case_matches(case, lambda cfg: None, bitwise=False)
 
 
 # Head dims the kernel runs zero-padded (fwd.forward_widths): 96 -> 128, 80 -> 128,
@@ -298,24 +291,38 @@ def test_sm90_forward_grid_matches_reference(case, grid):
     # as a change).
     from dataclasses import replace
 
-    from asymflash.backends.sm90 import fwd
-
-    batch, sq, sk, hq, hkv, d, dtype, window, softcap, use_sink, varlen = case
+    d = case[5]
     flags = grid.split("-")
     if "3wg" in flags and d != 64:
         pytest.skip("three consumer warpgroups are built for d=64 only")
+
+    def configure(cfg):
+        cfg = replace(cfg, persistent="persistent" in flags, pingpong="pingpong" in flags,
+                      consumer_wgs=3 if "3wg" in flags else 2,
+                      q_buffers=2 if "2q" in flags else 1, arrive_all="arrive" in flags)
+        if "2q" in flags and d > 128:  # d=256: two Q buffers fit beside one K/V stage only
+            cfg = replace(cfg, stages=1)
+        return cfg
+
+    # (races could also change bits)
+    _forward_case_matches(case, configure, bitwise=bool(
+        {"arrive", "pingpong"} & set(flags)))
+
+
+def _forward_case_matches(case, configure, bitwise):
+    """The forward of one case (`CASES` tuple) with `configure(select_config(...))`
+    against the reference; bitwise: 10 repeats must give the same bits."""
+    from asymflash.backends.sm90 import fwd
+
+    batch, sq, sk, hq, hkv, d, dtype, window, softcap, use_sink, varlen = case
     q, k, v, seq = make_inputs(batch, sq, sk, hq, hkv, d, d, dtype, varlen=varlen)
     params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(*window), softcap=softcap)
     sink = torch.randn(hq, device="cuda") if use_sink else None
-    cfg = replace(fwd.select_config(d, d, params), persistent="persistent" in flags,
-                  pingpong="pingpong" in flags, consumer_wgs=3 if "3wg" in flags else 2,
-                  q_buffers=2 if "2q" in flags else 1, arrive_all="arrive" in flags)
-    if "2q" in flags and d > 128:  # d=256: two Q buffers fit beside one K/V stage only
-        cfg = replace(cfg, stages=1)
+    cfg = configure(fwd.select_config(d, d, params))
     out_err, lse_err, tol = check_forward(fwd, q, k, v, seq, params, sink, cfg=cfg)
     assert out_err <= tol, (out_err, tol)
     assert lse_err <= 1e-3, lse_err
-    if cfg.arrive_all or cfg.pingpong:  # (races could also change bits)
+    if bitwise:
         first = fwd.forward(q, k, v, seq, params, sink, cfg=cfg)
         for _ in range(10):
             again = fwd.forward(q, k, v, seq, params, sink, cfg=cfg)
@@ -339,16 +346,7 @@ def test_sm90_forward_tail_skip_matches_reference(case, persistent):
 
     from asymflash.backends.sm90 import fwd
 
-    batch, sq, sk, hq, hkv, d, dtype, window, softcap, use_sink, varlen = case
-    q, k, v, seq = make_inputs(batch, sq, sk, hq, hkv, d, d, dtype, varlen=varlen)
-    params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(*window), softcap=softcap)
-    sink = torch.randn(hq, device="cuda") if use_sink else None
-    cfg = replace(fwd.select_config(d, d, params), **fwd.SHORT_MASKED[d][1],
-                  persistent=persistent)
-    out_err, lse_err, tol = check_forward(fwd, q, k, v, seq, params, sink, cfg=cfg)
-    assert out_err <= tol, (out_err, tol)
-    assert lse_err <= 1e-3, lse_err
-    first = fwd.forward(q, k, v, seq, params, sink, cfg=cfg)
-    for _ in range(10):
-        again = fwd.forward(q, k, v, seq, params, sink, cfg=cfg)
-        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    d = case[5]
+    _forward_case_matches(
+        case, lambda cfg: replace(cfg, **fwd.SHORT_MASKED[d][1], persistent=persistent),
+        bitwise=True)
