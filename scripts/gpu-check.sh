@@ -58,10 +58,12 @@ run_tests() {
   done
 }
 if [ "$mode" = pending ]; then
-  # what session 17 left unchecked on the GPU: d=256 with a second Q buffer per warpgroup
+  # what session 18 left unchecked on the GPU: d=256 with a second Q buffer per warpgroup
   # beside one K/V stage (prepared, off; the causal 512 timeline spent a third of each tile
-  # waiting for the next Q): the forward grid tests' "2q" cases, which now include d=256
-  # (with stages=1); then a probe beside the default and the short-masked skip. ~4 min.
+  # waiting for the next Q), after the fix of its O staging turn barrier (session 18's first
+  # run: launch failures on tiles past the first per CTA): the forward grid tests' "2q"
+  # cases, which include d=256 (with stages=1); then a probe beside the default and the
+  # short-masked skip. ~2 min.
   TEST_FILES="tests/test_sm90_gpu.py@0/2 tests/test_sm90_gpu.py@1/2" PYTEST_K="2q" \
     TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
   timeout 200 python3 scripts/sm90-probe.py --no-check --graph \

@@ -713,7 +713,9 @@ if _GLUON_ERROR is None:
             o_tile = o_smem.index(0 if SHARED else WG)
             if SHARED:
                 # Warpgroup w's k-th turn follows 2k + w arrivals: parity 1 - w every time.
-                o_turn = q_bar.index(_o_turn_index(PINGPONG, 2, 1))
+                # The turn barrier is q_bar's last (`_q_bar_count`), whatever the number of
+                # Q buffers (a fixed index once fell on a second Q buffer's barrier).
+                o_turn = q_bar.index(q_bar.shape[0] - 1)
                 mbarrier.wait(o_turn, 1 - WG)
             if m0 + WG * 64 < seqlen_q:
                 tma.store_wait(0)  # this warpgroup's previous store has read o_smem

@@ -224,10 +224,10 @@ def check_config(cfg: FwdConfig, head_dim: int) -> None:
     decided (the plain grid ignores q_buffers)."""
     if cfg.q_buffers not in (1, 2):
         raise ValueError(f"FwdConfig.q_buffers must be 1 or 2, got {cfg.q_buffers}")
-    if cfg.q_buffers == 2 and cfg.persistent and (
-            cfg.pingpong or head_dim > 128 and cfg.stages != 1):
-        raise ValueError("FwdConfig.q_buffers=2 on the persistent grid needs no ping-pong and "
-                         "head_dim <= 128 (d=256: stages=1): set q_buffers=1")
+    # (d=256 with one K/V stage fits two Q buffers but lost 19-32 %: H200 2026-11-30 session 18)
+    if cfg.q_buffers == 2 and cfg.persistent and (cfg.pingpong or head_dim > 128):
+        raise ValueError("FwdConfig.q_buffers=2 on the persistent grid needs head_dim <= 128 "
+                         "and no ping-pong: set q_buffers=1")
     if cfg.consumer_wgs not in (2, 3):
         raise ValueError(f"FwdConfig.consumer_wgs must be 2 or 3, got {cfg.consumer_wgs}")
     if cfg.consumer_wgs == 3 and (cfg.persistent is False or head_dim != 64):
