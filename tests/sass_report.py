@@ -59,6 +59,7 @@ print(_json.dumps(dict(
         r"atom\.global\.gpu\.release", kernel.asm["ptx"])),
     syncs=len(_re.findall(r"\bSYNCS\.(?:PHASECHK|ARRIVE)", _sass)),
     bars=_sass.count("BAR.SYNC"),
+    vote_any=_sass.count("VOTE.ANY"),
     # arrives the PTX pass of arrive_all.py made per-thread (0 where it did not run)
     arrives_per_thread=getattr(kernel.metadata, "asym_arrives_per_thread", 0),
     barriers_dropped=getattr(kernel.metadata, "asym_barriers_dropped", 0),

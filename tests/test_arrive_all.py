@@ -148,7 +148,7 @@ def test_the_switch_applies_to_every_call_unless_a_config_is_given(monkeypatch):
 
     def fwd_plan(cfg=None):
         return fwd.launch_plan(128, 128, 2048, 2048, True, False, -1, 0, False, False, 2, 8,
-                               8, 132, cfg, (0, 0.0), cfg is None and fwd.arrive_all_switch())
+                               8, 132, cfg, fwd.NO_TRICKS, cfg is None and fwd.arrive_all_switch())
 
     def bwd_plan(cfg=None):
         return bwd.launch_plan(128, 128, 2048, 2048, True, False, -1, 0, False, False, 2, 8,

@@ -291,24 +291,35 @@ def test_fa4_switches_apply_to_every_call_unless_a_config_is_given(monkeypatch):
     from dataclasses import replace
 
     def plan(cfg=None, d=64, seqlen=2048):
-        tricks = (0, 0.0) if cfg is not None else fwd.fa4_tricks()
+        tricks = fwd.NO_TRICKS if cfg is not None else fwd.fa4_tricks()
         return fwd.launch_plan(d, d, seqlen, seqlen, True, False, -1, 0, False, False, 2, 8,
                                8, 132, cfg, tricks)
 
     monkeypatch.delenv(fwd.EXP2_EMU_SWITCH, raising=False)
     monkeypatch.delenv(fwd.RESCALE_SWITCH, raising=False)
-    assert fwd.fa4_tricks() == (0, 0.0)
-    off = plan()
-    assert off.constexprs["EMU_EVERY"] == 0
+    assert fwd.fa4_tricks() == (None, None)
+    off = {d: plan(d=d) for d in (64, 128, 256)}
+    # unset switches leave each head dim's default: the conditional rescale only at d=256
+    assert [off[d].constexprs["RESCALE_THRESHOLD"] for d in (64, 128, 256)] == [0.0, 0.0, 8.0]
+    assert all(off[d].constexprs["EMU_EVERY"] == 0 for d in off)
     monkeypatch.setenv(fwd.EXP2_EMU_SWITCH, "8")
     monkeypatch.setenv(fwd.RESCALE_SWITCH, "8")
     for d in (64, 128, 256):
         p = plan(d=d)
         assert (p.cfg.exp2_emu_every, p.cfg.rescale_threshold) == (8, 8.0)
         assert p.constexprs["EMU_EVERY"] == 8 and p.constexprs["RESCALE_THRESHOLD"] == 8.0
-    # the plan's other choices are those of the same call without the switches
-    assert replace(plan().cfg, exp2_emu_every=0, rescale_threshold=0.0) == off.cfg
-    assert plan().grid == off.grid
+        # the plan's other choices are those of the same call without the switches
+        assert replace(p.cfg, exp2_emu_every=0,
+                       rescale_threshold=off[d].cfg.rescale_threshold) == off[d].cfg
+        assert p.grid == off[d].grid
+    # one switch alone leaves the other trick at the config's value; "0" turns a trick off
+    monkeypatch.delenv(fwd.EXP2_EMU_SWITCH)
+    monkeypatch.setenv(fwd.RESCALE_SWITCH, "0")
+    assert fwd.fa4_tricks() == (None, 0.0)
+    assert plan(d=256).cfg == replace(off[256].cfg, rescale_threshold=0.0)
+    monkeypatch.setenv(fwd.EXP2_EMU_SWITCH, "4")
+    monkeypatch.delenv(fwd.RESCALE_SWITCH)
+    assert plan(d=256).cfg == replace(off[256].cfg, exp2_emu_every=4)
     given = fwd._DEFAULT_CONFIGS[64]
     assert plan(cfg=given).cfg.exp2_emu_every == 0  # an explicit config wins
     for name, value in ((fwd.EXP2_EMU_SWITCH, "3"), (fwd.EXP2_EMU_SWITCH, "on"),
@@ -319,6 +330,15 @@ def test_fa4_switches_apply_to_every_call_unless_a_config_is_given(monkeypatch):
         monkeypatch.setenv(name, "8")
     from asymflash import dispatch
     assert {fwd.EXP2_EMU_SWITCH, fwd.RESCALE_SWITCH} <= set(dispatch.SWITCHES)
+
+
+def test_conditional_rescale_skips_by_warp_vote():
+    # d=256's default: O's multiply (130 of the key loop's 416 instructions, sm_90a) behind a
+    # warp-uniform branch decided by a vote, no shared-memory reduction, wgmmas asynchronous.
+    rep = sass_report(_BUILD, json.dumps({"head_dim": 256}), ptxas=True)
+    assert rep["vote_any"] >= 1 and rep["local"] == 0, rep
+    assert rep["wgmma_serialized"] is False, rep
+    assert compile_report(head_dim=256, cfg={"rescale_threshold": 0.0})["vote_any"] == 0
 
 
 def test_unsupported_reports_reason_on_cpu():

@@ -25,14 +25,14 @@ into a peeled first block (always masked, which also covers empty rows and empty
 sequences), a masked prefix (sliding-window left edge), an unmasked middle and a masked
 suffix (causal diagonal / right window / ragged end), so the common blocks pay no mask.
 
-FA4 tricks, off by default, chosen per call through `FwdConfig` or, for every call, by the
-switches ASYMFLASH_SM90_EXP2_EMU=k and ASYMFLASH_SM90_RESCALE=t (`fa4_tricks`):
+FA4 tricks, chosen per call through `FwdConfig` (the defaults: `fwd_config.py`) or, for every
+call, by the switches ASYMFLASH_SM90_EXP2_EMU=k and ASYMFLASH_SM90_RESCALE=t (`fa4_tricks`):
 * `exp2_emu_every = k`: every k-th exponential runs as a cubic polynomial on the FMA pipe
   instead of MUFU (2^x = 2^floor(x) · p(frac(x)), the integer part added to the exponent
-  bits). Pays where MUFU binds (d=64 bf16); at d=128 emulating everything lost 644 -> 465.
+  bits). Off: slower on the H200 wherever measured (`FwdConfig.exp2_emu_every`).
 * `rescale_threshold = t > 0`: the running max used for P only moves when a row's max grows
-  by more than t (log2 units), and O is rescaled only when some row of the warpgroup moved.
-  Exact: the final normalisation uses the same stale max for O and for the row sum.
+  by more than t (log2 units), and O is rescaled only in warps where some row moved. Exact:
+  the final normalisation uses the same stale max for O and for the row sum. On at d=256.
 
 Lengths, head counts, window sizes and scales are runtime arguments; a kernel is compiled
 once per (dtype, head dims, config, feature switches).
@@ -119,25 +119,33 @@ RESCALE_SWITCH = "ASYMFLASH_SM90_RESCALE"
 EXP2_EMU_CHOICES = (0, 2, 4, 8)
 
 
-def fa4_tricks() -> tuple[int, float]:
-    """(exp2_emu_every, rescale_threshold) set by the switches; ValueError on a bad value."""
-    emu_text = dispatch.switch(EXP2_EMU_SWITCH) or "0"
-    thr_text = dispatch.switch(RESCALE_SWITCH) or "0"
-    try:
-        emu = int(emu_text)
-    except ValueError:
-        emu = -1
-    if emu not in EXP2_EMU_CHOICES:
-        raise ValueError(f"{EXP2_EMU_SWITCH}={emu_text!r}: expected 0 (off), 2, 4 or 8 (one "
-                         "exponential in k on the FMA pipe)")
-    try:
-        thr = float(thr_text)
-    except ValueError:
-        thr = -1.0
-    if not 0.0 <= thr < float("inf"):
-        raise ValueError(f"{RESCALE_SWITCH}={thr_text!r}: expected 0 (off) or a positive "
-                         "threshold in log2 units (FA4 uses 8)")
+def fa4_tricks() -> tuple[int | None, float | None]:
+    """(exp2_emu_every, rescale_threshold) forced by the switches, None where a switch is
+    unset (the call's config keeps its own value; "0" turns a trick off); ValueError on a bad
+    value."""
+    emu_text = dispatch.switch(EXP2_EMU_SWITCH)
+    thr_text = dispatch.switch(RESCALE_SWITCH)
+    emu = thr = None
+    if emu_text:
+        try:
+            emu = int(emu_text)
+        except ValueError:
+            emu = -1
+        if emu not in EXP2_EMU_CHOICES:
+            raise ValueError(f"{EXP2_EMU_SWITCH}={emu_text!r}: expected 0 (off), 2, 4 or 8 "
+                             "(one exponential in k on the FMA pipe)")
+    if thr_text:
+        try:
+            thr = float(thr_text)
+        except ValueError:
+            thr = -1.0
+        if not 0.0 <= thr < float("inf"):
+            raise ValueError(f"{RESCALE_SWITCH}={thr_text!r}: expected 0 (off) or a positive "
+                             "threshold in log2 units (FA4 uses 8)")
     return emu, thr
+
+
+NO_TRICKS = (None, None)  # what callers with an explicit FwdConfig pass to `launch_plan`
 
 
 # Per-thread slot releases (FwdConfig.arrive_all, `arrive_all.py`) for every call:
@@ -159,7 +167,7 @@ def arrive_all_switch() -> bool:
 def launch_plan(d: int, dv: int, max_seqlen_q: int, max_seqlen_k: int, uniform: bool,
                 has_seqused: bool, window_left: int, window_right: int, softcap: bool,
                 has_sink: bool, batch: int, hq: int, hkv: int, sms: int,
-                cfg: FwdConfig | None, tricks: tuple[int, float] = (0, 0.0),
+                cfg: FwdConfig | None, tricks: tuple = NO_TRICKS,
                 arrive: bool = False) -> LaunchPlan:
     """The config, grid and constexprs of one call (cfg: an override, or None; tricks:
     `fa4_tricks()` and arrive: `arrive_all_switch()` (callers pass the defaults with an
@@ -170,8 +178,10 @@ def launch_plan(d: int, dv: int, max_seqlen_q: int, max_seqlen_k: int, uniform: 
     o_width = output_box_width(d, dv, uniform and max_seqlen_q % 64 == 0)
     if cfg is None:
         cfg = default_for_call(d, local, window_right >= 0, max_seqlen_q, dense, plain)
-    if tricks != (0, 0.0):
-        cfg = replace(cfg, exp2_emu_every=tricks[0], rescale_threshold=tricks[1])
+    if tricks[0] is not None:
+        cfg = replace(cfg, exp2_emu_every=tricks[0])
+    if tricks[1] is not None:
+        cfg = replace(cfg, rescale_threshold=tricks[1])
     if arrive:
         cfg = replace(cfg, arrive_all=True)
     num_m_blocks = cdiv(max_seqlen_q, BLOCK_M_WG * max(cfg.consumer_wgs, 1))
@@ -199,21 +209,30 @@ if _GLUON_ERROR is None:
         Cubic for 2^f on [0, 1) with p(0)=1 and p(1)=2 pinned (continuous across integer
         steps); max relative error 1.03e-4, far below the bf16/fp16 rounding P receives
         before P·V. Coefficients of f, f^2, f^3: 0.6954244, 0.22630768, 0.07826797.
+
+        floor(x) comes from adding 1.5 * 2^23 rounding down: the sum's ulp is 1, so it is
+        floor(x) + 1.5 * 2^23 exactly, with floor(x) in its low mantissa bits; shifted left by
+        23 those bits are floor(x) << 23, what the exponent field needs (the constant's own
+        bits shift out). A cvt to an integer (F2I) and a round to an integral float (FRND)
+        did the same, but both run on the same quarter-rate unit as MUFU.EX2 (16 per clock
+        per SM on sm_90), so each emulated element cost two of those slots instead of one.
+        The result is bit-identical (`core/exp2.py` models it).
         """
         every = int(every)
-        lines = ["{", ".reg .f32 ef, ej, ep;", ".reg .b32 ei, eb;"]
+        lines = ["{", ".reg .f32 ef, ej, et, ep;", ".reg .b32 ei, eb;"]
         for i in range(every - 1):
             lines.append(f"ex2.approx.ftz.f32 ${i}, ${every + i};")
         x, y = f"${2 * every - 1}", f"${every - 1}"
         lines += [
             # Clamp so that 2^floor(x) stays a normal number; -inf becomes exactly 0 below.
             f"max.ftz.f32 ef, {x}, 0fC2FE0000;",
-            "cvt.rmi.ftz.f32.f32 ej, ef;",
+            "add.rm.ftz.f32 et, ef, 0f4B400000;",
+            "sub.ftz.f32 ej, et, 0f4B400000;",
             "sub.ftz.f32 ef, ef, ej;",
             "fma.rn.ftz.f32 ep, ef, 0f3DA04AF5, 0f3E67BD33;",
             "fma.rn.ftz.f32 ep, ep, ef, 0f3F320755;",
             "fma.rn.ftz.f32 ep, ep, ef, 0f3F800000;",
-            "cvt.rzi.s32.f32 ei, ej;",
+            "mov.b32 ei, et;",
             "shl.b32 ei, ei, 23;",
             "mov.b32 eb, ep;",
             "add.s32 eb, eb, ei;",
@@ -235,6 +254,50 @@ if _GLUON_ERROR is None:
             return gl.inline_asm_elementwise(_emu_asm(EMU_EVERY), _emu_constraints(EMU_EVERY),
                                              [x], dtype=gl.float32, is_pure=True,
                                              pack=EMU_EVERY)
+
+    @gluon.constexpr_function
+    def _rescale_pack(width):
+        """O elements per asm block of `_rescale_if_moved`: a thread holds width / 2 of a
+        64 x width tile; 32 where that divides (fewer votes and branches), else 16 (d=96)."""
+        return 32 if (int(width) // 2) % 32 == 0 else 16
+
+    @gluon.constexpr_function
+    def _rescale_asm(pack):
+        """PTX for `pack` elements of O, each multiplied in place by its row's alpha, unless the
+        warp's flag (the same in every element: operand 3 pack is the first) is 0. The branch
+        is warp-uniform, so the skipped multiplies are not issued at all."""
+        pack = int(pack)
+        lines = ["{", ".reg .pred %rs_q;", f"setp.eq.u32 %rs_q, ${3 * pack}, 0;",
+                 "@%rs_q bra.uni RS_SKIP_${:uid};"]
+        lines += [f"mul.f32 ${i}, ${i}, ${2 * pack + i};" for i in range(pack)]
+        lines += ["RS_SKIP_${:uid}:", "}"]
+        return "\n".join(lines)
+
+    @gluon.constexpr_function
+    def _rescale_constraints(pack):
+        # Each output tied to its own input element: O is updated in place, with no second
+        # copy live (a second copy spilled at d=64 with three warpgroups).
+        pack = int(pack)
+        return ",".join(["=r"] * pack + [str(i) for i in range(pack)] + ["r"] * (2 * pack))
+
+    @gluon.jit
+    def _rescale_if_moved(acc, alpha_o, WIDTH: gl.constexpr):
+        """FA4's conditional rescale (`FwdConfig.rescale_threshold`), decided per warp: O is
+        multiplied by alpha only in warps where some row moved its max (alpha < 1); alpha is
+        exactly 1 in the other rows. A warp vote decides it: the reduction over the
+        warpgroup the first version used went through shared memory and a barrier every key
+        block, and lost. alpha_o holds a thread's two rows."""
+        moved = gl.inline_asm_elementwise(
+            "{ .reg .pred %mv_p, %mv_q; setp.lt.f32 %mv_p, $2, 0f3F800000;"
+            " setp.lt.or.f32 %mv_p, $3, 0f3F800000, %mv_p;"
+            " vote.sync.any.pred %mv_q, %mv_p, 0xffffffff;"
+            " selp.u32 $0, 1, 0, %mv_q; selp.u32 $1, 1, 0, %mv_q; }",
+            "=r,=r,r,r", [alpha_o], dtype=gl.int32, is_pure=True, pack=2)
+        alpha_b, moved_b = gl.broadcast(gl.expand_dims(alpha_o, 1), gl.expand_dims(moved, 1))
+        PACK: gl.constexpr = _rescale_pack(WIDTH)
+        return gl.inline_asm_elementwise(_rescale_asm(PACK), _rescale_constraints(PACK),
+                                         [acc, alpha_b, moved_b], dtype=gl.float32,
+                                         is_pure=True, pack=PACK)
 
     @gluon.jit
     def _to_16bit(x, dtype: gl.constexpr):
@@ -440,8 +503,12 @@ if _GLUON_ERROR is None:
         m_sub = gl.where(m_new == -float("inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_sub)
         # s * qk_scale - m folds into one FFMA per element before the exponential.
-        p = _exp2(s * qk_scale - gl.expand_dims(m_sub, 1), EMU_EVERY)
-        l_i = l_i * alpha + gl.sum(p, 1)
+        if EMU_EVERY >= 16:  # PROBE ONLY: no row sum (wrong results), upper bound
+            p = _exp2(s * qk_scale - gl.expand_dims(m_sub, 1), EMU_EVERY - 16)
+            l_i = l_i * alpha + 1.0
+        else:
+            p = _exp2(s * qk_scale - gl.expand_dims(m_sub, 1), EMU_EVERY)
+            l_i = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_i, alpha
 
     # ------------------------------------------------------------------------------------------
@@ -501,12 +568,13 @@ if _GLUON_ERROR is None:
         mbarrier.arrive(v_empty.index(prev), count=ARRIVE)
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
         if RESCALE_THRESHOLD > 0:
-            # Skip the O multiply when no row of the warpgroup moved its max (warpgroup-uniform).
-            if gl.min(alpha_o, 0) < 1.0:
-                acc = acc * gl.expand_dims(alpha_o, 1)
+            # P packed first: the skip's branch ends the block, so the packs can still
+            # interleave with the exponentials
+            p_op = gl.convert_layout(_to_16bit(p, q.dtype), p_layout)
+            acc = _rescale_if_moved(acc, alpha_o, acc.shape[1])
         else:
             acc = acc * gl.expand_dims(alpha_o, 1)
-        p_op = gl.convert_layout(_to_16bit(p, q.dtype), p_layout)
+            p_op = gl.convert_layout(_to_16bit(p, q.dtype), p_layout)
         return acc, p_op, m_i, l_i
 
     @gluon.jit
@@ -1525,7 +1593,7 @@ def _launch_plan_of(d, dv, q, k, seq: SeqInfo, params: AttnParams, sink, cfg) ->
                        seq.seqused_k is not None, params.mask.window_left,
                        params.mask.window_right, params.softcap > 0, sink is not None,
                        seq.batch, q.shape[1], k.shape[1], sm_count(q.device), cfg,
-                       (0, 0.0) if cfg is not None else fa4_tricks(),
+                       NO_TRICKS if cfg is not None else fa4_tricks(),
                        cfg is None and arrive_all_switch())
 
 

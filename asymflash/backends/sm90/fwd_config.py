@@ -20,8 +20,18 @@ class FwdConfig:
     stages: int = 2  # depth of each of the K and V rings
     consumer_regs: int = 240  # setmaxnreg for each consumer warpgroup
     loader_regs: int = 24  # setmaxnreg for the TMA warp (padded to a warpgroup)
-    exp2_emu_every: int = 0  # 0: every exp2 on MUFU; k in (2, 4, 8): 1 in k on the FMA pipe
-    rescale_threshold: float = 0.0  # 0: rescale O every block; > 0: FA4 conditional rescale
+    # 0: every exp2 on MUFU; k in (2, 4, 8): 1 in k on the FMA pipe. Slower wherever
+    # measured, even since the emulation no longer takes MUFU's quarter-rate unit for its
+    # floor (H200 2026-11-30 session 18, graph replay, TFLOP/s, off / 1 in 8 / 1 in 4: d=64
+    # three warpgroups 16k 519 / 498 / 477, causal 16k 455 / 432 / 421, 2k 447 / 432 / 412;
+    # two warpgroups 16k 464 / 462; d=128 16k 645 / 621 / 610): the softmax is bound by
+    # instruction issue and latency on Hopper, not by MUFU's throughput.
+    exp2_emu_every: int = 0
+    # 0: rescale O every block; t > 0: FA4's conditional rescale (the max used for P moves
+    # only when a row's max grows by more than t, log2 units; O is multiplied only in warps
+    # where a row moved, `_rescale_if_moved`). On at d=256, where O's multiply is 130 of the
+    # key loop's 416 instructions; the table below has the measurements.
+    rescale_threshold: float = 0.0
     lpt: bool = False  # longest-first tile order (causal/local: later query tiles work more)
     # Persistent grid (one CTA per SM looping over tiles, next tile's loads overlapping this
     # tile's epilogue). None: chosen per call from the shape (`use_persistent`).
@@ -74,16 +84,21 @@ class FwdConfig:
 #          618 / 574)
 #   d=256: BN=64 keeps S at 32 registers next to a 128-register O; 2 stages + Q = 192 KB:
 #          682 / 660 at 16k (cuDNN 694 / 608)
-#   FA4 switches, 16k non-causal, all slower here, so off: d=64 emu8 396-391, emu4 401-394,
-#   rescale8 401-402 (base 426-436); d=128 emu8 597, emu4 557, rescale8 619 (base 640).
+#   FA4 switches, 16k non-causal, all slower here then (2026-11-29): d=64 emu8 396-391, emu4
+#   401-394, rescale8 401-402 (base 426-436); d=128 emu8 597, emu4 557, rescale8 619 (640).
 #   A second Q buffer per warpgroup (persistent grid, graph replay, 2026-11-29 23:12, one vs
 #   two): d=64 causal 512 / 2k / 16k 200 / 338 / 420 -> 207 / 340 / 428, non-causal 512 / 2k
 #   319 / 397 -> 349 / 416 (3 warpgroups at 2k / 16k: 415 / 482 -> 429 / 479); d=128 causal
 #   512 / 2k 248 / 422 -> 268 / 445, non-causal 512 419 -> 437.
+#   Conditional rescale at threshold 8 (per-warp skip, 2026-11-30 session 18, graph replay,
+#   two probes): d=256 512 / 2k / 16k 473 / 626 / 690 -> 485 / 646 / 737, causal 285 / 487 /
+#   653 -> 287 / 505 / 684 (first probe 16k 709 -> 736, causal 668 -> 655): on at d=256;
+#   d=128 2k / 16k 559 / 638 -> 552 / 627 and d=64 2k 431 -> 405 (two warpgroups), 16k three
+#   warpgroups 509 -> 512, causal 449 -> 442: off there.
 _DEFAULT_CONFIGS = {
     64: FwdConfig(block_n=128, stages=4, q_buffers=2),
     128: FwdConfig(block_n=128, stages=2, q_buffers=2),
-    256: FwdConfig(block_n=64, stages=2),
+    256: FwdConfig(block_n=64, stages=2, rescale_threshold=8.0),
 }
 
 
