@@ -68,6 +68,9 @@ def asymflash_providers(device: str) -> list:
                                         "one exponential in 8 on the FMA pipe"))
         providers.append(_sm90_switched("rescale8", "ASYMFLASH_SM90_RESCALE", "8",
                                         "O rescaled only when a row max grows by > 2^8"))
+        # the conditional rescale is the default at d=256: its off column there
+        providers.append(_sm90_switched("rescale0", "ASYMFLASH_SM90_RESCALE", "0",
+                                        "O rescaled after every key block"))
         providers.append(_sm90_switched("arriveall", "ASYMFLASH_SM90_ARRIVE_ALL", "1",
                                         "slots released per thread (arrive_all.py)",
                                         modes=("fwd", "bwd")))
