@@ -2,9 +2,9 @@
 # What runs on the H200 (device tool): the whole test suite on CUDA, then the benchmark.
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
 # or ./out)
-#   pending: what a session left unchecked on the GPU (now session 17's: d=256 forward with
-#   two Q buffers on one K/V stage, its grid tests and a probe, ~4 min; session 16's ran in
-#   session 17, benchmarks/results/2026-11-30-h200-session17/pending/).
+#   pending: what a session left unchecked on the GPU (session 18: nothing; it re-checks the
+#   per-warp conditional rescale, ~2 min; session 17's ran in session 18,
+#   benchmarks/results/2026-11-30-h200-session18/pending/).
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
 #   (DECODE=1), host-overhead.py (HOST_OVERHEAD=1) and hf-generate-bench.py (HF=1);
@@ -58,21 +58,17 @@ run_tests() {
   done
 }
 if [ "$mode" = pending ]; then
-  # what session 18 left unchecked on the GPU: d=256 with a second Q buffer per warpgroup
-  # beside one K/V stage (prepared, off; the causal 512 timeline spent a third of each tile
-  # waiting for the next Q), after the fix of its O staging turn barrier (session 18's first
-  # run: launch failures on tiles past the first per CTA): the forward grid tests' "2q"
-  # cases, which include d=256 (with stages=1); then a probe beside the default and the
-  # short-masked skip. ~2 min.
-  TEST_FILES="tests/test_sm90_gpu.py@0/2 tests/test_sm90_gpu.py@1/2" PYTEST_K="2q" \
-    TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
+  # Session 18 left nothing unchecked on the GPU (its final run tested commit 5ea424e's
+  # kernels). This re-checks its change: the FA4 switch tests, then the per-warp conditional
+  # rescale on / off in one process (default on at d=256 only). ~2 min.
+  TEST_FILES="tests/test_sm90_gpu.py" PYTEST_K="fa4_switches or switches" \
+    TEST_TIMEOUT=${TEST_TIMEOUT:-150} run_tests
   timeout 200 python3 scripts/sm90-probe.py --no-check --graph \
-    --cells 256:1:512,256:1:1024,256:1:2048,256:0:512,256:0:2048 \
-    --variant 256:skip:persistent=true,tail_skip=true \
-    --variant 256:q2:persistent=true,stages=1,q_buffers=2 \
-    --variant 256:q2skip:persistent=true,stages=1,q_buffers=2,tail_skip=true \
-    > "$out/probe-d256-q2.log" 2>&1
-  tail -8 "$out/probe-d256-q2.log"
+    --cells 256:0:2048,256:1:16384,128:0:2048,64:0:2048 \
+    --variant 256:r0:rescale_threshold=0.0 --variant 128:r8:rescale_threshold=8.0 \
+    --variant 64:r8:persistent=true,rescale_threshold=8.0 \
+    > "$out/probe-rescale.log" 2>&1
+  tail -6 "$out/probe-rescale.log"
 elif [ "$mode" = session ]; then
   # The benchmark first: if the call runs out of time, the table is what matters most.
   timeout "${BENCH_TIMEOUT:-240}" python3 -m asymflash bench --hdim 64,128,256 \
