@@ -503,12 +503,8 @@ if _GLUON_ERROR is None:
         m_sub = gl.where(m_new == -float("inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_sub)
         # s * qk_scale - m folds into one FFMA per element before the exponential.
-        if EMU_EVERY >= 16:  # PROBE ONLY: no row sum (wrong results), upper bound
-            p = _exp2(s * qk_scale - gl.expand_dims(m_sub, 1), EMU_EVERY - 16)
-            l_i = l_i * alpha + 1.0
-        else:
-            p = _exp2(s * qk_scale - gl.expand_dims(m_sub, 1), EMU_EVERY)
-            l_i = l_i * alpha + gl.sum(p, 1)
+        p = _exp2(s * qk_scale - gl.expand_dims(m_sub, 1), EMU_EVERY)
+        l_i = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_i, alpha
 
     # ------------------------------------------------------------------------------------------
