@@ -256,12 +256,6 @@ if _GLUON_ERROR is None:
                                              pack=EMU_EVERY)
 
     @gluon.constexpr_function
-    def _rescale_pack(width):
-        """O elements per asm block of `_rescale_if_moved`: a thread holds width / 2 of a
-        64 x width tile; 32 where that divides (fewer votes and branches), else 16 (d=96)."""
-        return 32 if (int(width) // 2) % 32 == 0 else 16
-
-    @gluon.constexpr_function
     def _rescale_asm(pack):
         """PTX for `pack` elements of O, each multiplied in place by its row's alpha, unless the
         warp's flag (the same in every element: operand 3 pack is the first) is 0. The branch
@@ -281,7 +275,7 @@ if _GLUON_ERROR is None:
         return ",".join(["=r"] * pack + [str(i) for i in range(pack)] + ["r"] * (2 * pack))
 
     @gluon.jit
-    def _rescale_if_moved(acc, alpha_o, WIDTH: gl.constexpr):
+    def _rescale_if_moved(acc, alpha_o):
         """FA4's conditional rescale (`FwdConfig.rescale_threshold`), decided per warp: O is
         multiplied by alpha only in warps where some row moved its max (alpha < 1); alpha is
         exactly 1 in the other rows. A warp vote decides it: the reduction over the
@@ -294,7 +288,8 @@ if _GLUON_ERROR is None:
             " selp.u32 $0, 1, 0, %mv_q; selp.u32 $1, 1, 0, %mv_q; }",
             "=r,=r,r,r", [alpha_o], dtype=gl.int32, is_pure=True, pack=2)
         alpha_b, moved_b = gl.broadcast(gl.expand_dims(alpha_o, 1), gl.expand_dims(moved, 1))
-        PACK: gl.constexpr = _rescale_pack(WIDTH)
+        # 32 elements per asm block: a thread holds 32, 64 or 128 of O (dv = 64 / 128 / 256)
+        PACK: gl.constexpr = 32
         return gl.inline_asm_elementwise(_rescale_asm(PACK), _rescale_constraints(PACK),
                                          [acc, alpha_b, moved_b], dtype=gl.float32,
                                          is_pure=True, pack=PACK)
@@ -567,7 +562,7 @@ if _GLUON_ERROR is None:
             # P packed first: the skip's branch ends the block, so the packs can still
             # interleave with the exponentials
             p_op = gl.convert_layout(_to_16bit(p, q.dtype), p_layout)
-            acc = _rescale_if_moved(acc, alpha_o, acc.shape[1])
+            acc = _rescale_if_moved(acc, alpha_o)
         else:
             acc = acc * gl.expand_dims(alpha_o, 1)
             p_op = gl.convert_layout(_to_16bit(p, q.dtype), p_layout)
