@@ -123,26 +123,26 @@ def fa4_tricks() -> tuple[int | None, float | None]:
     """(exp2_emu_every, rescale_threshold) forced by the switches, None where a switch is
     unset (the call's config keeps its own value; "0" turns a trick off); ValueError on a bad
     value."""
-    emu_text = dispatch.switch(EXP2_EMU_SWITCH)
-    thr_text = dispatch.switch(RESCALE_SWITCH)
-    emu = thr = None
-    if emu_text:
-        try:
-            emu = int(emu_text)
-        except ValueError:
-            emu = -1
-        if emu not in EXP2_EMU_CHOICES:
-            raise ValueError(f"{EXP2_EMU_SWITCH}={emu_text!r}: expected 0 (off), 2, 4 or 8 "
-                             "(one exponential in k on the FMA pipe)")
-    if thr_text:
-        try:
-            thr = float(thr_text)
-        except ValueError:
-            thr = -1.0
-        if not 0.0 <= thr < float("inf"):
-            raise ValueError(f"{RESCALE_SWITCH}={thr_text!r}: expected 0 (off) or a positive "
-                             "threshold in log2 units (FA4 uses 8)")
+    emu = _switch_value(EXP2_EMU_SWITCH, int, lambda k: k in EXP2_EMU_CHOICES,
+                        "0 (off), 2, 4 or 8 (one exponential in k on the FMA pipe)")
+    thr = _switch_value(RESCALE_SWITCH, float, lambda t: 0.0 <= t < float("inf"),
+                        "0 (off) or a positive threshold in log2 units (FA4 uses 8)")
     return emu, thr
+
+
+def _switch_value(name: str, parse, valid, expected: str):
+    """The value of switch `name` (None when unset or empty), ValueError when it does not
+    parse or is not `valid`."""
+    text = dispatch.switch(name)
+    if not text:
+        return None
+    try:
+        value = parse(text)
+    except ValueError:
+        value = None
+    if value is None or not valid(value):
+        raise ValueError(f"{name}={text!r}: expected {expected}")
+    return value
 
 
 NO_TRICKS = (None, None)  # what callers with an explicit FwdConfig pass to `launch_plan`
