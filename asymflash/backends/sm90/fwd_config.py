@@ -24,8 +24,9 @@ class FwdConfig:
     # measured, even since the emulation no longer takes MUFU's quarter-rate unit for its
     # floor (H200 2026-11-30 session 18, graph replay, TFLOP/s, off / 1 in 8 / 1 in 4: d=64
     # three warpgroups 16k 519 / 498 / 477, causal 16k 455 / 432 / 421, 2k 447 / 432 / 412;
-    # two warpgroups 16k 464 / 462; d=128 16k 645 / 621 / 610): the softmax is bound by
-    # instruction issue and latency on Hopper, not by MUFU's throughput.
+    # two warpgroups 16k 464 / 462; d=128 16k 645 / 621 / 610): on Hopper the key loop is
+    # bound by the latency of each warpgroup's S -> max -> exp -> P·V chain, not by MUFU's
+    # throughput (nor by issue: 19 % fewer instructions also lost, benchmarks/NOTES.md).
     exp2_emu_every: int = 0
     # 0: rescale O every block; t > 0: FA4's conditional rescale (the max used for P moves
     # only when a row's max grows by more than t, log2 units; O is multiplied only in warps
