@@ -8,11 +8,12 @@ interpreted objects that a Gluon compile cannot call.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from sass_report import sass_report, sm90_build
 
-from asymflash.backends.sm90 import fwd
+from asymflash.backends.sm90 import fwd, fwd_config
 
 pytestmark = pytest.mark.skipif(fwd._GLUON_ERROR is not None, reason=str(fwd._GLUON_ERROR))
 
@@ -221,8 +222,9 @@ def test_three_consumer_warpgroups_default_only_where_measured_faster():
 
     assert use_three_warpgroups(64, False, 2048, True, True)
     assert use_three_warpgroups(64, False, 16384, True, True)
-    assert use_three_warpgroups(64, True, 16384, True, True)  # causal: from 16k rows
-    assert not use_three_warpgroups(64, True, 8192, True, True)  # causal, shorter: slower
+    assert use_three_warpgroups(64, True, 16384, True, True)  # causal: from 8k rows
+    assert use_three_warpgroups(64, True, 8192, True, True)
+    assert not use_three_warpgroups(64, True, 4096, True, True)  # causal, shorter: slower
     assert not use_three_warpgroups(64, False, 512, True, True)  # short: slower
     assert not use_three_warpgroups(128, False, 16384, True, True)  # not built
     assert not use_three_warpgroups(64, False, 16384, False, True)  # varlen: plain grid
@@ -352,6 +354,65 @@ def test_unsupported_reports_reason_on_cpu():
     seq = SeqInfo.dense(1, 8, 8, "cpu")
     why = fwd.unsupported(q, q, q, seq, AttnParams(0.125), None)
     assert isinstance(why, str) and why
+
+
+def _static_schedule_loads(costs, n_hb, grid, hb_chunk):
+    """Work per CTA of the persistent grid, tile by tile as the kernel walks them (the
+    loops of `_wave_tile` and `_tile_of` written out again, independently of fwd_config)."""
+    nmb = len(costs)
+    tiles = nmb * n_hb
+    loads = [0.0] * grid
+    for wave in range(-(-tiles // grid)):
+        for pid in range(grid):
+            tile = wave * grid + pid if wave % 2 == 0 else wave * grid + grid - 1 - pid
+            if tile >= tiles:
+                continue
+            chunk, r = divmod(tile, hb_chunk * nmb)
+            width = min(hb_chunk, n_hb - chunk * hb_chunk)
+            loads[pid] += costs[nmb - 1 - r // width]
+    return loads
+
+
+@pytest.mark.parametrize("seqlen,block_m,block_n,n_hb,grid", [
+    (16384, 192, 128, 32, 132), (1000, 128, 64, 7, 5), (4096, 128, 128, 64, 132),
+    (203, 128, 64, 3, 2), (8192, 192, 128, 64, 132)])
+def test_balanced_chunks_match_the_kernel_schedule(seqlen, block_m, block_n, n_hb, grid):
+    # FwdConfig.balanced_chunks: the imbalance the host computes is the kernel's (loads
+    # recomputed tile by tile), the tile costs are the key blocks a causal mask leaves (counted
+    # from the mask itself), and the chosen chunk is the first within the tolerance.
+    costs = fwd.tile_costs(seqlen, seqlen, 0, block_m, block_n)
+    for m, cost in enumerate(costs):
+        last_row = min((m + 1) * block_m, seqlen) - 1
+        blocks = len({c // block_n for c in range(seqlen) if c <= last_row})
+        assert cost == blocks + fwd_config.TILE_OVERHEAD_BLOCKS
+    for hb in (1, 2, n_hb // 2 + 1, n_hb):
+        loads = _static_schedule_loads(costs, n_hb, grid, hb)
+        mean = sum(costs) * n_hb / grid
+        assert fwd.schedule_imbalance(costs, n_hb, grid, hb) == pytest.approx(max(loads) / mean)
+    smallest = max(1, n_hb // 4)
+    chosen = fwd.balanced_chunk(costs, n_hb, grid, smallest)
+    tries = range(smallest, min(3 * smallest, n_hb, smallest + 23) + 1)
+    ratios = {hb: fwd.schedule_imbalance(costs, n_hb, grid, hb) for hb in tries}
+    good = [hb for hb in tries if ratios[hb] <= fwd_config.BALANCE_TOLERANCE]
+    assert chosen == (good[0] if good else min(tries, key=lambda hb: (ratios[hb], hb)))
+
+
+def test_balanced_chunks_in_the_launch_plan():
+    # d=64 causal 16k (three warpgroups): the old rule's 13 (sequence, head) pairs per chunk
+    # gave the busiest CTA 1.127x the mean work; the plan now takes 10 (1.022x).
+    args = dict(d=64, dv=64, max_seqlen_q=16384, max_seqlen_k=16384, uniform=True,
+                has_seqused=False, window_left=-1, window_right=0, softcap=False,
+                has_sink=False, batch=1, hq=32, hkv=32, sms=132)
+    new = fwd.launch_plan(cfg=None, **args)
+    old = fwd.launch_plan(cfg=replace(new.cfg, balanced_chunks=False, chunk_waves=8,
+                                      persistent=None), **args)
+    costs = fwd.tile_costs(16384, 16384, 0, 192, 128)
+    assert (old.hb_chunk, new.hb_chunk) == (13, 10)
+    assert fwd.schedule_imbalance(costs, 32, 132, 13) > 1.1
+    assert fwd.schedule_imbalance(costs, 32, 132, 10) <= fwd_config.BALANCE_TOLERANCE
+    # without a mask every tile does the same work: chunks by L2 alone, as before
+    plain = fwd.launch_plan(cfg=None, **dict(args, window_right=-1))
+    assert not plain.cfg.lpt and plain.hb_chunk == fwd.L2_KV_BUDGET // (16384 * 128 * 2)
 
 
 @pytest.mark.parametrize("d,causal,seqlen,batch", [(64, False, 512, 32), (128, True, 512, 32),

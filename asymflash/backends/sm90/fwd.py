@@ -58,10 +58,13 @@ from .fwd_config import (  # noqa: F401 - re-exported: tests, scripts and bwd re
     _default_config,
     _three_warpgroups,
     _with_persistent,
+    balanced_chunk,
     check_config,
     default_for_call,
     persistent_launch,
+    schedule_imbalance,
     select_config,
+    tile_costs,
     use_persistent,
     use_three_warpgroups,
 )
@@ -187,7 +190,7 @@ def launch_plan(d: int, dv: int, max_seqlen_q: int, max_seqlen_k: int, uniform: 
     num_m_blocks = cdiv(max_seqlen_q, BLOCK_M_WG * max(cfg.consumer_wgs, 1))
     num_tiles = num_m_blocks * hq * batch
     cfg, grid, hb_chunk = persistent_launch(cfg, max_seqlen_q, max_seqlen_k, dense, batch,
-                                            num_tiles, hq, hkv, d, dv, sms, plain)
+                                            num_tiles, hq, hkv, d, dv, sms, plain, window_right)
     check_config(cfg, d)
     consts = _constexprs(d, dv, cfg, uniform=dense, has_seqused=has_seqused,
                          has_left=window_left >= 0, has_right=window_right >= 0,

@@ -41,7 +41,11 @@ class FwdConfig:
     # pairs worked on together spans at least this many waves of the grid (a static schedule
     # needs many tiles per CTA per chunk to even out the work); 0: chunks sized by L2 alone
     # (always so without LPT: every tile then does the same work).
-    chunk_waves: int = 8
+    chunk_waves: int = 6
+    # With LPT, grow the chunk from there until the static schedule's busiest CTA has at
+    # most `BALANCE_TOLERANCE` times the mean work (`balanced_chunk`). Off: the smallest chunk
+    # (the rule before 2026-11-30 session 19, then with chunk_waves 8).
+    balanced_chunks: bool = True
     # FA3's ping-pong: the consumer warpgroups take turns issuing their wgmmas (one mbarrier
     # each, passed round robin), so one's softmax overlaps another's matrix work. Two
     # warpgroups measured neutral on the H200 (2026-11-29, benchmarks/NOTES.md): off there.
@@ -182,10 +186,13 @@ def use_three_warpgroups(head_dim: int, masked: bool, max_seqlen_q: int, uniform
     Taking turns (FwdConfig.pingpong, 2026-11-30 session 16, two probes): non-causal 2k / 16k
     428 / 452-457 -> 445-447 / 502-509; causal 16k 428-430 -> 441-442 (so from 16k rows
     there), 2k 349-357 -> 330-334, 512 215 -> 161; non-causal 1k 402 -> 371.
+    With balanced chunks (FwdConfig.balanced_chunks, 2026-11-30 session 19, two probes):
+    causal 8k 412-418 -> 443-446 (so from 8k rows), 4k 400-401 -> 393-398; non-causal 1k
+    401-403 -> 370-373.
     """
     if head_dim != 64 or not (uniform and plain):
         return False
-    return max_seqlen_q >= (16384 if masked else 2048)
+    return max_seqlen_q >= (8192 if masked else 2048)
 
 
 # Short masked calls (dense, no softcap, sink or left window) up to this many query rows
@@ -214,13 +221,13 @@ def _short_masked(d: int, local: bool) -> FwdConfig:
 
 def persistent_launch(cfg: FwdConfig, max_seqlen_q: int, max_seqlen_k: int, uniform: bool,
                       batch: int, num_tiles: int, hq: int, hkv: int, d: int, dv: int, sms: int,
-                      plain: bool) -> tuple[FwdConfig, int, int]:
+                      plain: bool, window_right: int = -1) -> tuple[FwdConfig, int, int]:
     """(config with `persistent` decided, grid size, hb_chunk) of one call.
 
     hb_chunk: how many (sequence, head) pairs a persistent grid works on together, so that
     their K/V (shared by a GQA group) fit in `L2_KV_BUDGET` (and, with LPT, the chunk spans
-    `chunk_waves` waves). uniform: dense sequences without seqused_k; plain: no softcap,
-    sink or left window.
+    `chunk_waves` waves, grown until the schedule is balanced: `balanced_chunk`). uniform:
+    dense sequences without seqused_k; plain: no softcap, sink or left window.
     """
     if cfg.persistent is None:
         cfg = _with_persistent(cfg, cfg.consumer_wgs == 3 or use_persistent(
@@ -231,8 +238,73 @@ def persistent_launch(cfg: FwdConfig, max_seqlen_q: int, max_seqlen_k: int, unif
     num_m_blocks = num_tiles // (hq * batch)
     kv_bytes = max(max_seqlen_k, 1) * (d + dv) * 2 * hkv // hq
     waves = cfg.chunk_waves if cfg.lpt else 0
-    hb_chunk = max(L2_KV_BUDGET // max(kv_bytes, 1), -(-waves * grid // num_m_blocks), 1)
-    return cfg, grid, min(hb_chunk, hq * batch)
+    hb_chunk = min(max(L2_KV_BUDGET // max(kv_bytes, 1), -(-waves * grid // num_m_blocks), 1),
+                   hq * batch)
+    if cfg.lpt and cfg.balanced_chunks:
+        costs = tile_costs(max_seqlen_q, max_seqlen_k, window_right, 64 * cfg.consumer_wgs,
+                           cfg.block_n)
+        hb_chunk = balanced_chunk(costs, hq * batch, grid, hb_chunk)
+    return cfg, grid, hb_chunk
+
+
+# How much more work than the mean the busiest CTA of a static longest-first schedule may get
+# (`balanced_chunk`), and the work of a tile besides its key blocks, in key blocks (Q load,
+# first block's wait, epilogue: a guess; the choice barely moves with it).
+BALANCE_TOLERANCE = 1.025
+TILE_OVERHEAD_BLOCKS = 1.5
+
+
+def tile_costs(seqlen_q: int, seqlen_k: int, window_right: int, block_m: int,
+               block_n: int) -> tuple[float, ...]:
+    """Work of each query tile of a sequence, in key blocks (`_key_blocks`' n_hi without a
+    left window: the persistent grid takes none)."""
+    costs = []
+    for m0 in range(0, seqlen_q, block_m):
+        n_hi = -(-seqlen_k // block_n)
+        if window_right >= 0:
+            last = min(m0 + block_m - 1, seqlen_q - 1) + seqlen_k - seqlen_q + window_right
+            n_hi = min(n_hi, -(-max(last + 1, 0) // block_n))
+        costs.append(max(n_hi, 1) + TILE_OVERHEAD_BLOCKS)
+    return tuple(costs)
+
+
+def schedule_imbalance(costs: tuple[float, ...], n_hb: int, grid: int, hb_chunk: int) -> float:
+    """Busiest CTA's work over the mean in the persistent grid's static schedule: the
+    kernel's `_tile_of` (chunks of hb_chunk pairs, query blocks outer, longest first) and
+    `_wave_tile` (tile w·grid + p to CTA p, CTA order reversed on odd waves)."""
+    import torch  # CPU only, once per shape (launch_plan is cached)
+
+    num_m_blocks = len(costs)
+    tiles = num_m_blocks * n_hb
+    t = torch.arange(tiles)
+    per_chunk = hb_chunk * num_m_blocks
+    chunk = t // per_chunk
+    width = torch.clamp(n_hb - chunk * hb_chunk, max=hb_chunk)
+    m_blk = num_m_blocks - 1 - (t - chunk * per_chunk) // width
+    work = torch.tensor(costs, dtype=torch.float64)[m_blk]
+    waves = -(-tiles // grid)
+    per_cta = torch.zeros(waves * grid, dtype=torch.float64)
+    per_cta[:tiles] = work
+    per_cta = per_cta.view(waves, grid)
+    per_cta[1::2] = per_cta[1::2].flip(1)
+    return float(per_cta.sum(0).max() / (work.sum() / grid))
+
+
+@functools.lru_cache(maxsize=256)
+def balanced_chunk(costs: tuple[float, ...], n_hb: int, grid: int, smallest: int) -> int:
+    """The smallest chunk from `smallest` (L2: smaller is better) up to three times it whose
+    static schedule is balanced within BALANCE_TOLERANCE, else the most balanced of them.
+    The imbalance jumps with the chunk: d=64 causal 16k (three warpgroups, 86 tiles per
+    head, 32 heads) 1.127 at 13 pairs (the rule before), 1.022 at 10; H200 2026-11-30 session
+    19 (sm90-probe --graph, TFLOP/s): 13 pairs 445-452, 10 pairs 476-479, 16 pairs 465-469."""
+    best = (float("inf"), smallest)
+    # (at most 24 candidates: each is a pass over every tile)
+    for hb in range(smallest, min(3 * smallest, n_hb, smallest + 23) + 1):
+        imbalance = schedule_imbalance(costs, n_hb, grid, hb)
+        if imbalance <= BALANCE_TOLERANCE:
+            return hb
+        best = min(best, (imbalance, hb))
+    return best[1]
 
 
 def check_config(cfg: FwdConfig, head_dim: int) -> None:
