@@ -40,8 +40,13 @@ class FwdConfig:
     # Persistent grid with longest-first order, host side only: a chunk of (sequence, head)
     # pairs worked on together spans at least this many waves of the grid (a static schedule
     # needs many tiles per CTA per chunk to even out the work); 0: chunks sized by L2 alone
-    # (always so without LPT: every tile then does the same work).
-    chunk_waves: int = 6
+    # (always so without LPT: every tile then does the same work). Smaller chunks keep more
+    # K/V in L2 once `balanced_chunks` evens out the work: H200 2026-11-30 session 19
+    # (sm90-probe --graph, causal, two probes, TFLOP/s, chunk_waves 6 -> 3): d=128 512 / 1k /
+    # 2k 282-285 / 377 / 456-457 -> 290-291 / 386-390 / 472-478, d=256 512 / 2k 287-290 /
+    # 508-510 -> 310-313 / 533, d=128 4k / 8k 528-530 / 551-557 -> 546-548 / 575-577, d=256
+    # 1k / 4k a tie; d=64 the same chunks (L2 or balance bound them); 10: 2-8 % below 6.
+    chunk_waves: int = 3
     # With LPT, grow the chunk from there until the static schedule's busiest CTA has at
     # most `BALANCE_TOLERANCE` times the mean work (`balanced_chunk`). Off: the smallest chunk
     # (the rule before 2026-11-30 session 19, then with chunk_waves 8).
