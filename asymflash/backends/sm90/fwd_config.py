@@ -297,14 +297,14 @@ def schedule_imbalance(costs: tuple[float, ...], n_hb: int, grid: int, hb_chunk:
 
 @functools.lru_cache(maxsize=256)
 def balanced_chunk(costs: tuple[float, ...], n_hb: int, grid: int, smallest: int) -> int:
-    """The smallest chunk from `smallest` (L2: smaller is better) up to three times it whose
-    static schedule is balanced within BALANCE_TOLERANCE, else the most balanced of them.
+    """The smallest chunk from `smallest` (L2: smaller is better) whose static schedule is
+    balanced within BALANCE_TOLERANCE, else the most balanced (24 candidates at most).
     The imbalance jumps with the chunk: d=64 causal 16k (three warpgroups, 86 tiles per
     head, 32 heads) 1.127 at 13 pairs (the rule before), 1.022 at 10; H200 2026-11-30 session
     19 (sm90-probe --graph, TFLOP/s): 13 pairs 445-452, 10 pairs 476-479, 16 pairs 465-469."""
     best = (float("inf"), smallest)
     # (at most 24 candidates: each is a pass over every tile)
-    for hb in range(smallest, min(3 * smallest, n_hb, smallest + 23) + 1):
+    for hb in range(smallest, min(n_hb, smallest + 23) + 1):
         imbalance = schedule_imbalance(costs, n_hb, grid, hb)
         if imbalance <= BALANCE_TOLERANCE:
             return hb
