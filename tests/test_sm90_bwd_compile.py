@@ -310,3 +310,37 @@ def test_every_backward_kernel_skips_key_blocks_numbered_below_zero():
             body = src[at:at + 800]
             guard = re.search(r"\n\s*if \(n0 >= 0\) & \(n0 < seqlen_k\):", body)
             assert guard, f"{name}: no `n0 >= 0` guard right after key_block"
+
+
+def test_heads_first_grid_where_all_heads_fit_l2():
+    # BwdConfig.heads_first: causal calls on dense lengths whose heads' Q and dO fit
+    # HEADS_FIRST_L2_BYTES run the grid as (kv heads, key blocks, sequences); longer calls,
+    # other masks, ragged batches and deterministic mode keep (key blocks, kv heads, ...).
+    def plan(d=128, seqlen=2048, batch=8, hq=16, hkv=16, wl=-1, wr=0, uniform=True,
+             det=False, cfg=None):
+        return bwd.launch_plan(d, d, seqlen, seqlen, uniform, not uniform, wl, wr, False,
+                               det, batch, hkv, 132, cfg, False, hq)
+
+    def blocks(seqlen, d=128):
+        return -(-seqlen // (64 if d == 256 else 128))
+
+    # 16 heads x 2048 rows x (128 + 128) x 2 bytes = 16 MB: within the budget
+    assert 16 * 2048 * 256 * 2 <= bwd.HEADS_FIRST_L2_BYTES < 16 * 4096 * 256 * 2
+    for kw, grid in ((dict(), (16, blocks(2048), 8)),
+                     (dict(d=64, hq=32, hkv=32), (32, blocks(2048), 8)),
+                     (dict(d=256, hq=8, hkv=8), (8, blocks(2048, 256), 8)),
+                     (dict(hq=16, hkv=4), (4, blocks(2048), 8))):  # GQA: q heads count
+        p = plan(**kw)
+        assert p.constexprs["HEADS_FIRST"] and p.grid == grid, kw
+    for kw in (dict(seqlen=4096, batch=4), dict(seqlen=16384, batch=1), dict(wr=-1),
+               dict(wl=100, wr=0), dict(uniform=False), dict(det=True)):
+        p = plan(**kw)
+        assert not p.constexprs["HEADS_FIRST"], kw
+        assert p.grid == (blocks(kw.get("seqlen", 2048)), 16, kw.get("batch", 8)), kw
+    # an explicit choice wins, within the masks it applies to
+    causal = bwd.select_config(128, masked=True)
+    p = plan(cfg=replace(causal, heads_first=False))
+    assert not p.constexprs["HEADS_FIRST"] and p.grid == (blocks(2048), 16, 8)
+    p = plan(seqlen=16384, batch=1, cfg=replace(causal, heads_first=True))
+    assert p.constexprs["HEADS_FIRST"] and p.grid == (16, blocks(16384), 1)
+    assert not plan(wr=-1, cfg=replace(causal, heads_first=True)).constexprs["HEADS_FIRST"]

@@ -251,6 +251,27 @@ def test_sm90_backward_d64_split_warpgroups_match_reference(case, variant):
         assert_fa_close(name, g, r32, rlow, atol=atol)
 
 
+# The grid's two orders (BwdConfig.heads_first): heads first, the default of causal calls
+# whose heads' Q and dO fit the L2 budget (every case here), and key blocks first, the order
+# of longer calls, on the causal cases with dense lengths (GQA, sq < sk, fp16, d=64/128/256).
+ORDER_CASES = [c for c in CASES if c.get("window") == (-1, 0) and not c.get("seqused")
+               and len(set(c["lens_q"])) == 1 and len(set(c["lens_k"])) == 1]
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("first", [True, False], ids=["heads-first", "blocks-first"])
+@pytest.mark.parametrize("case", ORDER_CASES, ids=lambda c: c["name"])
+def test_sm90_backward_grid_orders_match_reference(case, first):
+    from dataclasses import replace
+
+    from asymflash.backends.sm90 import bwd
+
+    cfg = replace(bwd.select_config(bwd_width(case), softcap=bool(case.get("softcap")),
+                                    masked=True), heads_first=first)
+    for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
+        assert_fa_close(name, g, r32, rlow, atol=atol)
+
+
 # The dQ staging tile with a 32-byte swizzle (BwdConfig.dq_swizzle: conflict-free stores from
 # the wgmma accumulator; the TMA reduce moves 8-column boxes; d=64's default), on every case
 # of each kernel: bwd.py's (d=64, softcap), bwd_ws.py's (d=128, deterministic with its dQ

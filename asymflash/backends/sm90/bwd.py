@@ -87,8 +87,10 @@ from . import fwd as _fwd
 from .bwd_config import (  # noqa: F401 - re-exported: tests and scripts read them here
     _DEFAULT_CONFIGS,
     FRAGMENT_MIN_ROWS,
+    HEADS_FIRST_L2_BYTES,
     BwdConfig,
     _splits_warpgroups,
+    heads_first,
     select_config,
 )
 from .fwd import _GLUON_ERROR
@@ -187,7 +189,8 @@ if _GLUON_ERROR is None:
                          REVERSE_N: gl.constexpr, DQ_TMA: gl.constexpr,
                          STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
                          WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
-                         DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr):
+                         DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr,
+                         HEADS_FIRST: gl.constexpr):
         # Keys on the M axis: warpgroup w owns keys [w·64, w·64 + 64) of the block.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
@@ -210,7 +213,7 @@ if _GLUON_ERROR is None:
 
         n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
             cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
-            HAS_RIGHT and (DETERMINISTIC or REVERSE_N))
+            HAS_RIGHT and (DETERMINISTIC or REVERSE_N), HEADS_FIRST)
         n0 = n_blk * BLOCK_N
         if (n0 >= 0) & (n0 < seqlen_k):
             shift = seqlen_k - seqlen_q
@@ -424,7 +427,7 @@ if _GLUON_ERROR is None:
             store_key_grads(dk_desc, dv_desc, dk_ptr, dv_ptr, dk * softmax_scale, dv, q_smem,
                             do_smem, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM, HEAD_DIM_V,
                             BLOCK_N, KV_TMA_STORE, HAS_RIGHT and (DETERMINISTIC or REVERSE_N),
-                            dk_layout, dv_layout)
+                            dk_layout, dv_layout, HEADS_FIRST)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,7 +437,7 @@ if _GLUON_ERROR is None:
 
 def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, has_left,
                 has_right, softcap, deterministic=False, max_key_blocks=1, resident_ctas=1,
-                kv_tma_store=False, split=False):
+                kv_tma_store=False, split=False, heads_first_grid=False):
     # A staggered deterministic walk makes key block j wait for j + 1 at some query blocks, so
     # every key block of a sequence must be resident at once (one CTA per SM): otherwise
     # ascending turns, where a CTA only waits for CTAs launched before it.
@@ -447,7 +450,8 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
             "DP_EARLY": cfg.dp_early, "DETERMINISTIC": deterministic,
             "REVERSE_N": cfg.reverse_causal, "DQ_TMA": cfg.dq_tma,
             "STAGGER": stagger, "RELEASE_AT": cfg.turn_release if cfg.dq_tma else 0,
-            "WAIT_EARLY": cfg.turn_wait_early and cfg.dq_tma, "KV_TMA_STORE": kv_tma_store}
+            "WAIT_EARLY": cfg.turn_wait_early and cfg.dq_tma, "KV_TMA_STORE": kv_tma_store,
+            "HEADS_FIRST": heads_first_grid}
     if head_dim != 256:  # bwd_wide splits dK/dQ by columns: its schedule has no such choice
         consts["DK_LATE"] = cfg.dk_late
     consts["STATS_LATE"] = cfg.stats_late
@@ -616,7 +620,7 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
     plan = launch_plan(width, width_v, seq.max_seqlen_q, seq.max_seqlen_k,
                        bool(seq.uniform and not has_seqused), has_seqused, wl, wr,
                        params.softcap > 0, params.deterministic, seq.batch, hkv,
-                       sm_count(q.device), cfg, cfg is None and _fwd.arrive_all_switch())
+                       sm_count(q.device), cfg, cfg is None and _fwd.arrive_all_switch(), hq)
     cfg = plan.cfg
     # The dO descriptor shares Q's compiled element type and needs TMA-friendly strides.
     # (Each no-op conversion still costs host time: convert only what needs it.)
@@ -701,20 +705,27 @@ class LaunchPlan:
 def launch_plan(width: int, width_v: int, max_seqlen_q: int, max_seqlen_k: int,
                 uniform: bool, has_seqused: bool, window_left: int, window_right: int,
                 softcap: bool, deterministic: bool, batch: int, hkv: int, sms: int,
-                cfg: BwdConfig | None, arrive: bool = False) -> LaunchPlan:
+                cfg: BwdConfig | None, arrive: bool = False, hq: int = 0) -> LaunchPlan:
     """Config, grid and constexprs of one backward call (cfg: an override, or None; arrive:
-    ASYMFLASH_SM90_ARRIVE_ALL, `fwd.arrive_all_switch`, applied to the config)."""
+    ASYMFLASH_SM90_ARRIVE_ALL, `fwd.arrive_all_switch`, applied to the config; hq: query
+    heads, 0 for hkv)."""
     cfg = select_config(width, cfg, softcap, deterministic,
                         window_left >= 0 or window_right >= 0, max_seqlen_q)
     if arrive:
         cfg = replace(cfg, arrive_all=True)
     grid = (cdiv(max(max_seqlen_k, 1), cfg.block_n), hkv, batch)
+    first = heads_first(cfg, window_right >= 0 and window_left < 0,
+                        uniform and not has_seqused, deterministic, hq or hkv, max_seqlen_q,
+                        width, width_v)
+    if first:
+        grid = (hkv, grid[0], batch)
     split = _splits_warpgroups(width, cfg, deterministic, softcap)
     consts = _constexprs(width, width_v, cfg, split=split, uniform=uniform,
                          has_seqused=has_seqused,
                          has_left=window_left >= 0, has_right=window_right >= 0,
                          softcap=softcap, deterministic=deterministic,
-                         max_key_blocks=grid[0], resident_ctas=sms,
+                         max_key_blocks=grid[1] if first else grid[0], resident_ctas=sms,
+                         heads_first_grid=first,
                          kv_tma_store=cfg.kv_tma_store and kv_tma_store(
                              uniform, max_seqlen_k, batch, cfg.block_n))
     consts.update(_launch_options(split, cfg))

@@ -135,6 +135,17 @@ class BwdConfig:
     # -> 501-532 / 560-569 (a tie), causal 393-405 / 536-555 -> 415-425 / 571-576: on;
     # deterministic 16k 559 -> 477, causal 525 -> 496: off there (`select_config`).
     ws_dk_after_dq: bool = False
+    # The grid as (kv heads, key blocks, sequences) instead of (key blocks, kv heads,
+    # sequences), with a causal mask (`bwd_parts.key_block`): the hardware then hands out
+    # key block 0 (the most query blocks) of every head of a sequence first. Replaying its
+    # in-order hand-out on the host, one head after another gave the busiest SM of d=128 /
+    # d=256 causal 2k 1.07x the mean work, heads first 1.02 / 1.00x. H200 2026-11-30 session
+    # 19 (sm90-bwd-probe, causal TFLOP/s, key blocks first -> heads first, two or three runs):
+    # d=128 1k / 2k 316-317 / 400-414 -> 319-328 / 420-436, d=256 1k / 2k 240 / 292-293 ->
+    # 248 / 302-304, 512 rows +1 %, d=64 a tie. (All heads at once over 16k rows lost L2
+    # sharing: -7 % at d=128, session 10.) None: per call (`heads_first`: where all heads'
+    # Q and dO fit HEADS_FIRST_L2_BYTES).
+    heads_first: bool | None = None
 
 
 # FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,
@@ -151,6 +162,22 @@ _DEFAULT_CONFIGS = {
     256: BwdConfig(block_m=64, block_n=64, dv_overlap=False,  # FA3's hdim-256 tile
                    turn_release=0, stats_late=False),
 }
+
+
+# Q and dO bytes of all (q) heads of one sequence that heads-first order may keep in flight
+# (BwdConfig.heads_first).
+HEADS_FIRST_L2_BYTES = 24 << 20
+
+
+def heads_first(cfg: BwdConfig, masked: bool, uniform: bool, deterministic: bool, hq: int,
+                max_seqlen_q: int, head_dim: int, head_dim_v: int) -> bool:
+    """Whether a call's grid runs heads first (BwdConfig.heads_first): causal or right-window
+    masks on dense lengths, not deterministic."""
+    if not (masked and uniform) or deterministic:
+        return False
+    if cfg.heads_first is not None:
+        return cfg.heads_first
+    return hq * max_seqlen_q * (head_dim + head_dim_v) * 2 <= HEADS_FIRST_L2_BYTES
 
 
 def _splits_warpgroups(head_dim: int, cfg: BwdConfig, deterministic: bool,

@@ -64,7 +64,8 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def key_block(cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr,
-                  UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr, TOP_FIRST: gl.constexpr):
+                  UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr, TOP_FIRST: gl.constexpr,
+                  HEADS_FIRST: gl.constexpr = False):
         """This CTA's key block, kv head and sequence: (n_blk, n_seq, hk, batch, q_start,
         k_start, seqlen_q, seqlen_k); n_seq key blocks in the sequence.
 
@@ -72,9 +73,14 @@ if _GLUON_ERROR is None:
         upward from its diagonal, so the highest key block reaches a query block first. It
         takes the first turn there, and the grid runs from the top key block down, so a CTA
         only ever waits for CTAs launched before it.
+
+        HEADS_FIRST (BwdConfig.heads_first): the grid is (kv heads, key blocks, sequences),
+        so the hardware hands out key block 0 of every head of a sequence, then block 1, ...:
+        longest first under a causal mask, where the (key blocks, ...) order ends each head
+        with its shortest blocks and the call with a wave of long and short CTAs mixed.
         """
-        n_blk = gl.program_id(0)
-        hk = gl.program_id(1)
+        n_blk = gl.program_id(1 if HEADS_FIRST else 0)
+        hk = gl.program_id(0 if HEADS_FIRST else 1)
         batch = gl.program_id(2)
         q_start, k_start, seqlen_q, seqlen_k = _sequence(
             batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr, UNIFORM, HAS_SEQUSED)
@@ -370,14 +376,15 @@ if _GLUON_ERROR is None:
                                          is_pure=False, pack=1)
 
     @gluon.jit
-    def key_block_origin(seqlen_k, BLOCK_N: gl.constexpr, TOP_FIRST: gl.constexpr):
+    def key_block_origin(seqlen_k, BLOCK_N: gl.constexpr, TOP_FIRST: gl.constexpr,
+                         HEADS_FIRST: gl.constexpr = False):
         """(first packed key row, kv head) of this CTA's key block in a uniform call,
         recomputed for the epilogue (`key_block`'s values, derived again). Reusing the
         prologue's would keep them live through the loop: at d <= 128 the kernels run at
         the 255-register limit and ptxas spilled inside the loop (sm_90a, up to 40 local
         instructions)."""
-        n_blk = _ctaid_again(seqlen_k, 0)
-        hk = _ctaid_again(seqlen_k, 1)
+        n_blk = _ctaid_again(seqlen_k, 1 if HEADS_FIRST else 0)
+        hk = _ctaid_again(seqlen_k, 0 if HEADS_FIRST else 1)
         batch = _ctaid_again(seqlen_k, 2)
         if TOP_FIRST:
             n_blk = (seqlen_k + BLOCK_N - 1) // BLOCK_N - 1 - n_blk
@@ -420,14 +427,15 @@ if _GLUON_ERROR is None:
                         seqlen_k, n_kv_heads, hk, HEAD_DIM: gl.constexpr,
                         HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
                         KV_TMA_STORE: gl.constexpr, TOP_FIRST: gl.constexpr,
-                        dk_layout: gl.constexpr, dv_layout: gl.constexpr):
+                        dk_layout: gl.constexpr, dv_layout: gl.constexpr,
+                        HEADS_FIRST: gl.constexpr = False):
         """Both kernels' epilogue: the CTA's dK (already scaled) and dV tiles, by TMA through
         the Q and dO buffers (free once the loop is over: d <= 128 two 32 KB rings, d = 256
         Q's 64 KB ring and dO's 32 KB buffer) where the host allows it (`kv_tma_store`), else
         by masked per-thread stores."""
         if KV_TMA_STORE:
             dtype: gl.constexpr = dk_desc.dtype
-            key_row, key_head = key_block_origin(seqlen_k, BLOCK_N, TOP_FIRST)
+            key_row, key_head = key_block_origin(seqlen_k, BLOCK_N, TOP_FIRST, HEADS_FIRST)
             store_key_tiles(dk_desc, dv_desc, dk, dv,
                             q_smem._reinterpret(dtype, [BLOCK_N, HEAD_DIM], dk_desc.layout),
                             do_smem._reinterpret(dtype, [BLOCK_N, HEAD_DIM_V], dv_desc.layout),

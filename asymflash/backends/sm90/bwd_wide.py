@@ -86,7 +86,7 @@ if _GLUON_ERROR is None:
                              REVERSE_N: gl.constexpr, DQ_TMA: gl.constexpr,
                              STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
                              WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
-                             STATS_LATE: gl.constexpr):
+                             STATS_LATE: gl.constexpr, HEADS_FIRST: gl.constexpr):
         # dPᵀ is always issued with Sᵀ here (DP_EARLY is bwd.py's register trade-off), and dV
         # is always retired before dSᵀ is published (barrier 2 relies on it); DV_OVERLAP keeps
         # it in flight while dSᵀ is formed. DQ_TMA: dQ leaves by TMA reduce-add in two
@@ -107,7 +107,7 @@ if _GLUON_ERROR is None:
 
         n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
             cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
-            HAS_RIGHT and (DETERMINISTIC or REVERSE_N))
+            HAS_RIGHT and (DETERMINISTIC or REVERSE_N), HEADS_FIRST)
         n0 = n_blk * BLOCK_N
         if (n0 >= 0) & (n0 < seqlen_k):
             shift = seqlen_k - seqlen_q
@@ -312,4 +312,4 @@ if _GLUON_ERROR is None:
             store_key_grads(dk_desc, dv_desc, dk_ptr, dv_ptr, dk * softmax_scale, dv, q_smem,
                             do_s, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM, HEAD_DIM_V,
                             BLOCK_N, KV_TMA_STORE, HAS_RIGHT and (DETERMINISTIC or REVERSE_N),
-                            dk_layout, dv_layout)
+                            dk_layout, dv_layout, HEADS_FIRST)

@@ -377,7 +377,8 @@ if _GLUON_ERROR is None:
                            WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
                            DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr,
                            LATE_WG: gl.constexpr, RING: gl.constexpr, ARRIVE: gl.constexpr,
-                           ARRIVE_PASS: gl.constexpr, DK_AFTER_DQ: gl.constexpr):
+                           ARRIVE_PASS: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
+                           HEADS_FIRST: gl.constexpr):
         # Same arguments as bwd._attn_bwd_kernel (one host path); DK_LATE, STATS_LATE,
         # RELEASE_AT, WAIT_EARLY and dq_ptr belong to that kernel's schedule. DV_OVERLAP:
         # dV = Pᵀ·dO stays in flight while dSᵀ is formed (BwdConfig.dv_overlap).
@@ -388,7 +389,7 @@ if _GLUON_ERROR is None:
         dtype: gl.constexpr = q_desc.dtype
         n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
             cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
-            HAS_RIGHT and DETERMINISTIC)
+            HAS_RIGHT and DETERMINISTIC, HEADS_FIRST)
         n0 = n_blk * BLOCK_N
         # Top-first order (deterministic causal) numbers the key blocks down from the
         # sequence's own count: grid columns beyond a shorter varlen sequence get n0 < 0.
