@@ -2,9 +2,8 @@
 # What runs on the H200 (device tool): the whole test suite on CUDA, then the benchmark.
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
 # or ./out)
-#   pending: what a session left unchecked on the GPU (session 18: nothing; it re-checks the
-#   per-warp conditional rescale, ~2 min; session 17's ran in session 18,
-#   benchmarks/results/2026-11-30-h200-session18/pending/).
+#   pending: what a session left unchecked on the GPU (session 19: nothing; it re-checks the
+#   per-warp conditional rescale, ~2 min).
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
 #   (DECODE=1), host-overhead.py (HOST_OVERHEAD=1) and hf-generate-bench.py (HF=1);
@@ -47,8 +46,15 @@ run_tests() {
     fi
     log="$out/$name.log"
     logs+=("$log")
+    # The backward's file compiles one kernel after another: with pytest-xdist (on the device
+    # image) six workers take it from > 540 s (cut by the limit, 2026-11-30 session 19) to
+    # about a minute (262 tests in 50 s with 14 workers alone on the machine).
+    workers=()
+    if [ "$f" = tests/test_sm90_bwd_gpu.py ] && python3 -c "import xdist" 2>/dev/null; then
+      workers=(-n 6)
+    fi
     timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfs \
-      ${PYTEST_K:+-k "$PYTEST_K"} "${shard[@]}" "$f" > "$log" 2>&1 &
+      ${PYTEST_K:+-k "$PYTEST_K"} "${shard[@]}" "${workers[@]}" "$f" > "$log" 2>&1 &
     pids+=($!)
   done
   for i in "${!files[@]}"; do
