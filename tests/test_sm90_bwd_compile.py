@@ -66,6 +66,11 @@ CONFIGS = [
       "uniform": False, "has_seqused": True}, 40),
     # d=64 in it on request (128-row steps: 95 seen, which is why d=64 keeps bwd.py's kernel)
     ({"head_dim": 64, "cfg": {"split_warpgroups": True}}, 128),
+    # ... with the dQ warp issuing the reduces (ws_dq_warp, prepared 2026-11-30: 6 seen; 162
+    # causal, the deterministic build's count)
+    ({"head_dim": 64, "cfg": {"split_warpgroups": True, "ws_dq_warp": True, "dq_swizzle": 128}},
+     16),
+    ({"head_dim": 128, "cfg": {"ws_dq_warp": True}}, 8),  # 0 seen
     # ... or with 64-row steps (dQ split by columns), a three-slot ring: 0 seen
     ({"head_dim": 64, "has_right": True,
       "cfg": {"split_warpgroups": True, "block_m": 64, "ring_slots": 3}}, 8),

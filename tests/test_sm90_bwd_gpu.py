@@ -217,10 +217,12 @@ SPLIT_CASES_D64 = [c for c in CASES if c["d"] == 64 and not c.get("softcap")]
                                      dict(arrive_all=True), dict(dq_fragment=False),
                                      dict(dq_fragment=False, late_warpgroup=-1),
                                      dict(ws_dk_after_dq=False),
-                                     dict(ws_dk_after_dq=False, late_warpgroup=-1)],
+                                     dict(ws_dk_after_dq=False, late_warpgroup=-1),
+                                     dict(ws_dq_warp=True),
+                                     dict(ws_dq_warp=True, dq_fragment=False)],
                          ids=["late1", "in-step", "synchronous", "dv-overlap", "arrive-all",
                               "dq-row-major", "dq-row-major-in-step", "dk-before-dq",
-                              "dk-before-dq-in-step"])
+                              "dk-before-dq-in-step", "dq-warp", "dq-warp-row-major"])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c["name"])
 def test_sm90_backward_d128_schedules_match_reference(case, variant):
     from dataclasses import replace
@@ -236,9 +238,12 @@ def test_sm90_backward_d128_schedules_match_reference(case, variant):
 @pytest.mark.parametrize("variant", [dict(block_m=128), dict(block_m=64),
                                      dict(block_m=64, ring_slots=3),
                                      dict(block_m=128, dq_fragment=True),
-                                     dict(block_m=64, dq_fragment=True)],
+                                     dict(block_m=64, dq_fragment=True),
+                                     dict(block_m=128, ws_dq_warp=True, dq_swizzle=128),
+                                     dict(block_m=128, ws_dq_warp=True, dq_fragment=True)],
                          ids=["rows128", "rows64", "rows64-ring3", "rows128-dq-fragment",
-                              "rows64-dq-fragment"])
+                              "rows64-dq-fragment", "rows128-dq-warp",
+                              "rows128-dq-warp-fragment"])
 @pytest.mark.parametrize("case", SPLIT_CASES_D64, ids=lambda c: c["name"])
 def test_sm90_backward_d64_split_warpgroups_match_reference(case, variant):
     from dataclasses import replace

@@ -461,6 +461,7 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
         consts["ARRIVE"] = arrive_all.WARPGROUP if cfg.arrive_all else 1
         consts["ARRIVE_PASS"] = arrive_all.VERSION if cfg.arrive_all else 0
         consts["DK_AFTER_DQ"] = cfg.ws_dk_after_dq
+        consts["DQ_WARP"] = cfg.ws_dq_warp and not deterministic
         if cfg.arrive_all:
             arrive_all.install()  # the PTX pass that makes the marked arrives per-thread
     return consts

@@ -146,6 +146,12 @@ class BwdConfig:
     # sharing: -7 % at d=128, session 10.) None: per call (`heads_first`: where all heads'
     # Q and dO fit HEADS_FIRST_L2_BYTES).
     heads_first: bool | None = None
+    # bwd_ws without deterministic mode: the compute warpgroups hand their staged dQ tiles to
+    # the dQ warp, which issues both reduces (deterministic mode's hand-over, without the
+    # turns), instead of each issuing its own. Prepared 2026-11-30 session 19 after d=64's
+    # deterministic bwd_ws build (128-row steps) measured as fast as the non-deterministic
+    # default (2k / 16k 430 / 503 vs 431 / 483 TFLOP/s); not yet timed: off.
+    ws_dq_warp: bool = False
 
 
 # FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,

@@ -189,19 +189,22 @@ if _GLUON_ERROR is None:
                      shift, window_left, window_right, group_blocks, stride,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr,
-                     DET: gl.constexpr):
-        """Deterministic mode's dQ warp: per step, wait for this CTA's dQ turn on the step's
-        query block (bwd_parts.wait_dq_turn, the synchronous kernel's order), then for both
-        warpgroups' staged tiles, reduce-add them, hand the tiles back once read, and pass
-        the turn on once the adds have landed. The turn's round trips and the wait for the
-        writes stay off the compute warpgroups, which only wait for their tile's hand-back
-        (a step later)."""
+                     DET: gl.constexpr, TURNS: gl.constexpr):
+        """The dQ warp (DET: the compute warpgroups hand it their staged dQ tiles): per step,
+        with TURNS (deterministic mode) wait for this CTA's dQ turn on the step's query block
+        (bwd_parts.wait_dq_turn, the synchronous kernel's order), then for both warpgroups'
+        tiles, reduce-add them, hand the tiles back once read, and (TURNS) pass the turn on
+        once the adds have landed. The turn's round trips and the wait for the writes stay
+        off the compute warpgroups, which only wait for their tile's hand-back (a step
+        later). Without TURNS (BwdConfig.ws_dq_warp) it only takes the reduces off them."""
         if not DET:
             return
         for j in range(n_steps):
-            sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq,
-                               shift, window_left, window_right, h_first, m_lo, group_blocks,
-                               stride, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, True)
+            if TURNS:
+                sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq,
+                                   shift, window_left, window_right, h_first, m_lo,
+                                   group_blocks, stride, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                                   STAGGER, True)
             mbarrier.wait(dq_full.index(0), j & 1)
             mbarrier.wait(dq_full.index(1), j & 1)
             FRAG: gl.constexpr = in_fragments(dq_desc.layout)
@@ -216,7 +219,8 @@ if _GLUON_ERROR is None:
             gl.thread_barrier()
             mbarrier.arrive(dq_empty.index(0), count=1)
             mbarrier.arrive(dq_empty.index(1), count=1)
-            release_dq_turn_after_tma(sem, m0)
+            if TURNS:
+                release_dq_turn_after_tma(sem, m0)
             h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
 
     @gluon.jit
@@ -378,14 +382,15 @@ if _GLUON_ERROR is None:
                            DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr,
                            LATE_WG: gl.constexpr, RING: gl.constexpr, ARRIVE: gl.constexpr,
                            ARRIVE_PASS: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
-                           HEADS_FIRST: gl.constexpr):
+                           HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr):
         # Same arguments as bwd._attn_bwd_kernel (one host path); DK_LATE, STATS_LATE,
         # RELEASE_AT, WAIT_EARLY and dq_ptr belong to that kernel's schedule. DV_OVERLAP:
         # dV = Pᵀ·dO stays in flight while dSᵀ is formed (BwdConfig.dv_overlap).
         # DETERMINISTIC: the dQ warp adds the tiles in bwd.py's turn order (causal masks:
         # the grid runs from the top key block down, as there). ARRIVE: the count a compute
         # warpgroup releases a Q/dO slot and a dSᵀ buffer with (128: `arrive_all.py`'s mark;
-        # ARRIVE_PASS, that pass's version, only keys Triton's cache).
+        # ARRIVE_PASS, that pass's version, only keys Triton's cache). DQ_WARP: without
+        # DETERMINISTIC, the dQ warp still issues the reduces (BwdConfig.ws_dq_warp).
         dtype: gl.constexpr = q_desc.dtype
         n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
             cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
@@ -438,7 +443,7 @@ if _GLUON_ERROR is None:
                 mbarrier.init(empty.index(st), count=2 * ARRIVE)
             for st in gl.static_range(2):
                 mbarrier.init(ds_free.index(st), count=2 * ARRIVE)
-                if DETERMINISTIC:
+                if DETERMINISTIC or DQ_WARP:
                     mbarrier.init(dq_full.index(st), count=1)
                     mbarrier.init(dq_empty.index(st), count=1)
             for st in gl.static_range(4):
@@ -459,10 +464,10 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_ws_compute, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                               DETERMINISTIC, DV_OVERLAP, ARRIVE, DK_AFTER_DQ)),
+                               DETERMINISTIC or DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ)),
                 (_ws_compute, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                               DETERMINISTIC, DV_OVERLAP, ARRIVE, DK_AFTER_DQ)),
+                               DETERMINISTIC or DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ)),
                 (_ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
                               k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
                               empty, k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
@@ -472,5 +477,5 @@ if _GLUON_ERROR is None:
                                 n_steps, h, m0, m_lo, m_end, h_first, group, batch, n_heads,
                                 num_m_blocks, n_blk, n_seq, shift, window_left, window_right,
                                 group_blocks, stride, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                HAS_RIGHT, STAGGER, DETERMINISTIC)),
+                                HAS_RIGHT, STAGGER, DETERMINISTIC or DQ_WARP, DETERMINISTIC)),
             ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])
