@@ -43,9 +43,12 @@ H200 2026-11-30 (scripts/sm90-bwd-probe.py, same process), d=128 TFLOP/s 512 / 2
 synchronous kernel 310-317 / 444-474 / 492-534, this one 337-338 / 513-516 / 536-554;
 causal 207-208 / 376-392 / 493-520 -> 209-210 / 395-405 / 529-582. At d=64 (128-row steps:
 dQ split by rows) a partition's 240 registers spill (46-95 local-memory instructions) and it
-loses at 512 rows and causal: that head dim keeps `bwd.py`'s kernel. d=64 with 64-row steps
-(dQ split by columns, as d=128) compiles without spills (sm_90a, 2026-11-30), with two or
-three ring slots; not yet timed. Tried and dropped:
+loses at 512 rows and causal: that head dim keeps `bwd.py`'s kernel, except in deterministic
+mode, where the dQ warp takes the reduces and the turns off the compute warpgroups and this
+kernel wins by 20-35 % at 2k-16k rows despite the spills (2026-11-30 session 19;
+`bwd_config.select_config`). d=64 with 64-row steps (dQ split by columns, as d=128) compiles
+without spills, with two or three ring slots, and is slower than 128-row steps
+(deterministic 2k / 16k 317 / 356 vs 430 / 503). Tried and dropped:
 deterministic turns per warpgroup (a counter per dQ half): 253 / 358 / 406 -> 272 / 373 /
 401 against the synchronous kernel's deterministic mode, not worth a second turn scheme.
 """
