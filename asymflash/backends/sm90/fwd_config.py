@@ -243,9 +243,9 @@ def persistent_launch(cfg: FwdConfig, max_seqlen_q: int, max_seqlen_k: int, unif
     num_m_blocks = num_tiles // (hq * batch)
     kv_bytes = max(max_seqlen_k, 1) * (d + dv) * 2 * hkv // hq
     waves = cfg.chunk_waves if cfg.lpt else 0
-    hb_chunk = min(max(L2_KV_BUDGET // max(kv_bytes, 1), -(-waves * grid // num_m_blocks), 1),
-                   hq * batch)
-    if cfg.lpt and cfg.balanced_chunks:
+    hb_chunk = min(max(L2_KV_BUDGET // max(kv_bytes, 1),
+                       -(-waves * grid // max(num_m_blocks, 1)), 1), hq * batch)
+    if cfg.lpt and cfg.balanced_chunks and num_tiles > 0:
         costs = tile_costs(max_seqlen_q, max_seqlen_k, window_right, 64 * cfg.consumer_wgs,
                            cfg.block_n)
         hb_chunk = balanced_chunk(costs, hq * batch, grid, hb_chunk)
