@@ -413,6 +413,11 @@ def test_balanced_chunks_in_the_launch_plan():
     # without a mask every tile does the same work: chunks by L2 alone, as before
     plain = fwd.launch_plan(cfg=None, **dict(args, window_right=-1))
     assert not plain.cfg.lpt and plain.hb_chunk == fwd.L2_KV_BUDGET // (16384 * 128 * 2)
+    # degenerate shapes plan without error: no query rows (the API returns before any
+    # launch), no keys, one row
+    for sq, sk in ((0, 10), (17, 0), (1, 1), (203, 113)):
+        p = fwd.launch_plan(cfg=None, **dict(args, max_seqlen_q=sq, max_seqlen_k=sk, batch=3))
+        assert p.grid == min(p.num_tiles, 132) and 1 <= p.hb_chunk <= 96
 
 
 @pytest.mark.parametrize("d,causal,seqlen,batch", [(64, False, 512, 32), (128, True, 512, 32),
