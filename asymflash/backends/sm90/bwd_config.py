@@ -230,9 +230,11 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
                 # 304 / 466 / 545, causal 196 / 375 / 492 -> 194 / 393 / 519.
                 cfg = replace(cfg, dv_overlap=True)
             if head_dim == 64 and not softcap:
-                # bwd_ws's kernel with 128-row steps, its dQ warp taking the turns (the
-                # compute warpgroups then issue no reduces; 0 local-memory instructions),
-                # row-major dQ tiles swizzled by 128 as at d=128. H200 2026-11-30 session 19
+                # bwd_ws's kernel with 128-row steps, its dQ warp taking the turns and the
+                # reduces off the compute warpgroups (which spill: sm_90a 37 local-memory
+                # instructions, 162 causal), row-major dQ tiles swizzled by 128 as at d=128;
+                # 64-row steps spill nothing and were slower (2k / 16k 317 / 356).
+                # H200 2026-11-30 session 19
                 # (sm90-bwd-probe, deterministic TFLOP/s, bwd.py's kernel -> this, the
                 # non-deterministic default beside): 2k / 16k 329 / 373 -> 430 / 503 (431 /
                 # 483), causal 273 / 374 -> 329 / 472 (317 / 492).
