@@ -68,7 +68,7 @@ if [ "$mode" = pending ]; then
   # issues both warpgroups' reduces), off and never run on a GPU: its GPU tests (d=128
   # schedules, d=64 split variants), then the probe: d=64 on bwd_ws with 128-row steps and
   # the dQ warp against the default (bwd.py's kernel), d=128 with and without. ~2-3 min.
-  TEST_FILES="tests/test_sm90_bwd_gpu.py" PYTEST_K="dq-warp" \
+  TEST_FILES="tests/test_sm90_bwd_gpu.py" PYTEST_K="d64_split" \
     TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
   timeout 200 python3 scripts/sm90-bwd-probe.py --dims 64,128 --seqlens 512,2048,16384 \
     --no-peers --budget 190 --variant "dqw:ws_dq_warp=true" \

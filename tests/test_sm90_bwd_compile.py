@@ -45,12 +45,17 @@ def _splits_warpgroups(kw: dict) -> bool:
 # d=256 103-134 -> 0, 2026-11-29); the bounds catch a tile-sized spill in the main loop
 # (hundreds).
 CONFIGS = [
-    # d=64 steps over 128 query rows at the 255-register limit (3 seen, 10 with softcap)
+    # d=64 unmasked runs bwd_ws's kernel (2026-11-30 session 20): 128-row steps, the dQ warp
+    # issuing both reduces, fragment-order dQ tiles: 6 seen (2 varlen fp16), 71 without the
+    # dQ warp, 35 with row-major tiles
     ({"head_dim": 64}, 8),
-    # ... with its dQ tile in fragment order (the default for unmasked calls: 3 seen), also
-    # where it is not: 46 causal (all in the loop, ptxas at the 255-register limit; 4 with
-    # the row-major tile)
-    ({"head_dim": 64, "cfg": {"dq_fragment": False}}, 8),
+    ({"head_dim": 64, "dtype": "float16", "uniform": False, "has_seqused": True}, 8),
+    ({"head_dim": 64, "cfg": {"ws_dq_warp": False}}, 80),
+    ({"head_dim": 64, "cfg": {"dq_fragment": False}}, 40),
+    # masked or softcap d=64 keeps bwd.py's kernel, 128 query rows per step at the
+    # 255-register limit (4 seen causal, 11 with softcap; unmasked on request 3), 46 causal
+    # with fragment-order dQ tiles (all in the loop)
+    ({"head_dim": 64, "cfg": {"split_warpgroups": False}}, 8),
     ({"head_dim": 64, "has_right": True, "cfg": {"dq_fragment": True}}, 56),
     ({"head_dim": 64, "dtype": "float16", "has_right": True}, 8),
     ({"head_dim": 64, "has_left": True, "has_right": True, "softcap": True, "uniform": False,
@@ -64,12 +69,9 @@ CONFIGS = [
     ({"head_dim": 128, "has_right": True}, 56),
     ({"head_dim": 128, "dtype": "float16", "has_left": True, "has_right": True,
       "uniform": False, "has_seqused": True}, 40),
-    # d=64 in it on request (128-row steps: 95 seen, which is why d=64 keeps bwd.py's kernel)
-    ({"head_dim": 64, "cfg": {"split_warpgroups": True}}, 128),
-    # ... with the dQ warp issuing the reduces (ws_dq_warp, prepared 2026-11-30: 6 seen; 162
-    # causal, the deterministic build's count)
-    ({"head_dim": 64, "cfg": {"split_warpgroups": True, "ws_dq_warp": True, "dq_swizzle": 128}},
-     16),
+    # d=64 causal in it on request, with the dQ warp (162 seen, the deterministic build's)
+    ({"head_dim": 64, "has_right": True,
+      "cfg": {"split_warpgroups": True, "ws_dq_warp": True, "dq_swizzle": 128}}, 176),
     ({"head_dim": 128, "cfg": {"ws_dq_warp": True}}, 8),  # 0 seen
     # ... or with 64-row steps (dQ split by columns), a three-slot ring: 0 seen
     ({"head_dim": 64, "has_right": True,
@@ -116,7 +118,7 @@ CONFIGS = [
     # ... and bwd.py's synchronous kernel on request (40 seen with a window)
     ({"head_dim": 64, "has_left": True, "has_right": True, "deterministic": True,
       "cfg": {"split_warpgroups": False, "dq_swizzle": 32}}, 48),
-    ({"head_dim": 64, "cfg": {"block_m": 64}}, 0),  # the 64-row step
+    ({"head_dim": 64, "cfg": {"split_warpgroups": False, "block_m": 64}}, 0),  # the 64-row step
     ({"head_dim": 128, "has_right": True, "deterministic": True,
       "cfg": {"ws_deterministic": False}}, 16),  # 6 seen
     # fp32 atomics (10 seen)
@@ -166,8 +168,13 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
             if kw.get("has_right") and kw.get("cfg", {}).get("dv_overlap"):
                 in_loop = 68  # 41 seen, 60 with fragments (dv_overlap, off by default
                 # outside deterministic mode)
-            if kw["head_dim"] == 64 and kw["cfg"].get("block_m", 128) == 128:
-                in_loop = 80  # 67 seen: why d=64 does not take its 128-row steps
+            cfg = _config(kw)
+            if kw["head_dim"] == 64 and cfg.block_m == 128:
+                # 6 seen with the dQ warp and fragment-order tiles (the default), 22 with
+                # row-major ones, 46 without the warp; 143 causal (why masked calls keep
+                # bwd.py's kernel)
+                in_loop = 160 if kw.get("has_right") else (
+                    8 if cfg.ws_dq_warp and cfg.dq_fragment else 80)
         assert rep["local_in_loop"] <= in_loop, f"spills in the main loop: {rep}"
     if _splits_warpgroups(kw):
         # a load warp at 24 registers, two compute warpgroups at 240; dQ by two reduces
@@ -221,10 +228,15 @@ def test_defaults_where_the_h200_measured_a_gain():
     assert sel(128, max_seqlen_q=512).dq_fragment
     assert sel(256, max_seqlen_q=512).dq_fragment and sel(256).dq_fragment
     assert sel(256, deterministic=True, masked=True, max_seqlen_q=16384).dq_fragment
-    assert sel(64, max_seqlen_q=16384).dq_fragment
-    assert not sel(64, max_seqlen_q=8192).dq_fragment
+    # d=64 unmasked: bwd_ws, its dQ warp issuing the reduces, fragments at every length
+    for rows in (512, 16384):
+        cfg = sel(64, max_seqlen_q=rows)
+        assert cfg.split_warpgroups and cfg.ws_dq_warp and cfg.dq_fragment, cfg
+        assert bwd._splits_warpgroups(64, cfg, False, False)
     for kw in ({"masked": True}, {"softcap": True}, {"deterministic": True}):
-        assert not sel(64, max_seqlen_q=16384, **kw).dq_fragment, kw
+        cfg = sel(64, max_seqlen_q=16384, **kw)
+        assert not (cfg.dq_fragment or cfg.ws_dq_warp), kw
+    assert not sel(64, masked=True).split_warpgroups and not sel(64, softcap=True).split_warpgroups
     assert sel(128).ws_dk_after_dq and not sel(128, deterministic=True).ws_dk_after_dq
     def plan(seqlen):  # d=256, non-causal, batch * seqlen = 16k
         return bwd.launch_plan(256, 256, seqlen, seqlen, True, False, -1, -1, False, False,

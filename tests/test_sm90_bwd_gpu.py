@@ -206,51 +206,37 @@ def test_sm90_backward_matches_reference(case):
 # late). Its other schedules (dV left in flight while dSᵀ is formed: dv_overlap), and bwd.py's
 # kernel (which keeps softcap calls), on every d=128 case they can take.
 SPLIT_CASES = [c for c in CASES if c["d"] in (96, 128) and not c.get("softcap")]
-# d=64 can run it too, on request: 128-row steps (dQ split by rows; spills, not faster), or
-# 64-row steps (dQ split by columns), with the default two-slot Q/dO ring or three slots
+# d=64 runs it by default on unmasked calls without softcap (128-row steps, dQ split by
+# rows, the dQ warp issuing both reduces, fragment-order dQ tiles). Here that build on every
+# d=64 case (masked ones too), and its variants: without the dQ warp, row-major tiles (32-
+# or 128-byte swizzle), 64-row steps (dQ split by columns) with two or three ring slots.
 SPLIT_CASES_D64 = [c for c in CASES if c["d"] == 64 and not c.get("softcap")]
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("variant", [dict(late_warpgroup=1), dict(late_warpgroup=-1),
-                                     dict(split_warpgroups=False), dict(dv_overlap=True),
-                                     dict(arrive_all=True), dict(dq_fragment=False),
-                                     dict(dq_fragment=False, late_warpgroup=-1),
-                                     dict(ws_dk_after_dq=False),
-                                     dict(ws_dk_after_dq=False, late_warpgroup=-1),
-                                     dict(ws_dq_warp=True),
-                                     dict(ws_dq_warp=True, dq_fragment=False)],
-                         ids=["late1", "in-step", "synchronous", "dv-overlap", "arrive-all",
-                              "dq-row-major", "dq-row-major-in-step", "dk-before-dq",
-                              "dk-before-dq-in-step", "dq-warp", "dq-warp-row-major"])
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c["name"])
-def test_sm90_backward_d128_schedules_match_reference(case, variant):
-    from dataclasses import replace
-
-    from asymflash.backends.sm90 import bwd
-
-    cfg = replace(bwd.select_config(128), **variant)
-    for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
-        assert_fa_close(name, g, r32, rlow, atol=atol)
-
-
-@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("variant", [dict(block_m=128), dict(block_m=64),
-                                     dict(block_m=64, ring_slots=3),
-                                     dict(block_m=128, dq_fragment=True),
-                                     dict(block_m=64, dq_fragment=True),
-                                     dict(block_m=128, ws_dq_warp=True, dq_swizzle=128),
-                                     dict(block_m=128, ws_dq_warp=True, dq_fragment=True)],
-                         ids=["rows128", "rows64", "rows64-ring3", "rows128-dq-fragment",
-                              "rows64-dq-fragment", "rows128-dq-warp",
-                              "rows128-dq-warp-fragment"])
+@pytest.mark.parametrize("variant", [dict(),
+                                     dict(ws_dq_warp=False),
+                                     dict(dq_fragment=False),
+                                     dict(ws_dq_warp=False, dq_fragment=False, dq_swizzle=32),
+                                     dict(block_m=64, ws_dq_warp=False, dq_fragment=False,
+                                          dq_swizzle=32),
+                                     dict(block_m=64, ws_dq_warp=False, dq_fragment=False,
+                                          dq_swizzle=32, ring_slots=3),
+                                     dict(block_m=64, ws_dq_warp=False)],
+                         ids=["rows128-dq-warp", "rows128", "rows128-dq-warp-row-major",
+                              "rows128-row-major32", "rows64", "rows64-ring3",
+                              "rows64-dq-fragment"])
 @pytest.mark.parametrize("case", SPLIT_CASES_D64, ids=lambda c: c["name"])
 def test_sm90_backward_d64_split_warpgroups_match_reference(case, variant):
     from dataclasses import replace
 
     from asymflash.backends.sm90 import bwd
 
-    cfg = replace(bwd.select_config(64), split_warpgroups=True, **variant)
+    # the unmasked default's switches, on every case (masked ones too)
+    base = bwd.select_config(64, max_seqlen_q=max(case["lens_q"]))
+    unmasked_default = dict(split_warpgroups=True, ws_dq_warp=True, dq_fragment=True,
+                            dq_swizzle=128)
+    cfg = replace(base, **{**unmasked_default, **variant})
     assert bwd._splits_warpgroups(64, cfg, False, False)
     for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
         assert_fa_close(name, g, r32, rlow, atol=atol)
@@ -308,9 +294,9 @@ DET_CASES = [dict(c, deterministic=True) for c in CASES
 
 
 # dQ tiles in the order the default does not take (BwdConfig.dq_fragment, `select_config`):
-# at d=64 (bwd.py's 128-row tiles: two warpgroups' 64-row tiles in one box) fragments here
-# (these sequences are shorter than FRAGMENT_MIN_ROWS), at d=256 (bwd_wide's 128-column
-# halves, fragments by default) row-major tiles. Every case of those widths,
+# at d=64 row-major tiles on unmasked calls (bwd_ws, its dQ warp), fragments on masked and
+# softcap ones (bwd.py's 128-row tiles: two warpgroups' 64-row tiles in one box), at d=256
+# (bwd_wide's 128-column halves, fragments by default) row-major tiles. Every case of those widths,
 # deterministic ones with 20 bitwise repeats.
 FRAGMENT_CASES = [c for c in CASES + DET_CASES
                   if bwd_width(c) in (64, 256)]

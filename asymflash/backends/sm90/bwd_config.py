@@ -123,8 +123,7 @@ class BwdConfig:
     # causal 16k 257 -> 275, but 512 rows 241 / 172 -> 223 / 152 (causal): on at d=256 from
     # 2k rows. d=64 427-434 / 462-467 -> 423-433 / 479, shorter a tie, causal a tie (sm_90a:
     # 4 -> 46 local-memory instructions in its loop, at the 255-register limit),
-    # deterministic 16k 375 -> 364: on at d=64 for long unmasked calls without softcap or
-    # deterministic mode only (`select_config`, `FRAGMENT_MIN_ROWS`).
+    # deterministic 16k 375 -> 364: on where `select_config` says (`FRAGMENT_MIN_ROWS`).
     dq_fragment: bool = False
     # bwd_ws: issue dK += dSᵀ·Q right after dQ = dS·K and wait for dQ alone, so dK runs while
     # dQ is staged and reduced (FA4's order), instead of issuing dK first, which made the wait
@@ -148,9 +147,13 @@ class BwdConfig:
     heads_first: bool | None = None
     # bwd_ws without deterministic mode: the compute warpgroups hand their staged dQ tiles to
     # the dQ warp, which issues both reduces (deterministic mode's hand-over, without the
-    # turns), instead of each issuing its own. Prepared 2026-11-30 session 19 after d=64's
-    # deterministic bwd_ws build (128-row steps) measured as fast as the non-deterministic
-    # default (2k / 16k 430 / 503 vs 431 / 483 TFLOP/s); not yet timed: off.
+    # turns), instead of each issuing its own. H200 2026-11-30 session 20 (sm90-bwd-probe,
+    # TFLOP/s 512 / 2k / 16k, bwd.py's kernel -> bwd_ws with 128-row steps and this): d=64
+    # 285 / 438 / 490 -> 286 / 479 / 527, 1k / 4k / 16k again 371 / 433 / 460 -> 393-394 /
+    # 489-530 / 508-512; causal 175 / 345 / 486 -> 160 / 342 / 497, 4k / 16k 409 / 452 ->
+    # 413 / 470: on for unmasked d=64 (`select_config`). d=128 (already on bwd_ws) 339 /
+    # 532 / 560 -> 333 / 509 / 575, causal 213 / 442 / 595 -> 209 / 416 / 621, again 4k /
+    # 16k 527-582 / 545-553 -> 546 / 554, causal 443-507 / 541-546 -> 480 / 518: off.
     ws_dq_warp: bool = False
 
 
@@ -199,12 +202,12 @@ def _splits_warpgroups(head_dim: int, cfg: BwdConfig, deterministic: bool,
 # measured a gain (sm90-bwd-probe, same process, TFLOP/s row-major -> fragments). d=256 at
 # every length since the conversion reads its tiles in memory order (commit f574cd4; 2026-11-30
 # session 17: 512 / 1k / 2k 240 / 290 / 322 -> 249 / 305 / 342, causal 173 / 230 / 275 -> 176 /
-# 239 / 291; session 16's gathering conversion lost below 2k). d=64 512 / 1k / 2k a tie (286 /
-# 370 / 418 -> 288 / 365 / 420, causal a tie), 16k 462-467 -> 479 (there only unmasked,
-# without softcap or deterministic mode). d=128 takes them at every length (its default
-# config; session 17 512 / 1k / 2k 335 / 421 / 481 -> 338 / 441 / 486, causal 212 / 309 / 383
-# -> 212 / 317 / 402).
-FRAGMENT_MIN_ROWS = {64: 16384, 256: 0}
+# 239 / 291; session 16's gathering conversion lost below 2k). d=128 takes them at every
+# length (its default config; session 17 512 / 1k / 2k 335 / 421 / 481 -> 338 / 441 / 486,
+# causal 212 / 309 / 383 -> 212 / 317 / 402), and so does d=64's unmasked default on bwd_ws
+# (`select_config`, timed that way); in bwd.py's kernel d=64 had tied below 16k rows and
+# gained there (462-467 -> 479), and spilled 46 local-memory instructions causal.
+FRAGMENT_MIN_ROWS = {256: 0}
 
 
 def select_config(head_dim: int, override: BwdConfig | None = None,
@@ -239,6 +242,14 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
                 # non-deterministic default beside): 2k / 16k 329 / 373 -> 430 / 503 (431 /
                 # 483), causal 273 / 374 -> 329 / 472 (317 / 492).
                 cfg = replace(cfg, split_warpgroups=True, dq_swizzle=128)
+        elif head_dim == 64 and not (softcap or masked):
+            # bwd_ws's kernel as deterministic d=64 runs it (above), its dQ warp issuing the
+            # reduces (BwdConfig.ws_dq_warp has the numbers): +6 % at 1k rows, +8-22 % from
+            # 2k, a tie at 512. Causal calls lost at 512 rows, tied at 2k-4k, gained 2-4 % at
+            # 16k (masked calls include sliding windows, not timed there: they stay). dQ tiles
+            # in fragment order, as timed.
+            cfg = replace(cfg, split_warpgroups=True, ws_dq_warp=True, dq_fragment=True,
+                          dq_swizzle=128)
         if softcap:
             # The softcap chain-rule tile takes the registers dPᵀ's early issue needs (d=128:
             # 2 spill instructions in the unmasked loop otherwise; d=64 with 128-row steps:
