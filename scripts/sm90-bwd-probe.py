@@ -12,7 +12,7 @@
    backward and torch SDPA cuDNN (autograd.grad of its output). Every timed cell first checks
    ours against the portable gradients (max error relative to the largest gradient).
 
---dims / --seqlens narrow the timed grid; --set FIELD=VALUE times a BwdConfig variant.
+--dims / --seqlens / --causal narrow the timed grid; --set FIELD=VALUE times a BwdConfig variant.
 --variant NAME:FIELD=VALUE,... adds a column timing ours with those BwdConfig fields (and
 `deterministic`) changed, in the same process as the default; --no-peers skips the portable
 and cuDNN timings (portable still computes the reference gradients).
@@ -303,6 +303,7 @@ def main():
     ap.add_argument("--no-peers", action="store_true", help="skip portable and cuDNN timings")
     ap.add_argument("--dims", default=",".join(map(str, DIMS)), help="head dims, e.g. 256")
     ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)), help="e.g. 2048,16384")
+    ap.add_argument("--causal", default="0,1", help="0, 1 or 0,1")
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.set:  # the children read it
@@ -327,13 +328,14 @@ def main():
     deadline = t_start + args.budget
     dims = [int(x) for x in args.dims.split(",")]
     seqlens = [int(x) for x in args.seqlens.split(",")]
-    cells = [(d, c, s) for d in dims for c in (0, 1) for s in seqlens]
+    causals = [int(x) for x in args.causal.split(",")]
+    cells = [(d, c, s) for d in dims for c in causals for s in seqlens]
 
     # Phase 1, all in parallel: compiling the timed kernels (the 1k cell specialises like the
     # others: every length and count is a multiple of 16), and the correctness cases.
     phase1_end = t_start + 0.55 * args.budget
     procs = [("warm", (d, c), _spawn(["--worker", "warm", json.dumps([[d, c, seqlens[0]]])]))
-             for d in dims for c in (0, 1)]
+             for d in dims for c in causals]
     if args.full:
         names = [c["name"] for c in _import_test_module().CASES]
     else:  # no torch import in the parent: it would only delay the children

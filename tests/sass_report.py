@@ -95,7 +95,8 @@ if cfg_kw:
     if {module!r} == "bwd":
         base = mod.select_config(d, None, kw.get("softcap", False),
                                  kw.get("deterministic", False),
-                                 kw.get("has_left", False) or kw.get("has_right", False))
+                                 kw.get("has_left", False) or kw.get("has_right", False),
+                                 window=kw.get("has_left", False))
     else:
         base = mod._DEFAULT_CONFIGS[d]
     kw["cfg"] = replace(base, **cfg_kw)

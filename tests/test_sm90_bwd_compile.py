@@ -28,7 +28,8 @@ def _config(kw: dict) -> bwd.BwdConfig:
     """The config these compile arguments build (`compile_for_target`'s)."""
     cfg = bwd.select_config(kw["head_dim"], None, kw.get("softcap", False),
                             kw.get("deterministic", False),
-                            kw.get("has_left", False) or kw.get("has_right", False))
+                            kw.get("has_left", False) or kw.get("has_right", False),
+                            window=kw.get("has_left", False))
     return replace(cfg, **kw.get("cfg", {}))
 
 
@@ -52,12 +53,17 @@ CONFIGS = [
     ({"head_dim": 64, "dtype": "float16", "uniform": False, "has_seqused": True}, 8),
     ({"head_dim": 64, "cfg": {"ws_dq_warp": False}}, 80),
     ({"head_dim": 64, "cfg": {"dq_fragment": False}}, 40),
-    # masked or softcap d=64 keeps bwd.py's kernel, 128 query rows per step at the
-    # 255-register limit (4 seen causal, 11 with softcap; unmasked on request 3), 46 causal
-    # with fragment-order dQ tiles (all in the loop)
+    # ... and causal calls from 2k rows (what these builds, without a length, select): 132
+    # seen, 114 in the loop (the masked steps' scalars at 240 registers)
+    ({"head_dim": 64, "has_right": True}, 144),
+    # shorter causal calls, sliding windows and softcap keep bwd.py's kernel, 128 query rows
+    # per step at the 255-register limit (4 seen causal, 41 with a window, 11 with softcap;
+    # unmasked on request 3), 46 causal with fragment-order dQ tiles (all in the loop)
     ({"head_dim": 64, "cfg": {"split_warpgroups": False}}, 8),
-    ({"head_dim": 64, "has_right": True, "cfg": {"dq_fragment": True}}, 56),
-    ({"head_dim": 64, "dtype": "float16", "has_right": True}, 8),
+    ({"head_dim": 64, "has_right": True,
+      "cfg": {"split_warpgroups": False, "dq_fragment": False, "dq_swizzle": 32}}, 8),
+    ({"head_dim": 64, "has_right": True, "cfg": {"split_warpgroups": False}}, 56),
+    ({"head_dim": 64, "dtype": "float16", "has_left": True, "has_right": True}, 48),
     ({"head_dim": 64, "has_left": True, "has_right": True, "softcap": True, "uniform": False,
       "has_seqused": True}, 16),
     # d=128 runs bwd_ws.py's warp-specialised kernel (240 registers per warpgroup): 2 seen
@@ -69,13 +75,14 @@ CONFIGS = [
     ({"head_dim": 128, "has_right": True}, 56),
     ({"head_dim": 128, "dtype": "float16", "has_left": True, "has_right": True,
       "uniform": False, "has_seqused": True}, 40),
-    # d=64 causal in it on request, with the dQ warp (162 seen, the deterministic build's)
-    ({"head_dim": 64, "has_right": True,
-      "cfg": {"split_warpgroups": True, "ws_dq_warp": True, "dq_swizzle": 128}}, 176),
+    # d=64 causal with row-major dQ tiles (162 seen, the deterministic build's)
+    ({"head_dim": 64, "has_right": True, "cfg": {"dq_fragment": False, "dq_swizzle": 128}},
+     176),
     ({"head_dim": 128, "cfg": {"ws_dq_warp": True}}, 8),  # 0 seen
     # ... or with 64-row steps (dQ split by columns), a three-slot ring: 0 seen
     ({"head_dim": 64, "has_right": True,
-      "cfg": {"split_warpgroups": True, "block_m": 64, "ring_slots": 3}}, 8),
+      "cfg": {"split_warpgroups": True, "block_m": 64, "ring_slots": 3, "ws_dq_warp": False,
+              "dq_fragment": False}}, 8),
     # deterministic mode in it (ws_deterministic, the default: a dQ warp beside the load
     # warp; dV in flight while dSᵀ is formed): 0 seen non-causal, 30 causal (the masked
     # steps' scalars, as without the turns); 40 causal with dV retired first
@@ -160,7 +167,7 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
         # d=128 takes 1 unmasked, 6 causal: sm_90a, 2026-11-29; causal 10 since dK is
         # issued after dQ and stored straight from its wgmma layout, 2026-11-30)
         in_loop = 10 if kw.get("has_right") else 2
-        if kw.get("has_right") and kw.get("cfg", {}).get("dq_fragment"):
+        if kw.get("has_right") and _config(kw).dq_fragment:
             in_loop = 56  # d=64 with fragment-order dQ (see CONFIGS)
         if _splits_warpgroups(kw):  # the masked steps' scalars (see CONFIGS); 10 more
             # with fragment-order dQ tiles (the dQ MMA's descriptors)
@@ -233,10 +240,16 @@ def test_defaults_where_the_h200_measured_a_gain():
         cfg = sel(64, max_seqlen_q=rows)
         assert cfg.split_warpgroups and cfg.ws_dq_warp and cfg.dq_fragment, cfg
         assert bwd._splits_warpgroups(64, cfg, False, False)
-    for kw in ({"masked": True}, {"softcap": True}, {"deterministic": True}):
-        cfg = sel(64, max_seqlen_q=16384, **kw)
+    for kw in ({"masked": True, "max_seqlen_q": 1024}, {"softcap": True},
+               {"deterministic": True}):
+        cfg = sel(64, **{"max_seqlen_q": 16384, **kw})
         assert not (cfg.dq_fragment or cfg.ws_dq_warp), kw
-    assert not sel(64, masked=True).split_warpgroups and not sel(64, softcap=True).split_warpgroups
+    # ... and causal from 2k rows; shorter causal calls, windows and softcap on bwd.py's
+    causal = sel(64, masked=True, max_seqlen_q=2048)
+    assert causal.split_warpgroups and causal.ws_dq_warp and causal.dq_fragment, causal
+    for kw in ({"masked": True, "max_seqlen_q": 1024}, {"softcap": True},
+               {"masked": True, "window": True, "max_seqlen_q": 16384}):
+        assert not sel(64, **kw).split_warpgroups, kw
     assert sel(128).ws_dk_after_dq and not sel(128, deterministic=True).ws_dk_after_dq
     def plan(seqlen):  # d=256, non-causal, batch * seqlen = 16k
         return bwd.launch_plan(256, 256, seqlen, seqlen, True, False, -1, -1, False, False,

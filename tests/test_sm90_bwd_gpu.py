@@ -313,6 +313,7 @@ def test_sm90_backward_dq_fragment_variants_match_reference(case):
     default = bwd.select_config(bwd_width(case), softcap=bool(case.get("softcap")),
                                 deterministic=bool(case.get("deterministic")),
                                 masked=case.get("window", (-1, -1)) != (-1, -1),
+                                window=case.get("window", (-1, -1))[0] >= 0,
                                 max_seqlen_q=max(case["lens_q"]))
     cfg = replace(default, dq_fragment=not default.dq_fragment)
     for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():

@@ -539,7 +539,7 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
              "softcap": False, "deterministic": False}
     feats.update(features)
     cfg = select_config(head_dim, cfg, feats["softcap"], feats["deterministic"],
-                        feats["has_left"] or feats["has_right"])
+                        feats["has_left"] or feats["has_right"], window=feats["has_left"])
     feats.setdefault("kv_tma_store", cfg.kv_tma_store and feats["uniform"]
                      and not feats["has_seqused"])
     ty = _fwd._SIG_DTYPES[dtype]
@@ -711,7 +711,7 @@ def launch_plan(width: int, width_v: int, max_seqlen_q: int, max_seqlen_k: int,
     ASYMFLASH_SM90_ARRIVE_ALL, `fwd.arrive_all_switch`, applied to the config; hq: query
     heads, 0 for hkv)."""
     cfg = select_config(width, cfg, softcap, deterministic,
-                        window_left >= 0 or window_right >= 0, max_seqlen_q)
+                        window_left >= 0 or window_right >= 0, max_seqlen_q, window_left >= 0)
     if arrive:
         cfg = replace(cfg, arrive_all=True)
     grid = (cdiv(max(max_seqlen_k, 1), cfg.block_n), hkv, batch)

@@ -151,7 +151,10 @@ class BwdConfig:
     # TFLOP/s 512 / 2k / 16k, bwd.py's kernel -> bwd_ws with 128-row steps and this): d=64
     # 285 / 438 / 490 -> 286 / 479 / 527, 1k / 4k / 16k again 371 / 433 / 460 -> 393-394 /
     # 489-530 / 508-512; causal 175 / 345 / 486 -> 160 / 342 / 497, 4k / 16k 409 / 452 ->
-    # 413 / 470: on for unmasked d=64 (`select_config`). d=128 (already on bwd_ws) 339 /
+    # 413 / 470; causal with fragment-order dQ tiles, 1k / 2k / 4k / 8k / 16k, two
+    # columns each: 260-261 / 339-344 / 403-413 / 440-447 / 458-459 -> 259 / 356-357 /
+    # 422-440 / 469-474 / 497-506: on for d=64 unmasked, and causal from 2k rows
+    # (`select_config`). d=128 (already on bwd_ws) 339 /
     # 532 / 560 -> 333 / 509 / 575, causal 213 / 442 / 595 -> 209 / 416 / 621, again 4k /
     # 16k 527-582 / 545-553 -> 546 / 554, causal 443-507 / 541-546 -> 480 / 518: off.
     ws_dq_warp: bool = False
@@ -212,10 +215,11 @@ FRAGMENT_MIN_ROWS = {256: 0}
 
 def select_config(head_dim: int, override: BwdConfig | None = None,
                   softcap: bool = False, deterministic: bool = False,
-                  masked: bool = False, max_seqlen_q: int | None = None) -> BwdConfig:
-    """Heuristic config; `override` wins when given. masked: a causal or sliding window;
-    max_seqlen_q: the call's longest query sequence (None: a long one, as the compile checks
-    build)."""
+                  masked: bool = False, max_seqlen_q: int | None = None,
+                  window: bool = False) -> BwdConfig:
+    """Heuristic config; `override` wins when given. masked: a causal mask or a sliding
+    window; window: the mask has a left edge (a sliding window); max_seqlen_q: the call's
+    longest query sequence (None: a long one, as the compile checks build)."""
     if override is not None:
         cfg = override
     else:
@@ -242,12 +246,12 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
                 # non-deterministic default beside): 2k / 16k 329 / 373 -> 430 / 503 (431 /
                 # 483), causal 273 / 374 -> 329 / 472 (317 / 492).
                 cfg = replace(cfg, split_warpgroups=True, dq_swizzle=128)
-        elif head_dim == 64 and not (softcap or masked):
+        elif head_dim == 64 and not softcap and (not masked or (
+                not window and (max_seqlen_q is None or max_seqlen_q >= 2048))):
             # bwd_ws's kernel as deterministic d=64 runs it (above), its dQ warp issuing the
-            # reduces (BwdConfig.ws_dq_warp has the numbers): +6 % at 1k rows, +8-22 % from
-            # 2k, a tie at 512. Causal calls lost at 512 rows, tied at 2k-4k, gained 2-4 % at
-            # 16k (masked calls include sliding windows, not timed there: they stay). dQ tiles
-            # in fragment order, as timed.
+            # reduces, dQ tiles in fragment order (BwdConfig.ws_dq_warp has the numbers):
+            # unmasked +6 % at 1k rows, +8-22 % from 2k, a tie at 512; causal from 2k rows
+            # +4-9 % (a tie at 1k, -7 % at 512). Sliding windows were not timed: they stay.
             cfg = replace(cfg, split_warpgroups=True, ws_dq_warp=True, dq_fragment=True,
                           dq_swizzle=128)
         if softcap:
