@@ -115,22 +115,29 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, buf, h, m0, q_start, seqlen_q,
-                    total_q, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+                    total_q, BLOCK_M: gl.constexpr, layout: gl.constexpr,
+                    LOADS_FIRST: gl.constexpr = False):
         """Copy lse (as log2, +inf for empty rows) and delta of one query block into shared
         memory buffer `buf`.
 
         Loaded one value per thread and read back in the MMA layout only when needed, so the
         16 + 16 registers a thread would hold for them in that layout are not live across
-        the MMA waits (at d=128 that decides between spilling and not).
+        the MMA waits (at d=128 that decides between spilling and not). LOADS_FIRST: both
+        loads before either store (one memory round trip instead of two; bwd_ws's load
+        warp, whose registers are not the compute warps').
         """
         rows = m0 + gl.arange(0, BLOCK_M, layout=layout)
         ok = rows < seqlen_q
         off = h.to(gl.int64) * total_q + q_start + rows
         # Rows past the sequence read lse = +inf: P = 0 there, no mask needed.
         lse = gl.load(lse_ptr + off, mask=ok, other=float("inf"))
+        if LOADS_FIRST:
+            delta = gl.load(delta_ptr + off, mask=ok, other=0.0)
         lse_smem.index(buf).store(
             gl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634))
-        delta_smem.index(buf).store(gl.load(delta_ptr + off, mask=ok, other=0.0))
+        if not LOADS_FIRST:
+            delta = gl.load(delta_ptr + off, mask=ok, other=0.0)
+        delta_smem.index(buf).store(delta)
 
     @gluon.jit
     def query_range(n0, seqlen_q, shift, window_left, window_right, BLOCK_M: gl.constexpr,

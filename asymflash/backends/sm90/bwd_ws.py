@@ -108,12 +108,17 @@ if _GLUON_ERROR is None:
             slot = it % RING
             if it >= RING:  # both warpgroups are done with step it - RING
                 mbarrier.wait(empty.index(slot), ((it - RING) // RING) & 1)
-            # The statistics are stored before the expect (an arrive with release semantics,
-            # behind a barrier of this warp): the compute warps see them once `ready` flips.
-            stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, slot, h, m0, q_start,
-                        seqlen_q, total_q, BLOCK_M, stat_layout)
+            # Q and dO first, so that their TMA latency overlaps the statistics' loads (a
+            # CTA's first step waits for both: H200 2026-11-30 session 20, sm90-bwd-probe,
+            # TFLOP/s at 512 rows, statistics first -> last: d=64 283-284 -> 296-297, d=128
+            # 335-337 -> 339-342, causal 213 -> 214; 2k-16k a tie). `ready` takes a second
+            # arrive, behind the statistics' stores (release semantics, behind a barrier of
+            # this warp).
             load_qdo(q_desc, do_desc, q_smem, do_smem, ready, slot, h, q_start + m0, HEAD_DIM,
                      HEAD_DIM_V, True)
+            stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, slot, h, m0, q_start,
+                        seqlen_q, total_q, BLOCK_M, stat_layout, True)
+            mbarrier.arrive(ready.index(slot), count=1)
             h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
 
     @gluon.jit
@@ -442,7 +447,8 @@ if _GLUON_ERROR is None:
             mbarrier.init(kv_bar.index(0), count=1)
             mbarrier.init(done.index(0), count=2)
             for st in gl.static_range(RING):
-                mbarrier.init(ready.index(st), count=1)
+                # two arrives: the TMA bytes' expect and the statistics' stores (_ws_loader)
+                mbarrier.init(ready.index(st), count=2)
                 mbarrier.init(empty.index(st), count=2 * ARRIVE)
             for st in gl.static_range(2):
                 mbarrier.init(ds_free.index(st), count=2 * ARRIVE)
