@@ -2,8 +2,8 @@
 # What runs on the H200 (device tool): the whole test suite on CUDA, then the benchmark.
 # Usage: bash scripts/gpu-check.sh [quick|full|tests|bench|session|pending]   (logs under $OUT
 # or ./out)
-#   pending: what a session left unchecked on the GPU (session 19: BwdConfig.ws_dq_warp,
-#   prepared and off: its GPU tests and a probe, ~3 min).
+#   pending: what a session left unchecked on the GPU (nothing after session 20: the d=64
+#   backward's bwd_ws variants' tests and their probe, ~2 min).
 #   session: the README's benchmark table first (18 shapes, with FA4 when
 #   `source .peers/fa4-b/activate.sh` ran first), then the GPU tests, then decode-bench.py
 #   (DECODE=1), host-overhead.py (HOST_OVERHEAD=1) and hf-generate-bench.py (HF=1);
@@ -64,17 +64,17 @@ run_tests() {
   done
 }
 if [ "$mode" = pending ]; then
-  # Session 19 prepared BwdConfig.ws_dq_warp (bwd_ws without deterministic mode: the dQ warp
-  # issues both warpgroups' reduces), off and never run on a GPU: its GPU tests (d=128
-  # schedules, d=64 split variants), then the probe: d=64 on bwd_ws with 128-row steps and
-  # the dQ warp against the default (bwd.py's kernel), d=128 with and without. ~2-3 min.
+  # d=64's backward on bwd_ws (session 20: unmasked calls, causal ones from 2k rows): its
+  # variants' GPU tests, then the probe against bwd.py's kernel (causal: the default below
+  # 2k rows). ~2 min.
   TEST_FILES="tests/test_sm90_bwd_gpu.py" PYTEST_K="d64_split" \
     TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
-  timeout 200 python3 scripts/sm90-bwd-probe.py --dims 64,128 --seqlens 512,2048,16384 \
-    --no-peers --budget 190 --variant "dqw:ws_dq_warp=true" \
-    --variant "ws128dqw:split_warpgroups=true,ws_dq_warp=true,dq_swizzle=128" \
-    > "$out/probe-dq-warp.log" 2>&1
-  tail -16 "$out/probe-dq-warp.log"
+  timeout 200 python3 scripts/sm90-bwd-probe.py --dims 64 --seqlens 512,2048,16384 \
+    --no-peers --budget 190 \
+    --variant "bwdpy:split_warpgroups=false,ws_dq_warp=false,dq_fragment=false,dq_swizzle=32" \
+    --variant "ws:split_warpgroups=true,ws_dq_warp=true,dq_fragment=true" \
+    > "$out/probe-d64.log" 2>&1
+  tail -8 "$out/probe-d64.log"
 elif [ "$mode" = session ]; then
   # The benchmark first: if the call runs out of time, the table is what matters most.
   timeout "${BENCH_TIMEOUT:-240}" python3 -m asymflash bench --hdim 64,128,256 \
