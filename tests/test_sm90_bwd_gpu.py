@@ -214,6 +214,29 @@ SPLIT_CASES_D64 = [c for c in CASES if c["d"] == 64 and not c.get("softcap")]
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("variant", [dict(late_warpgroup=1), dict(late_warpgroup=-1),
+                                     dict(split_warpgroups=False), dict(dv_overlap=True),
+                                     dict(arrive_all=True), dict(dq_fragment=False),
+                                     dict(dq_fragment=False, late_warpgroup=-1),
+                                     dict(ws_dk_after_dq=False),
+                                     dict(ws_dk_after_dq=False, late_warpgroup=-1),
+                                     dict(ws_dq_warp=True),
+                                     dict(ws_dq_warp=True, dq_fragment=False)],
+                         ids=["late1", "in-step", "synchronous", "dv-overlap", "arrive-all",
+                              "dq-row-major", "dq-row-major-in-step", "dk-before-dq",
+                              "dk-before-dq-in-step", "dq-warp", "dq-warp-row-major"])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c["name"])
+def test_sm90_backward_d128_schedules_match_reference(case, variant):
+    from dataclasses import replace
+
+    from asymflash.backends.sm90 import bwd
+
+    cfg = replace(bwd.select_config(128), **variant)
+    for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
+        assert_fa_close(name, g, r32, rlow, atol=atol)
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("variant", [dict(),
                                      dict(ws_dq_warp=False),
                                      dict(dq_fragment=False),
