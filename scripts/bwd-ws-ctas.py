@@ -11,7 +11,9 @@ index cta·8 + k (cta = x + X·(y + Y·z) of the grid):
 
     0 %smid   1 warpgroup entry (%clock, low 32 bits)   2 K/V arrived   3 step 0's Q/dO and
     statistics arrived   4 loop end   5 dK/dV stored (end of the warpgroup's work)
-    6 n_steps   7 1 (the CTA stamped)
+    6 n_steps   7 1 (the CTA stamped)   8 the late warpgroup's last dQ done (d=64, 128:
+    warpgroup 0 is late)   9 past the warpgroups' barrier before the dK/dV stores
+    10, 11: warpgroup 1's 8 and 9   12 the load warp's entry (before it issues K/V)
 
 Clocks are per SM, so CTAs are compared on their own SM only: sorted by entry, the gap from
 one CTA's stamp 5 to the next one's stamp 1 holds the CTA's remaining tail (warpgroup 1, the
@@ -36,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import probe_common  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "asymflash" / "backends" / "sm90" / "bwd_ws.py"
-WORDS = 8
+WORDS = 16
 
 STAMPS = '''
     @gluon.jit
@@ -53,15 +55,18 @@ STAMPS = '''
                                          dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _cs_put(base, x, value, k: gl.constexpr, WG: gl.constexpr, pred=True):
-        # warpgroup 0 only; x: any int32 operand, orders the reads after it
-        if WG == 0:
+    def _cs_put(base, x, value, k: gl.constexpr, WG: gl.constexpr, pred=True,
+                ONLY: gl.constexpr = 0):
+        # warpgroup ONLY's stamp (WG -1: the load warp's); x: any int32 operand, orders the
+        # reads after it
+        if WG == ONLY:
             cta = _cs_cta(x)
-            gl.store(base + cta * 8 + k, value, mask=pred)
+            gl.store(base + cta * 16 + k, value, mask=pred)
 
     @gluon.jit
-    def _cs_clock(base, x, k: gl.constexpr, WG: gl.constexpr, pred=True):
-        _cs_put(base, x, _cs_read(x, "%clock"), k, WG, pred)
+    def _cs_clock(base, x, k: gl.constexpr, WG: gl.constexpr, pred=True,
+                  ONLY: gl.constexpr = 0):
+        _cs_put(base, x, _cs_read(x, "%clock"), k, WG, pred, ONLY)
 
 '''
 
@@ -89,6 +94,17 @@ EDITS = [
     ("        if WG == LATE_WG:\n            if n_steps > 0:\n",
      _stamp(8, "_cs_clock(sem_ptr, n0, 4, WG)")
      + "        if WG == LATE_WG:\n            if n_steps > 0:\n", 1),
+    ("        tma.store_wait(0)  # the last reduce reads dq_buf\n",
+     _stamp(8, "_cs_clock(sem_ptr, n0, 8, WG)") + _stamp(8, "_cs_clock(sem_ptr, n0, 10, WG, True, 1)")
+     + "        tma.store_wait(0)  # the last reduce reads dq_buf\n", 1),
+    ("        mbarrier.wait(done.index(0), 0)\n",
+     "        mbarrier.wait(done.index(0), 0)\n" + _stamp(8, "_cs_clock(sem_ptr, n0, 9, WG)")
+     + _stamp(8, "_cs_clock(sem_ptr, n0, 11, WG, True, 1)"), 1),
+    ("    def _ws_loader(q_desc,", "    def _ws_loader(sem_ptr, q_desc,", 1),
+    ("(_ws_loader, (q_desc,", "(_ws_loader, (sem_ptr, q_desc,", 1),
+    ("        load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(0), k_row, hk, HEAD_DIM,\n",
+     _stamp(8, "_cs_clock(sem_ptr, k_row, 12, -1, True, -1)")
+     + "        load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(0), k_row, hk, HEAD_DIM,\n", 1),
     ("                           HEAD_DIM_V, KEYS, dv_layout)\n\n    @gluon.jit(do_not_specialize",
      "                           HEAD_DIM_V, KEYS, dv_layout)\n"
      + _stamp(8, "_cs_clock(sem_ptr, n0, 5, WG)") + "\n    @gluon.jit(do_not_specialize", 1),
@@ -121,6 +137,11 @@ def report(stamps: torch.Tensor, label: str):
             phases["K/V -> step 0 ready"].append(d(2, 3) if r[6] > 0 else 0)
             phases["loop (all steps)"].append(d(2, 4))
             phases["loop end -> dK/dV stored"].append(d(4, 5))
+            phases["  of which: last dQ (late wg 0)"].append(d(4, 8))
+            phases["  barrier wait (wg 0)"].append(d(8, 9))
+            phases["  dK/dV stores (wg 0)"].append(d(9, 5))
+            phases["wg 1: its loop end -> barrier"].append(d(10, 11))
+            phases["load warp entry -> wg 0 entry"].append((r[1] - r[12] + 2**31) % 2**32 - 2**31)
             if r[6] > 0:
                 step_cycles.append((d(3, 4)) / r[6])
             if i + 1 < len(rows):
@@ -129,7 +150,7 @@ def report(stamps: torch.Tensor, label: str):
     steps = sorted({r[6] for v in per_sm.values() for r in v})
     print(f"== {label}: {n} CTAs on {len(per_sm)} SMs, steps per CTA {steps[:6]}{'...' if len(steps) > 6 else ''}")
     for name, vals in phases.items():
-        print(f"  {name:32s} median {_med(vals):9.0f} cycles")
+        print(f"  {name:34s} median {_med(vals):9.0f} cycles")
     per_step = _med(step_cycles)
     fixed = (_med(phases["entry -> K/V"]) + _med(phases["K/V -> step 0 ready"])
              + _med(phases["loop end -> dK/dV stored"])
