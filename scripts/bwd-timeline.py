@@ -427,21 +427,13 @@ def main():
         return
     from triton.testing import do_bench
 
-    from asymflash.backends.sm90 import bwd, fwd
-    from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
+    from asymflash.backends.sm90 import bwd
 
     for d, seqlen, causal in ((128, 512, False), (128, 512, True), (64, 512, False),
                               (128, 2048, False), (128, 16384, False)):
-        b, h = 16384 // seqlen, 2048 // d
-        q = torch.randn(b * seqlen, h, d, device="cuda", dtype=torch.bfloat16)
-        k, v = torch.randn_like(q), torch.randn_like(q)
-        seq = SeqInfo.dense(b, seqlen, seqlen, q.device)
-        params = AttnParams(d ** -0.5, MaskSpec(-1, 0 if causal else -1), 0.0, False)
-        out, lse = fwd.forward(q, k, v, seq, params, None)
-        dout = torch.randn_like(out)
+        args, b, h = probe_common.backward_cell(d, seqlen, causal)
         # bwd.py's kernel (d=128 calls run bwd_ws.py's by default, which is not stamped)
-        cfg = replace(bwd.select_config(d), split_warpgroups=False)
-        args = (dout, q, k, v, out, lse, None, seq, params, None, cfg)
+        args = (*args, replace(bwd.select_config(d), split_warpgroups=False))
         plain = do_bench(lambda: bwd.backward(*args), warmup=10, rep=40)
         stamped = do_bench(lambda: mod.backward(*args), warmup=10, rep=40)
         kp, ks = kernel_us(lambda: bwd.backward(*args)), kernel_us(lambda: mod.backward(*args))
@@ -457,7 +449,6 @@ def main():
 def main_ws(a):
     """--ws: the real host path (bwd.backward) launching the stamped copy of bwd_ws's kernel,
     the stamp buffer passed where the (unread) semaphore goes."""
-    from asymflash.backends.launch import DirectLaunch
     from asymflash.backends.sm90 import bwd
 
     ws = patched_ws_module(a.first_cta)
@@ -474,35 +465,11 @@ def main_ws(a):
             r.pop("ptxas_warnings")
             print(f"d=128 ws {label}: " + ", ".join(f"{x} {y}" for x, y in r.items()))
         return
-    from triton.testing import do_bench
-
-    from asymflash.backends.sm90 import fwd
-    from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
-
     stamps = torch.zeros(WS_WORDS, dtype=torch.int32, device="cuda")
-    stamped_launcher = DirectLaunch(ws.attn_bwd_ws_kernel)
-    real_launcher, real_sem = bwd._launcher_for, bwd._unused_semaphore
     for seqlen, causal in ((512, False), (512, True), (2048, False), (16384, False),
                            (16384, True)):
-        d, b = 128, 16384 // seqlen
-        h = 2048 // d
-        q = torch.randn(b * seqlen, h, d, device="cuda", dtype=torch.bfloat16)
-        k, v = torch.randn_like(q), torch.randn_like(q)
-        seq = SeqInfo.dense(b, seqlen, seqlen, q.device)
-        params = AttnParams(d ** -0.5, MaskSpec(-1, 0 if causal else -1), 0.0, False)
-        out, lse = fwd.forward(q, k, v, seq, params, None)
-        args = (torch.randn_like(out), q, k, v, out, lse, None, seq, params, None)
-        plain = do_bench(lambda: bwd.backward(*args), warmup=10, rep=40)
-        bwd._launcher_for = lambda w, split=False: stamped_launcher if split else \
-            real_launcher(w, split)
-        bwd._unused_semaphore = lambda device: stamps
-        try:
-            stamped = do_bench(lambda: bwd.backward(*args), warmup=10, rep=40)
-            stamps.zero_()
-            bwd.backward(*args)
-            torch.cuda.synchronize()
-        finally:
-            bwd._launcher_for, bwd._unused_semaphore = real_launcher, real_sem
+        args, b, _ = probe_common.backward_cell(128, seqlen, causal)
+        plain, stamped = probe_common.time_stamped_ws(ws.attn_bwd_ws_kernel, stamps, args)
         report_ws(stamps.clone(), f"d=128 seqlen {seqlen} batch {b} causal={causal}: call "
                   f"{plain * 1e3:.1f} us plain, {stamped * 1e3:.1f} us stamped")
 

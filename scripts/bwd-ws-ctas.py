@@ -167,7 +167,6 @@ def main():
     if a.compile and os.environ.get("TRITON_INTERPRET"):
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
-    from asymflash.backends.launch import DirectLaunch
     from asymflash.backends.sm90 import bwd
 
     ws = patched()
@@ -185,22 +184,9 @@ def main():
             bwd._kernel_for = real
         return
 
-    from triton.testing import do_bench
-
-    from asymflash.backends.sm90 import fwd
-    from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
-
-    launcher = DirectLaunch(ws.attn_bwd_ws_kernel)
-    real_launcher, real_sem = bwd._launcher_for, bwd._unused_semaphore
     for cell in a.cells.split(","):
         d, causal, seqlen = (int(x) for x in cell.split(":"))
-        b, h = 16384 // seqlen, 2048 // d
-        q = torch.randn(b * seqlen, h, d, device="cuda", dtype=torch.bfloat16)
-        k, v = torch.randn_like(q), torch.randn_like(q)
-        seq = SeqInfo.dense(b, seqlen, seqlen, q.device)
-        params = AttnParams(d ** -0.5, MaskSpec(-1, 0 if causal else -1), 0.0, False)
-        out, lse = fwd.forward(q, k, v, seq, params, None)
-        args = (torch.randn_like(out), q, k, v, out, lse, None, seq, params, None)
+        args, b, h = probe_common.backward_cell(d, seqlen, bool(causal))
         plan = bwd.launch_plan(d, d, seqlen, seqlen, True, False, -1, 0 if causal else -1,
                                False, False, b, h, torch.cuda.get_device_properties(0)
                                .multi_processor_count, None, False, h)
@@ -209,16 +195,7 @@ def main():
             continue
         ncta = plan.grid[0] * plan.grid[1] * plan.grid[2]
         stamps = torch.zeros(ncta * WORDS, dtype=torch.int32, device="cuda")
-        plain = do_bench(lambda: bwd.backward(*args), warmup=10, rep=40)
-        bwd._launcher_for = lambda w, split=False: launcher if split else real_launcher(w, split)
-        bwd._unused_semaphore = lambda device: stamps
-        try:
-            stamped = do_bench(lambda: bwd.backward(*args), warmup=10, rep=40)
-            stamps.zero_()
-            bwd.backward(*args)
-            torch.cuda.synchronize()
-        finally:
-            bwd._launcher_for, bwd._unused_semaphore = real_launcher, real_sem
+        plain, stamped = probe_common.time_stamped_ws(ws.attn_bwd_ws_kernel, stamps, args)
         report(stamps, f"d={d} causal={causal} seqlen={seqlen} batch {b} heads {h}: call "
                f"{plain * 1e3:.1f} us plain, {stamped * 1e3:.1f} us stamped")
 

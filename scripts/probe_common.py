@@ -55,3 +55,46 @@ def patched_module(src, edits, tag: str):
     finally:
         path.unlink()
     return mod
+
+
+def backward_cell(d: int, seqlen: int, causal: bool):
+    """(arguments of `bwd.backward`, batch, heads) of one README-shaped cell: bf16, model dim
+    2048, batch · seqlen = 16k, its forward run by the sm90 forward."""
+    import torch
+
+    from asymflash.backends.sm90 import fwd
+    from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
+
+    batch, heads = 16384 // seqlen, 2048 // d
+    q = torch.randn(batch * seqlen, heads, d, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    seq = SeqInfo.dense(batch, seqlen, seqlen, q.device)
+    params = AttnParams(d ** -0.5, MaskSpec(-1, 0 if causal else -1), 0.0, False)
+    out, lse = fwd.forward(q, k, v, seq, params, None)
+    return (torch.randn_like(out), q, k, v, out, lse, None, seq, params, None), batch, heads
+
+
+def time_stamped_ws(ws_kernel, stamps, args) -> tuple[float, float]:
+    """`bwd.backward(*args)` timed as it is and with bwd_ws's kernel swapped for `ws_kernel`
+    (a stamped copy: `patched_module`), the stamp buffer passed where the semaphore goes
+    (non-deterministic calls never read it); (plain, stamped) milliseconds. `stamps` holds
+    one call's stamps afterwards."""
+    import torch
+    from triton.testing import do_bench
+
+    from asymflash.backends.launch import DirectLaunch
+    from asymflash.backends.sm90 import bwd
+
+    launcher = DirectLaunch(ws_kernel)
+    real_launcher, real_sem = bwd._launcher_for, bwd._unused_semaphore
+    plain = do_bench(lambda: bwd.backward(*args), warmup=10, rep=40)
+    bwd._launcher_for = lambda w, split=False: launcher if split else real_launcher(w, split)
+    bwd._unused_semaphore = lambda device: stamps
+    try:
+        stamped = do_bench(lambda: bwd.backward(*args), warmup=10, rep=40)
+        stamps.zero_()
+        bwd.backward(*args)
+        torch.cuda.synchronize()
+    finally:
+        bwd._launcher_for, bwd._unused_semaphore = real_launcher, real_sem
+    return plain, stamped
