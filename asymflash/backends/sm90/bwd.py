@@ -1,8 +1,9 @@
 """FlashAttention backward for Hopper (sm_90a), written in Gluon.
 
-This module's kernel runs d=64, and d=128 with softcap (or with ws_deterministic=False,
-deterministic=True); other d=128 calls run `bwd_ws.py`'s warp-specialised version of the same
-plan (warpgroups out of phase, BwdConfig.split_warpgroups), d=256 `bwd_wide.py`. The host
+This module's kernel runs d=64 with softcap, a sliding window, or a causal mask below 2k
+rows, and d=128 with softcap (or with ws_deterministic=False, deterministic=True); other
+d=64 and d=128 calls run `bwd_ws.py`'s warp-specialised version of the same plan
+(warpgroups out of phase, BwdConfig.split_warpgroups), d=256 `bwd_wide.py`. The host
 side here serves all three.
 
 One CTA owns BLOCK_N keys of one (sequence, kv head) and keeps K, V (shared memory) and the

@@ -1,5 +1,5 @@
-"""Warp-specialised sm90 backward: the two key warpgroups out of phase (d = 128; d = 64 on
-request).
+"""Warp-specialised sm90 backward: the two key warpgroups out of phase (d = 128; d = 64
+unmasked, causal from 2k rows, and deterministic).
 
 `bwd.py`'s kernel runs both warpgroups through every step together: a CTA-wide barrier
 publishes dSᵀ for dQ = dS·K, another stages dQ for its TMA reduce, and Triton adds its own
@@ -42,12 +42,14 @@ unless asked for): `bwd._splits_warpgroups` keeps those on the synchronous kerne
 H200 2026-11-30 (scripts/sm90-bwd-probe.py, same process), d=128 TFLOP/s 512 / 2k / 16k:
 synchronous kernel 310-317 / 444-474 / 492-534, this one 337-338 / 513-516 / 536-554;
 causal 207-208 / 376-392 / 493-520 -> 209-210 / 395-405 / 529-582. At d=64 (128-row steps:
-dQ split by rows) a partition's 240 registers spill (46-95 local-memory instructions) and it
-loses at 512 rows and causal: that head dim keeps `bwd.py`'s kernel, except in deterministic
-mode, where the dQ warp takes the reduces and the turns off the compute warpgroups and this
-kernel wins by 20-35 % at 2k-16k rows despite the spills (2026-11-30 session 19;
-`bwd_config.select_config`). d=64 with 64-row steps (dQ split by columns, as d=128) compiles
-without spills, with two or three ring slots, and is slower than 128-row steps
+dQ split by rows) a partition's 240 registers spilled (46-95 local-memory instructions) while
+each warpgroup issued its own reduce, and it lost at 512 rows and causal. With the dQ warp
+issuing both warpgroups' reduces (deterministic mode's hand-over: BwdConfig.ws_dq_warp, and
+the turns in deterministic mode) it spills 6 unmasked and wins: deterministic +20-35 % at
+2k-16k rows over `bwd.py`'s kernel (session 19), default +6-22 % from 1k rows, causal +4-9 %
+from 2k (session 20; `bwd_config.select_config`). d=64 with 64-row steps (dQ split by
+columns, as d=128) compiles without spills, with two or three ring slots, and is slower than
+128-row steps
 (deterministic 2k / 16k 317 / 356 vs 430 / 503). Tried and dropped:
 deterministic turns per warpgroup (a counter per dQ half): 253 / 358 / 406 -> 272 / 373 /
 401 against the synchronous kernel's deterministic mode, not worth a second turn scheme.
