@@ -230,7 +230,8 @@ def test_heads_axis_descriptors_compile(kw):
 
 
 def test_defaults_where_the_h200_measured_a_gain():
-    # fragment-order dQ tiles (FRAGMENT_MIN_ROWS) and dK issued behind dQ (not deterministic)
+    # fragment-order dQ tiles (BwdConfig.dq_fragment) and dK issued behind dQ (not
+    # deterministic)
     sel = bwd.select_config
     assert sel(128, max_seqlen_q=512).dq_fragment
     assert sel(256, max_seqlen_q=512).dq_fragment and sel(256).dq_fragment

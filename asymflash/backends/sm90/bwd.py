@@ -87,7 +87,6 @@ from . import arrive_all, bwd_wide, bwd_ws, dq_fragments
 from . import fwd as _fwd
 from .bwd_config import (  # noqa: F401 - re-exported: tests and scripts read them here
     _DEFAULT_CONFIGS,
-    FRAGMENT_MIN_ROWS,
     HEADS_FIRST_L2_BYTES,
     BwdConfig,
     _splits_warpgroups,

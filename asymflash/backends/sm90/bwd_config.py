@@ -1,6 +1,6 @@
 """The sm90 backward's configuration: what one compiled kernel is (`BwdConfig`), the defaults
 per head dim, and the per-call choices where the H200 measured a gain (`select_config`,
-`FRAGMENT_MIN_ROWS`, `_splits_warpgroups`). Pure Python, no Gluon: the kernels and their
+`_splits_warpgroups`). Pure Python, no Gluon: the kernels and their
 launch are in `bwd.py`, `bwd_ws.py` and `bwd_wide.py`; `bwd.py` re-exports these names."""
 
 from __future__ import annotations
@@ -123,7 +123,11 @@ class BwdConfig:
     # causal 16k 257 -> 275, but 512 rows 241 / 172 -> 223 / 152 (causal): on at d=256 from
     # 2k rows. d=64 427-434 / 462-467 -> 423-433 / 479, shorter a tie, causal a tie (sm_90a:
     # 4 -> 46 local-memory instructions in its loop, at the 255-register limit),
-    # deterministic 16k 375 -> 364: on where `select_config` says (`FRAGMENT_MIN_ROWS`).
+    # deterministic 16k 375 -> 364. On in the defaults of d=128 and d=256 (every length: the
+    # conversion reads d=256's tiles in memory order since commit f574cd4; session 17, d=256
+    # 512 / 1k / 2k 240 / 290 / 322 -> 249 / 305 / 342, causal 173 / 230 / 275 -> 176 / 239 /
+    # 291; d=128 335 / 421 / 481 -> 338 / 441 / 486, causal 212 / 309 / 383 -> 212 / 317 /
+    # 402), and in d=64's bwd_ws builds (`select_config`, timed that way).
     dq_fragment: bool = False
     # bwd_ws: issue dK += dSᵀ·Q right after dQ = dS·K and wait for dQ alone, so dK runs while
     # dQ is staged and reduced (FA4's order), instead of issuing dK first, which made the wait
@@ -172,7 +176,7 @@ _DEFAULT_CONFIGS = {
     128: BwdConfig(block_m=64, block_n=128, dv_overlap=False, dk_late=True,
                    split_warpgroups=True, dq_fragment=True, ws_dk_after_dq=True),
     256: BwdConfig(block_m=64, block_n=64, dv_overlap=False,  # FA3's hdim-256 tile
-                   turn_release=0, stats_late=False),
+                   turn_release=0, stats_late=False, dq_fragment=True),
 }
 
 
@@ -201,18 +205,6 @@ def _splits_warpgroups(head_dim: int, cfg: BwdConfig, deterministic: bool,
             and cfg.dq_tma and (cfg.ws_deterministic or not deterministic) and not softcap)
 
 
-# Fragment-order dQ tiles (BwdConfig.dq_fragment) from this many query rows on: where the H200
-# measured a gain (sm90-bwd-probe, same process, TFLOP/s row-major -> fragments). d=256 at
-# every length since the conversion reads its tiles in memory order (commit f574cd4; 2026-11-30
-# session 17: 512 / 1k / 2k 240 / 290 / 322 -> 249 / 305 / 342, causal 173 / 230 / 275 -> 176 /
-# 239 / 291; session 16's gathering conversion lost below 2k). d=128 takes them at every
-# length (its default config; session 17 512 / 1k / 2k 335 / 421 / 481 -> 338 / 441 / 486,
-# causal 212 / 309 / 383 -> 212 / 317 / 402), and so does d=64's unmasked default on bwd_ws
-# (`select_config`, timed that way); in bwd.py's kernel d=64 had tied below 16k rows and
-# gained there (462-467 -> 479), and spilled 46 local-memory instructions causal.
-FRAGMENT_MIN_ROWS = {256: 0}
-
-
 def select_config(head_dim: int, override: BwdConfig | None = None,
                   softcap: bool = False, deterministic: bool = False,
                   masked: bool = False, max_seqlen_q: int | None = None,
@@ -224,10 +216,6 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
         cfg = override
     else:
         cfg = _DEFAULT_CONFIGS[head_dim]
-        if head_dim in FRAGMENT_MIN_ROWS:  # see BwdConfig.dq_fragment
-            long = max_seqlen_q is None or max_seqlen_q >= FRAGMENT_MIN_ROWS[head_dim]
-            plain = not (masked or softcap or deterministic)
-            cfg = replace(cfg, dq_fragment=long and (head_dim == 256 or plain))
         if deterministic:
             # see BwdConfig.stats_late and BwdConfig.ws_dk_after_dq
             cfg = replace(cfg, stats_late=False, ws_dk_after_dq=False)
