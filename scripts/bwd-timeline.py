@@ -203,10 +203,7 @@ def _ws(k: int) -> str:
 
 EDITS_WS = [
     # the compute partitions get the stamp buffer (the semaphore argument, unread here)
-    ("    def _ws_compute(shared, WG: gl.constexpr,",
-     "    def _ws_compute(shared, sem_ptr, WG: gl.constexpr,", 1),
-    ("(_ws_compute, (shared, 0,", "(_ws_compute, (shared, sem_ptr, 0,", 1),
-    ("(_ws_compute, (shared, 1,", "(_ws_compute, (shared, sem_ptr, 1,", 1),
+    *probe_common.WS_COMPUTE_TAKES_SEM,
     ("            mbarrier.wait(ready.index(slot), (it // RING) & 1)\n",
      _ws(0) + "            mbarrier.wait(ready.index(slot), (it // RING) & 1)\n" + _ws(1), 1),
     ("            lse2 = lse_smem.index(slot).load(col_layout)\n",

@@ -76,10 +76,7 @@ def _stamp(indent: int, call: str) -> str:
 
 
 EDITS = [
-    ("    def _ws_compute(shared, WG: gl.constexpr,",
-     "    def _ws_compute(shared, sem_ptr, WG: gl.constexpr,", 1),
-    ("(_ws_compute, (shared, 0,", "(_ws_compute, (shared, sem_ptr, 0,", 1),
-    ("(_ws_compute, (shared, 1,", "(_ws_compute, (shared, sem_ptr, 1,", 1),
+    *probe_common.WS_COMPUTE_TAKES_SEM,
     ("         softcap_pre, window_left, window_right) = shared\n",
      "         softcap_pre, window_left, window_right) = shared\n"
      + _stamp(8, "_cs_clock(sem_ptr, n0, 1, WG)")

@@ -98,3 +98,13 @@ def time_stamped_ws(ws_kernel, stamps, args) -> tuple[float, float]:
     finally:
         bwd._launcher_for, bwd._unused_semaphore = real_launcher, real_sem
     return plain, stamped
+
+
+# `patched_module` edits that hand bwd_ws's compute partitions the semaphore argument (unread
+# without deterministic mode), which the stamping scripts use as their stamp buffer.
+WS_COMPUTE_TAKES_SEM = [
+    ("    def _ws_compute(shared, WG: gl.constexpr,",
+     "    def _ws_compute(shared, sem_ptr, WG: gl.constexpr,", 1),
+    ("(_ws_compute, (shared, 0,", "(_ws_compute, (shared, sem_ptr, 0,", 1),
+    ("(_ws_compute, (shared, 1,", "(_ws_compute, (shared, sem_ptr, 1,", 1),
+]
