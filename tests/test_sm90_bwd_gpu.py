@@ -265,6 +265,43 @@ def test_sm90_backward_d64_split_warpgroups_match_reference(case, variant):
         assert_fa_close(name, g, r32, rlow, atol=atol)
 
 
+# The persistent bwd_ws (BwdConfig.ws_persistent, off by default; prepared 2026-11-30 session
+# 20): every dense case of bwd_ws's widths (d=64 with its bwd_ws build, masked cases too),
+# and cases with more tiles than the H200 has SMs, where a CTA walks several tiles (the
+# small cases give each CTA one at most): uneven causal tiles, GQA, a last key block past
+# the keys.
+PERSISTENT_CASES = [c for c in CASES if bwd_width(c) in (64, 128) and not c.get("softcap")
+                    and not c.get("seqused") and len(set(c["lens_q"])) == 1
+                    and len(set(c["lens_k"])) == 1] + [
+    dict(name="d64-many-tiles", lens_q=[1024] * 4, lens_k=[1024] * 4, hq=16, hkv=8, d=64),
+    dict(name="d128-causal-many-tiles", lens_q=[1536] * 3, lens_k=[1536] * 3, hq=12, hkv=12,
+         d=128, window=(-1, 0)),
+    dict(name="d64-gqa-causal-many-tiles", lens_q=[777] * 8, lens_k=[777] * 8, hq=8, hkv=4,
+         d=64, window=(-1, 0), dtype=torch.float16),
+]
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=lambda c: c["name"])
+def test_sm90_backward_persistent_matches_reference(case):
+    from dataclasses import replace
+
+    from asymflash.backends.sm90 import bwd
+
+    width = bwd_width(case)
+    window = case.get("window", (-1, -1))
+    cfg = bwd.select_config(width, masked=window != (-1, -1), window=window[0] >= 0,
+                            max_seqlen_q=max(case["lens_q"]))
+    if width == 64:  # the unmasked default's bwd_ws build, on masked cases too
+        cfg = replace(cfg, split_warpgroups=True, ws_dq_warp=True, dq_fragment=True,
+                      dq_swizzle=128)
+    cfg = replace(cfg, ws_persistent=True)
+    seq = make_case(case, "cuda")[4]
+    assert bwd.persists(cfg, seq.uniform and seq.seqused_k is None, False), case["name"]
+    for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
+        assert_fa_close(name, g, r32, rlow, atol=atol)
+
+
 # The grid's two orders (BwdConfig.heads_first): heads first, the default of causal calls
 # whose heads' Q and dO fit the L2 budget (every case here), and key blocks first, the order
 # of longer calls, on the causal cases with dense lengths (GQA, sq < sk, fp16, d=64/128/256).

@@ -462,9 +462,17 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
         consts["ARRIVE_PASS"] = arrive_all.VERSION if cfg.arrive_all else 0
         consts["DK_AFTER_DQ"] = cfg.ws_dk_after_dq
         consts["DQ_WARP"] = cfg.ws_dq_warp and not deterministic
+        consts["PERSISTENT"] = persists(cfg, uniform and not has_seqused, deterministic)
         if cfg.arrive_all:
             arrive_all.install()  # the PTX pass that makes the marked arrives per-thread
     return consts
+
+
+def persists(cfg: BwdConfig, dense: bool, deterministic: bool) -> bool:
+    """Whether bwd_ws runs as a persistent grid (BwdConfig.ws_persistent): dense lengths
+    only (every CTA's tile holds keys), never in deterministic mode (a CTA would wait for
+    the dQ turn of a tile no CTA has started)."""
+    return cfg.ws_persistent and dense and not deterministic
 
 
 def kv_tma_store(uniform: bool, max_seqlen_k: int, batch: int, block_n: int) -> bool:
@@ -730,6 +738,8 @@ def launch_plan(width: int, width_v: int, max_seqlen_q: int, max_seqlen_k: int,
                          kv_tma_store=cfg.kv_tma_store and kv_tma_store(
                              uniform, max_seqlen_k, batch, cfg.block_n))
     consts.update(_launch_options(split, cfg))
+    if split and consts["PERSISTENT"]:  # one CTA per SM, walking the grid's tiles
+        grid = (max(1, min(grid[0] * grid[1] * grid[2], sms)),)
     dq_block, dq_layout = _dq_box_and_layout(width, cfg, split)
     return LaunchPlan(cfg, grid, cdiv(max(max_seqlen_q, 1), cfg.block_m), consts, dq_block,
                       dq_layout, split)

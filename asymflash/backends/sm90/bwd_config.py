@@ -162,6 +162,12 @@ class BwdConfig:
     # 532 / 560 -> 333 / 509 / 575, causal 213 / 442 / 595 -> 209 / 416 / 621, again 4k /
     # 16k 527-582 / 545-553 -> 546 / 554, causal 443-507 / 541-546 -> 480 / 518: off.
     ws_dq_warp: bool = False
+    # bwd_ws as a persistent grid, one CTA per SM walking the plain grid's tiles, the next
+    # tile's K/V loading while the current one finishes dQ and stores dK/dV (`bwd.persists`:
+    # dense lengths, not deterministic). H200 2026-11-30 session 20 (scripts/bwd-ws-ctas.py):
+    # a CTA's fixed cost is 1.9-3.4 steps, of which the K/V wait (2200-4600 cycles) and the
+    # gap between CTAs on an SM (1800-2300) are what this overlaps. Prepared, not yet timed.
+    ws_persistent: bool = False
 
 
 # FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,

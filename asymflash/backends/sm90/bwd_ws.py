@@ -102,14 +102,25 @@ if _GLUON_ERROR is None:
                    v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, k_row, hk,
                    q_start, seqlen_q, total_q, n_steps, h, m0, m_lo, m_end, h_first, group,
                    HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
-                   RING: gl.constexpr):
+                   RING: gl.constexpr, it0=0, tile=0, kv_free=None, epi_done=None,
+                   PERSISTENT: gl.constexpr = False):
+        """K and V, then per step the statistics and Q/dO into the ring. PERSISTENT: one
+        tile of a persistent CTA (`_ws_tiles`), its steps numbered on from it0 (the ring's
+        phases run on across tiles), the tile-th of this CTA."""
+        if PERSISTENT:
+            if tile > 0:  # both warpgroups are past the previous tile's last K/V read
+                mbarrier.wait(kv_free.index(0), (tile - 1) & 1)
         load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(0), k_row, hk, HEAD_DIM,
                 HEAD_DIM_V)
+        if PERSISTENT:
+            if tile > 0:  # ... and past its dK/dV stores, staged through ring slots
+                mbarrier.wait(epi_done.index(0), (tile - 1) & 1)
         stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
         for it in range(n_steps):
-            slot = it % RING
-            if it >= RING:  # both warpgroups are done with step it - RING
-                mbarrier.wait(empty.index(slot), ((it - RING) // RING) & 1)
+            g = it0 + it  # the step's number in the CTA (all its tiles)
+            slot = g % RING
+            if g >= RING:  # both warpgroups are done with step g - RING
+                mbarrier.wait(empty.index(slot), ((g - RING) // RING) & 1)
             # Q and dO first, so that their TMA latency overlaps the statistics' loads (a
             # CTA's first step waits for both: H200 2026-11-30 session 20, sm90-bwd-probe,
             # TFLOP/s at 512 rows, statistics first -> last: d=64 283-284 -> 296-297, d=128
@@ -199,7 +210,7 @@ if _GLUON_ERROR is None:
                      shift, window_left, window_right, group_blocks, stride,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr,
-                     DET: gl.constexpr, TURNS: gl.constexpr):
+                     DET: gl.constexpr, TURNS: gl.constexpr, it0=0):
         """The dQ warp (DET: the compute warpgroups hand it their staged dQ tiles): per step,
         with TURNS (deterministic mode) wait for this CTA's dQ turn on the step's query block
         (bwd_parts.wait_dq_turn, the synchronous kernel's order), then for both warpgroups'
@@ -215,8 +226,8 @@ if _GLUON_ERROR is None:
                                    shift, window_left, window_right, h_first, m_lo,
                                    group_blocks, stride, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                                    STAGGER, True)
-            mbarrier.wait(dq_full.index(0), j & 1)
-            mbarrier.wait(dq_full.index(1), j & 1)
+            mbarrier.wait(dq_full.index(0), (it0 + j) & 1)
+            mbarrier.wait(dq_full.index(1), (it0 + j) & 1)
             FRAG: gl.constexpr = in_fragments(dq_desc.layout)
             TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
             row, col = _dq_coord(0, h, m0, q_start, FRAG, HEAD_DIM, BLOCK_M,
@@ -239,7 +250,10 @@ if _GLUON_ERROR is None:
                     HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DP_EARLY: gl.constexpr,
                     KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr, RING: gl.constexpr,
                     DET: gl.constexpr, DV_OVERLAP: gl.constexpr, ARRIVE: gl.constexpr,
-                    DK_AFTER_DQ: gl.constexpr):
+                    DK_AFTER_DQ: gl.constexpr, it0=0, tile=0, kv_free=None, epi_done=None,
+                    PERSISTENT: gl.constexpr = False):
+        # PERSISTENT: one tile of a persistent CTA, as in _ws_loader (steps numbered on
+        # from it0; the late warpgroup's previous step is always one of this tile's).
         (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
          empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr,
          dv_ptr, q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h, m0, m_lo,
@@ -279,11 +293,12 @@ if _GLUON_ERROR is None:
         dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, dq_layout)
         h_prev = h
         m0_prev = m0
-        mbarrier.wait(kv_bar.index(0), 0)
+        mbarrier.wait(kv_bar.index(0), tile & 1)
         for it in range(n_steps):
-            slot = it % RING  # the Q/dO ring
-            ds_slot = it % 2  # the dSᵀ buffers (_ws_dq)
-            mbarrier.wait(ready.index(slot), (it // RING) & 1)
+            g = it0 + it  # the step's number in the CTA (all its tiles)
+            slot = g % RING  # the Q/dO ring
+            ds_slot = g % 2  # the dSᵀ buffers (_ws_dq)
+            mbarrier.wait(ready.index(slot), (g // RING) & 1)
             q_s = q_smem.index(slot)
             do_s = do_smem.index(slot)
             s_tok = warpgroup_mma(k_mine, q_s.permute((1, 0)), s_zero, use_acc=False,
@@ -310,8 +325,8 @@ if _GLUON_ERROR is None:
                 dp, dv, p_op = warpgroup_mma_wait(0, deps=[dp_tok, dv_tok, p_op])
             delta = delta_smem.index(slot).load(col_layout)
             ds16 = (p_ds * (dp - gl.expand_dims(delta, 0))).to(dtype)
-            if it >= 2:  # both dQ MMAs of step it - 2 have read this dSᵀ slot
-                mbarrier.wait(ds_free.index(ds_slot), ((it - 2) // 2) & 1)
+            if g >= 2:  # both dQ MMAs of step g - 2 have read this dSᵀ slot
+                mbarrier.wait(ds_free.index(ds_slot), ((g - 2) // 2) & 1)
             ds_smem.index(ds_slot).slice(WG * KEYS, KEYS).store(ds16)
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(2 * ds_slot + WG), count=1)
@@ -320,14 +335,14 @@ if _GLUON_ERROR is None:
                 if WG == LATE_WG:
                     if it > 0:
                         dk_tok = _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free,
-                                        dq_full, dq_empty, it - 1, h_prev, m0_prev, q_start,
+                                        dq_full, dq_empty, g - 1, h_prev, m0_prev, q_start,
                                         softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M, DET,
                                         ARRIVE, dk, ds_op, q_s, True)
                     else:
                         dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                 else:
                     dk_tok = _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free,
-                                    dq_full, dq_empty, it, h, m0, q_start, softmax_scale,
+                                    dq_full, dq_empty, g, h, m0, q_start, softmax_scale,
                                     dq_zero, WG, HEAD_DIM, BLOCK_M, DET, ARRIVE, dk, ds_op,
                                     q_s, True)
             else:
@@ -335,11 +350,11 @@ if _GLUON_ERROR is None:
                 if WG == LATE_WG:  # one step late: the other half of this step is not there
                     if it > 0:
                         _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full,
-                               dq_empty, it - 1, h_prev, m0_prev, q_start, softmax_scale,
+                               dq_empty, g - 1, h_prev, m0_prev, q_start, softmax_scale,
                                dq_zero, WG, HEAD_DIM, BLOCK_M, DET, ARRIVE)
                 else:
                     _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full,
-                           dq_empty, it, h, m0, q_start, softmax_scale, dq_zero, WG, HEAD_DIM,
+                           dq_empty, g, h, m0, q_start, softmax_scale, dq_zero, WG, HEAD_DIM,
                            BLOCK_M, DET, ARRIVE)
             if DV_OVERLAP:
                 dk, dv, ds_op, p_op = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok, ds_op, p_op])
@@ -354,12 +369,14 @@ if _GLUON_ERROR is None:
         if WG == LATE_WG:
             if n_steps > 0:
                 _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full, dq_empty,
-                       n_steps - 1, h_prev, m0_prev, q_start, softmax_scale, dq_zero, WG,
+                       it0 + n_steps - 1, h_prev, m0_prev, q_start, softmax_scale, dq_zero, WG,
                        HEAD_DIM, BLOCK_M, DET, ARRIVE)
         tma.store_wait(0)  # the last reduce reads dq_buf
+        if PERSISTENT:  # this warpgroup's MMAs have read K and V for the last time
+            mbarrier.arrive(kv_free.index(0), count=1)
         # The epilogue stages through the Q/dO ring, which the other warpgroup may still read.
         mbarrier.arrive(done.index(0), count=1)
-        mbarrier.wait(done.index(0), 0)
+        mbarrier.wait(done.index(0), tile & 1)
         dk = dk * softmax_scale  # S = scale·Q·Kᵀ
         if KV_TMA_STORE:
             store_key_tiles(dk_desc, dv_desc, dk, dv,
@@ -373,6 +390,208 @@ if _GLUON_ERROR is None:
                            HEAD_DIM, KEYS, dk_layout)
             store_key_rows(dv_ptr, dv, n0 + WG * KEYS, k_start, seqlen_k, n_kv_heads, hk,
                            HEAD_DIM_V, KEYS, dv_layout)
+        if PERSISTENT:  # the stores have read the ring slots: the next tile may load into them
+            mbarrier.arrive(epi_done.index(0), count=1)
+
+    @gluon.jit
+    def _ws_alloc(q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM: gl.constexpr,
+                  HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  RING: gl.constexpr, ARRIVE: gl.constexpr, DQ_BARS: gl.constexpr):
+        """The kernel's shared memory and barriers (the module docstring's), initialised.
+        DQ_BARS: the dQ warp's hand-over barriers (deterministic mode, ws_dq_warp)."""
+        dtype: gl.constexpr = q_desc.dtype
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM],
+                                           _tile_layout(k_desc.layout))
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V],
+                                           _tile_layout(v_desc.layout))
+        q_smem = gl.allocate_shared_memory(dtype, [RING, BLOCK_M, HEAD_DIM],
+                                           _tile_layout(q_desc.layout))
+        do_smem = gl.allocate_shared_memory(dtype, [RING, BLOCK_M, HEAD_DIM_V],
+                                            _tile_layout(do_desc.layout))
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
+                                                                       dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
+                                            dq_desc.layout)
+        stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        lse_smem = gl.allocate_shared_memory(gl.float32, [RING, BLOCK_M], stat_smem_layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [RING, BLOCK_M],
+                                               stat_smem_layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        # deterministic mode: warpgroup w's staged dQ tile is full / read by the dQ warp
+        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar.index(0), count=1)
+        mbarrier.init(done.index(0), count=2)
+        for st in gl.static_range(RING):
+            # two arrives: the TMA bytes' expect and the statistics' stores (_ws_loader)
+            mbarrier.init(ready.index(st), count=2)
+            mbarrier.init(empty.index(st), count=2 * ARRIVE)
+        for st in gl.static_range(2):
+            mbarrier.init(ds_free.index(st), count=2 * ARRIVE)
+            if DQ_BARS:
+                mbarrier.init(dq_full.index(st), count=1)
+                mbarrier.init(dq_empty.index(st), count=1)
+        for st in gl.static_range(4):
+            mbarrier.init(ds_ready.index(st), count=1)
+        return (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar,
+                ready, empty, ds_ready, ds_free, dq_full, dq_empty, done)
+
+    @gluon.jit
+    def _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left, window_right,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                 HAS_RIGHT: gl.constexpr, HEADS_FIRST: gl.constexpr):
+        """Tile t of a persistent CTA's walk (dense lengths): the key block, kv head and
+        sequence the grid's CTA number t would take (`key_block`'s order), and its steps:
+        (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end)."""
+        if HEADS_FIRST:
+            hk = t % n_kv_heads
+            n_blk = (t // n_kv_heads) % n_blocks
+        else:
+            n_blk = t % n_blocks
+            hk = (t // n_blocks) % n_kv_heads
+        batch = t // (n_blocks * n_kv_heads)
+        n0 = n_blk * BLOCK_N
+        m_lo, group_blocks = query_range(n0, seqlen_q, seqlen_k - seqlen_q, window_left,
+                                         window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        return (n0, hk, batch * seqlen_q, batch * seqlen_k, group_blocks * group, hk * group,
+                m_lo, m_lo + group_blocks * BLOCK_M)
+
+    @gluon.jit
+    def _ws_compute_tiles(shared, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                          HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
+                          BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                          HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                          DP_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
+                          LATE_WG: gl.constexpr, RING: gl.constexpr, DET: gl.constexpr,
+                          DV_OVERLAP: gl.constexpr, ARRIVE: gl.constexpr,
+                          DK_AFTER_DQ: gl.constexpr, HEADS_FIRST: gl.constexpr):
+        """A compute warpgroup of a persistent CTA: `_ws_compute` per tile."""
+        (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
+         empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr,
+         dv_ptr, seqlen_q, seqlen_k, n_kv_heads, group, qk_scale, softmax_scale, softcap_pre,
+         window_left, window_right, n_blocks, n_tiles, kv_free, epi_done) = shared
+        it0 = 0
+        tile = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end = _ws_tile(
+                t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left, window_right,
+                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST)
+            keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, seqlen_k - seqlen_q,
+                                                        window_left, window_right, BLOCK_M,
+                                                        BLOCK_N)
+            tile_shared = (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
+                           delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done, dq_full,
+                           dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, q_start,
+                           k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h_first,
+                           m_lo, m_lo, m_end, h_first, group, keys_oob, m_full_lo, m_full_hi,
+                           qk_scale, softmax_scale, softcap_pre, window_left, window_right)
+            _ws_compute(tile_shared, WG, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
+                        HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DET,
+                        DV_OVERLAP, ARRIVE, DK_AFTER_DQ, it0, tile, kv_free, epi_done, True)
+            it0 += n_steps
+            tile += 1
+
+    @gluon.jit
+    def _ws_loader_tiles(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem, k_smem,
+                         v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_free,
+                         epi_done, seqlen_q, seqlen_k, total_q, n_kv_heads, group, window_left,
+                         window_right, n_blocks, n_tiles, HEAD_DIM: gl.constexpr,
+                         HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                         HAS_RIGHT: gl.constexpr, RING: gl.constexpr,
+                         HEADS_FIRST: gl.constexpr):
+        """The load warp of a persistent CTA: `_ws_loader` per tile."""
+        it0 = 0
+        tile = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end = _ws_tile(
+                t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left, window_right,
+                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST)
+            _ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem, k_smem,
+                       v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, k_start + n0,
+                       hk, q_start, seqlen_q, total_q, n_steps, h_first, m_lo, m_lo, m_end,
+                       h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M, RING, it0, tile, kv_free,
+                       epi_done, True)
+            it0 += n_steps
+            tile += 1
+
+    @gluon.jit
+    def _ws_dq_tiles(dq_smem, dq_desc, dq_full, dq_empty, seqlen_q, seqlen_k, n_kv_heads,
+                     group, window_left, window_right, n_blocks, n_tiles,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DQ_WARP: gl.constexpr,
+                     HEADS_FIRST: gl.constexpr):
+        """The dQ warp of a persistent CTA (ws_dq_warp: the reduces, no turns) per tile."""
+        if DQ_WARP:
+            it0 = 0
+            for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+                n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end = _ws_tile(
+                    t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left,
+                    window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST)
+                _ws_dq_turns(dq_smem, dq_desc, dq_full, dq_empty, dq_desc, q_start, n_steps,
+                             h_first, m_lo, m_lo, m_end, h_first, group, 0, 0, 0, 0, 0, 0,
+                             window_left, window_right, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
+                             HAS_LEFT, HAS_RIGHT, False, True, False, it0)
+                it0 += n_steps
+
+    @gluon.jit
+    def _ws_tiles(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
+                  delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, total_q, n_kv_heads, group,
+                  qk_scale, softmax_scale, softcap_pre, window_left, window_right,
+                  HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                  SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr, DP_EARLY: gl.constexpr,
+                  KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr, RING: gl.constexpr,
+                  ARRIVE: gl.constexpr, DK_AFTER_DQ: gl.constexpr, HEADS_FIRST: gl.constexpr,
+                  DQ_WARP: gl.constexpr):
+        """A persistent CTA (BwdConfig.ws_persistent; dense lengths, not deterministic): the
+        grid's (key block, kv head, sequence) tiles t = program, program + programs, ...,
+        each as a CTA of the plain grid runs it, the roles looping over them. What a tile
+        boundary adds: the load warp loads the next tile's K/V once both warpgroups are past
+        their last MMA reading K/V (kv_free), while they finish dQ and store dK/dV, and the
+        next tile's first Q/dO once those stores have read the ring slots they staged
+        through (epi_done); every other barrier's phase runs on by step (ring, dSᵀ, dQ
+        hand-over) or by tile (kv_bar, done)."""
+        (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar,
+         ready, empty, ds_ready, ds_free, dq_full, dq_empty, done) = _ws_alloc(
+            q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N,
+            RING, ARRIVE, DQ_WARP)
+        kv_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        epi_done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_free.index(0), count=2)
+        mbarrier.init(epi_done.index(0), count=2)
+        fence_async_shared()
+        n_blocks = (seqlen_k + BLOCK_N - 1) // BLOCK_N
+        n_tiles = n_blocks * n_kv_heads * (total_q // gl.maximum(seqlen_q, 1))
+        shared = (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+                  kv_bar, ready, empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc,
+                  dk_desc, dv_desc, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_kv_heads, group,
+                  qk_scale, softmax_scale, softcap_pre, window_left, window_right, n_blocks,
+                  n_tiles, kv_free, epi_done)
+        gl.warp_specialize([
+            (_ws_compute_tiles, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                 HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
+                                 DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ, HEADS_FIRST)),
+            (_ws_compute_tiles, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                 HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
+                                 DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ, HEADS_FIRST)),
+            (_ws_loader_tiles, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
+                                k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
+                                empty, kv_free, epi_done, seqlen_q, seqlen_k, total_q,
+                                n_kv_heads, group, window_left, window_right, n_blocks,
+                                n_tiles, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                HAS_RIGHT, RING, HEADS_FIRST)),
+            (_ws_dq_tiles, (dq_smem, dq_desc, dq_full, dq_empty, seqlen_q, seqlen_k,
+                            n_kv_heads, group, window_left, window_right, n_blocks, n_tiles,
+                            HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DQ_WARP,
+                            HEADS_FIRST)),
+        ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])
 
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
                                   "group", "window_left", "window_right", "num_m_blocks"])
@@ -392,7 +611,8 @@ if _GLUON_ERROR is None:
                            DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr,
                            LATE_WG: gl.constexpr, RING: gl.constexpr, ARRIVE: gl.constexpr,
                            ARRIVE_PASS: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
-                           HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr):
+                           HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr,
+                           PERSISTENT: gl.constexpr = False):
         # Same arguments as bwd._attn_bwd_kernel (one host path); DK_LATE, STATS_LATE,
         # RELEASE_AT, WAIT_EARLY and dq_ptr belong to that kernel's schedule. DV_OVERLAP:
         # dV = Pᵀ·dO stays in flight while dSᵀ is formed (BwdConfig.dv_overlap).
@@ -401,92 +621,65 @@ if _GLUON_ERROR is None:
         # warpgroup releases a Q/dO slot and a dSᵀ buffer with (128: `arrive_all.py`'s mark;
         # ARRIVE_PASS, that pass's version, only keys Triton's cache). DQ_WARP: without
         # DETERMINISTIC, the dQ warp still issues the reduces (BwdConfig.ws_dq_warp).
-        dtype: gl.constexpr = q_desc.dtype
-        n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
-            cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
-            HAS_RIGHT and DETERMINISTIC, HEADS_FIRST)
-        n0 = n_blk * BLOCK_N
-        # Top-first order (deterministic causal) numbers the key blocks down from the
-        # sequence's own count: grid columns beyond a shorter varlen sequence get n0 < 0.
-        if (n0 >= 0) & (n0 < seqlen_k):
-            shift = seqlen_k - seqlen_q
-            m_lo, group_blocks = query_range(n0, seqlen_q, shift, window_left, window_right,
-                                             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-            n_steps = group_blocks * group
-            keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, shift, window_left,
-                                                        window_right, BLOCK_M, BLOCK_N)
-            h_first = hk * group
-            h, m0, stride = walk_start(n_blk, n_seq, n_steps, group_blocks, h_first, m_lo,
-                                       STAGGER, BLOCK_M)
-            m_end = m_lo + group_blocks * BLOCK_M
+        # PERSISTENT: BwdConfig.ws_persistent (`_ws_tiles`).
+        if PERSISTENT:
+            _ws_tiles(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
+                      delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, total_q, n_kv_heads,
+                      group, qk_scale, softmax_scale, softcap_pre, window_left, window_right,
+                      HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                      DV_OVERLAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, ARRIVE, DK_AFTER_DQ,
+                      HEADS_FIRST, DQ_WARP)
+        else:
+            n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
+                cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
+                HAS_RIGHT and DETERMINISTIC, HEADS_FIRST)
+            n0 = n_blk * BLOCK_N
+            # Top-first order (deterministic causal) numbers the key blocks down from the
+            # sequence's own count: grid columns beyond a shorter varlen sequence get n0 < 0.
+            if (n0 >= 0) & (n0 < seqlen_k):
+                shift = seqlen_k - seqlen_q
+                m_lo, group_blocks = query_range(n0, seqlen_q, shift, window_left, window_right,
+                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                n_steps = group_blocks * group
+                keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, shift, window_left,
+                                                            window_right, BLOCK_M, BLOCK_N)
+                h_first = hk * group
+                h, m0, stride = walk_start(n_blk, n_seq, n_steps, group_blocks, h_first, m_lo,
+                                           STAGGER, BLOCK_M)
+                m_end = m_lo + group_blocks * BLOCK_M
 
-            k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM],
-                                               _tile_layout(k_desc.layout))
-            v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V],
-                                               _tile_layout(v_desc.layout))
-            q_smem = gl.allocate_shared_memory(dtype, [RING, BLOCK_M, HEAD_DIM],
-                                               _tile_layout(q_desc.layout))
-            do_smem = gl.allocate_shared_memory(dtype, [RING, BLOCK_M, HEAD_DIM_V],
-                                                _tile_layout(do_desc.layout))
-            ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
-                                                                           dtype)
-            ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-            dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
-                                                dq_desc.layout)
-            stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-            lse_smem = gl.allocate_shared_memory(gl.float32, [RING, BLOCK_M], stat_smem_layout)
-            delta_smem = gl.allocate_shared_memory(gl.float32, [RING, BLOCK_M],
-                                                   stat_smem_layout)
-            kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-            ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-            ds_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-            ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            # deterministic mode: warpgroup w's staged dQ tile is full / read by the dQ warp
-            dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(kv_bar.index(0), count=1)
-            mbarrier.init(done.index(0), count=2)
-            for st in gl.static_range(RING):
-                # two arrives: the TMA bytes' expect and the statistics' stores (_ws_loader)
-                mbarrier.init(ready.index(st), count=2)
-                mbarrier.init(empty.index(st), count=2 * ARRIVE)
-            for st in gl.static_range(2):
-                mbarrier.init(ds_free.index(st), count=2 * ARRIVE)
-                if DETERMINISTIC or DQ_WARP:
-                    mbarrier.init(dq_full.index(st), count=1)
-                    mbarrier.init(dq_empty.index(st), count=1)
-            for st in gl.static_range(4):
-                mbarrier.init(ds_ready.index(st), count=1)
-            fence_async_shared()
+                (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar,
+                 ready, empty, ds_ready, ds_free, dq_full, dq_empty, done) = _ws_alloc(
+                    q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
+                    BLOCK_N, RING, ARRIVE, DETERMINISTIC or DQ_WARP)
+                fence_async_shared()
 
-            # What the two compute warpgroups share travels as one tuple of runtime values;
-            # the constexprs are written out in each role (held in a variable, Gluon would
-            # turn them into runtime values). The dQ warp (deterministic mode) shares the
-            # load warp's padded warpgroup and register count; without DETERMINISTIC it
-            # returns at once.
-            shared = (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem,
-                      kv_bar, ready, empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc,
-                      dk_desc, dv_desc, dk_ptr, dv_ptr, q_start, k_start, seqlen_q, seqlen_k,
-                      n_kv_heads, hk, n0, n_steps, h, m0, m_lo, m_end, h_first, group,
-                      keys_oob, m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
-                      window_left, window_right)
-            gl.warp_specialize([
-                (_ws_compute, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
-                               HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                               DETERMINISTIC or DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ)),
-                (_ws_compute, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
-                               HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                               DETERMINISTIC or DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ)),
-                (_ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
-                              k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
-                              empty, k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
-                              m0, m_lo, m_end, h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
-                              RING)),
-                (_ws_dq_turns, (dq_smem, dq_desc, dq_full, dq_empty, sem_ptr, q_start,
-                                n_steps, h, m0, m_lo, m_end, h_first, group, batch, n_heads,
-                                num_m_blocks, n_blk, n_seq, shift, window_left, window_right,
-                                group_blocks, stride, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                HAS_RIGHT, STAGGER, DETERMINISTIC or DQ_WARP, DETERMINISTIC)),
-            ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])
+                # What the two compute warpgroups share travels as one tuple of runtime values;
+                # the constexprs are written out in each role (held in a variable, Gluon would
+                # turn them into runtime values). The dQ warp (deterministic mode) shares the
+                # load warp's padded warpgroup and register count; without DETERMINISTIC it
+                # returns at once.
+                shared = (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+                          kv_bar, ready, empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc,
+                          dk_desc, dv_desc, dk_ptr, dv_ptr, q_start, k_start, seqlen_q, seqlen_k,
+                          n_kv_heads, hk, n0, n_steps, h, m0, m_lo, m_end, h_first, group,
+                          keys_oob, m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
+                          window_left, window_right)
+                gl.warp_specialize([
+                    (_ws_compute, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                   HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
+                                   DETERMINISTIC or DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ)),
+                    (_ws_compute, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                   HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
+                                   DETERMINISTIC or DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ)),
+                    (_ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
+                                  k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
+                                  empty, k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
+                                  m0, m_lo, m_end, h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
+                                  RING)),
+                    (_ws_dq_turns, (dq_smem, dq_desc, dq_full, dq_empty, sem_ptr, q_start,
+                                    n_steps, h, m0, m_lo, m_end, h_first, group, batch, n_heads,
+                                    num_m_blocks, n_blk, n_seq, shift, window_left, window_right,
+                                    group_blocks, stride, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                    HAS_RIGHT, STAGGER, DETERMINISTIC or DQ_WARP, DETERMINISTIC)),
+                ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])
