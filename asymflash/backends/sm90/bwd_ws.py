@@ -448,7 +448,10 @@ if _GLUON_ERROR is None:
                  HAS_RIGHT: gl.constexpr, HEADS_FIRST: gl.constexpr):
         """Tile t of a persistent CTA's walk (dense lengths): the key block, kv head and
         sequence the grid's CTA number t would take (`key_block`'s order), and its steps:
-        (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end)."""
+        (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start). dq_start is
+        what the dQ reduces take for q_start: with fragment-order tiles, q_start + 128 ·
+        sequence, since `fragment_block` reads the sequence from the grid's third index,
+        which a persistent grid does not have (its 2 · sequence is 2 · 0 there)."""
         if HEADS_FIRST:
             hk = t % n_kv_heads
             n_blk = (t // n_kv_heads) % n_blocks
@@ -460,7 +463,7 @@ if _GLUON_ERROR is None:
         m_lo, group_blocks = query_range(n0, seqlen_q, seqlen_k - seqlen_q, window_left,
                                          window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         return (n0, hk, batch * seqlen_q, batch * seqlen_k, group_blocks * group, hk * group,
-                m_lo, m_lo + group_blocks * BLOCK_M)
+                m_lo, m_lo + group_blocks * BLOCK_M, batch * (seqlen_q + 128))
 
     @gluon.jit
     def _ws_compute_tiles(shared, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -479,15 +482,17 @@ if _GLUON_ERROR is None:
         it0 = 0
         tile = 0
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end = _ws_tile(
+            n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start = _ws_tile(
                 t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left, window_right,
                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST)
+            if not in_fragments(dq_desc.layout):  # row-major dQ: the rows themselves
+                dq_start = q_start
             keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, seqlen_k - seqlen_q,
                                                         window_left, window_right, BLOCK_M,
                                                         BLOCK_N)
             tile_shared = (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
                            delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done, dq_full,
-                           dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, q_start,
+                           dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, dq_start,
                            k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h_first,
                            m_lo, m_lo, m_end, h_first, group, keys_oob, m_full_lo, m_full_hi,
                            qk_scale, softmax_scale, softcap_pre, window_left, window_right)
@@ -510,7 +515,7 @@ if _GLUON_ERROR is None:
         it0 = 0
         tile = 0
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end = _ws_tile(
+            n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start = _ws_tile(
                 t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left, window_right,
                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST)
             _ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem, k_smem,
@@ -531,10 +536,12 @@ if _GLUON_ERROR is None:
         if DQ_WARP:
             it0 = 0
             for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-                n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end = _ws_tile(
+                n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start = _ws_tile(
                     t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left,
                     window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST)
-                _ws_dq_turns(dq_smem, dq_desc, dq_full, dq_empty, dq_desc, q_start, n_steps,
+                if not in_fragments(dq_desc.layout):  # row-major dQ: the rows themselves
+                    dq_start = q_start
+                _ws_dq_turns(dq_smem, dq_desc, dq_full, dq_empty, 0, dq_start, n_steps,
                              h_first, m_lo, m_lo, m_end, h_first, group, 0, 0, 0, 0, 0, 0,
                              window_left, window_right, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
                              HAS_LEFT, HAS_RIGHT, False, True, False, it0)
