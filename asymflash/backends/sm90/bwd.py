@@ -642,10 +642,14 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
     # The kernel's tensors are `width` (V side: width_v) wide: dQ_acc, dK, dV are cut below.
     # The preprocess (delta) zeroes dQ_acc: one launch instead of two.
     if plan.dq_fragment:
-        dq_acc = dq_fragments.fragment_buffer(total_q, seq.batch, hq, width, q.device)
+        dq_acc = dq_fragments.fragment_buffer(total_q, seq.batch, hq, width, q.device,
+                                              extra_rows=plan.persistent)
     else:
-        dq_acc = torch.empty((total_q, hq, width), dtype=torch.float32, device=q.device)
+        dq_acc = torch.empty((total_q + plan.persistent, hq, width), dtype=torch.float32,
+                             device=q.device)
     delta = _delta(out, dout, dlse, zero=dq_acc)
+    if plan.persistent:  # its tile counter: a zeroed row past dQ_acc's (bwd_ws._ws_tiles)
+        dq_acc, tile_counter = dq_acc[:-1], dq_acc[-1].view(torch.int32)
     # Varlen rows that belong to no sequence are never written: they must read as zero.
     alloc = torch.empty if seq.uniform and not has_seqused else torch.zeros
     dk = alloc((k.shape[0], hkv, width), dtype=k.dtype, device=k.device)
@@ -671,6 +675,8 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
     if params.deterministic:
         sem = torch.zeros((seq.batch, hq, plan.num_m_blocks), dtype=torch.int32,
                           device=q.device)
+    elif plan.persistent:
+        sem = tile_counter
     else:
         sem = _unused_semaphore(q.device)
     _launcher_for(width, plan.split)[plan.grid](
@@ -708,6 +714,11 @@ class LaunchPlan:
     @property
     def dq_fragment(self) -> bool:
         return _fragments(self.cfg, self.split, self.constexprs["HEAD_DIM"])
+
+    @property
+    def persistent(self) -> int:
+        """1 where bwd_ws runs as a persistent grid (its tile counter rides with dQ_acc)."""
+        return int(self.split and self.constexprs.get("PERSISTENT", False))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -443,33 +443,46 @@ if _GLUON_ERROR is None:
                 ready, empty, ds_ready, ds_free, dq_full, dq_empty, done)
 
     @gluon.jit
-    def _ws_tile(t, n_tiles, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left,
-                 window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+    def _give_tile(tile_smem, tile_full, tile_empty, i, t):
+        """The load warp hands its CTA's i-th tile number t to the other roles (-1: none
+        left, so that they need not hold the tile count). Two slots: the slot of tile i - 2
+        is free once every role has read it (they read tile i - 2's number before their last
+        MMAs on tile i - 2, which the load warp has waited for (kv_free) before it hands out
+        tile i)."""
+        slot = i % 2
+        if i >= 2:
+            mbarrier.wait(tile_empty.index(slot), ((i - 2) // 2) & 1)
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        tile_smem.index(slot).store(gl.zeros([1], gl.int32, layout) + t)
+        mbarrier.arrive(tile_full.index(slot), count=1)
+
+    @gluon.jit
+    def _take_tile(tile_smem, tile_full, tile_empty, i, WARPS: gl.constexpr):
+        """A role's i-th tile number, from the load warp (`_give_tile`)."""
+        slot = i % 2
+        mbarrier.wait(tile_full.index(slot), (i // 2) & 1)
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        t = gl.max(tile_smem.index(slot).load(layout), axis=0)
+        mbarrier.arrive(tile_empty.index(slot), count=1)
+        return t
+
+    @gluon.jit
+    def _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left, window_right,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                  HAS_RIGHT: gl.constexpr, HEADS_FIRST: gl.constexpr):
         """Tile t of a persistent CTA's walk (dense lengths): the key block, kv head and
-        sequence the grid's CTA number t would take (`key_block`'s order; causal calls key
-        block slowest, longest tiles first), and its steps:
+        sequence the grid's CTA number t would take (`key_block`'s order), and its steps:
         (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start). dq_start is
         what the dQ reduces take for q_start: with fragment-order tiles, q_start + 128 ·
         sequence, since `fragment_block` reads the sequence from the grid's third index,
         which a persistent grid does not have (its 2 · sequence is 2 · 0 there)."""
-        if HAS_RIGHT and not HAS_LEFT:
-            # Causal: key block slowest, so the walk takes the longest tiles (block 0 sees
-            # every query) first and each round of the static striding holds tiles of about
-            # one length: in the plain grid's order, CTAs striding over uneven tiles ended
-            # far apart (H200 2026-11-30 session 20, d=128 causal 16k: 566 -> 396 TFLOP/s).
-            per_block = n_tiles // n_blocks
-            n_blk = t // per_block
+        if HEADS_FIRST:
             hk = t % n_kv_heads
-            batch = (t % per_block) // n_kv_heads
+            n_blk = (t // n_kv_heads) % n_blocks
         else:
-            if HEADS_FIRST:
-                hk = t % n_kv_heads
-                n_blk = (t // n_kv_heads) % n_blocks
-            else:
-                n_blk = t % n_blocks
-                hk = (t // n_blocks) % n_kv_heads
-            batch = t // (n_blocks * n_kv_heads)
+            n_blk = t % n_blocks
+            hk = (t // n_blocks) % n_kv_heads
+        batch = t // (n_blocks * n_kv_heads)
         n0 = n_blk * BLOCK_N
         m_lo, group_blocks = query_range(n0, seqlen_q, seqlen_k - seqlen_q, window_left,
                                          window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -489,13 +502,15 @@ if _GLUON_ERROR is None:
         (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
          empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr,
          dv_ptr, seqlen_q, seqlen_k, n_kv_heads, group, qk_scale, softmax_scale, softcap_pre,
-         window_left, window_right, n_blocks, n_tiles, kv_free, epi_done) = shared
+         window_left, window_right, n_blocks, n_tiles, kv_free, epi_done, tile_smem, tile_full,
+         tile_empty) = shared
         it0 = 0
         tile = 0
-        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        t = _take_tile(tile_smem, tile_full, tile_empty, 0, 4)
+        while t >= 0:
             n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start = _ws_tile(
-                t, n_tiles, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left,
-                window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST)
+                t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left, window_right,
+                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST)
             if not in_fragments(dq_desc.layout):  # row-major dQ: the rows themselves
                 dq_start = q_start
             keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, seqlen_k - seqlen_q,
@@ -512,23 +527,31 @@ if _GLUON_ERROR is None:
                         DV_OVERLAP, ARRIVE, DK_AFTER_DQ, it0, tile, kv_free, epi_done, True)
             it0 += n_steps
             tile += 1
+            t = _take_tile(tile_smem, tile_full, tile_empty, tile, 4)
 
     @gluon.jit
     def _ws_loader_tiles(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem, k_smem,
                          v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_free,
-                         epi_done, seqlen_q, seqlen_k, total_q, n_kv_heads, group, window_left,
+                         epi_done, tile_smem, tile_full, tile_empty, counter_ptr, seqlen_q,
+                         seqlen_k, total_q, n_kv_heads, group, window_left,
                          window_right, n_blocks, n_tiles, HEAD_DIM: gl.constexpr,
                          HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, RING: gl.constexpr,
                          HEADS_FIRST: gl.constexpr):
-        """The load warp of a persistent CTA: `_ws_loader` per tile."""
+        """The load warp of a persistent CTA: `_ws_loader` per tile. Tiles after the first
+        (the program's number) come from a counter (zeroed by the preprocess) in the grid's
+        order, as the hardware hands out a plain grid's CTAs: uneven causal tiles balance
+        themselves, and the CTAs at work at one time share heads (Q, dO and dQ in L2)."""
         it0 = 0
         tile = 0
-        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        t = gl.program_id(0)
+        _give_tile(tile_smem, tile_full, tile_empty, 0, gl.where(t < n_tiles, t, -1))
+        while t < n_tiles:
+            t_next = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1, sem="relaxed")
             n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start = _ws_tile(
-                t, n_tiles, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left,
-                window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST)
+                t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left, window_right,
+                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST)
             _ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem, k_smem,
                        v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, k_start + n0,
                        hk, q_start, seqlen_q, total_q, n_steps, h_first, m_lo, m_lo, m_end,
@@ -536,19 +559,25 @@ if _GLUON_ERROR is None:
                        epi_done, True)
             it0 += n_steps
             tile += 1
+            _give_tile(tile_smem, tile_full, tile_empty, tile,
+                       gl.where(t_next < n_tiles, t_next, -1))
+            t = t_next
 
     @gluon.jit
-    def _ws_dq_tiles(dq_smem, dq_desc, dq_full, dq_empty, seqlen_q, seqlen_k, n_kv_heads,
-                     group, window_left, window_right, n_blocks, n_tiles,
+    def _ws_dq_tiles(dq_smem, dq_desc, dq_full, dq_empty, tile_smem, tile_full, tile_empty,
+                     seqlen_q, seqlen_k, n_kv_heads, group, window_left, window_right, n_blocks,
+                     n_tiles,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DQ_WARP: gl.constexpr,
                      HEADS_FIRST: gl.constexpr):
         """The dQ warp of a persistent CTA (ws_dq_warp: the reduces, no turns) per tile."""
         if DQ_WARP:
             it0 = 0
-            for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            tile = 0
+            t = _take_tile(tile_smem, tile_full, tile_empty, 0, 1)
+            while t >= 0:
                 n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start = _ws_tile(
-                    t, n_tiles, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left,
+                    t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left,
                     window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST)
                 if not in_fragments(dq_desc.layout):  # row-major dQ: the rows themselves
                     dq_start = q_start
@@ -557,19 +586,22 @@ if _GLUON_ERROR is None:
                              window_left, window_right, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
                              HAS_LEFT, HAS_RIGHT, False, True, False, it0)
                 it0 += n_steps
+                tile += 1
+                t = _take_tile(tile_smem, tile_full, tile_empty, tile, 1)
 
     @gluon.jit
     def _ws_tiles(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
-                  delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, total_q, n_kv_heads, group,
-                  qk_scale, softmax_scale, softcap_pre, window_left, window_right,
-                  HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                  SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr, DP_EARLY: gl.constexpr,
-                  KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr, RING: gl.constexpr,
-                  ARRIVE: gl.constexpr, DK_AFTER_DQ: gl.constexpr, HEADS_FIRST: gl.constexpr,
-                  DQ_WARP: gl.constexpr):
+                  delta_ptr, dk_ptr, dv_ptr, counter_ptr, seqlen_q, seqlen_k, total_q,
+                  n_kv_heads, group, qk_scale, softmax_scale, softcap_pre, window_left,
+                  window_right, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                  HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
+                  DP_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr,
+                  RING: gl.constexpr, ARRIVE: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
+                  HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr):
         """A persistent CTA (BwdConfig.ws_persistent; dense lengths, not deterministic): the
-        grid's (key block, kv head, sequence) tiles t = program, program + programs, ...,
+        grid's (key block, kv head, sequence) tiles, the program's own number first and then
+        the next of a counter's (`_ws_loader_tiles`, which hands each to the other roles),
         each as a CTA of the plain grid runs it, the roles looping over them. What a tile
         boundary adds: the load warp loads the next tile's K/V once both warpgroups are past
         their last MMA reading K/V (kv_free), while they finish dQ and store dK/dV, and the
@@ -584,6 +616,14 @@ if _GLUON_ERROR is None:
         epi_done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_free.index(0), count=2)
         mbarrier.init(epi_done.index(0), count=2)
+        # the tile numbers the load warp hands out (_give_tile): two slots
+        tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(
+            1, 1, 1, [0]))
+        tile_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(2):
+            mbarrier.init(tile_full.index(st), count=1)
+            mbarrier.init(tile_empty.index(st), count=3 if DQ_WARP else 2)
         fence_async_shared()
         n_blocks = (seqlen_k + BLOCK_N - 1) // BLOCK_N
         n_tiles = n_blocks * n_kv_heads * (total_q // gl.maximum(seqlen_q, 1))
@@ -591,7 +631,7 @@ if _GLUON_ERROR is None:
                   kv_bar, ready, empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc,
                   dk_desc, dv_desc, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_kv_heads, group,
                   qk_scale, softmax_scale, softcap_pre, window_left, window_right, n_blocks,
-                  n_tiles, kv_free, epi_done)
+                  n_tiles, kv_free, epi_done, tile_smem, tile_full, tile_empty)
         gl.warp_specialize([
             (_ws_compute_tiles, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                  HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
@@ -601,11 +641,13 @@ if _GLUON_ERROR is None:
                                  DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ, HEADS_FIRST)),
             (_ws_loader_tiles, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
                                 k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
-                                empty, kv_free, epi_done, seqlen_q, seqlen_k, total_q,
+                                empty, kv_free, epi_done, tile_smem, tile_full, tile_empty,
+                                counter_ptr, seqlen_q, seqlen_k, total_q,
                                 n_kv_heads, group, window_left, window_right, n_blocks,
                                 n_tiles, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                 HAS_RIGHT, RING, HEADS_FIRST)),
-            (_ws_dq_tiles, (dq_smem, dq_desc, dq_full, dq_empty, seqlen_q, seqlen_k,
+            (_ws_dq_tiles, (dq_smem, dq_desc, dq_full, dq_empty, tile_smem, tile_full,
+                            tile_empty, seqlen_q, seqlen_k,
                             n_kv_heads, group, window_left, window_right, n_blocks, n_tiles,
                             HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DQ_WARP,
                             HEADS_FIRST)),
@@ -642,11 +684,11 @@ if _GLUON_ERROR is None:
         # PERSISTENT: BwdConfig.ws_persistent (`_ws_tiles`).
         if PERSISTENT:
             _ws_tiles(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
-                      delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, total_q, n_kv_heads,
-                      group, qk_scale, softmax_scale, softcap_pre, window_left, window_right,
-                      HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                      DV_OVERLAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, ARRIVE, DK_AFTER_DQ,
-                      HEADS_FIRST, DQ_WARP)
+                      delta_ptr, dk_ptr, dv_ptr, sem_ptr, seqlen_q, seqlen_k, total_q,
+                      n_kv_heads, group, qk_scale, softmax_scale, softcap_pre, window_left,
+                      window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                      SOFTCAP, DV_OVERLAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, ARRIVE,
+                      DK_AFTER_DQ, HEADS_FIRST, DQ_WARP)
         else:
             n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
                 cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
