@@ -468,6 +468,11 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
     return consts
 
 
+# Rows of dQ_acc's buffer past its own that a persistent bwd_ws gets zeroed by the preprocess:
+# its tile counter in the first word (scripts may ask for more: clock stamps after it).
+PERSISTENT_ROWS = 1
+
+
 def persists(cfg: BwdConfig, dense: bool, deterministic: bool) -> bool:
     """Whether bwd_ws runs as a persistent grid (BwdConfig.ws_persistent): dense lengths
     only (every CTA's tile holds keys), never in deterministic mode (a CTA would wait for
@@ -641,15 +646,16 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
         dlse = dlse.contiguous()
     # The kernel's tensors are `width` (V side: width_v) wide: dQ_acc, dK, dV are cut below.
     # The preprocess (delta) zeroes dQ_acc: one launch instead of two.
+    extra = PERSISTENT_ROWS if plan.persistent else 0
     if plan.dq_fragment:
         dq_acc = dq_fragments.fragment_buffer(total_q, seq.batch, hq, width, q.device,
-                                              extra_rows=plan.persistent)
+                                              extra_rows=extra)
     else:
-        dq_acc = torch.empty((total_q + plan.persistent, hq, width), dtype=torch.float32,
+        dq_acc = torch.empty((total_q + extra, hq, width), dtype=torch.float32,
                              device=q.device)
     delta = _delta(out, dout, dlse, zero=dq_acc)
-    if plan.persistent:  # its tile counter: a zeroed row past dQ_acc's (bwd_ws._ws_tiles)
-        dq_acc, tile_counter = dq_acc[:-1], dq_acc[-1].view(torch.int32)
+    if extra:  # its tile counter: zeroed rows past dQ_acc's (bwd_ws._ws_tiles)
+        dq_acc, tile_counter = dq_acc[:-extra], dq_acc[-extra:].view(torch.int32)
     # Varlen rows that belong to no sequence are never written: they must read as zero.
     alloc = torch.empty if seq.uniform and not has_seqused else torch.zeros
     dk = alloc((k.shape[0], hkv, width), dtype=k.dtype, device=k.device)
@@ -716,9 +722,9 @@ class LaunchPlan:
         return _fragments(self.cfg, self.split, self.constexprs["HEAD_DIM"])
 
     @property
-    def persistent(self) -> int:
-        """1 where bwd_ws runs as a persistent grid (its tile counter rides with dQ_acc)."""
-        return int(self.split and self.constexprs.get("PERSISTENT", False))
+    def persistent(self) -> bool:
+        """Whether bwd_ws runs as a persistent grid (its tile counter rides with dQ_acc)."""
+        return self.split and self.constexprs.get("PERSISTENT", False)
 
 
 @functools.lru_cache(maxsize=4096)

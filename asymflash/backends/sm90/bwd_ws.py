@@ -112,7 +112,7 @@ if _GLUON_ERROR is None:
                 mbarrier.wait(kv_free.index(0), (tile - 1) & 1)
         load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(0), k_row, hk, HEAD_DIM,
                 HEAD_DIM_V)
-        if PERSISTENT:
+        if PERSISTENT and not _epilogue_in_ds(BLOCK_M, HEAD_DIM, HEAD_DIM_V):
             if tile > 0:  # ... and past its dK/dV stores, staged through ring slots
                 mbarrier.wait(epi_done.index(0), (tile - 1) & 1)
         stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
@@ -379,19 +379,48 @@ if _GLUON_ERROR is None:
         mbarrier.wait(done.index(0), tile & 1)
         dk = dk * softmax_scale  # S = scale·Q·Kᵀ
         if KV_TMA_STORE:
-            store_key_tiles(dk_desc, dv_desc, dk, dv,
-                            q_smem.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM],
-                                                          dk_desc.layout),
-                            do_smem.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM_V],
-                                                           dv_desc.layout),
+            dk_buf, dv_buf = _epilogue_buffers(q_smem, do_smem, ds_smem, dk_desc, dv_desc, WG,
+                                               PERSISTENT)
+            store_key_tiles(dk_desc, dv_desc, dk, dv, dk_buf, dv_buf,
                             k_start + n0 + WG * KEYS, hk, HEAD_DIM, HEAD_DIM_V)
         else:
             store_key_rows(dk_ptr, dk, n0 + WG * KEYS, k_start, seqlen_k, n_kv_heads, hk,
                            HEAD_DIM, KEYS, dk_layout)
             store_key_rows(dv_ptr, dv, n0 + WG * KEYS, k_start, seqlen_k, n_kv_heads, hk,
                            HEAD_DIM_V, KEYS, dv_layout)
-        if PERSISTENT:  # the stores have read the ring slots: the next tile may load into them
+        if PERSISTENT and not _epilogue_in_ds(BLOCK_M, HEAD_DIM, HEAD_DIM_V):
+            # the stores have read the ring slots: the next tile may load into them
             mbarrier.arrive(epi_done.index(0), count=1)
+
+    @gluon.constexpr_function
+    def _epilogue_in_ds(BLOCK_M, HEAD_DIM, HEAD_DIM_V):
+        """Whether a persistent CTA's warpgroups stage dK/dV in the dSᵀ buffers
+        (`_epilogue_buffers`), so that the load warp need not wait for their stores."""
+        return BLOCK_M >= HEAD_DIM + HEAD_DIM_V and HEAD_DIM == HEAD_DIM_V
+
+    @gluon.jit
+    def _epilogue_buffers(q_smem, do_smem, ds_smem, dk_desc, dv_desc, WG: gl.constexpr,
+                          PERSISTENT: gl.constexpr):
+        """Where warpgroup WG stages its dK and dV tiles for their TMA stores, once both
+        warpgroups have retired their last MMA: slots of the Q/dO ring, or in a persistent
+        CTA, where they fit (BLOCK_M >= HEAD_DIM + HEAD_DIM_V: d=64), this warpgroup's half
+        of the dSᵀ buffers, which only it writes, so that the load warp can fill the ring
+        with the next tile's first Q/dO while the stores go out (H200 2026-12-01 session 21,
+        stamped persistent CTAs at d=64 512: a tile's step 0 began 3171 cycles after the
+        previous tile's stores, its Q/dO issued only once they had read the ring)."""
+        dtype: gl.constexpr = q_smem.dtype
+        KEYS: gl.constexpr = dk_desc.block_type.shape[0]
+        HEAD_DIM: gl.constexpr = dk_desc.block_type.shape[1]
+        HEAD_DIM_V: gl.constexpr = dv_desc.block_type.shape[1]
+        BLOCK_M: gl.constexpr = q_smem.shape[1]
+        if PERSISTENT and _epilogue_in_ds(BLOCK_M, HEAD_DIM, HEAD_DIM_V):
+            # ds_smem [2, 2·KEYS, BLOCK_M]: warpgroup WG's half of slot 0 is [2·KEYS·WG,
+            # 2·KEYS·WG + KEYS) in KEYS-row tiles of HEAD_DIM columns (2 per half)
+            tiles = ds_smem._reinterpret(dtype, [8 * BLOCK_M // (2 * HEAD_DIM), KEYS, HEAD_DIM],
+                                         dk_desc.layout)
+            return tiles.index(2 * WG), tiles.index(2 * WG + 1)
+        return (q_smem.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM], dk_desc.layout),
+                do_smem.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM_V], dv_desc.layout))
 
     @gluon.jit
     def _ws_alloc(q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM: gl.constexpr,
