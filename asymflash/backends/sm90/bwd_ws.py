@@ -103,7 +103,7 @@ if _GLUON_ERROR is None:
                    q_start, seqlen_q, total_q, n_steps, h, m0, m_lo, m_end, h_first, group,
                    HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
                    RING: gl.constexpr, it0=0, tile=0, kv_free=None, epi_done=None,
-                   PERSISTENT: gl.constexpr = False):
+                   PERSISTENT: gl.constexpr = False, EPI: gl.constexpr = 0):
         """K and V, then per step the statistics and Q/dO into the ring. PERSISTENT: one
         tile of a persistent CTA (`_ws_tiles`), its steps numbered on from it0 (the ring's
         phases run on across tiles), the tile-th of this CTA."""
@@ -112,7 +112,7 @@ if _GLUON_ERROR is None:
                 mbarrier.wait(kv_free.index(0), (tile - 1) & 1)
         load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(0), k_row, hk, HEAD_DIM,
                 HEAD_DIM_V)
-        if PERSISTENT and not _epilogue_in_ds(BLOCK_M, HEAD_DIM, HEAD_DIM_V):
+        if PERSISTENT and EPI == 0:  # `_epilogue_buffers`
             if tile > 0:  # ... and past its dK/dV stores, staged through ring slots
                 mbarrier.wait(epi_done.index(0), (tile - 1) & 1)
         stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
@@ -251,7 +251,7 @@ if _GLUON_ERROR is None:
                     KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr, RING: gl.constexpr,
                     DET: gl.constexpr, DV_OVERLAP: gl.constexpr, ARRIVE: gl.constexpr,
                     DK_AFTER_DQ: gl.constexpr, it0=0, tile=0, kv_free=None, epi_done=None,
-                    PERSISTENT: gl.constexpr = False):
+                    PERSISTENT: gl.constexpr = False, EPI: gl.constexpr = 0, dv_stage=None):
         # PERSISTENT: one tile of a persistent CTA, as in _ws_loader (steps numbered on
         # from it0; the late warpgroup's previous step is always one of this tile's).
         (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
@@ -379,8 +379,8 @@ if _GLUON_ERROR is None:
         mbarrier.wait(done.index(0), tile & 1)
         dk = dk * softmax_scale  # S = scale·Q·Kᵀ
         if KV_TMA_STORE:
-            dk_buf, dv_buf = _epilogue_buffers(q_smem, do_smem, ds_smem, dk_desc, dv_desc, WG,
-                                               PERSISTENT)
+            dk_buf, dv_buf = _epilogue_buffers(q_smem, do_smem, ds_smem, dq_smem, dv_stage,
+                                               dk_desc, dv_desc, WG, EPI)
             store_key_tiles(dk_desc, dv_desc, dk, dv, dk_buf, dv_buf,
                             k_start + n0 + WG * KEYS, hk, HEAD_DIM, HEAD_DIM_V)
         else:
@@ -388,37 +388,48 @@ if _GLUON_ERROR is None:
                            HEAD_DIM, KEYS, dk_layout)
             store_key_rows(dv_ptr, dv, n0 + WG * KEYS, k_start, seqlen_k, n_kv_heads, hk,
                            HEAD_DIM_V, KEYS, dv_layout)
-        if PERSISTENT and not _epilogue_in_ds(BLOCK_M, HEAD_DIM, HEAD_DIM_V):
+        if PERSISTENT and EPI == 0:
             # the stores have read the ring slots: the next tile may load into them
             mbarrier.arrive(epi_done.index(0), count=1)
 
     @gluon.constexpr_function
-    def _epilogue_in_ds(BLOCK_M, HEAD_DIM, HEAD_DIM_V):
-        """Whether a persistent CTA's warpgroups stage dK/dV in the dSᵀ buffers
-        (`_epilogue_buffers`), so that the load warp need not wait for their stores."""
-        return BLOCK_M >= HEAD_DIM + HEAD_DIM_V and HEAD_DIM == HEAD_DIM_V
+    def _epilogue_mode(block_m, head_dim, head_dim_v, dq_warp):
+        """Where a persistent CTA's warpgroups stage dK and dV for their TMA stores
+        (`_epilogue_buffers`): 0 slots of the Q/dO ring (the load warp then waits for the
+        stores before it loads the next tile's first Q/dO: epi_done); 1 the warpgroup's half
+        of the dSᵀ buffers (d=64: BLOCK_M >= HEAD_DIM + HEAD_DIM_V); 2 its dQ staging tile
+        for dK and a buffer of its own for dV (d=128; not with the dQ warp, which reads the
+        dQ tiles)."""
+        if block_m >= head_dim + head_dim_v and head_dim == head_dim_v:
+            return 1
+        if not dq_warp and head_dim == 128 and head_dim_v == 128:
+            return 2
+        return 0
 
     @gluon.jit
-    def _epilogue_buffers(q_smem, do_smem, ds_smem, dk_desc, dv_desc, WG: gl.constexpr,
-                          PERSISTENT: gl.constexpr):
-        """Where warpgroup WG stages its dK and dV tiles for their TMA stores, once both
-        warpgroups have retired their last MMA: slots of the Q/dO ring, or in a persistent
-        CTA, where they fit (BLOCK_M >= HEAD_DIM + HEAD_DIM_V: d=64), this warpgroup's half
-        of the dSᵀ buffers, which only it writes, so that the load warp can fill the ring
-        with the next tile's first Q/dO while the stores go out (H200 2026-12-01 session 21,
-        stamped persistent CTAs at d=64 512: a tile's step 0 began 3171 cycles after the
-        previous tile's stores, its Q/dO issued only once they had read the ring)."""
+    def _epilogue_buffers(q_smem, do_smem, ds_smem, dq_smem, dv_stage, dk_desc, dv_desc,
+                          WG: gl.constexpr, EPI: gl.constexpr):
+        """Where warpgroup WG stages its dK and dV tiles (`_epilogue_mode` EPI), once both
+        warpgroups have retired their last MMA. Outside the ring (EPI 1, 2: buffers only
+        this warpgroup writes), the load warp fills the ring with the next tile's first
+        Q/dO while the stores go out (H200 2026-12-01 session 21, stamped persistent CTAs at
+        d=64 512: step 0 of a tile began 3171 -> 1901 cycles after the previous tile's
+        stores; 297 -> 315 TFLOP/s)."""
         dtype: gl.constexpr = q_smem.dtype
         KEYS: gl.constexpr = dk_desc.block_type.shape[0]
         HEAD_DIM: gl.constexpr = dk_desc.block_type.shape[1]
         HEAD_DIM_V: gl.constexpr = dv_desc.block_type.shape[1]
-        BLOCK_M: gl.constexpr = q_smem.shape[1]
-        if PERSISTENT and _epilogue_in_ds(BLOCK_M, HEAD_DIM, HEAD_DIM_V):
-            # ds_smem [2, 2·KEYS, BLOCK_M]: warpgroup WG's half of slot 0 is [2·KEYS·WG,
-            # 2·KEYS·WG + KEYS) in KEYS-row tiles of HEAD_DIM columns (2 per half)
-            tiles = ds_smem._reinterpret(dtype, [8 * BLOCK_M // (2 * HEAD_DIM), KEYS, HEAD_DIM],
+        if EPI == 1:
+            # ds_smem [2, 2·KEYS, BLOCK_M]: warpgroup WG's half of slot 0, as KEYS-row tiles
+            # of HEAD_DIM columns (two per half)
+            BLOCK_M: gl.constexpr = q_smem.shape[1]
+            tiles = ds_smem._reinterpret(dtype, [4 * BLOCK_M // HEAD_DIM, KEYS, HEAD_DIM],
                                          dk_desc.layout)
             return tiles.index(2 * WG), tiles.index(2 * WG + 1)
+        elif EPI == 2:  # dQ's staging tile is 16 KB: 64 keys x 128 columns of dK
+            gl.static_assert(dq_smem.shape[1] * dq_smem.shape[2] * 4 == KEYS * HEAD_DIM * 2)
+            return (dq_smem.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM], dk_desc.layout),
+                    dv_stage.index(WG))
         return (q_smem.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM], dk_desc.layout),
                 do_smem.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM_V], dv_desc.layout))
 
@@ -532,7 +543,8 @@ if _GLUON_ERROR is None:
          empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr,
          dv_ptr, seqlen_q, seqlen_k, n_kv_heads, group, qk_scale, softmax_scale, softcap_pre,
          window_left, window_right, n_blocks, n_tiles, kv_free, epi_done, tile_smem, tile_full,
-         tile_empty) = shared
+         tile_empty, dv_stage) = shared
+        EPI: gl.constexpr = _epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, DET)
         it0 = 0
         tile = 0
         t = _take_tile(tile_smem, tile_full, tile_empty, 0, 4)
@@ -553,7 +565,8 @@ if _GLUON_ERROR is None:
                            qk_scale, softmax_scale, softcap_pre, window_left, window_right)
             _ws_compute(tile_shared, WG, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                         HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DET,
-                        DV_OVERLAP, ARRIVE, DK_AFTER_DQ, it0, tile, kv_free, epi_done, True)
+                        DV_OVERLAP, ARRIVE, DK_AFTER_DQ, it0, tile, kv_free, epi_done, True, EPI,
+                        dv_stage)
             it0 += n_steps
             tile += 1
             t = _take_tile(tile_smem, tile_full, tile_empty, tile, 4)
@@ -567,7 +580,7 @@ if _GLUON_ERROR is None:
                          HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, RING: gl.constexpr,
-                         HEADS_FIRST: gl.constexpr):
+                         HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr):
         """The load warp of a persistent CTA: `_ws_loader` per tile. Tiles after the first
         (the program's number) come from a counter (zeroed by the preprocess) in the grid's
         order, as the hardware hands out a plain grid's CTAs: uneven causal tiles balance
@@ -585,7 +598,7 @@ if _GLUON_ERROR is None:
                        v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, k_start + n0,
                        hk, q_start, seqlen_q, total_q, n_steps, h_first, m_lo, m_lo, m_end,
                        h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M, RING, it0, tile, kv_free,
-                       epi_done, True)
+                       epi_done, True, _epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, DQ_WARP))
             it0 += n_steps
             tile += 1
             _give_tile(tile_smem, tile_full, tile_empty, tile,
@@ -653,6 +666,11 @@ if _GLUON_ERROR is None:
         for st in gl.static_range(2):
             mbarrier.init(tile_full.index(st), count=1)
             mbarrier.init(tile_empty.index(st), count=3 if DQ_WARP else 2)
+        if _epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, DQ_WARP) == 2:
+            dv_stage = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N // 2, HEAD_DIM_V],
+                                                 dv_desc.layout)
+        else:
+            dv_stage = dq_smem  # not read
         fence_async_shared()
         n_blocks = (seqlen_k + BLOCK_N - 1) // BLOCK_N
         n_tiles = n_blocks * n_kv_heads * (total_q // gl.maximum(seqlen_q, 1))
@@ -660,7 +678,7 @@ if _GLUON_ERROR is None:
                   kv_bar, ready, empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc,
                   dk_desc, dv_desc, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_kv_heads, group,
                   qk_scale, softmax_scale, softcap_pre, window_left, window_right, n_blocks,
-                  n_tiles, kv_free, epi_done, tile_smem, tile_full, tile_empty)
+                  n_tiles, kv_free, epi_done, tile_smem, tile_full, tile_empty, dv_stage)
         gl.warp_specialize([
             (_ws_compute_tiles, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                  HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
@@ -674,7 +692,7 @@ if _GLUON_ERROR is None:
                                 counter_ptr, seqlen_q, seqlen_k, total_q,
                                 n_kv_heads, group, window_left, window_right, n_blocks,
                                 n_tiles, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                HAS_RIGHT, RING, HEADS_FIRST)),
+                                HAS_RIGHT, RING, HEADS_FIRST, DQ_WARP)),
             (_ws_dq_tiles, (dq_smem, dq_desc, dq_full, dq_empty, tile_smem, tile_full,
                             tile_empty, seqlen_q, seqlen_k,
                             n_kv_heads, group, window_left, window_right, n_blocks, n_tiles,
