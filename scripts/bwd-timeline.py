@@ -204,8 +204,8 @@ def _ws(k: int) -> str:
 EDITS_WS = [
     # the compute partitions get the stamp buffer (the semaphore argument, unread here)
     *probe_common.WS_COMPUTE_TAKES_SEM,
-    ("            mbarrier.wait(ready.index(slot), (it // RING) & 1)\n",
-     _ws(0) + "            mbarrier.wait(ready.index(slot), (it // RING) & 1)\n" + _ws(1), 1),
+    ("            mbarrier.wait(ready.index(slot), (g // RING) & 1)\n",
+     _ws(0) + "            mbarrier.wait(ready.index(slot), (g // RING) & 1)\n" + _ws(1), 1),
     ("            lse2 = lse_smem.index(slot).load(col_layout)\n",
      _ws(2) + "            lse2 = lse_smem.index(slot).load(col_layout)\n", 1),
     ("            if not DP_EARLY:\n                dp_tok = warpgroup_mma(v_mine",
@@ -455,7 +455,8 @@ def main_ws(a):
             if kern is not None:
                 bwd._kernel_for = lambda d, split=False, _k=kern: _k if split else real(d)
             try:
-                k = bwd.compile_for_target(head_dim=128)
+                k = bwd.compile_for_target(head_dim=128, cfg=replace(
+                    bwd.select_config(128), ws_persistent=False))  # the plain grid
             finally:
                 bwd._kernel_for = real
             r = sass_summary(k)
@@ -466,7 +467,9 @@ def main_ws(a):
     for seqlen, causal in ((512, False), (512, True), (2048, False), (16384, False),
                            (16384, True)):
         args, b, _ = probe_common.backward_cell(128, seqlen, causal)
-        plain, stamped = probe_common.time_stamped_ws(ws.attn_bwd_ws_kernel, stamps, args)
+        plain, stamped = probe_common.time_stamped_ws(
+            ws.attn_bwd_ws_kernel, stamps, args,
+            replace(bwd.select_config(128, masked=causal), ws_persistent=False))
         report_ws(stamps.clone(), f"d=128 seqlen {seqlen} batch {b} causal={causal}: call "
                   f"{plain * 1e3:.1f} us plain, {stamped * 1e3:.1f} us stamped")
 

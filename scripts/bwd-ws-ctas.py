@@ -83,10 +83,10 @@ EDITS = [
      + _stamp(8, "_cs_put(sem_ptr, n0, _cs_read(n0, \"%smid\"), 0, WG)")
      + _stamp(8, "_cs_put(sem_ptr, n0, n_steps, 6, WG)")
      + _stamp(8, "_cs_put(sem_ptr, n0, n0 * 0 + 1, 7, WG)"), 1),
-    ("        mbarrier.wait(kv_bar.index(0), 0)\n",
-     "        mbarrier.wait(kv_bar.index(0), 0)\n" + _stamp(8, "_cs_clock(sem_ptr, n0, 2, WG)"), 1),
-    ("            mbarrier.wait(ready.index(slot), (it // RING) & 1)\n",
-     "            mbarrier.wait(ready.index(slot), (it // RING) & 1)\n"
+    ("        mbarrier.wait(kv_bar.index(0), tile & 1)\n",
+     "        mbarrier.wait(kv_bar.index(0), tile & 1)\n" + _stamp(8, "_cs_clock(sem_ptr, n0, 2, WG)"), 1),
+    ("            mbarrier.wait(ready.index(slot), (g // RING) & 1)\n",
+     "            mbarrier.wait(ready.index(slot), (g // RING) & 1)\n"
      + _stamp(12, "_cs_clock(sem_ptr, it, 3, WG, it == 0)"), 1),
     ("        if WG == LATE_WG:\n            if n_steps > 0:\n",
      _stamp(8, "_cs_clock(sem_ptr, n0, 4, WG)")
@@ -94,18 +94,24 @@ EDITS = [
     ("        tma.store_wait(0)  # the last reduce reads dq_buf\n",
      _stamp(8, "_cs_clock(sem_ptr, n0, 8, WG)") + _stamp(8, "_cs_clock(sem_ptr, n0, 10, WG, True, 1)")
      + "        tma.store_wait(0)  # the last reduce reads dq_buf\n", 1),
-    ("        mbarrier.wait(done.index(0), 0)\n",
-     "        mbarrier.wait(done.index(0), 0)\n" + _stamp(8, "_cs_clock(sem_ptr, n0, 9, WG)")
+    ("        mbarrier.wait(done.index(0), tile & 1)\n",
+     "        mbarrier.wait(done.index(0), tile & 1)\n" + _stamp(8, "_cs_clock(sem_ptr, n0, 9, WG)")
      + _stamp(8, "_cs_clock(sem_ptr, n0, 11, WG, True, 1)"), 1),
     ("    def _ws_loader(q_desc,", "    def _ws_loader(sem_ptr, q_desc,", 1),
     ("(_ws_loader, (q_desc,", "(_ws_loader, (sem_ptr, q_desc,", 1),
     ("        load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(0), k_row, hk, HEAD_DIM,\n",
      _stamp(8, "_cs_clock(sem_ptr, k_row, 12, -1, True, -1)")
      + "        load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(0), k_row, hk, HEAD_DIM,\n", 1),
-    ("                           HEAD_DIM_V, KEYS, dv_layout)\n\n    @gluon.jit(do_not_specialize",
-     "                           HEAD_DIM_V, KEYS, dv_layout)\n"
-     + _stamp(8, "_cs_clock(sem_ptr, n0, 5, WG)") + "\n    @gluon.jit(do_not_specialize", 1),
+    ("        if PERSISTENT and EPI == 0:\n            # the stores have read",
+     _stamp(8, "_cs_clock(sem_ptr, n0, 5, WG)")
+     + "        if PERSISTENT and EPI == 0:\n            # the stores have read", 1),
 ]
+
+
+def plain_grid(bwd, d: int, causal: bool):
+    """The cell's default config as a plain grid (persistent CTAs: `bwd-ws-tiles.py`)."""
+    from dataclasses import replace
+    return replace(bwd.select_config(d, masked=causal), ws_persistent=False)
 
 
 def patched():
@@ -186,13 +192,14 @@ def main():
         args, b, h = probe_common.backward_cell(d, seqlen, bool(causal))
         plan = bwd.launch_plan(d, d, seqlen, seqlen, True, False, -1, 0 if causal else -1,
                                False, False, b, h, torch.cuda.get_device_properties(0)
-                               .multi_processor_count, None, False, h)
+                               .multi_processor_count, plain_grid(bwd, d, causal), False, h)
         if not plan.split:
             print(f"== d={d} causal={causal} seqlen={seqlen}: not on bwd_ws by default, skipped")
             continue
         ncta = plan.grid[0] * plan.grid[1] * plan.grid[2]
         stamps = torch.zeros(ncta * WORDS, dtype=torch.int32, device="cuda")
-        plain, stamped = probe_common.time_stamped_ws(ws.attn_bwd_ws_kernel, stamps, args)
+        plain, stamped = probe_common.time_stamped_ws(ws.attn_bwd_ws_kernel, stamps, args,
+                                                      plain_grid(bwd, d, causal))
         report(stamps, f"d={d} causal={causal} seqlen={seqlen} batch {b} heads {h}: call "
                f"{plain * 1e3:.1f} us plain, {stamped * 1e3:.1f} us stamped")
 

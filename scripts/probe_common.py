@@ -74,11 +74,12 @@ def backward_cell(d: int, seqlen: int, causal: bool):
     return (torch.randn_like(out), q, k, v, out, lse, None, seq, params, None), batch, heads
 
 
-def time_stamped_ws(ws_kernel, stamps, args) -> tuple[float, float]:
-    """`bwd.backward(*args)` timed as it is and with bwd_ws's kernel swapped for `ws_kernel`
-    (a stamped copy: `patched_module`), the stamp buffer passed where the semaphore goes
-    (non-deterministic calls never read it); (plain, stamped) milliseconds. `stamps` holds
-    one call's stamps afterwards."""
+def time_stamped_ws(ws_kernel, stamps, args, cfg=None) -> tuple[float, float]:
+    """`bwd.backward(*args, cfg=cfg)` timed as it is and with bwd_ws's kernel swapped for
+    `ws_kernel` (a stamped copy: `patched_module`), the stamp buffer passed where the
+    semaphore goes (read by neither deterministic calls nor persistent grids, which `cfg`
+    must rule out); (plain, stamped) milliseconds. `stamps` holds one call's stamps
+    afterwards."""
     import torch
     from triton.testing import do_bench
 
@@ -87,13 +88,13 @@ def time_stamped_ws(ws_kernel, stamps, args) -> tuple[float, float]:
 
     launcher = DirectLaunch(ws_kernel)
     real_launcher, real_sem = bwd._launcher_for, bwd._unused_semaphore
-    plain = do_bench(lambda: bwd.backward(*args), warmup=10, rep=40)
+    plain = do_bench(lambda: bwd.backward(*args, cfg=cfg), warmup=10, rep=40)
     bwd._launcher_for = lambda w, split=False: launcher if split else real_launcher(w, split)
     bwd._unused_semaphore = lambda device: stamps
     try:
-        stamped = do_bench(lambda: bwd.backward(*args), warmup=10, rep=40)
+        stamped = do_bench(lambda: bwd.backward(*args, cfg=cfg), warmup=10, rep=40)
         stamps.zero_()
-        bwd.backward(*args)
+        bwd.backward(*args, cfg=cfg)
         torch.cuda.synchronize()
     finally:
         bwd._launcher_for, bwd._unused_semaphore = real_launcher, real_sem

@@ -162,11 +162,16 @@ class BwdConfig:
     # 532 / 560 -> 333 / 509 / 575, causal 213 / 442 / 595 -> 209 / 416 / 621, again 4k /
     # 16k 527-582 / 545-553 -> 546 / 554, causal 443-507 / 541-546 -> 480 / 518: off.
     ws_dq_warp: bool = False
-    # bwd_ws as a persistent grid, one CTA per SM walking the plain grid's tiles, the next
-    # tile's K/V loading while the current one finishes dQ and stores dK/dV (`bwd.persists`:
-    # dense lengths, not deterministic). H200 2026-11-30 session 20 (scripts/bwd-ws-ctas.py):
-    # a CTA's fixed cost is 1.9-3.4 steps, of which the K/V wait (2200-4600 cycles) and the
-    # gap between CTAs on an SM (1800-2300) are what this overlaps. Prepared, not yet timed.
+    # bwd_ws as a persistent grid, one CTA per SM taking the plain grid's tiles in its order
+    # from a counter, the next tile's K/V and first Q/dO loading while the current one
+    # finishes dQ and stores dK/dV (`bwd.persists`: dense lengths, not deterministic).
+    # H200 2026-11-30 session 20 (scripts/bwd-ws-ctas.py): a plain CTA's fixed cost is
+    # 1.9-3.4 steps (the K/V wait, the epilogue, the gap to the next CTA). Session 21
+    # (sm90-bwd-probe, plain -> persistent, same process): d=128 512 / 2k / 16k 340 / 491 /
+    # 560 -> 358 / 528 / 578-581; d=64 512 / 2k / 16k 297 / 463 / 527 -> 315 / 467 / 514-519
+    # (its late warpgroup spills in the persistent loop); causal (d=128 512 / 2k / 16k 216
+    # / 417 / 570 -> 210 / 418-442 / 543-578, d=64 512 165 -> 170-173, bwd.py's kernel 173):
+    # not taken. On for unmasked calls without softcap at d=128, at d=64 up to 1k rows.
     ws_persistent: bool = False
 
 
@@ -248,6 +253,9 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
             # +4-9 % (a tie at 1k, -7 % at 512). Sliding windows were not timed: they stay.
             cfg = replace(cfg, split_warpgroups=True, ws_dq_warp=True, dq_fragment=True,
                           dq_swizzle=128)
+        if not (deterministic or masked or softcap) and (head_dim == 128 or (
+                head_dim == 64 and max_seqlen_q is not None and max_seqlen_q <= 1024)):
+            cfg = replace(cfg, ws_persistent=True)  # BwdConfig.ws_persistent has the numbers
         if softcap:
             # The softcap chain-rule tile takes the registers dPᵀ's early issue needs (d=128:
             # 2 spill instructions in the unmasked loop otherwise; d=64 with 128-row steps:

@@ -1,4 +1,22 @@
-"""Temporary: clock stamps per tile of the persistent bwd_ws (session 21)."""
+"""Where a persistent bwd_ws CTA's time goes between its tiles: clock stamps per tile.
+
+    PYTHONPATH=. python scripts/bwd-ws-tiles.py [64:0:512,128:0:2048,...]   # d:causal:seqlen
+
+The persistent twin of `bwd-ws-ctas.py` (BwdConfig.ws_persistent). A copy of
+`backends/sm90/bwd_ws.py` is patched at run time and launched through `bwd.backward` with the
+cell's default config made persistent. Its stamps go past the tile counter in the rows the
+preprocess zeroes after dQ_acc (`bwd.PERSISTENT_ROWS`, raised for the call): thread 0 of
+compute warpgroup 0 writes, at int32 index (program · 64 + tile) · 16 + k (a CTA's first 64
+tiles):
+
+    0 %smid   1 tile entry (%clock)   2 K/V arrived   3 step 0's Q/dO and statistics arrived
+    4 loop end   5 dK/dV stored   6 n_steps   7 1 (stamped)   8 the late warpgroup's last dQ
+    done   9 past the warpgroups' barrier   12 the load warp issues the tile's K/V
+    13 the load warp past epi_done (only where dK/dV stage through the ring)
+
+Per cell: the call plain and persistent, then medians of each phase and of the gaps from the
+previous tile's stores to this tile's K/V and step 0 (what the persistent grid overlaps).
+"""
 # ruff: noqa: E501, B023
 from __future__ import annotations
 
@@ -45,14 +63,14 @@ def st(indent, call):
 EDITS = [
     ("    @gluon.jit\n    def _ws_loader(", HELPERS + "    @gluon.jit\n    def _ws_loader(", 1),
     # compute: stamp pointer after the PERSISTENT flag
-    ("                    DK_AFTER_DQ: gl.constexpr, it0=0, tile=0, kv_free=None, epi_done=None,\n                    PERSISTENT: gl.constexpr = False):\n",
-     "                    DK_AFTER_DQ: gl.constexpr, it0=0, tile=0, kv_free=None, epi_done=None,\n                    PERSISTENT: gl.constexpr = False, sp=None):\n", 1),
-    ("                        DV_OVERLAP, ARRIVE, DK_AFTER_DQ, it0, tile, kv_free, epi_done, True)\n",
-     "                        DV_OVERLAP, ARRIVE, DK_AFTER_DQ, it0, tile, kv_free, epi_done, True,\n                        counter_ptr + 32)\n", 1),
-    ("                  n_tiles, kv_free, epi_done, tile_smem, tile_full, tile_empty)\n",
-     "                  n_tiles, kv_free, epi_done, tile_smem, tile_full, tile_empty, counter_ptr)\n", 1),
-    ("         window_left, window_right, n_blocks, n_tiles, kv_free, epi_done, tile_smem, tile_full,\n         tile_empty) = shared\n",
-     "         window_left, window_right, n_blocks, n_tiles, kv_free, epi_done, tile_smem, tile_full,\n         tile_empty, counter_ptr) = shared\n", 1),
+    ("PERSISTENT: gl.constexpr = False, EPI: gl.constexpr = 0, dv_stage=None):\n",
+     "PERSISTENT: gl.constexpr = False, EPI: gl.constexpr = 0, dv_stage=None, sp=None):\n", 1),
+    ("DK_AFTER_DQ, it0, tile, kv_free, epi_done, True, EPI,\n                        dv_stage)\n",
+     "DK_AFTER_DQ, it0, tile, kv_free, epi_done, True, EPI,\n                        dv_stage, counter_ptr + 32)\n", 1),
+    ("tile_smem, tile_full, tile_empty, dv_stage)\n        gl.warp_specialize",
+     "tile_smem, tile_full, tile_empty, dv_stage, counter_ptr)\n        gl.warp_specialize", 1),
+    ("         tile_empty, dv_stage) = shared\n",
+     "         tile_empty, dv_stage, counter_ptr) = shared\n", 1),
     ("         softcap_pre, window_left, window_right) = shared\n",
      "         softcap_pre, window_left, window_right) = shared\n"
      + st(8, "_ps_clock(sp, tile, 1, WG)")
@@ -69,12 +87,13 @@ EDITS = [
      st(8, "_ps_clock(sp, tile, 8, WG)") + "        tma.store_wait(0)  # the last reduce reads dq_buf\n", 1),
     ("        mbarrier.wait(done.index(0), tile & 1)\n",
      "        mbarrier.wait(done.index(0), tile & 1)\n" + st(8, "_ps_clock(sp, tile, 9, WG)"), 1),
-    ("        if PERSISTENT and not _epilogue_in_ds(BLOCK_M, HEAD_DIM, HEAD_DIM_V):\n            # the stores have read",
-     st(8, "_ps_clock(sp, tile, 5, WG)") + "        if PERSISTENT and not _epilogue_in_ds(BLOCK_M, HEAD_DIM, HEAD_DIM_V):\n            # the stores have read", 1),
+    ("        if PERSISTENT and EPI == 0:\n            # the stores have read",
+     st(8, "_ps_clock(sp, tile, 5, WG)") + "        if PERSISTENT and EPI == 0:\n            # the stores have read", 1),
     # loader
-    ("                   RING: gl.constexpr, it0=0, tile=0, kv_free=None, epi_done=None,\n                   PERSISTENT: gl.constexpr = False):\n",
-     "                   RING: gl.constexpr, it0=0, tile=0, kv_free=None, epi_done=None,\n                   PERSISTENT: gl.constexpr = False, sp=None):\n", 1),
-    ("                       epi_done, True)\n", "                       epi_done, True, counter_ptr + 32)\n", 1),
+    ("                   PERSISTENT: gl.constexpr = False, EPI: gl.constexpr = 0):\n",
+     "                   PERSISTENT: gl.constexpr = False, EPI: gl.constexpr = 0, sp=None):\n", 1),
+    ("epi_done, True, _epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, DQ_WARP))\n",
+     "epi_done, True, _epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, DQ_WARP),\n                       counter_ptr + 32)\n", 1),
     ("        load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(0), k_row, hk, HEAD_DIM,\n",
      "        if PERSISTENT:\n" + st(12, "_ps_clock(sp, tile, 12, -1, True, -1)")
      + "        load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(0), k_row, hk, HEAD_DIM,\n", 1),
@@ -122,11 +141,11 @@ def report(raw, label):
 def main():
     from triton.testing import do_bench
 
-    from asymflash.backends.launch import DirectLaunch
     from asymflash.backends import portable
+    from asymflash.backends.launch import DirectLaunch
     from asymflash.backends.sm90 import bwd
 
-    ws = probe_common.patched_module(SRC, EDITS, "pers-ctas")
+    ws = probe_common.patched_module(SRC, EDITS, "bwd-ws-tiles")
     launcher = DirectLaunch(ws.attn_bwd_ws_kernel)
     real_launcher, real_delta = bwd._launcher_for, portable._delta
     cells = sys.argv[1] if len(sys.argv) > 1 else "64:0:512,128:0:512,128:1:512,128:0:2048"
