@@ -371,9 +371,10 @@ if _GLUON_ERROR is None:
                 _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full, dq_empty,
                        it0 + n_steps - 1, h_prev, m0_prev, q_start, softmax_scale, dq_zero, WG,
                        HEAD_DIM, BLOCK_M, DET, ARRIVE)
-        tma.store_wait(0)  # the last reduce reads dq_buf
-        if PERSISTENT:  # this warpgroup's MMAs have read K and V for the last time
+        if PERSISTENT:  # this warpgroup's MMAs have read K and V for the last time (before
+            # the reduce's wait: the load warp's next K/V are the tile's critical path)
             mbarrier.arrive(kv_free.index(0), count=1)
+        tma.store_wait(0)  # the last reduce reads dq_buf
         # The epilogue stages through the Q/dO ring, which the other warpgroup may still read.
         mbarrier.arrive(done.index(0), count=1)
         mbarrier.wait(done.index(0), tile & 1)
