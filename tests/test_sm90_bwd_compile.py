@@ -266,16 +266,26 @@ def test_defaults_where_the_h200_measured_a_gain():
         cfg = sel(64, max_seqlen_q=rows)
         assert cfg.split_warpgroups and cfg.ws_dq_warp and cfg.dq_fragment, cfg
         assert bwd._splits_warpgroups(64, cfg, False, False)
-    for kw in ({"masked": True, "max_seqlen_q": 1024}, {"softcap": True},
+    for kw in ({"masked": True, "max_seqlen_q": 512}, {"softcap": True},
                {"deterministic": True}):
         cfg = sel(64, **{"max_seqlen_q": 16384, **kw})
         assert not (cfg.dq_fragment or cfg.ws_dq_warp), kw
-    # ... and causal from 2k rows; shorter causal calls, windows and softcap on bwd.py's
-    causal = sel(64, masked=True, max_seqlen_q=2048)
-    assert causal.split_warpgroups and causal.ws_dq_warp and causal.dq_fragment, causal
-    for kw in ({"masked": True, "max_seqlen_q": 1024}, {"softcap": True},
+    # ... and causal from 1k rows (a persistent grid below 2k); shorter causal calls,
+    # windows and softcap on bwd.py's
+    for rows, persistent in ((1024, True), (2048, False), (16384, False)):
+        causal = sel(64, masked=True, max_seqlen_q=rows)
+        assert causal.split_warpgroups and causal.ws_dq_warp and causal.dq_fragment, causal
+        assert causal.ws_persistent == persistent, rows
+    for kw in ({"masked": True, "max_seqlen_q": 512}, {"softcap": True},
                {"masked": True, "window": True, "max_seqlen_q": 16384}):
         assert not sel(64, **kw).split_warpgroups, kw
+    # persistent grids (BwdConfig.ws_persistent): unmasked d=128, unmasked d=64 up to 1k rows
+    assert sel(128, max_seqlen_q=16384).ws_persistent and sel(64, max_seqlen_q=1024).ws_persistent
+    for kw in ({"max_seqlen_q": 2048}, {"masked": True, "max_seqlen_q": 512},
+               {"deterministic": True, "max_seqlen_q": 512}, {"softcap": True}):
+        assert not sel(64, **kw).ws_persistent, kw
+    for kw in ({"masked": True}, {"deterministic": True}, {"softcap": True}):
+        assert not sel(128, **kw).ws_persistent, kw
     assert sel(128).ws_dk_after_dq and not sel(128, deterministic=True).ws_dk_after_dq
     def plan(seqlen):  # d=256, non-causal, batch * seqlen = 16k
         return bwd.launch_plan(256, 256, seqlen, seqlen, True, False, -1, -1, False, False,

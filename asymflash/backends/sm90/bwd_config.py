@@ -170,8 +170,10 @@ class BwdConfig:
     # (sm90-bwd-probe, plain -> persistent, same process): d=128 512 / 2k / 16k 340 / 491 /
     # 560 -> 358 / 528 / 578-581; d=64 512 / 2k / 16k 297 / 463 / 527 -> 315 / 467 / 514-519
     # (its late warpgroup spills in the persistent loop); causal (d=128 512 / 2k / 16k 216
-    # / 417 / 570 -> 210 / 418-442 / 543-578, d=64 512 165 -> 170-173, bwd.py's kernel 173):
-    # not taken. On for unmasked calls without softcap at d=128, at d=64 up to 1k rows.
+    # / 417 / 570 -> 210 / 418-442 / 543-578, d=64 512 / 2k / 4k 165 / 360-363 / 438-439 ->
+    # 173 / 357-361 / 409-428, bwd.py's kernel 175 at 512): not taken, but d=64 causal 1k
+    # 262 (bwd.py's kernel and the plain grid alike) -> 270. On for unmasked calls without
+    # softcap at d=128, at d=64 up to 1k rows, and for d=64 causal calls of 1k-2k rows.
     ws_persistent: bool = False
 
 
@@ -246,16 +248,21 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
                 # 483), causal 273 / 374 -> 329 / 472 (317 / 492).
                 cfg = replace(cfg, split_warpgroups=True, dq_swizzle=128)
         elif head_dim == 64 and not softcap and (not masked or (
-                not window and (max_seqlen_q is None or max_seqlen_q >= 2048))):
+                not window and (max_seqlen_q is None or max_seqlen_q >= 1024))):
             # bwd_ws's kernel as deterministic d=64 runs it (above), its dQ warp issuing the
             # reduces, dQ tiles in fragment order (BwdConfig.ws_dq_warp has the numbers):
             # unmasked +6 % at 1k rows, +8-22 % from 2k, a tie at 512; causal from 2k rows
-            # +4-9 % (a tie at 1k, -7 % at 512). Sliding windows were not timed: they stay.
+            # +4-9 % (a tie at 1k, -7 % at 512), and from 1k as a persistent grid (below).
+            # Sliding windows were not timed: they stay.
             cfg = replace(cfg, split_warpgroups=True, ws_dq_warp=True, dq_fragment=True,
                           dq_swizzle=128)
+        short = max_seqlen_q is not None and max_seqlen_q <= 1024
         if not (deterministic or masked or softcap) and (head_dim == 128 or (
-                head_dim == 64 and max_seqlen_q is not None and max_seqlen_q <= 1024)):
+                head_dim == 64 and short)):
             cfg = replace(cfg, ws_persistent=True)  # BwdConfig.ws_persistent has the numbers
+        elif (head_dim == 64 and masked and not window and not (deterministic or softcap)
+              and max_seqlen_q is not None and 1024 <= max_seqlen_q < 2048):
+            cfg = replace(cfg, ws_persistent=True)  # causal at 1k rows (ditto)
         if softcap:
             # The softcap chain-rule tile takes the registers dPᵀ's early issue needs (d=128:
             # 2 spill instructions in the unmasked loop otherwise; d=64 with 128-row steps:
