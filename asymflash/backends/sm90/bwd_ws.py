@@ -98,15 +98,25 @@ if _GLUON_ERROR is None:
     LOADER_REGS = gl.constexpr(24)
 
     @gluon.jit
-    def _ws_load_steps(q_desc, do_desc, lse_ptr, delta_ptr, q_smem, do_smem, lse_smem,
-                       delta_smem, ready, empty, q_start, seqlen_q, total_q, it_lo, it_hi, h, m0,
-                       m_lo, m_end, h_first, group, HEAD_DIM: gl.constexpr,
-                       HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, RING: gl.constexpr,
-                       it0):
-        """The statistics and Q/dO of steps [it_lo, it_hi) into the ring (step it at (h,
-        m0)); returns the next step's (h, m0)."""
+    def _ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem, k_smem,
+                   v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, k_row, hk,
+                   q_start, seqlen_q, total_q, n_steps, h, m0, m_lo, m_end, h_first, group,
+                   HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
+                   RING: gl.constexpr, it0=0, tile=0, kv_free=None, epi_done=None,
+                   PERSISTENT: gl.constexpr = False, EPI: gl.constexpr = 0):
+        """K and V, then per step the statistics and Q/dO into the ring. PERSISTENT: one
+        tile of a persistent CTA (`_ws_tiles`), its steps numbered on from it0 (the ring's
+        phases run on across tiles), the tile-th of this CTA."""
+        if PERSISTENT:
+            if tile > 0:  # both warpgroups are past the previous tile's last K/V read
+                mbarrier.wait(kv_free.index(0), (tile - 1) & 1)
+        load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(0), k_row, hk, HEAD_DIM,
+                HEAD_DIM_V)
+        if PERSISTENT and EPI == 0:  # `_epilogue_buffers`
+            if tile > 0:  # ... and past its dK/dV stores, staged through ring slots
+                mbarrier.wait(epi_done.index(0), (tile - 1) & 1)
         stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-        for it in range(it_lo, it_hi):
+        for it in range(n_steps):
             g = it0 + it  # the step's number in the CTA (all its tiles)
             slot = g % RING
             if g >= RING:  # both warpgroups are done with step g - RING
@@ -123,40 +133,6 @@ if _GLUON_ERROR is None:
                         seqlen_q, total_q, BLOCK_M, stat_layout, True)
             mbarrier.arrive(ready.index(slot), count=1)
             h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
-        return h, m0
-
-    @gluon.jit
-    def _ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem, k_smem,
-                   v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, k_row, hk,
-                   q_start, seqlen_q, total_q, n_steps, h, m0, m_lo, m_end, h_first, group,
-                   HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
-                   RING: gl.constexpr, it0=0, tile=0, kv_free=None, epi_done=None,
-                   PERSISTENT: gl.constexpr = False, EPI: gl.constexpr = 0):
-        """K and V, then per step the statistics and Q/dO into the ring. PERSISTENT: one
-        tile of a persistent CTA (`_ws_tiles`), its steps numbered on from it0 (the ring's
-        phases run on across tiles), the tile-th of this CTA; where dK/dV stage in the dSᵀ
-        buffers (EPI 1), a tile's first steps' Q/dO go out before its K/V, which wait for
-        the previous tile's last dQ (kv_free)."""
-        first = 0  # steps loaded before K and V
-        if PERSISTENT and EPI == 1:
-            if tile > 0:
-                first = gl.minimum(n_steps, RING)
-            h, m0 = _ws_load_steps(q_desc, do_desc, lse_ptr, delta_ptr, q_smem, do_smem,
-                                   lse_smem, delta_smem, ready, empty, q_start, seqlen_q,
-                                   total_q, 0, first, h, m0, m_lo, m_end, h_first, group,
-                                   HEAD_DIM, HEAD_DIM_V, BLOCK_M, RING, it0)
-        if PERSISTENT:
-            if tile > 0:  # both warpgroups are past the previous tile's last K/V read
-                mbarrier.wait(kv_free.index(0), (tile - 1) & 1)
-        load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(0), k_row, hk, HEAD_DIM,
-                HEAD_DIM_V)
-        if PERSISTENT and EPI == 0:  # `_epilogue_buffers`
-            if tile > 0:  # ... and past its dK/dV stores, staged through ring slots
-                mbarrier.wait(epi_done.index(0), (tile - 1) & 1)
-        _ws_load_steps(q_desc, do_desc, lse_ptr, delta_ptr, q_smem, do_smem, lse_smem,
-                       delta_smem, ready, empty, q_start, seqlen_q, total_q, first, n_steps, h,
-                       m0, m_lo, m_end, h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M, RING,
-                       it0)
 
     @gluon.jit
     def _dq_box(WG: gl.constexpr, h, m0, q_start, HEAD_DIM: gl.constexpr,
