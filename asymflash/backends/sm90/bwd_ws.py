@@ -1,5 +1,5 @@
 """Warp-specialised sm90 backward: the two key warpgroups out of phase (d = 128; d = 64
-unmasked, causal from 2k rows, and deterministic).
+unmasked, causal from 1k rows, and deterministic), as a plain or a persistent grid.
 
 `bwd.py`'s kernel runs both warpgroups through every step together: a CTA-wide barrier
 publishes dSᵀ for dQ = dS·K, another stages dQ for its TMA reduce, and Triton adds its own
@@ -29,6 +29,18 @@ dq_full[w], dq_empty[w]  (deterministic mode) warpgroup w's dQ tile staged / rea
            dQ warp;
 done  both warpgroups are past their last MMA: the epilogue may reuse the Q/dO ring.
 
+A persistent grid (`BwdConfig.ws_persistent`, dense lengths, not deterministic: `_ws_tiles`)
+runs one CTA per SM over the plain grid's tiles: the load warp takes them in the grid's
+order from a counter (a zeroed word after dQ_acc) and hands each tile's number to the other
+roles through shared memory (tile_full / tile_empty); every ring and dSᵀ phase runs on
+across tiles by a step count. A tile boundary: the load warp loads the next K/V once both
+warpgroups are past their last MMA reading them (kv_free), and the next Q/dO at once, dK/dV
+staging outside the ring (the dSᵀ halves at d=64, the dQ tile and a dV buffer at d=128;
+`_epilogue_buffers`). H200 2026-12-01 session 21: d=128 512 / 2k / 16k 340 / 492 / 555 ->
+357 / 519 / 576 TFLOP/s in the benchmark; stamped tiles (`scripts/bwd-ws-tiles.py`) put a
+tile's step 0 ~1900 (d=64) / ~2500 (d=128) cycles after the previous tile's stores, its K/V
+(issued behind the late warpgroup's last dQ, ~4000-6000 cycles in flight) the critical path.
+
 Deterministic mode (`BwdConfig.ws_deterministic`) adds a dQ warp in
 the load warp's padded warpgroup: the warpgroups stage their dQ tiles and hand them over
 (dq_full[w]); the dQ warp waits for the CTA's turn on the step's query block (the synchronous
@@ -47,9 +59,9 @@ each warpgroup issued its own reduce, and it lost at 512 rows and causal. With t
 issuing both warpgroups' reduces (deterministic mode's hand-over: BwdConfig.ws_dq_warp, and
 the turns in deterministic mode) it spills 6 unmasked and wins: deterministic +20-35 % at
 2k-16k rows over `bwd.py`'s kernel (session 19), default +6-22 % from 1k rows, causal +4-9 %
-from 2k (session 20; `bwd_config.select_config`). d=64 with 64-row steps (dQ split by
-columns, as d=128) compiles without spills, with two or three ring slots, and is slower than
-128-row steps
+from 2k (session 20), +3 % at 1k as a persistent grid (session 21;
+`bwd_config.select_config`). d=64 with 64-row steps (dQ split by columns, as d=128) compiles
+without spills, with two or three ring slots, and is slower than 128-row steps
 (deterministic 2k / 16k 317 / 356 vs 430 / 503). Tried and dropped:
 deterministic turns per warpgroup (a counter per dQ half): 253 / 358 / 406 -> 272 / 373 /
 401 against the synchronous kernel's deterministic mode, not worth a second turn scheme.
