@@ -37,7 +37,7 @@ def _persistent(kw: dict) -> bool:
     """Whether these compile arguments build bwd_ws.py's persistent grid."""
     return _splits_warpgroups(kw) and bwd.persists(
         _config(kw), kw.get("uniform", True) and not kw.get("has_seqused", False),
-        kw.get("deterministic", False))
+        kw.get("deterministic", False), kw.get("softcap", False))
 
 
 def _splits_warpgroups(kw: dict) -> bool:
@@ -422,3 +422,23 @@ def test_heads_first_grid_where_all_heads_fit_l2():
     p = plan(seqlen=16384, batch=1, cfg=replace(causal, heads_first=True))
     assert p.constexprs["HEADS_FIRST"] and p.grid == (16, blocks(16384), 1)
     assert not plan(wr=-1, cfg=replace(causal, heads_first=True)).constexprs["HEADS_FIRST"]
+
+
+def test_persistent_grid_only_where_it_was_verified():
+    # BwdConfig.ws_persistent: one CTA per SM over the plain grid's tiles, for dense lengths
+    # without deterministic mode (turns could wait for an untaken tile) or softcap
+    def plan(d=128, seqlen=2048, batch=8, h=16, wr=-1, uniform=True, det=False,
+             softcap=False, cfg=None):
+        return bwd.launch_plan(d, d, seqlen, seqlen, uniform, False, -1, wr, softcap, det,
+                               batch, h, 132, cfg, False, h)
+
+    p = plan()
+    assert p.persistent and p.grid == (132,), p.grid
+    assert plan(batch=1, seqlen=128, h=4).grid == (4,)  # fewer tiles than SMs
+    forced = replace(bwd.select_config(128), ws_persistent=True)
+    for kw in (dict(uniform=False), dict(det=True), dict(softcap=True, cfg=forced)):
+        p = plan(**kw)
+        assert not p.persistent and len(p.grid) == 3, kw
+    assert not plan(wr=0).persistent  # causal d=128: measured a wash
+    assert plan(d=64, seqlen=1024, h=32, wr=0).persistent  # d=64 causal at 1k rows
+    assert not plan(d=64, seqlen=2048, h=32, wr=0).persistent

@@ -462,7 +462,8 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
         consts["ARRIVE_PASS"] = arrive_all.VERSION if cfg.arrive_all else 0
         consts["DK_AFTER_DQ"] = cfg.ws_dk_after_dq
         consts["DQ_WARP"] = cfg.ws_dq_warp and not deterministic
-        consts["PERSISTENT"] = persists(cfg, uniform and not has_seqused, deterministic)
+        consts["PERSISTENT"] = persists(cfg, uniform and not has_seqused, deterministic,
+                                        softcap)
         if cfg.arrive_all:
             arrive_all.install()  # the PTX pass that makes the marked arrives per-thread
     return consts
@@ -473,11 +474,11 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
 PERSISTENT_ROWS = 1
 
 
-def persists(cfg: BwdConfig, dense: bool, deterministic: bool) -> bool:
+def persists(cfg: BwdConfig, dense: bool, deterministic: bool, softcap: bool = False) -> bool:
     """Whether bwd_ws runs as a persistent grid (BwdConfig.ws_persistent): dense lengths
     only (every CTA's tile holds keys), never in deterministic mode (a CTA would wait for
-    the dQ turn of a tile no CTA has started)."""
-    return cfg.ws_persistent and dense and not deterministic
+    the dQ turn of a tile no CTA has started), nor with softcap (not tested on the GPU)."""
+    return cfg.ws_persistent and dense and not deterministic and not softcap
 
 
 def kv_tma_store(uniform: bool, max_seqlen_k: int, batch: int, block_n: int) -> bool:
