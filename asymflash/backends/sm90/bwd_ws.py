@@ -555,7 +555,7 @@ if _GLUON_ERROR is None:
         (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
          empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr,
          dv_ptr, seqlen_q, seqlen_k, n_kv_heads, group, qk_scale, softmax_scale, softcap_pre,
-         window_left, window_right, n_blocks, n_tiles, kv_free, epi_done, tile_smem, tile_full,
+         window_left, window_right, n_blocks, kv_free, epi_done, tile_smem, tile_full,
          tile_empty, dv_stage) = shared
         EPI: gl.constexpr = _epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, DET)
         it0 = 0
@@ -621,7 +621,6 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _ws_dq_tiles(dq_smem, dq_desc, dq_full, dq_empty, tile_smem, tile_full, tile_empty,
                      seqlen_q, seqlen_k, n_kv_heads, group, window_left, window_right, n_blocks,
-                     n_tiles,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DQ_WARP: gl.constexpr,
                      HEADS_FIRST: gl.constexpr):
@@ -691,7 +690,7 @@ if _GLUON_ERROR is None:
                   kv_bar, ready, empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc,
                   dk_desc, dv_desc, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_kv_heads, group,
                   qk_scale, softmax_scale, softcap_pre, window_left, window_right, n_blocks,
-                  n_tiles, kv_free, epi_done, tile_smem, tile_full, tile_empty, dv_stage)
+                  kv_free, epi_done, tile_smem, tile_full, tile_empty, dv_stage)
         gl.warp_specialize([
             (_ws_compute_tiles, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                  HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
@@ -707,10 +706,9 @@ if _GLUON_ERROR is None:
                                 n_tiles, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                 HAS_RIGHT, RING, HEADS_FIRST, DQ_WARP)),
             (_ws_dq_tiles, (dq_smem, dq_desc, dq_full, dq_empty, tile_smem, tile_full,
-                            tile_empty, seqlen_q, seqlen_k,
-                            n_kv_heads, group, window_left, window_right, n_blocks, n_tiles,
-                            HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DQ_WARP,
-                            HEADS_FIRST)),
+                            tile_empty, seqlen_q, seqlen_k, n_kv_heads, group, window_left,
+                            window_right, n_blocks, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT,
+                            HAS_RIGHT, DQ_WARP, HEADS_FIRST)),
         ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])
 
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
