@@ -522,11 +522,10 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left, window_right,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                 HAS_RIGHT: gl.constexpr, HEADS_FIRST: gl.constexpr, STAGGER: gl.constexpr):
+                 HAS_RIGHT: gl.constexpr, HEADS_FIRST: gl.constexpr):
         """Tile t of a persistent CTA's walk (dense lengths): the key block, kv head and
         sequence the grid's CTA number t would take (`key_block`'s order), and its steps:
-        (n0, hk, q_start, k_start, n_steps, h, m0, h_first, m_lo, m_end, dq_start), (h, m0)
-        its first step (STAGGER: `walk_start`, as the plain grid's). dq_start is
+        (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start). dq_start is
         what the dQ reduces take for q_start: with fragment-order tiles, q_start + 128 ·
         sequence, since `fragment_block` reads the sequence from the grid's third index,
         which a persistent grid does not have (its 2 · sequence is 2 · 0 there)."""
@@ -540,11 +539,8 @@ if _GLUON_ERROR is None:
         n0 = n_blk * BLOCK_N
         m_lo, group_blocks = query_range(n0, seqlen_q, seqlen_k - seqlen_q, window_left,
                                          window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        n_steps = group_blocks * group
-        h, m0, stride = walk_start(n_blk, n_blocks, n_steps, group_blocks, hk * group, m_lo,
-                                   STAGGER, BLOCK_M)
-        return (n0, hk, batch * seqlen_q, batch * seqlen_k, n_steps, h, m0, hk * group, m_lo,
-                m_lo + group_blocks * BLOCK_M, batch * (seqlen_q + 128))
+        return (n0, hk, batch * seqlen_q, batch * seqlen_k, group_blocks * group, hk * group,
+                m_lo, m_lo + group_blocks * BLOCK_M, batch * (seqlen_q + 128))
 
     @gluon.jit
     def _ws_compute_tiles(shared, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -554,8 +550,7 @@ if _GLUON_ERROR is None:
                           DP_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
                           LATE_WG: gl.constexpr, RING: gl.constexpr, DET: gl.constexpr,
                           DV_OVERLAP: gl.constexpr, ARRIVE: gl.constexpr,
-                          DK_AFTER_DQ: gl.constexpr, HEADS_FIRST: gl.constexpr,
-                          STAGGER: gl.constexpr):
+                          DK_AFTER_DQ: gl.constexpr, HEADS_FIRST: gl.constexpr):
         """A compute warpgroup of a persistent CTA: `_ws_compute` per tile."""
         (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
          empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr,
@@ -567,9 +562,9 @@ if _GLUON_ERROR is None:
         tile = 0
         t = _take_tile(tile_smem, tile_full, tile_empty, 0, 4)
         while t >= 0:
-            n0, hk, q_start, k_start, n_steps, h, m0, h_first, m_lo, m_end, dq_start = _ws_tile(
+            n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start = _ws_tile(
                 t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left, window_right,
-                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST, STAGGER)
+                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST)
             if not in_fragments(dq_desc.layout):  # row-major dQ: the rows themselves
                 dq_start = q_start
             keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, seqlen_k - seqlen_q,
@@ -578,8 +573,8 @@ if _GLUON_ERROR is None:
             tile_shared = (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
                            delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done, dq_full,
                            dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, dq_start,
-                           k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h, m0,
-                           m_lo, m_end, h_first, group, keys_oob, m_full_lo, m_full_hi,
+                           k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h_first,
+                           m_lo, m_lo, m_end, h_first, group, keys_oob, m_full_lo, m_full_hi,
                            qk_scale, softmax_scale, softcap_pre, window_left, window_right)
             _ws_compute(tile_shared, WG, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                         HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DET,
@@ -598,8 +593,7 @@ if _GLUON_ERROR is None:
                          HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, RING: gl.constexpr,
-                         HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr,
-                         STAGGER: gl.constexpr):
+                         HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr):
         """The load warp of a persistent CTA: `_ws_loader` per tile. Tiles after the first
         (the program's number) come from a counter (zeroed by the preprocess) in the grid's
         order, as the hardware hands out a plain grid's CTAs: uneven causal tiles balance
@@ -610,12 +604,12 @@ if _GLUON_ERROR is None:
         _give_tile(tile_smem, tile_full, tile_empty, 0, gl.where(t < n_tiles, t, -1))
         while t < n_tiles:
             t_next = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1, sem="relaxed")
-            n0, hk, q_start, k_start, n_steps, h, m0, h_first, m_lo, m_end, dq_start = _ws_tile(
+            n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start = _ws_tile(
                 t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left, window_right,
-                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST, STAGGER)
+                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST)
             _ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem, k_smem,
                        v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, k_start + n0,
-                       hk, q_start, seqlen_q, total_q, n_steps, h, m0, m_lo, m_end,
+                       hk, q_start, seqlen_q, total_q, n_steps, h_first, m_lo, m_lo, m_end,
                        h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M, RING, it0, tile, kv_free,
                        epi_done, True, _epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, DQ_WARP))
             it0 += n_steps
@@ -629,20 +623,20 @@ if _GLUON_ERROR is None:
                      seqlen_q, seqlen_k, n_kv_heads, group, window_left, window_right, n_blocks,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DQ_WARP: gl.constexpr,
-                     HEADS_FIRST: gl.constexpr, STAGGER: gl.constexpr):
+                     HEADS_FIRST: gl.constexpr):
         """The dQ warp of a persistent CTA (ws_dq_warp: the reduces, no turns) per tile."""
         if DQ_WARP:
             it0 = 0
             tile = 0
             t = _take_tile(tile_smem, tile_full, tile_empty, 0, 1)
             while t >= 0:
-                n0, hk, q_start, k_start, n_steps, h, m0, h_first, m_lo, m_end, dq_start = _ws_tile(
+                n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start = _ws_tile(
                     t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left,
-                    window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST, STAGGER)
+                    window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST)
                 if not in_fragments(dq_desc.layout):  # row-major dQ: the rows themselves
                     dq_start = q_start
                 _ws_dq_turns(dq_smem, dq_desc, dq_full, dq_empty, 0, dq_start, n_steps,
-                             h, m0, m_lo, m_end, h_first, group, 0, 0, 0, 0, 0, 0,
+                             h_first, m_lo, m_lo, m_end, h_first, group, 0, 0, 0, 0, 0, 0,
                              window_left, window_right, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
                              HAS_LEFT, HAS_RIGHT, False, True, False, it0)
                 it0 += n_steps
@@ -658,7 +652,7 @@ if _GLUON_ERROR is None:
                   HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
                   DP_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr,
                   RING: gl.constexpr, ARRIVE: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
-                  HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr, STAGGER: gl.constexpr):
+                  HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr):
         """A persistent CTA (BwdConfig.ws_persistent; dense lengths, not deterministic): the
         grid's (key block, kv head, sequence) tiles, the program's own number first and then
         the next of a counter's (`_ws_loader_tiles`, which hands each to the other roles),
@@ -700,23 +694,21 @@ if _GLUON_ERROR is None:
         gl.warp_specialize([
             (_ws_compute_tiles, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                  HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                                 DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ, HEADS_FIRST,
-                                 STAGGER)),
+                                 DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ, HEADS_FIRST)),
             (_ws_compute_tiles, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                  HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                                 DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ, HEADS_FIRST,
-                                 STAGGER)),
+                                 DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ, HEADS_FIRST)),
             (_ws_loader_tiles, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
                                 k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
                                 empty, kv_free, epi_done, tile_smem, tile_full, tile_empty,
                                 counter_ptr, seqlen_q, seqlen_k, total_q,
                                 n_kv_heads, group, window_left, window_right, n_blocks,
                                 n_tiles, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                HAS_RIGHT, RING, HEADS_FIRST, DQ_WARP, STAGGER)),
+                                HAS_RIGHT, RING, HEADS_FIRST, DQ_WARP)),
             (_ws_dq_tiles, (dq_smem, dq_desc, dq_full, dq_empty, tile_smem, tile_full,
                             tile_empty, seqlen_q, seqlen_k, n_kv_heads, group, window_left,
                             window_right, n_blocks, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT,
-                            HAS_RIGHT, DQ_WARP, HEADS_FIRST, STAGGER)),
+                            HAS_RIGHT, DQ_WARP, HEADS_FIRST)),
         ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])
 
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
@@ -754,7 +746,7 @@ if _GLUON_ERROR is None:
                       n_kv_heads, group, qk_scale, softmax_scale, softcap_pre, window_left,
                       window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                       SOFTCAP, DV_OVERLAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, ARRIVE,
-                      DK_AFTER_DQ, HEADS_FIRST, DQ_WARP, STAGGER)
+                      DK_AFTER_DQ, HEADS_FIRST, DQ_WARP)
         else:
             n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
                 cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
