@@ -157,8 +157,8 @@ class BwdConfig:
     # 489-530 / 508-512; causal 175 / 345 / 486 -> 160 / 342 / 497, 4k / 16k 409 / 452 ->
     # 413 / 470; causal with fragment-order dQ tiles, 1k / 2k / 4k / 8k / 16k, two
     # columns each: 260-261 / 339-344 / 403-413 / 440-447 / 458-459 -> 259 / 356-357 /
-    # 422-440 / 469-474 / 497-506: on for d=64 unmasked, and causal from 2k rows
-    # (`select_config`). d=128 (already on bwd_ws) 339 /
+    # 422-440 / 469-474 / 497-506: on for d=64 unmasked, and causal from 2k rows (from 1k
+    # as a persistent grid since session 21; `select_config`). d=128 (already on bwd_ws) 339 /
     # 532 / 560 -> 333 / 509 / 575, causal 213 / 442 / 595 -> 209 / 416 / 621, again 4k /
     # 16k 527-582 / 545-553 -> 546 / 554, causal 443-507 / 541-546 -> 480 / 518: off.
     ws_dq_warp: bool = False
