@@ -49,10 +49,6 @@ STAMPS = '''
             "mad.lo.u32 b, c, ny, b; mad.lo.u32 $0, b, nx, a; }",
             "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
-    @gluon.jit
-    def _cs_read(x, WHAT: gl.constexpr):
-        return gl.inline_asm_elementwise("mov.u32 $0, " + WHAT + ";", "=r,r", [x],
-                                         dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _cs_put(base, x, value, k: gl.constexpr, WG: gl.constexpr, pred=True,
@@ -66,7 +62,7 @@ STAMPS = '''
     @gluon.jit
     def _cs_clock(base, x, k: gl.constexpr, WG: gl.constexpr, pred=True,
                   ONLY: gl.constexpr = 0):
-        _cs_put(base, x, _cs_read(x, "%clock"), k, WG, pred, ONLY)
+        _cs_put(base, x, _stamp_read(x, "%clock"), k, WG, pred, ONLY)
 
 '''
 
@@ -80,7 +76,7 @@ EDITS = [
     ("         softcap_pre, window_left, window_right) = shared\n",
      "         softcap_pre, window_left, window_right) = shared\n"
      + _stamp(8, "_cs_clock(sem_ptr, n0, 1, WG)")
-     + _stamp(8, "_cs_put(sem_ptr, n0, _cs_read(n0, \"%smid\"), 0, WG)")
+     + _stamp(8, "_cs_put(sem_ptr, n0, _stamp_read(n0, \"%smid\"), 0, WG)")
      + _stamp(8, "_cs_put(sem_ptr, n0, n_steps, 6, WG)")
      + _stamp(8, "_cs_put(sem_ptr, n0, n0 * 0 + 1, 7, WG)"), 1),
     ("        mbarrier.wait(kv_bar.index(0), tile & 1)\n",
@@ -115,7 +111,7 @@ def plain_grid(bwd, d: int, causal: bool):
 
 
 def patched():
-    helpers = ("    @gluon.jit\n    def _ws_loader(", STAMPS + "    @gluon.jit\n    def _ws_loader(", 1)
+    helpers = ("    @gluon.jit\n    def _ws_loader(", probe_common.STAMP_READ + STAMPS + "    @gluon.jit\n    def _ws_loader(", 1)
     return probe_common.patched_module(SRC, [helpers, *EDITS], "bwd-ws-ctas")
 
 

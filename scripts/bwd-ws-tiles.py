@@ -36,10 +36,6 @@ MAXT = 64
 W = 16
 
 HELPERS = '''
-    @gluon.jit
-    def _ps_read(x, WHAT: gl.constexpr):
-        return gl.inline_asm_elementwise("mov.u32 $0, " + WHAT + ";", "=r,r", [x],
-                                         dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _ps_put(base, tile, value, k: gl.constexpr, WG: gl.constexpr, pred=True,
@@ -51,7 +47,7 @@ HELPERS = '''
     @gluon.jit
     def _ps_clock(base, tile, k: gl.constexpr, WG: gl.constexpr, pred=True,
                   ONLY: gl.constexpr = 0):
-        _ps_put(base, tile, _ps_read(tile, "%clock"), k, WG, pred, ONLY)
+        _ps_put(base, tile, _stamp_read(tile, "%clock"), k, WG, pred, ONLY)
 
 '''
 
@@ -61,7 +57,8 @@ def st(indent, call):
 
 
 EDITS = [
-    ("    @gluon.jit\n    def _ws_loader(", HELPERS + "    @gluon.jit\n    def _ws_loader(", 1),
+    ("    @gluon.jit\n    def _ws_loader(", probe_common.STAMP_READ + HELPERS
+     + "    @gluon.jit\n    def _ws_loader(", 1),
     # compute: stamp pointer after the PERSISTENT flag
     ("PERSISTENT: gl.constexpr = False, EPI: gl.constexpr = 0, dv_stage=None):\n",
      "PERSISTENT: gl.constexpr = False, EPI: gl.constexpr = 0, dv_stage=None, sp=None):\n", 1),
@@ -74,7 +71,7 @@ EDITS = [
     ("         softcap_pre, window_left, window_right) = shared\n",
      "         softcap_pre, window_left, window_right) = shared\n"
      + st(8, "_ps_clock(sp, tile, 1, WG)")
-     + st(8, "_ps_put(sp, tile, _ps_read(tile, \"%smid\"), 0, WG)")
+     + st(8, "_ps_put(sp, tile, _stamp_read(tile, \"%smid\"), 0, WG)")
      + st(8, "_ps_put(sp, tile, n_steps, 6, WG)")
      + st(8, "_ps_put(sp, tile, tile * 0 + 1, 7, WG)"), 1),
     ("        mbarrier.wait(kv_bar.index(0), tile & 1)\n",

@@ -109,3 +109,14 @@ WS_COMPUTE_TAKES_SEM = [
     ("(_ws_compute, (shared, 0,", "(_ws_compute, (shared, sem_ptr, 0,", 1),
     ("(_ws_compute, (shared, 1,", "(_ws_compute, (shared, sem_ptr, 1,", 1),
 ]
+
+
+# Gluon source the stamping scripts patch into bwd_ws.py's copy (`patched_module`): a special
+# register (%clock, %smid, ...) read as an int32 tensor; x, any int32 operand, orders the read
+# after it.
+STAMP_READ = '''
+    @gluon.jit
+    def _stamp_read(x, WHAT: gl.constexpr):
+        return gl.inline_asm_elementwise("mov.u32 $0, " + WHAT + ";", "=r,r", [x],
+                                         dtype=gl.int32, is_pure=False, pack=1)
+'''

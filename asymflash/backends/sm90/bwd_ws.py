@@ -659,9 +659,10 @@ if _GLUON_ERROR is None:
         each as a CTA of the plain grid runs it, the roles looping over them. What a tile
         boundary adds: the load warp loads the next tile's K/V once both warpgroups are past
         their last MMA reading K/V (kv_free), while they finish dQ and store dK/dV, and the
-        next tile's first Q/dO once those stores have read the ring slots they staged
-        through (epi_done); every other barrier's phase runs on by step (ring, dSᵀ, dQ
-        hand-over) or by tile (kv_bar, done)."""
+        next tile's first Q/dO at once, or, where dK/dV stage through the ring
+        (`_epilogue_mode` 0: with the dQ warp), once those stores have read it (epi_done);
+        every other barrier's phase runs on by step (ring, dSᵀ, dQ hand-over) or by tile
+        (kv_bar, done)."""
         (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar,
          ready, empty, ds_ready, ds_free, dq_full, dq_empty, done) = _ws_alloc(
             q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N,
