@@ -157,6 +157,16 @@ CONFIGS = [
       "softcap": True, "uniform": False, "has_seqused": True}, 8),
     ({"head_dim": 256, "has_right": True, "deterministic": True}, 8),  # 0 seen
     ({"head_dim": 256, "deterministic": True}, 8),  # 0 seen
+    # deterministic mode on the persistent grid (2026-12-01 session 22; d=64 causal calls
+    # below 2k rows take it): d=128 56 seen, 4 in the step loops, causal 118 / 36; d=64 146 /
+    # 44, causal 208 / 109 (as the plain grid's deterministic builds: the masked steps'
+    # scalars at 240 registers)
+    ({"head_dim": 128, "deterministic": True, "cfg": {"ws_persistent": True}}, 64),
+    ({"head_dim": 128, "has_right": True, "deterministic": True,
+      "cfg": {"ws_persistent": True}}, 128),
+    ({"head_dim": 64, "deterministic": True, "cfg": {"ws_persistent": True}}, 160),
+    ({"head_dim": 64, "has_right": True, "deterministic": True,
+      "cfg": {"ws_persistent": True}}, 224),
 ]
 
 
@@ -213,6 +223,11 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
         # (each warpgroup's columns), dK and dV by two TMA stores each
         assert 240 in rep["maxnreg"] and 24 in rep["maxnreg"], rep
         assert rep["tma_store"] >= 4 or kw.get("uniform") is False, rep
+    if _persistent(kw) and kw.get("deterministic"):  # the step loops' own (see CONFIGS)
+        assert rep["step_loops"] == 2, rep
+        allowed = (120 if kw["head_dim"] == 64 else 48) if kw.get("has_right") else (
+            48 if kw["head_dim"] == 64 else 8)
+        assert rep["local_in_step_loops"] <= allowed, f"spills in the step loops: {rep}"
     if kw["head_dim"] == 256 and kw.get("deterministic") and not kw.get("softcap"):
         # the dQ turn's wait inside the loop (bwd_parts.spin_until_equal) costs no spills (it
         # cost 35-54 polling from one thread); causal takes 2 with the dK/dV TMA epilogue, 4
@@ -286,6 +301,12 @@ def test_defaults_where_the_h200_measured_a_gain():
         assert not sel(64, **kw).ws_persistent, kw
     for kw in ({"masked": True}, {"deterministic": True}, {"softcap": True}):
         assert not sel(128, **kw).ws_persistent, kw
+    # ... and deterministic d=64 causal calls below 2k rows
+    for rows, persistent in ((512, True), (1024, True), (2048, False)):
+        det = sel(64, masked=True, deterministic=True, max_seqlen_q=rows)
+        assert det.ws_persistent == persistent and det.split_warpgroups, rows
+    assert not sel(64, masked=True, window=True, deterministic=True,
+                   max_seqlen_q=512).ws_persistent
     assert sel(128).ws_dk_after_dq and not sel(128, deterministic=True).ws_dk_after_dq
     def plan(seqlen):  # d=256, non-causal, batch * seqlen = 16k
         return bwd.launch_plan(256, 256, seqlen, seqlen, True, False, -1, -1, False, False,

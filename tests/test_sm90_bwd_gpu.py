@@ -303,6 +303,31 @@ def test_sm90_backward_persistent_matches_reference(case):
             assert_fa_close(name, g, r32, rlow, atol=atol)
 
 
+# Deterministic mode on the persistent grid (its turns follow the order tiles are taken in:
+# ascending, causal tiles top-first; `bwd_ws._ws_tiles`): the persistent cases (several tiles
+# per CTA, GQA, causal, sq < sk) against the reference, then bitwise repeats. A turn order
+# against the tile order would hang here, not fail.
+PERSISTENT_DET_CASES = [dict(c, deterministic=True) for c in PERSISTENT_CASES]
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", PERSISTENT_DET_CASES, ids=lambda c: c["name"])
+def test_sm90_deterministic_persistent_backward_is_bitwise_reproducible(case):
+    from dataclasses import replace
+
+    from asymflash.backends.sm90 import bwd
+
+    window = case.get("window", (-1, -1))
+    cfg = replace(bwd.select_config(bwd_width(case), deterministic=True,
+                                    masked=window != (-1, -1), window=window[0] >= 0,
+                                    max_seqlen_q=max(case["lens_q"])), ws_persistent=True)
+    seq = make_case(case, "cuda")[4]
+    assert bwd.persists(cfg, seq.uniform and seq.seqused_k is None, True), case["name"]
+    for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
+        assert_fa_close(name, g, r32, rlow, atol=atol)
+    assert_repeats_bitwise(case, 20, cfg)
+
+
 # The grid's two orders (BwdConfig.heads_first): heads first, the default of causal calls
 # whose heads' Q and dO fit the L2 budget (every case here), and key blocks first, the order
 # of longer calls, on the causal cases with dense lengths (GQA, sq < sk, fp16, d=64/128/256).

@@ -474,11 +474,12 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
 PERSISTENT_ROWS = 1
 
 
-def persists(cfg: BwdConfig, dense: bool, deterministic: bool, softcap: bool = False) -> bool:
+def persists(cfg: BwdConfig, dense: bool, deterministic: bool = False,
+             softcap: bool = False) -> bool:
     """Whether bwd_ws runs as a persistent grid (BwdConfig.ws_persistent): dense lengths
-    only (every CTA's tile holds keys), never in deterministic mode (a CTA would wait for
-    the dQ turn of a tile no CTA has started), nor with softcap (not tested on the GPU)."""
-    return cfg.ws_persistent and dense and not deterministic and not softcap
+    only (every CTA's tile holds keys), not with softcap (not tested on the GPU).
+    Deterministic calls may (their turns then follow the tile order: `bwd_ws._ws_tiles`)."""
+    return cfg.ws_persistent and dense and not softcap
 
 
 def kv_tma_store(uniform: bool, max_seqlen_k: int, batch: int, block_n: int) -> bool:
@@ -647,7 +648,7 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
         dlse = dlse.contiguous()
     # The kernel's tensors are `width` (V side: width_v) wide: dQ_acc, dK, dV are cut below.
     # The preprocess (delta) zeroes dQ_acc: one launch instead of two.
-    extra = PERSISTENT_ROWS if plan.persistent else 0
+    extra = PERSISTENT_ROWS if plan.persistent and not params.deterministic else 0
     if plan.dq_fragment:
         dq_acc = dq_fragments.fragment_buffer(total_q, seq.batch, hq, width, q.device,
                                               extra_rows=extra)
@@ -679,9 +680,10 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
 
     qk_scale, softcap_pre = _fwd.exp2_scales(params)
     # One dQ turn counter per (sequence, q head, query block); only read when deterministic.
+    # A persistent grid's tile counter: the word after them, or dQ_acc's extra row.
     if params.deterministic:
-        sem = torch.zeros((seq.batch, hq, plan.num_m_blocks), dtype=torch.int32,
-                          device=q.device)
+        sem = torch.zeros((seq.batch * hq * plan.num_m_blocks + plan.persistent,),
+                          dtype=torch.int32, device=q.device)
     elif plan.persistent:
         sem = tile_counter
     else:

@@ -174,6 +174,14 @@ class BwdConfig:
     # 173 / 357-361 / 409-428, bwd.py's kernel 175 at 512): not taken, but d=64 causal 1k
     # 262 (bwd.py's kernel and the plain grid alike) -> 270. On for unmasked calls without
     # softcap at d=128, at d=64 up to 1k rows, and for d=64 causal calls of 1k-2k rows.
+    # Deterministic mode (session 22; turns in the order tiles are taken: ascending, causal
+    # top-first, no stagger, `bwd_ws._ws_tiles`), with the next tile taken once the current
+    # one's loads are out rather than when it starts (taken at the start, a tile could wait
+    # a whole tile for the CTA holding its predecessor: d=128 causal 2k 63 TFLOP/s). H200
+    # (sm90-bwd-probe, deterministic TFLOP/s plain -> persistent, 512 / 2k / 16k): d=64
+    # causal 155 / 332 / 465 -> 165 / 337 / 473, unmasked 263 / 417 / 491 -> 252 / 342 /
+    # 459 (the unstaggered turns queue); d=128 causal 190 / 386 / 535 -> 194 / 388 / 536,
+    # unmasked 303 / 453 / 518 -> 288 / 395 / 535. Taken for d=64 causal below 2k rows.
     ws_persistent: bool = False
 
 
@@ -263,6 +271,10 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
         elif (head_dim == 64 and masked and not window and not (deterministic or softcap)
               and max_seqlen_q is not None and 1024 <= max_seqlen_q < 2048):
             cfg = replace(cfg, ws_persistent=True)  # causal at 1k rows (ditto)
+        elif (head_dim == 64 and masked and not window and deterministic and not softcap
+              and max_seqlen_q is not None and max_seqlen_q < 2048):
+            # deterministic causal below 2k rows (BwdConfig.ws_persistent)
+            cfg = replace(cfg, ws_persistent=True)
         if softcap:
             # The softcap chain-rule tile takes the registers dPᵀ's early issue needs (d=128:
             # 2 spill instructions in the unmasked loop otherwise; d=64 with 128-row steps:

@@ -522,25 +522,31 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left, window_right,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                 HAS_RIGHT: gl.constexpr, HEADS_FIRST: gl.constexpr):
+                 HAS_RIGHT: gl.constexpr, HEADS_FIRST: gl.constexpr,
+                 TOP_FIRST: gl.constexpr = False):
         """Tile t of a persistent CTA's walk (dense lengths): the key block, kv head and
-        sequence the grid's CTA number t would take (`key_block`'s order), and its steps:
-        (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start). dq_start is
-        what the dQ reduces take for q_start: with fragment-order tiles, q_start + 128 ·
-        sequence, since `fragment_block` reads the sequence from the grid's third index,
-        which a persistent grid does not have (its 2 · sequence is 2 · 0 there)."""
+        sequence the grid's CTA number t would take (`key_block`'s order; TOP_FIRST: a
+        sequence's key blocks from the last down, as deterministic causal grids run), and its
+        steps: (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start, n_blk,
+        batch, group_blocks). dq_start is what the dQ reduces take for q_start: with
+        fragment-order tiles, q_start + 128 · sequence, since `fragment_block` reads the
+        sequence from the grid's third index, which a persistent grid does not have (its
+        2 · sequence is 2 · 0 there)."""
         if HEADS_FIRST:
             hk = t % n_kv_heads
             n_blk = (t // n_kv_heads) % n_blocks
         else:
             n_blk = t % n_blocks
             hk = (t // n_blocks) % n_kv_heads
+        if TOP_FIRST:
+            n_blk = n_blocks - 1 - n_blk
         batch = t // (n_blocks * n_kv_heads)
         n0 = n_blk * BLOCK_N
         m_lo, group_blocks = query_range(n0, seqlen_q, seqlen_k - seqlen_q, window_left,
                                          window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         return (n0, hk, batch * seqlen_q, batch * seqlen_k, group_blocks * group, hk * group,
-                m_lo, m_lo + group_blocks * BLOCK_M, batch * (seqlen_q + 128))
+                m_lo, m_lo + group_blocks * BLOCK_M, batch * (seqlen_q + 128), n_blk, batch,
+                group_blocks)
 
     @gluon.jit
     def _ws_compute_tiles(shared, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -550,8 +556,10 @@ if _GLUON_ERROR is None:
                           DP_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
                           LATE_WG: gl.constexpr, RING: gl.constexpr, DET: gl.constexpr,
                           DV_OVERLAP: gl.constexpr, ARRIVE: gl.constexpr,
-                          DK_AFTER_DQ: gl.constexpr, HEADS_FIRST: gl.constexpr):
-        """A compute warpgroup of a persistent CTA: `_ws_compute` per tile."""
+                          DK_AFTER_DQ: gl.constexpr, HEADS_FIRST: gl.constexpr,
+                          TOP_FIRST: gl.constexpr):
+        """A compute warpgroup of a persistent CTA: `_ws_compute` per tile (DET: its dQ
+        tiles go to the dQ warp)."""
         (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
          empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr,
          dv_ptr, seqlen_q, seqlen_k, n_kv_heads, group, qk_scale, softmax_scale, softcap_pre,
@@ -562,9 +570,10 @@ if _GLUON_ERROR is None:
         tile = 0
         t = _take_tile(tile_smem, tile_full, tile_empty, 0, 4)
         while t >= 0:
-            n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start = _ws_tile(
-                t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left, window_right,
-                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST)
+            (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start, _n_blk, _batch,
+             _group_blocks) = _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group,
+                                       window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                       HAS_RIGHT, HEADS_FIRST, TOP_FIRST)
             if not in_fragments(dq_desc.layout):  # row-major dQ: the rows themselves
                 dq_start = q_start
             keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, seqlen_k - seqlen_q,
@@ -593,7 +602,8 @@ if _GLUON_ERROR is None:
                          HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, RING: gl.constexpr,
-                         HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr):
+                         HEADS_FIRST: gl.constexpr, HAND_OVER: gl.constexpr,
+                         TOP_FIRST: gl.constexpr):
         """The load warp of a persistent CTA: `_ws_loader` per tile. Tiles after the first
         (the program's number) come from a counter (zeroed by the preprocess) in the grid's
         order, as the hardware hands out a plain grid's CTAs: uneven causal tiles balance
@@ -603,15 +613,19 @@ if _GLUON_ERROR is None:
         t = gl.program_id(0)
         _give_tile(tile_smem, tile_full, tile_empty, 0, gl.where(t < n_tiles, t, -1))
         while t < n_tiles:
-            t_next = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1, sem="relaxed")
-            n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start = _ws_tile(
-                t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left, window_right,
-                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST)
+            (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start, _n_blk, _batch,
+             _group_blocks) = _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group,
+                                       window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                       HAS_RIGHT, HEADS_FIRST, TOP_FIRST)
             _ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem, k_smem,
                        v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, k_start + n0,
                        hk, q_start, seqlen_q, total_q, n_steps, h_first, m_lo, m_lo, m_end,
                        h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M, RING, it0, tile, kv_free,
-                       epi_done, True, _epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, DQ_WARP))
+                       epi_done, True, _epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, HAND_OVER))
+            # The next tile is taken once this one's loads are issued, not when it starts:
+            # the tile a CTA holds but has not begun then waits only the ring's steps and
+            # this tile's end (deterministic turns wait on tiles in the order taken).
+            t_next = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1, sem="relaxed")
             it0 += n_steps
             tile += 1
             _give_tile(tile_smem, tile_full, tile_empty, tile,
@@ -620,40 +634,46 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _ws_dq_tiles(dq_smem, dq_desc, dq_full, dq_empty, tile_smem, tile_full, tile_empty,
-                     seqlen_q, seqlen_k, n_kv_heads, group, window_left, window_right, n_blocks,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DQ_WARP: gl.constexpr,
-                     HEADS_FIRST: gl.constexpr):
-        """The dQ warp of a persistent CTA (ws_dq_warp: the reduces, no turns) per tile."""
-        if DQ_WARP:
+                     sem_ptr, seqlen_q, seqlen_k, n_heads, n_kv_heads, group, num_m_blocks,
+                     window_left, window_right, n_blocks, HEAD_DIM: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                     HAS_RIGHT: gl.constexpr, DQ_WARP: gl.constexpr, HEADS_FIRST: gl.constexpr,
+                     DETERMINISTIC: gl.constexpr, TOP_FIRST: gl.constexpr):
+        """The dQ warp of a persistent CTA per tile: the reduces (ws_dq_warp), or in
+        deterministic mode the reduces in turn (`_ws_dq_turns`, unstaggered: `_ws_tiles`)."""
+        if DQ_WARP or DETERMINISTIC:
             it0 = 0
             tile = 0
             t = _take_tile(tile_smem, tile_full, tile_empty, 0, 1)
             while t >= 0:
-                n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start = _ws_tile(
-                    t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left,
-                    window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST)
+                (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start, n_blk,
+                 batch, group_blocks) = _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k,
+                                                 group, window_left, window_right, BLOCK_M,
+                                                 BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST,
+                                                 TOP_FIRST)
                 if not in_fragments(dq_desc.layout):  # row-major dQ: the rows themselves
                     dq_start = q_start
-                _ws_dq_turns(dq_smem, dq_desc, dq_full, dq_empty, 0, dq_start, n_steps,
-                             h_first, m_lo, m_lo, m_end, h_first, group, 0, 0, 0, 0, 0, 0,
-                             window_left, window_right, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
-                             HAS_LEFT, HAS_RIGHT, False, True, False, it0)
+                _ws_dq_turns(dq_smem, dq_desc, dq_full, dq_empty, sem_ptr, dq_start, n_steps,
+                             h_first, m_lo, m_lo, m_end, h_first, group, batch, n_heads,
+                             num_m_blocks, n_blk, n_blocks, seqlen_k - seqlen_q, window_left,
+                             window_right, group_blocks, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
+                             HAS_LEFT, HAS_RIGHT, False, True, DETERMINISTIC, it0)
                 it0 += n_steps
                 tile += 1
                 t = _take_tile(tile_smem, tile_full, tile_empty, tile, 1)
 
     @gluon.jit
     def _ws_tiles(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
-                  delta_ptr, dk_ptr, dv_ptr, counter_ptr, seqlen_q, seqlen_k, total_q,
-                  n_kv_heads, group, qk_scale, softmax_scale, softcap_pre, window_left,
-                  window_right, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                  delta_ptr, dk_ptr, dv_ptr, sem_ptr, seqlen_q, seqlen_k, total_q, n_heads,
+                  n_kv_heads, group, num_m_blocks, qk_scale, softmax_scale, softcap_pre,
+                  window_left, window_right, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                   HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
                   DP_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr,
                   RING: gl.constexpr, ARRIVE: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
-                  HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr):
-        """A persistent CTA (BwdConfig.ws_persistent; dense lengths, not deterministic): the
+                  HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr,
+                  DETERMINISTIC: gl.constexpr):
+        """A persistent CTA (BwdConfig.ws_persistent; dense lengths): the
         grid's (key block, kv head, sequence) tiles, the program's own number first and then
         the next of a counter's (`_ws_loader_tiles`, which hands each to the other roles),
         each as a CTA of the plain grid runs it, the roles looping over them. What a tile
@@ -662,11 +682,23 @@ if _GLUON_ERROR is None:
         next tile's first Q/dO at once, or, where dK/dV stage through the ring
         (`_epilogue_mode` 0: with the dQ warp), once those stores have read it (epi_done);
         every other barrier's phase runs on by step (ring, dSᵀ, dQ hand-over) or by tile
-        (kv_bar, done)."""
+        (kv_bar, done).
+
+        DETERMINISTIC: the dQ warp adds in turn (`_ws_dq_turns`), and the turns must follow
+        the order in which tiles are taken: each tile then waits only for tiles taken before
+        it, so the lowest unfinished tile is always some CTA's current tile with every turn
+        it needs passed, and no wait closes a cycle (a CTA holds its next tile before it ends
+        its current one, so a turn order against the tile order could make a tile wait for
+        one queued behind it on its own CTA). Hence no stagger (ascending turns, as the
+        tiles number key blocks), and causal tiles numbered top-first (descending turns).
+        The semaphores and the tile counter share one zeroed buffer: the counter is the word
+        after the (sequence, q head, query block) semaphores."""
+        HAND_OVER: gl.constexpr = DQ_WARP or DETERMINISTIC  # the dQ warp issues the reduces
+        TOP_FIRST: gl.constexpr = HAS_RIGHT and DETERMINISTIC
         (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar,
          ready, empty, ds_ready, ds_free, dq_full, dq_empty, done) = _ws_alloc(
             q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N,
-            RING, ARRIVE, DQ_WARP)
+            RING, ARRIVE, HAND_OVER)
         kv_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         epi_done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_free.index(0), count=2)
@@ -678,15 +710,19 @@ if _GLUON_ERROR is None:
         tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(2):
             mbarrier.init(tile_full.index(st), count=1)
-            mbarrier.init(tile_empty.index(st), count=3 if DQ_WARP else 2)
-        if _epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, DQ_WARP) == 2:
+            mbarrier.init(tile_empty.index(st), count=3 if HAND_OVER else 2)
+        if _epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, HAND_OVER) == 2:
             dv_stage = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N // 2, HEAD_DIM_V],
                                                  dv_desc.layout)
         else:
             dv_stage = dq_smem  # not read
         fence_async_shared()
         n_blocks = (seqlen_k + BLOCK_N - 1) // BLOCK_N
-        n_tiles = n_blocks * n_kv_heads * (total_q // gl.maximum(seqlen_q, 1))
+        n_seqs = total_q // gl.maximum(seqlen_q, 1)
+        n_tiles = n_blocks * n_kv_heads * n_seqs
+        counter_ptr = sem_ptr
+        if DETERMINISTIC:
+            counter_ptr = sem_ptr + n_seqs * n_heads * num_m_blocks
         shared = (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem,
                   kv_bar, ready, empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc,
                   dk_desc, dv_desc, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_kv_heads, group,
@@ -695,21 +731,24 @@ if _GLUON_ERROR is None:
         gl.warp_specialize([
             (_ws_compute_tiles, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                  HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                                 DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ, HEADS_FIRST)),
+                                 HAND_OVER, DV_OVERLAP, ARRIVE, DK_AFTER_DQ, HEADS_FIRST,
+                                 TOP_FIRST)),
             (_ws_compute_tiles, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                  HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                                 DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ, HEADS_FIRST)),
+                                 HAND_OVER, DV_OVERLAP, ARRIVE, DK_AFTER_DQ, HEADS_FIRST,
+                                 TOP_FIRST)),
             (_ws_loader_tiles, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
                                 k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
                                 empty, kv_free, epi_done, tile_smem, tile_full, tile_empty,
                                 counter_ptr, seqlen_q, seqlen_k, total_q,
                                 n_kv_heads, group, window_left, window_right, n_blocks,
                                 n_tiles, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                HAS_RIGHT, RING, HEADS_FIRST, DQ_WARP)),
+                                HAS_RIGHT, RING, HEADS_FIRST, HAND_OVER, TOP_FIRST)),
             (_ws_dq_tiles, (dq_smem, dq_desc, dq_full, dq_empty, tile_smem, tile_full,
-                            tile_empty, seqlen_q, seqlen_k, n_kv_heads, group, window_left,
-                            window_right, n_blocks, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT,
-                            HAS_RIGHT, DQ_WARP, HEADS_FIRST)),
+                            tile_empty, sem_ptr, seqlen_q, seqlen_k, n_heads, n_kv_heads,
+                            group, num_m_blocks, window_left, window_right, n_blocks, HEAD_DIM,
+                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DQ_WARP, HEADS_FIRST,
+                            DETERMINISTIC, TOP_FIRST)),
         ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])
 
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
@@ -743,11 +782,11 @@ if _GLUON_ERROR is None:
         # PERSISTENT: BwdConfig.ws_persistent (`_ws_tiles`).
         if PERSISTENT:
             _ws_tiles(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
-                      delta_ptr, dk_ptr, dv_ptr, sem_ptr, seqlen_q, seqlen_k, total_q,
-                      n_kv_heads, group, qk_scale, softmax_scale, softcap_pre, window_left,
-                      window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                      SOFTCAP, DV_OVERLAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, ARRIVE,
-                      DK_AFTER_DQ, HEADS_FIRST, DQ_WARP)
+                      delta_ptr, dk_ptr, dv_ptr, sem_ptr, seqlen_q, seqlen_k, total_q, n_heads,
+                      n_kv_heads, group, num_m_blocks, qk_scale, softmax_scale, softcap_pre,
+                      window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N,
+                      HAS_LEFT, HAS_RIGHT, SOFTCAP, DV_OVERLAP, DP_EARLY, KV_TMA_STORE, LATE_WG,
+                      RING, ARRIVE, DK_AFTER_DQ, HEADS_FIRST, DQ_WARP, DETERMINISTIC)
         else:
             n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
                 cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
