@@ -157,6 +157,11 @@ CONFIGS = [
       "softcap": True, "uniform": False, "has_seqused": True}, 8),
     ({"head_dim": 256, "has_right": True, "deterministic": True}, 8),  # 0 seen
     ({"head_dim": 256, "deterministic": True}, 8),  # 0 seen
+    # d=64 causal calls below 1k rows (2026-12-01 session 22): 64-row steps, three ring
+    # slots, fragment-order dQ, persistent: 26 seen, none in the step loops
+    ({"head_dim": 64, "has_right": True,
+      "cfg": {"split_warpgroups": True, "block_m": 64, "ring_slots": 3, "dq_fragment": True,
+              "ws_persistent": True}}, 32),
     # deterministic mode on the persistent grid (2026-12-01 session 22; d=64 causal calls
     # below 2k rows take it): d=128 56 seen, 4 in the step loops, causal 118 / 36; d=64 146 /
     # 44, causal 208 / 109 (as the plain grid's deterministic builds: the masked steps'
@@ -281,26 +286,30 @@ def test_defaults_where_the_h200_measured_a_gain():
         cfg = sel(64, max_seqlen_q=rows)
         assert cfg.split_warpgroups and cfg.ws_dq_warp and cfg.dq_fragment, cfg
         assert bwd._splits_warpgroups(64, cfg, False, False)
-    for kw in ({"masked": True, "max_seqlen_q": 512}, {"softcap": True},
-               {"deterministic": True}):
+    for kw in ({"softcap": True}, {"deterministic": True}):
         cfg = sel(64, **{"max_seqlen_q": 16384, **kw})
         assert not (cfg.dq_fragment or cfg.ws_dq_warp), kw
-    # ... and causal from 1k rows (a persistent grid below 2k); shorter causal calls,
-    # windows and softcap on bwd.py's
+    # ... and causal from 1k rows (a persistent grid below 2k); shorter causal calls as a
+    # persistent grid of 64-row steps; windows and softcap on bwd.py's
     for rows, persistent in ((1024, True), (2048, False), (16384, False)):
         causal = sel(64, masked=True, max_seqlen_q=rows)
         assert causal.split_warpgroups and causal.ws_dq_warp and causal.dq_fragment, causal
         assert causal.ws_persistent == persistent, rows
-    for kw in ({"masked": True, "max_seqlen_q": 512}, {"softcap": True},
-               {"masked": True, "window": True, "max_seqlen_q": 16384}):
+    short = sel(64, masked=True, max_seqlen_q=512)
+    assert (short.split_warpgroups and short.block_m == 64 and short.ring_slots == 3
+            and short.dq_fragment and short.ws_persistent and not short.ws_dq_warp), short
+    assert bwd._splits_warpgroups(64, short, False, False)
+    for kw in ({"softcap": True}, {"masked": True, "window": True, "max_seqlen_q": 16384}):
         assert not sel(64, **kw).split_warpgroups, kw
     # persistent grids (BwdConfig.ws_persistent): unmasked d=128, unmasked d=64 up to 1k rows
     assert sel(128, max_seqlen_q=16384).ws_persistent and sel(64, max_seqlen_q=1024).ws_persistent
-    for kw in ({"max_seqlen_q": 2048}, {"masked": True, "max_seqlen_q": 512},
-               {"deterministic": True, "max_seqlen_q": 512}, {"softcap": True}):
+    for kw in ({"max_seqlen_q": 2048}, {"deterministic": True, "max_seqlen_q": 512},
+               {"softcap": True}):
         assert not sel(64, **kw).ws_persistent, kw
-    for kw in ({"masked": True}, {"deterministic": True}, {"softcap": True}):
+    for kw in ({"masked": True}, {"masked": True, "max_seqlen_q": 2048},
+               {"deterministic": True}, {"softcap": True}):
         assert not sel(128, **kw).ws_persistent, kw
+    assert sel(128, masked=True, max_seqlen_q=1024).ws_persistent  # causal below 2k rows
     # ... and deterministic d=64 causal calls below 2k rows
     for rows, persistent in ((512, True), (1024, True), (2048, False)):
         det = sel(64, masked=True, deterministic=True, max_seqlen_q=rows)
@@ -447,7 +456,8 @@ def test_heads_first_grid_where_all_heads_fit_l2():
 
 def test_persistent_grid_only_where_it_was_verified():
     # BwdConfig.ws_persistent: one CTA per SM over the plain grid's tiles, for dense lengths
-    # without deterministic mode (turns could wait for an untaken tile) or softcap
+    # without softcap; deterministic calls where asked for (their turns follow the tile
+    # order) and by default only at d=64 causal below 2k rows
     def plan(d=128, seqlen=2048, batch=8, h=16, wr=-1, uniform=True, det=False,
              softcap=False, cfg=None):
         return bwd.launch_plan(d, d, seqlen, seqlen, uniform, False, -1, wr, softcap, det,
@@ -460,6 +470,11 @@ def test_persistent_grid_only_where_it_was_verified():
     for kw in (dict(uniform=False), dict(det=True), dict(softcap=True, cfg=forced)):
         p = plan(**kw)
         assert not p.persistent and len(p.grid) == 3, kw
-    assert not plan(wr=0).persistent  # causal d=128: measured a wash
+    forced_det = replace(bwd.select_config(128, deterministic=True), ws_persistent=True)
+    assert plan(det=True, cfg=forced_det).persistent
+    assert not plan(wr=0).persistent  # causal d=128 from 2k rows: a tie or a loss
+    assert plan(wr=0, seqlen=1024).persistent
     assert plan(d=64, seqlen=1024, h=32, wr=0).persistent  # d=64 causal at 1k rows
+    assert plan(d=64, seqlen=512, h=32, wr=0).persistent  # ... and 64-row steps below
+    assert plan(d=64, seqlen=512, h=32, wr=0, det=True).persistent
     assert not plan(d=64, seqlen=2048, h=32, wr=0).persistent

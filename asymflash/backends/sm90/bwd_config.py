@@ -173,7 +173,10 @@ class BwdConfig:
     # / 417 / 570 -> 210 / 418-442 / 543-578, d=64 512 / 2k / 4k 165 / 360-363 / 438-439 ->
     # 173 / 357-361 / 409-428, bwd.py's kernel 175 at 512): not taken, but d=64 causal 1k
     # 262 (bwd.py's kernel and the plain grid alike) -> 270. On for unmasked calls without
-    # softcap at d=128, at d=64 up to 1k rows, and for d=64 causal calls of 1k-2k rows.
+    # softcap at d=128, at d=64 up to 1k rows, and for causal calls below 2k rows (d=128
+    # since session 22, with the next tile taken late: plain / persistent, two columns each,
+    # 512 215.0-214.7 / 218.0-217.9, 1k 326-314 / 332-318, 2k 412-416 / 413-425, 16k
+    # 543-545 / 527-536).
     # Deterministic mode (session 22; turns in the order tiles are taken: ascending, causal
     # top-first, no stagger, `bwd_ws._ws_tiles`), with the next tile taken once the current
     # one's loads are out rather than when it starts (taken at the start, a tile could wait
@@ -264,13 +267,23 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
             # Sliding windows were not timed: they stay.
             cfg = replace(cfg, split_warpgroups=True, ws_dq_warp=True, dq_fragment=True,
                           dq_swizzle=128)
+        elif (head_dim == 64 and masked and not window and not softcap
+              and max_seqlen_q is not None and max_seqlen_q < 1024):
+            # Short causal calls: bwd_ws with 64-row steps (a finer diagonal and twice the
+            # steps over a tile's fixed cost; no spills in its step loops), three ring slots,
+            # fragment-order dQ tiles, as a persistent grid. H200 2026-12-01 session 22
+            # (sm90-bwd-probe, TFLOP/s at 512 / 1k rows, bwd.py's kernel / this): 175 / 267
+            # -> 184-186 / 265-278; two ring slots 183; row-major dQ 184; the dQ warp issuing
+            # the reduces 183; as a plain grid 175. From 1k rows the 128-row build (above).
+            cfg = replace(cfg, split_warpgroups=True, block_m=64, ring_slots=3,
+                          dq_fragment=True, ws_persistent=True)
         short = max_seqlen_q is not None and max_seqlen_q <= 1024
         if not (deterministic or masked or softcap) and (head_dim == 128 or (
                 head_dim == 64 and short)):
             cfg = replace(cfg, ws_persistent=True)  # BwdConfig.ws_persistent has the numbers
-        elif (head_dim == 64 and masked and not window and not (deterministic or softcap)
-              and max_seqlen_q is not None and 1024 <= max_seqlen_q < 2048):
-            cfg = replace(cfg, ws_persistent=True)  # causal at 1k rows (ditto)
+        elif (head_dim in (64, 128) and masked and not window and not (deterministic or softcap)
+              and max_seqlen_q is not None and max_seqlen_q < 2048):
+            cfg = replace(cfg, ws_persistent=True)  # causal below 2k rows (ditto)
         elif (head_dim == 64 and masked and not window and deterministic and not softcap
               and max_seqlen_q is not None and max_seqlen_q < 2048):
             # deterministic causal below 2k rows (BwdConfig.ws_persistent)

@@ -29,7 +29,8 @@ dq_full[w], dq_empty[w]  (deterministic mode) warpgroup w's dQ tile staged / rea
            dQ warp;
 done  both warpgroups are past their last MMA: the epilogue may reuse the Q/dO ring.
 
-A persistent grid (`BwdConfig.ws_persistent`, dense lengths, not deterministic: `_ws_tiles`)
+A persistent grid (`BwdConfig.ws_persistent`, dense lengths; deterministic turns in tile
+order: `_ws_tiles`)
 runs one CTA per SM over the plain grid's tiles: the load warp takes them in the grid's
 order from a counter (a zeroed word after dQ_acc) and hands each tile's number to the other
 roles through shared memory (tile_full / tile_empty); every ring and dSᵀ phase runs on
