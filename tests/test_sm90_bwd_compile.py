@@ -158,10 +158,17 @@ CONFIGS = [
     ({"head_dim": 256, "has_right": True, "deterministic": True}, 8),  # 0 seen
     ({"head_dim": 256, "deterministic": True}, 8),  # 0 seen
     # d=64 causal calls below 1k rows (2026-12-01 session 22): 64-row steps, three ring
-    # slots, fragment-order dQ, persistent: 26 seen, none in the step loops
+    # slots, fragment-order dQ, persistent: 26 seen, none in the step loops; with two K/V
+    # buffers (the default there) 0, deterministic 0
     ({"head_dim": 64, "has_right": True,
       "cfg": {"split_warpgroups": True, "block_m": 64, "ring_slots": 3, "dq_fragment": True,
               "ws_persistent": True}}, 32),
+    ({"head_dim": 64, "has_right": True,
+      "cfg": {"split_warpgroups": True, "block_m": 64, "ring_slots": 3, "dq_fragment": True,
+              "ws_persistent": True, "ws_kv_buffers": 2}}, 8),
+    ({"head_dim": 64, "has_right": True, "deterministic": True,
+      "cfg": {"block_m": 64, "ring_slots": 3, "dq_fragment": True, "ws_persistent": True,
+              "ws_kv_buffers": 2}}, 8),
     # deterministic mode on the persistent grid (2026-12-01 session 22; d=64 causal calls
     # below 2k rows take it): d=128 56 seen, 4 in the step loops, causal 118 / 36; d=64 146 /
     # 44, causal 208 / 109 (as the plain grid's deterministic builds: the masked steps'
@@ -297,7 +304,14 @@ def test_defaults_where_the_h200_measured_a_gain():
         assert causal.ws_persistent == persistent, rows
     short = sel(64, masked=True, max_seqlen_q=512)
     assert (short.split_warpgroups and short.block_m == 64 and short.ring_slots == 3
-            and short.dq_fragment and short.ws_persistent and not short.ws_dq_warp), short
+            and short.dq_fragment and short.ws_persistent and not short.ws_dq_warp
+            and short.ws_kv_buffers == 2), short
+    short_det = sel(64, masked=True, deterministic=True, max_seqlen_q=512)
+    assert short_det.block_m == 64 and short_det.ws_kv_buffers == 2, short_det
+    assert sel(64, masked=True, deterministic=True, max_seqlen_q=1024).ws_kv_buffers == 1
+    for width, over in ((128, short), (64, replace(short, block_m=128))):  # no room for it
+        with pytest.raises(ValueError, match="ws_kv_buffers"):
+            sel(width, over)
     assert bwd._splits_warpgroups(64, short, False, False)
     for kw in ({"softcap": True}, {"masked": True, "window": True, "max_seqlen_q": 16384}):
         assert not sel(64, **kw).split_warpgroups, kw

@@ -303,6 +303,33 @@ def test_sm90_backward_persistent_matches_reference(case):
             assert_fa_close(name, g, r32, rlow, atol=atol)
 
 
+# Two K/V buffers on the persistent grid (BwdConfig.ws_kv_buffers: the next tile's K/V load
+# during this one, dK/dV staged in the tile's own buffer), d=64 with 64-row steps (the only
+# build with the shared memory for it), default and deterministic mode.
+KV2_CASES = [c for c in PERSISTENT_CASES if bwd_width(c) == 64]
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("det", [False, True], ids=["default", "det"])
+@pytest.mark.parametrize("case", KV2_CASES, ids=lambda c: c["name"])
+def test_sm90_backward_two_kv_buffers_match_reference(case, det):
+    from dataclasses import replace
+
+    from asymflash.backends.sm90 import bwd
+
+    window = case.get("window", (-1, -1))
+    cfg = replace(bwd.select_config(64, masked=window != (-1, -1), deterministic=det,
+                                    window=window[0] >= 0, max_seqlen_q=max(case["lens_q"])),
+                  split_warpgroups=True, block_m=64, ring_slots=3, dq_fragment=True,
+                  ws_dq_warp=False, ws_persistent=True, ws_kv_buffers=2)
+    case = dict(case, deterministic=det)
+    for _ in range(2):  # the second call must find its tile counter zeroed again
+        for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
+            assert_fa_close(name, g, r32, rlow, atol=atol)
+    if det:
+        assert_repeats_bitwise(case, 10, cfg)
+
+
 # Deterministic mode on the persistent grid (its turns follow the order tiles are taken in:
 # ascending, causal tiles top-first; `bwd_ws._ws_tiles`): the persistent cases (several tiles
 # per CTA, GQA, causal, sq < sk) against the reference, then bitwise repeats. A turn order

@@ -464,6 +464,7 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
         consts["DQ_WARP"] = cfg.ws_dq_warp and not deterministic
         consts["PERSISTENT"] = persists(cfg, uniform and not has_seqused, deterministic,
                                         softcap)
+        consts["KV_BUFS"] = cfg.ws_kv_buffers if consts["PERSISTENT"] else 1
         if cfg.arrive_all:
             arrive_all.install()  # the PTX pass that makes the marked arrives per-thread
     return consts

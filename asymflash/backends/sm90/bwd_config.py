@@ -186,6 +186,17 @@ class BwdConfig:
     # 459 (the unstaggered turns queue); d=128 causal 190 / 386 / 535 -> 194 / 388 / 536,
     # unmasked 303 / 453 / 518 -> 288 / 395 / 535. Taken for d=64 causal below 2k rows.
     ws_persistent: bool = False
+    # K/V buffers of a persistent bwd_ws: with two, the load warp issues the next tile's K/V
+    # as soon as it has taken the tile (its buffer's previous tile long done), instead of
+    # once this tile's last MMAs have read K/V (session 21's stamps: that load, 4000-6000
+    # cycles in flight, was every tile boundary's critical path), and dK/dV stage in the
+    # tile's own K/V buffer. Shared memory allows it only with 64-row steps at d=64 (182 KB).
+    # H200 2026-12-01 session 22 (sm90-bwd-probe, that build, one -> two buffers, TFLOP/s at
+    # 256 / 512 / 1k / 2k rows, two columns each): causal 108 / 187 / 278-279 / 353-357 ->
+    # 117 / 194-195 / 278-279 / 348-350; unmasked 186 / 279-280 / 345-351 / 407 -> 214 /
+    # 297-300 / 358-365 / 405-407 (the 128-row default stays ahead there: 317 / 392 / 475).
+    # On for d=64 causal calls below 1k rows (`select_config`).
+    ws_kv_buffers: int = 1
 
 
 # FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,
@@ -258,6 +269,11 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
                 # non-deterministic default beside): 2k / 16k 329 / 373 -> 430 / 503 (431 /
                 # 483), causal 273 / 374 -> 329 / 472 (317 / 492).
                 cfg = replace(cfg, split_warpgroups=True, dq_swizzle=128)
+                if masked and not window and max_seqlen_q is not None and max_seqlen_q < 1024:
+                    # short causal calls as the default mode runs them (below), turns in
+                    # tile order: session 22, 512 rows 165 (128-row steps) -> 174 TFLOP/s
+                    cfg = replace(cfg, block_m=64, ring_slots=3, dq_fragment=True,
+                                  ws_persistent=True, ws_kv_buffers=2)
         elif head_dim == 64 and not softcap and (not masked or (
                 not window and (max_seqlen_q is None or max_seqlen_q >= 1024))):
             # bwd_ws's kernel as deterministic d=64 runs it (above), its dQ warp issuing the
@@ -275,8 +291,11 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
             # (sm90-bwd-probe, TFLOP/s at 512 / 1k rows, bwd.py's kernel / this): 175 / 267
             # -> 184-186 / 265-278; two ring slots 183; row-major dQ 184; the dQ warp issuing
             # the reduces 183; as a plain grid 175. From 1k rows the 128-row build (above).
+            # With two K/V buffers (BwdConfig.ws_kv_buffers; 256 / 512 / 1k / 2k rows, two
+            # columns each): 108 / 187 / 278-279 / 353-357 -> 117 / 194-195 / 278-279 /
+            # 348-350.
             cfg = replace(cfg, split_warpgroups=True, block_m=64, ring_slots=3,
-                          dq_fragment=True, ws_persistent=True)
+                          dq_fragment=True, ws_persistent=True, ws_kv_buffers=2)
         short = max_seqlen_q is not None and max_seqlen_q <= 1024
         if not (deterministic or masked or softcap) and (head_dim == 128 or (
                 head_dim == 64 and short)):
@@ -297,6 +316,10 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
     # has them share 64 keys. 64 query rows per step, or 128 at d = 64 (registers allow it).
     block_n = 64 if head_dim == 256 else 128
     block_ms = (64, 128) if head_dim == 64 else (64,)
+    if cfg.ws_kv_buffers not in (1, 2) or (cfg.ws_kv_buffers == 2 and (
+            head_dim != 64 or cfg.block_m != 64)):
+        raise ValueError(f"unsupported sm90 backward config {cfg} at head dim {head_dim}: "
+                         "ws_kv_buffers is 1, or 2 at head dim 64 with 64-row steps")
     if cfg.num_warps != 8 or cfg.block_n != block_n or cfg.block_m not in block_ms \
             or cfg.ring_slots < 2:
         raise ValueError(f"unsupported sm90 backward config {cfg} at head dim {head_dim}: "

@@ -116,14 +116,17 @@ if _GLUON_ERROR is None:
                    q_start, seqlen_q, total_q, n_steps, h, m0, m_lo, m_end, h_first, group,
                    HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
                    RING: gl.constexpr, it0=0, tile=0, kv_free=None, epi_done=None,
-                   PERSISTENT: gl.constexpr = False, EPI: gl.constexpr = 0):
+                   PERSISTENT: gl.constexpr = False, EPI: gl.constexpr = 0,
+                   KV_BUFS: gl.constexpr = 1):
         """K and V, then per step the statistics and Q/dO into the ring. PERSISTENT: one
         tile of a persistent CTA (`_ws_tiles`), its steps numbered on from it0 (the ring's
-        phases run on across tiles), the tile-th of this CTA."""
+        phases run on across tiles), the tile-th of this CTA, its K/V in buffer
+        tile % KV_BUFS (k_smem, v_smem: that buffer)."""
+        kv = tile % KV_BUFS
         if PERSISTENT:
-            if tile > 0:  # both warpgroups are past the previous tile's last K/V read
-                mbarrier.wait(kv_free.index(0), (tile - 1) & 1)
-        load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(0), k_row, hk, HEAD_DIM,
+            if tile >= KV_BUFS:  # both warpgroups are done with this buffer's last tile
+                mbarrier.wait(kv_free.index(kv), ((tile - KV_BUFS) // KV_BUFS) & 1)
+        load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(kv), k_row, hk, HEAD_DIM,
                 HEAD_DIM_V)
         if PERSISTENT and EPI == 0:  # `_epilogue_buffers`
             if tile > 0:  # ... and past its dK/dV stores, staged through ring slots
@@ -264,9 +267,11 @@ if _GLUON_ERROR is None:
                     KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr, RING: gl.constexpr,
                     DET: gl.constexpr, DV_OVERLAP: gl.constexpr, ARRIVE: gl.constexpr,
                     DK_AFTER_DQ: gl.constexpr, it0=0, tile=0, kv_free=None, epi_done=None,
-                    PERSISTENT: gl.constexpr = False, EPI: gl.constexpr = 0, dv_stage=None):
+                    PERSISTENT: gl.constexpr = False, EPI: gl.constexpr = 0, dv_stage=None,
+                    KV_BUFS: gl.constexpr = 1):
         # PERSISTENT: one tile of a persistent CTA, as in _ws_loader (steps numbered on
-        # from it0; the late warpgroup's previous step is always one of this tile's).
+        # from it0; the late warpgroup's previous step is always one of this tile's; K/V in
+        # buffer tile % KV_BUFS, which `shared` holds).
         (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
          empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr,
          dv_ptr, q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h, m0, m_lo,
@@ -306,7 +311,8 @@ if _GLUON_ERROR is None:
         dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, dq_layout)
         h_prev = h
         m0_prev = m0
-        mbarrier.wait(kv_bar.index(0), tile & 1)
+        kv = tile % KV_BUFS
+        mbarrier.wait(kv_bar.index(kv), (tile // KV_BUFS) & 1)
         for it in range(n_steps):
             g = it0 + it  # the step's number in the CTA (all its tiles)
             slot = g % RING  # the Q/dO ring
@@ -384,9 +390,10 @@ if _GLUON_ERROR is None:
                 _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full, dq_empty,
                        it0 + n_steps - 1, h_prev, m0_prev, q_start, softmax_scale, dq_zero, WG,
                        HEAD_DIM, BLOCK_M, DET, ARRIVE)
-        if PERSISTENT:  # this warpgroup's MMAs have read K and V for the last time (before
-            # the reduce's wait: the load warp's next K/V are the tile's critical path)
-            mbarrier.arrive(kv_free.index(0), count=1)
+        if PERSISTENT and EPI != 3:  # this warpgroup's MMAs have read K and V for the last
+            # time (before the reduce's wait: the load warp's next K/V are the tile's
+            # critical path; EPI 3 stages dK/dV in this K/V buffer: freed after the stores)
+            mbarrier.arrive(kv_free.index(kv), count=1)
         tma.store_wait(0)  # the last reduce reads dq_buf
         # The epilogue stages through the Q/dO ring, which the other warpgroup may still read.
         mbarrier.arrive(done.index(0), count=1)
@@ -394,7 +401,7 @@ if _GLUON_ERROR is None:
         dk = dk * softmax_scale  # S = scale·Q·Kᵀ
         if KV_TMA_STORE:
             dk_buf, dv_buf = _epilogue_buffers(q_smem, do_smem, ds_smem, dq_smem, dv_stage,
-                                               dk_desc, dv_desc, WG, EPI)
+                                               k_smem, v_smem, dk_desc, dv_desc, WG, EPI)
             store_key_tiles(dk_desc, dv_desc, dk, dv, dk_buf, dv_buf,
                             k_start + n0 + WG * KEYS, hk, HEAD_DIM, HEAD_DIM_V)
         else:
@@ -405,15 +412,20 @@ if _GLUON_ERROR is None:
         if PERSISTENT and EPI == 0:
             # the stores have read the ring slots: the next tile may load into them
             mbarrier.arrive(epi_done.index(0), count=1)
+        if PERSISTENT and EPI == 3:  # ... have read this K/V buffer
+            mbarrier.arrive(kv_free.index(kv), count=1)
 
     @gluon.constexpr_function
-    def _epilogue_mode(block_m, head_dim, head_dim_v, dq_warp):
+    def _epilogue_mode(block_m, head_dim, head_dim_v, dq_warp, kv_bufs=1):
         """Where a persistent CTA's warpgroups stage dK and dV for their TMA stores
         (`_epilogue_buffers`): 0 slots of the Q/dO ring (the load warp then waits for the
         stores before it loads the next tile's first Q/dO: epi_done); 1 the warpgroup's half
         of the dSᵀ buffers (d=64: BLOCK_M >= HEAD_DIM + HEAD_DIM_V); 2 its dQ staging tile
         for dK and a buffer of its own for dV (d=128; not with the dQ warp, which reads the
-        dQ tiles)."""
+        dQ tiles); 3 the tile's own K/V buffer (two K/V buffers: BwdConfig.ws_kv_buffers; the
+        load warp frees it after the stores, the next tile's K/V being in the other)."""
+        if kv_bufs == 2:
+            return 3
         if block_m >= head_dim + head_dim_v and head_dim == head_dim_v:
             return 1
         if not dq_warp and head_dim == 128 and head_dim_v == 128:
@@ -421,8 +433,8 @@ if _GLUON_ERROR is None:
         return 0
 
     @gluon.jit
-    def _epilogue_buffers(q_smem, do_smem, ds_smem, dq_smem, dv_stage, dk_desc, dv_desc,
-                          WG: gl.constexpr, EPI: gl.constexpr):
+    def _epilogue_buffers(q_smem, do_smem, ds_smem, dq_smem, dv_stage, k_smem, v_smem,
+                          dk_desc, dv_desc, WG: gl.constexpr, EPI: gl.constexpr):
         """Where warpgroup WG stages its dK and dV tiles (`_epilogue_mode` EPI), once both
         warpgroups have retired their last MMA. Outside the ring (EPI 1, 2: buffers only
         this warpgroup writes), the load warp fills the ring with the next tile's first
@@ -440,6 +452,11 @@ if _GLUON_ERROR is None:
             tiles = ds_smem._reinterpret(dtype, [4 * BLOCK_M // HEAD_DIM, KEYS, HEAD_DIM],
                                          dk_desc.layout)
             return tiles.index(2 * WG), tiles.index(2 * WG + 1)
+        elif EPI == 3:  # the keys this warpgroup owns, in the tile's K and V buffers
+            return (k_smem.slice(WG * KEYS, KEYS)._reinterpret(dtype, [KEYS, HEAD_DIM],
+                                                                dk_desc.layout),
+                    v_smem.slice(WG * KEYS, KEYS)._reinterpret(dtype, [KEYS, HEAD_DIM_V],
+                                                                dv_desc.layout))
         elif EPI == 2:  # dQ's staging tile is 16 KB: 64 keys x 128 columns of dK
             gl.static_assert(dq_smem.shape[1] * dq_smem.shape[2] * 4 == KEYS * HEAD_DIM * 2)
             return (dq_smem.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM], dk_desc.layout),
@@ -450,14 +467,23 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _ws_alloc(q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM: gl.constexpr,
                   HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  RING: gl.constexpr, ARRIVE: gl.constexpr, DQ_BARS: gl.constexpr):
+                  RING: gl.constexpr, ARRIVE: gl.constexpr, DQ_BARS: gl.constexpr,
+                  KV_BUFS: gl.constexpr = 1):
         """The kernel's shared memory and barriers (the module docstring's), initialised.
-        DQ_BARS: the dQ warp's hand-over barriers (deterministic mode, ws_dq_warp)."""
+        DQ_BARS: the dQ warp's hand-over barriers (deterministic mode, ws_dq_warp). KV_BUFS
+        (persistent grids, BwdConfig.ws_kv_buffers): K and V as that many buffers (one:
+        plain tiles; `_kv_buffer`)."""
         dtype: gl.constexpr = q_desc.dtype
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM],
-                                           _tile_layout(k_desc.layout))
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V],
-                                           _tile_layout(v_desc.layout))
+        if KV_BUFS == 1:
+            k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM],
+                                               _tile_layout(k_desc.layout))
+            v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V],
+                                               _tile_layout(v_desc.layout))
+        else:
+            k_smem = gl.allocate_shared_memory(dtype, [KV_BUFS, BLOCK_N, HEAD_DIM],
+                                               _tile_layout(k_desc.layout))
+            v_smem = gl.allocate_shared_memory(dtype, [KV_BUFS, BLOCK_N, HEAD_DIM_V],
+                                               _tile_layout(v_desc.layout))
         q_smem = gl.allocate_shared_memory(dtype, [RING, BLOCK_M, HEAD_DIM],
                                            _tile_layout(q_desc.layout))
         do_smem = gl.allocate_shared_memory(dtype, [RING, BLOCK_M, HEAD_DIM_V],
@@ -471,7 +497,7 @@ if _GLUON_ERROR is None:
         lse_smem = gl.allocate_shared_memory(gl.float32, [RING, BLOCK_M], stat_smem_layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [RING, BLOCK_M],
                                                stat_smem_layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        kv_bar = gl.allocate_shared_memory(gl.int64, [KV_BUFS, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
@@ -480,7 +506,8 @@ if _GLUON_ERROR is None:
         dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar.index(0), count=1)
+        for st in gl.static_range(KV_BUFS):
+            mbarrier.init(kv_bar.index(st), count=1)
         mbarrier.init(done.index(0), count=2)
         for st in gl.static_range(RING):
             # two arrives: the TMA bytes' expect and the statistics' stores (_ws_loader)
@@ -495,6 +522,15 @@ if _GLUON_ERROR is None:
             mbarrier.init(ds_ready.index(st), count=1)
         return (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar,
                 ready, empty, ds_ready, ds_free, dq_full, dq_empty, done)
+
+    @gluon.jit
+    def _kv_buffer(kv_smem, tile, KV_BUFS: gl.constexpr):
+        """The K (or V) buffer of a persistent CTA's tile-th tile (`_ws_alloc`)."""
+        if KV_BUFS == 1:
+            buf = kv_smem
+        else:
+            buf = kv_smem.index(tile % KV_BUFS)
+        return buf
 
     @gluon.jit
     def _give_tile(tile_smem, tile_full, tile_empty, i, t):
@@ -558,7 +594,7 @@ if _GLUON_ERROR is None:
                           LATE_WG: gl.constexpr, RING: gl.constexpr, DET: gl.constexpr,
                           DV_OVERLAP: gl.constexpr, ARRIVE: gl.constexpr,
                           DK_AFTER_DQ: gl.constexpr, HEADS_FIRST: gl.constexpr,
-                          TOP_FIRST: gl.constexpr):
+                          TOP_FIRST: gl.constexpr, KV_BUFS: gl.constexpr):
         """A compute warpgroup of a persistent CTA: `_ws_compute` per tile (DET: its dQ
         tiles go to the dQ warp)."""
         (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
@@ -566,7 +602,7 @@ if _GLUON_ERROR is None:
          dv_ptr, seqlen_q, seqlen_k, n_kv_heads, group, qk_scale, softmax_scale, softcap_pre,
          window_left, window_right, n_blocks, kv_free, epi_done, tile_smem, tile_full,
          tile_empty, dv_stage) = shared
-        EPI: gl.constexpr = _epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, DET)
+        EPI: gl.constexpr = _epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, DET, KV_BUFS)
         it0 = 0
         tile = 0
         t = _take_tile(tile_smem, tile_full, tile_empty, 0, 4)
@@ -580,16 +616,18 @@ if _GLUON_ERROR is None:
             keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, seqlen_k - seqlen_q,
                                                         window_left, window_right, BLOCK_M,
                                                         BLOCK_N)
-            tile_shared = (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem,
-                           delta_smem, kv_bar, ready, empty, ds_ready, ds_free, done, dq_full,
-                           dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, dq_start,
-                           k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h_first,
-                           m_lo, m_lo, m_end, h_first, group, keys_oob, m_full_lo, m_full_hi,
-                           qk_scale, softmax_scale, softcap_pre, window_left, window_right)
+            tile_shared = (q_smem, _kv_buffer(k_smem, tile, KV_BUFS),
+                           _kv_buffer(v_smem, tile, KV_BUFS), do_smem, ds_smem, dq_smem,
+                           lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, ds_free,
+                           done, dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr,
+                           dv_ptr, dq_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
+                           n_steps, h_first, m_lo, m_lo, m_end, h_first, group, keys_oob,
+                           m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
+                           window_left, window_right)
             _ws_compute(tile_shared, WG, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                         HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DET,
                         DV_OVERLAP, ARRIVE, DK_AFTER_DQ, it0, tile, kv_free, epi_done, True, EPI,
-                        dv_stage)
+                        dv_stage, KV_BUFS)
             it0 += n_steps
             tile += 1
             t = _take_tile(tile_smem, tile_full, tile_empty, tile, 4)
@@ -604,7 +642,7 @@ if _GLUON_ERROR is None:
                          BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, RING: gl.constexpr,
                          HEADS_FIRST: gl.constexpr, HAND_OVER: gl.constexpr,
-                         TOP_FIRST: gl.constexpr):
+                         TOP_FIRST: gl.constexpr, KV_BUFS: gl.constexpr):
         """The load warp of a persistent CTA: `_ws_loader` per tile. Tiles after the first
         (the program's number) come from a counter (zeroed by the preprocess) in the grid's
         order, as the hardware hands out a plain grid's CTAs: uneven causal tiles balance
@@ -618,11 +656,14 @@ if _GLUON_ERROR is None:
              _group_blocks) = _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group,
                                        window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                        HAS_RIGHT, HEADS_FIRST, TOP_FIRST)
-            _ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem, k_smem,
-                       v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, k_start + n0,
+            _ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
+                       _kv_buffer(k_smem, tile, KV_BUFS), _kv_buffer(v_smem, tile, KV_BUFS),
+                       do_smem, lse_smem, delta_smem, kv_bar, ready, empty, k_start + n0,
                        hk, q_start, seqlen_q, total_q, n_steps, h_first, m_lo, m_lo, m_end,
                        h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M, RING, it0, tile, kv_free,
-                       epi_done, True, _epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, HAND_OVER))
+                       epi_done, True,
+                       _epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, HAND_OVER, KV_BUFS),
+                       KV_BUFS)
             # The next tile is taken once this one's loads are issued, not when it starts:
             # the tile a CTA holds but has not begun then waits only the ring's steps and
             # this tile's end (deterministic turns wait on tiles in the order taken).
@@ -673,7 +714,7 @@ if _GLUON_ERROR is None:
                   DP_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr,
                   RING: gl.constexpr, ARRIVE: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
                   HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr,
-                  DETERMINISTIC: gl.constexpr):
+                  DETERMINISTIC: gl.constexpr, KV_BUFS: gl.constexpr = 1):
         """A persistent CTA (BwdConfig.ws_persistent; dense lengths): the
         grid's (key block, kv head, sequence) tiles, the program's own number first and then
         the next of a counter's (`_ws_loader_tiles`, which hands each to the other roles),
@@ -699,10 +740,11 @@ if _GLUON_ERROR is None:
         (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar,
          ready, empty, ds_ready, ds_free, dq_full, dq_empty, done) = _ws_alloc(
             q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N,
-            RING, ARRIVE, HAND_OVER)
-        kv_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+            RING, ARRIVE, HAND_OVER, KV_BUFS)
+        kv_free = gl.allocate_shared_memory(gl.int64, [KV_BUFS, 1], mbarrier.MBarrierLayout())
         epi_done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_free.index(0), count=2)
+        for st in gl.static_range(KV_BUFS):
+            mbarrier.init(kv_free.index(st), count=2)
         mbarrier.init(epi_done.index(0), count=2)
         # the tile numbers the load warp hands out (_give_tile): two slots
         tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(
@@ -712,7 +754,7 @@ if _GLUON_ERROR is None:
         for st in gl.static_range(2):
             mbarrier.init(tile_full.index(st), count=1)
             mbarrier.init(tile_empty.index(st), count=3 if HAND_OVER else 2)
-        if _epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, HAND_OVER) == 2:
+        if _epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, HAND_OVER, KV_BUFS) == 2:
             dv_stage = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N // 2, HEAD_DIM_V],
                                                  dv_desc.layout)
         else:
@@ -733,18 +775,19 @@ if _GLUON_ERROR is None:
             (_ws_compute_tiles, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                  HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
                                  HAND_OVER, DV_OVERLAP, ARRIVE, DK_AFTER_DQ, HEADS_FIRST,
-                                 TOP_FIRST)),
+                                 TOP_FIRST, KV_BUFS)),
             (_ws_compute_tiles, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                  HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
                                  HAND_OVER, DV_OVERLAP, ARRIVE, DK_AFTER_DQ, HEADS_FIRST,
-                                 TOP_FIRST)),
+                                 TOP_FIRST, KV_BUFS)),
             (_ws_loader_tiles, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
                                 k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
                                 empty, kv_free, epi_done, tile_smem, tile_full, tile_empty,
                                 counter_ptr, seqlen_q, seqlen_k, total_q,
                                 n_kv_heads, group, window_left, window_right, n_blocks,
                                 n_tiles, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                HAS_RIGHT, RING, HEADS_FIRST, HAND_OVER, TOP_FIRST)),
+                                HAS_RIGHT, RING, HEADS_FIRST, HAND_OVER, TOP_FIRST,
+                                KV_BUFS)),
             (_ws_dq_tiles, (dq_smem, dq_desc, dq_full, dq_empty, tile_smem, tile_full,
                             tile_empty, sem_ptr, seqlen_q, seqlen_k, n_heads, n_kv_heads,
                             group, num_m_blocks, window_left, window_right, n_blocks, HEAD_DIM,
@@ -771,7 +814,7 @@ if _GLUON_ERROR is None:
                            LATE_WG: gl.constexpr, RING: gl.constexpr, ARRIVE: gl.constexpr,
                            ARRIVE_PASS: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
                            HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr,
-                           PERSISTENT: gl.constexpr = False):
+                           PERSISTENT: gl.constexpr = False, KV_BUFS: gl.constexpr = 1):
         # Same arguments as bwd._attn_bwd_kernel (one host path); DK_LATE, STATS_LATE,
         # RELEASE_AT, WAIT_EARLY and dq_ptr belong to that kernel's schedule. DV_OVERLAP:
         # dV = Pᵀ·dO stays in flight while dSᵀ is formed (BwdConfig.dv_overlap).
@@ -780,14 +823,16 @@ if _GLUON_ERROR is None:
         # warpgroup releases a Q/dO slot and a dSᵀ buffer with (128: `arrive_all.py`'s mark;
         # ARRIVE_PASS, that pass's version, only keys Triton's cache). DQ_WARP: without
         # DETERMINISTIC, the dQ warp still issues the reduces (BwdConfig.ws_dq_warp).
-        # PERSISTENT: BwdConfig.ws_persistent (`_ws_tiles`).
+        # PERSISTENT: BwdConfig.ws_persistent (`_ws_tiles`); KV_BUFS: its K/V buffers
+        # (BwdConfig.ws_kv_buffers).
         if PERSISTENT:
             _ws_tiles(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
                       delta_ptr, dk_ptr, dv_ptr, sem_ptr, seqlen_q, seqlen_k, total_q, n_heads,
                       n_kv_heads, group, num_m_blocks, qk_scale, softmax_scale, softcap_pre,
                       window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                       HAS_LEFT, HAS_RIGHT, SOFTCAP, DV_OVERLAP, DP_EARLY, KV_TMA_STORE, LATE_WG,
-                      RING, ARRIVE, DK_AFTER_DQ, HEADS_FIRST, DQ_WARP, DETERMINISTIC)
+                      RING, ARRIVE, DK_AFTER_DQ, HEADS_FIRST, DQ_WARP, DETERMINISTIC,
+                      KV_BUFS)
         else:
             n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
                 cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
