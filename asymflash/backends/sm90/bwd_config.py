@@ -185,6 +185,8 @@ class BwdConfig:
     # causal 155 / 332 / 465 -> 165 / 337 / 473, unmasked 263 / 417 / 491 -> 252 / 342 /
     # 459 (the unstaggered turns queue); d=128 causal 190 / 386 / 535 -> 194 / 388 / 536,
     # unmasked 303 / 453 / 518 -> 288 / 395 / 535. Taken for d=64 causal below 2k rows.
+    # The late take costs the default mode nothing (d=128, early -> late, two columns each:
+    # 512 357 / 352 -> 356 / 355, 16k 581 / 549 -> 578 / 556; causal 512 211 -> 221).
     ws_persistent: bool = False
     # K/V buffers of a persistent bwd_ws: with two, the load warp issues the next tile's K/V
     # as soon as it has taken the tile (its buffer's previous tile long done), instead of
