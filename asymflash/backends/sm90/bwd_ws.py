@@ -536,9 +536,9 @@ if _GLUON_ERROR is None:
     def _give_tile(tile_smem, tile_full, tile_empty, i, t):
         """The load warp hands its CTA's i-th tile number t to the other roles (-1: none
         left, so that they need not hold the tile count). Two slots: the slot of tile i - 2
-        is free once every role has read it (they read tile i - 2's number before their last
-        MMAs on tile i - 2, which the load warp has waited for (kv_free) before it hands out
-        tile i)."""
+        is free once every role has read it, which each does as it begins tile i - 2 (the
+        load warp hands out tile i once it has issued tile i - 1's loads: by then the compute
+        warpgroups are at least in tile i - 2, and the dQ warp follows them)."""
         slot = i % 2
         if i >= 2:
             mbarrier.wait(tile_empty.index(slot), ((i - 2) // 2) & 1)
