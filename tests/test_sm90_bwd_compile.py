@@ -306,6 +306,8 @@ def test_defaults_where_the_h200_measured_a_gain():
     assert (short.split_warpgroups and short.block_m == 64 and short.ring_slots == 3
             and short.dq_fragment and short.ws_persistent and not short.ws_dq_warp
             and short.ws_kv_buffers == 2), short
+    assert sel(64, max_seqlen_q=256) == short  # ... and unmasked ones up to 256 rows
+    assert sel(64, max_seqlen_q=384).block_m == 128
     short_det = sel(64, masked=True, deterministic=True, max_seqlen_q=512)
     assert short_det.block_m == 64 and short_det.ws_kv_buffers == 2, short_det
     assert sel(64, masked=True, deterministic=True, max_seqlen_q=1024).ws_kv_buffers == 1

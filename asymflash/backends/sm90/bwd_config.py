@@ -276,6 +276,22 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
                     # tile order: session 22, 512 rows 165 (128-row steps) -> 174 TFLOP/s
                     cfg = replace(cfg, block_m=64, ring_slots=3, dq_fragment=True,
                                   ws_persistent=True, ws_kv_buffers=2)
+        elif head_dim == 64 and not softcap and max_seqlen_q is not None and (
+                (masked and not window and max_seqlen_q < 1024)
+                or (not masked and max_seqlen_q <= 256)):
+            # Short calls (causal below 1k rows, unmasked up to 256): bwd_ws with 64-row
+            # steps (for causal calls a finer diagonal; for all twice the
+            # steps over a tile's fixed cost; no spills in its step loops), three ring slots,
+            # fragment-order dQ tiles, as a persistent grid. H200 2026-12-01 session 22
+            # (sm90-bwd-probe, TFLOP/s at 512 / 1k rows, bwd.py's kernel / this): 175 / 267
+            # -> 184-186 / 265-278; two ring slots 183; row-major dQ 184; the dQ warp issuing
+            # the reduces 183; as a plain grid 175. From 1k rows the 128-row build (above).
+            # With two K/V buffers (BwdConfig.ws_kv_buffers; 256 / 512 / 1k / 2k rows, two
+            # columns each): 108 / 187 / 278-279 / 353-357 -> 117 / 194-195 / 278-279 /
+            # 348-350. Unmasked calls up to 256 rows too: 128 / 256 / 384 rows 116-117 /
+            # 203 / 269 (the 128-row build, below) -> 123 / 213 / 265 (512: 317 -> 297-300).
+            cfg = replace(cfg, split_warpgroups=True, block_m=64, ring_slots=3,
+                          dq_fragment=True, ws_persistent=True, ws_kv_buffers=2)
         elif head_dim == 64 and not softcap and (not masked or (
                 not window and (max_seqlen_q is None or max_seqlen_q >= 1024))):
             # bwd_ws's kernel as deterministic d=64 runs it (above), its dQ warp issuing the
@@ -285,19 +301,6 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
             # Sliding windows were not timed: they stay.
             cfg = replace(cfg, split_warpgroups=True, ws_dq_warp=True, dq_fragment=True,
                           dq_swizzle=128)
-        elif (head_dim == 64 and masked and not window and not softcap
-              and max_seqlen_q is not None and max_seqlen_q < 1024):
-            # Short causal calls: bwd_ws with 64-row steps (a finer diagonal and twice the
-            # steps over a tile's fixed cost; no spills in its step loops), three ring slots,
-            # fragment-order dQ tiles, as a persistent grid. H200 2026-12-01 session 22
-            # (sm90-bwd-probe, TFLOP/s at 512 / 1k rows, bwd.py's kernel / this): 175 / 267
-            # -> 184-186 / 265-278; two ring slots 183; row-major dQ 184; the dQ warp issuing
-            # the reduces 183; as a plain grid 175. From 1k rows the 128-row build (above).
-            # With two K/V buffers (BwdConfig.ws_kv_buffers; 256 / 512 / 1k / 2k rows, two
-            # columns each): 108 / 187 / 278-279 / 353-357 -> 117 / 194-195 / 278-279 /
-            # 348-350.
-            cfg = replace(cfg, split_warpgroups=True, block_m=64, ring_slots=3,
-                          dq_fragment=True, ws_persistent=True, ws_kv_buffers=2)
         short = max_seqlen_q is not None and max_seqlen_q <= 1024
         if not (deterministic or masked or softcap) and (head_dim == 128 or (
                 head_dim == 64 and short)):
