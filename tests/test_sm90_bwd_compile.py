@@ -37,7 +37,7 @@ def _persistent(kw: dict) -> bool:
     """Whether these compile arguments build bwd_ws.py's persistent grid."""
     return _splits_warpgroups(kw) and bwd.persists(
         _config(kw), kw.get("uniform", True) and not kw.get("has_seqused", False),
-        kw.get("deterministic", False), kw.get("softcap", False))
+        kw.get("softcap", False))
 
 
 def _splits_warpgroups(kw: dict) -> bool:

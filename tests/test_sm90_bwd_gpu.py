@@ -297,7 +297,7 @@ def test_sm90_backward_persistent_matches_reference(case):
                       dq_swizzle=128)
     cfg = replace(cfg, ws_persistent=True)
     seq = make_case(case, "cuda")[4]
-    assert bwd.persists(cfg, seq.uniform and seq.seqused_k is None, False), case["name"]
+    assert bwd.persists(cfg, seq.uniform and seq.seqused_k is None), case["name"]
     for _ in range(2):  # the second call must find its tile counter zeroed again
         for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
             assert_fa_close(name, g, r32, rlow, atol=atol)
@@ -349,7 +349,7 @@ def test_sm90_deterministic_persistent_backward_is_bitwise_reproducible(case):
                                     masked=window != (-1, -1), window=window[0] >= 0,
                                     max_seqlen_q=max(case["lens_q"])), ws_persistent=True)
     seq = make_case(case, "cuda")[4]
-    assert bwd.persists(cfg, seq.uniform and seq.seqused_k is None, True), case["name"]
+    assert bwd.persists(cfg, seq.uniform and seq.seqused_k is None), case["name"]
     for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
         assert_fa_close(name, g, r32, rlow, atol=atol)
     assert_repeats_bitwise(case, 20, cfg)

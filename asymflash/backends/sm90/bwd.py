@@ -462,8 +462,7 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
         consts["ARRIVE_PASS"] = arrive_all.VERSION if cfg.arrive_all else 0
         consts["DK_AFTER_DQ"] = cfg.ws_dk_after_dq
         consts["DQ_WARP"] = cfg.ws_dq_warp and not deterministic
-        consts["PERSISTENT"] = persists(cfg, uniform and not has_seqused, deterministic,
-                                        softcap)
+        consts["PERSISTENT"] = persists(cfg, uniform and not has_seqused, softcap)
         consts["KV_BUFS"] = cfg.ws_kv_buffers if consts["PERSISTENT"] else 1
         if cfg.arrive_all:
             arrive_all.install()  # the PTX pass that makes the marked arrives per-thread
@@ -475,11 +474,10 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
 PERSISTENT_ROWS = 1
 
 
-def persists(cfg: BwdConfig, dense: bool, deterministic: bool = False,
-             softcap: bool = False) -> bool:
+def persists(cfg: BwdConfig, dense: bool, softcap: bool = False) -> bool:
     """Whether bwd_ws runs as a persistent grid (BwdConfig.ws_persistent): dense lengths
-    only (every CTA's tile holds keys), not with softcap (not tested on the GPU).
-    Deterministic calls may (their turns then follow the tile order: `bwd_ws._ws_tiles`)."""
+    only (every CTA's tile holds keys), not with softcap (not tested on the GPU). In
+    deterministic mode too (the turns then follow the tile order: `bwd_ws._ws_tiles`)."""
     return cfg.ws_persistent and dense and not softcap
 
 
