@@ -454,6 +454,9 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
             "HEADS_FIRST": heads_first_grid}
     if head_dim != 256:  # bwd_wide splits dK/dQ by columns: its schedule has no such choice
         consts["DK_LATE"] = cfg.dk_late
+    else:
+        # the dO buffer holds a 32 KB half of dQ only at dv = 256 (192/128 runs dv = 128)
+        consts["DQ_IN_OPS"] = cfg.dq_in_operands and cfg.dq_tma and head_dim_v == head_dim
     consts["STATS_LATE"] = cfg.stats_late
     if split:
         consts["LATE_WG"] = cfg.late_warpgroup

@@ -199,6 +199,18 @@ class BwdConfig:
     # 297-300 / 358-365 / 405-407 (the 128-row default stays ahead there: 317 / 392 / 475).
     # On for d=64 causal calls below 1k rows (`select_config`).
     ws_kv_buffers: int = 1
+    # bwd_wide (d = 256): no dQ staging tile; each step stages its dQ halves for their TMA
+    # reduces in its own dO buffer and Q slot (32 KB each, free once dV/dPᵀ and dK have
+    # retired), and the 32 KB go to a second dO buffer, so the next dO loads at barrier 1,
+    # half a step earlier, and the high half no longer waits for the TMA unit to read the low
+    # one out of the shared tile. H200 2026-12-01 session 23 (sm90-bwd-probe, d=256, TFLOP/s
+    # 2k / 16k): diagnostics (results wrong by design): the default 340 / 380, the high half's
+    # reduce left out 342 / 380, no reduce 422 / 480; the high half by per-thread
+    # red.global.add.v4.f32 from the registers (fragment order, correct) 321 / 357; the high
+    # half staged in the Q slot alone: 512 / 2k / 16k 245 / 342 / 379 -> 249 / 346 / 381,
+    # causal 176 / 304 / 379 -> 179 / 310 / 387, deterministic 198 / 257 / 292 -> 203 / 267 /
+    # 304, causal 140 / 226 / 257 -> 145 / 228 / 267.
+    dq_in_operands: bool = False
 
 
 # FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,
@@ -213,7 +225,7 @@ _DEFAULT_CONFIGS = {
     128: BwdConfig(block_m=64, block_n=128, dv_overlap=False, dk_late=True,
                    split_warpgroups=True, dq_fragment=True, ws_dk_after_dq=True),
     256: BwdConfig(block_m=64, block_n=64, dv_overlap=False,  # FA3's hdim-256 tile
-                   turn_release=0, stats_late=False, dq_fragment=True),
+                   turn_release=0, stats_late=False, dq_fragment=True, dq_in_operands=True),
 }
 
 

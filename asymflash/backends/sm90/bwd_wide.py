@@ -27,6 +27,12 @@ The 32 KB saved by that single dO buffer hold the fp32 staging tile of the dQ re
 reduce-add, which takes three more CTA barriers per step (publish the low half, wait for its
 reduce to read the tile, publish the high half).
 
+`BwdConfig.dq_in_operands` (the d = 256 default where dv = 256) drops that tile: dO gets two
+buffers (the next one loads at barrier 1, half a step earlier), and each step stages its low
+dQ half in its own dO buffer (free after barrier 2) and its high half in its own Q slot (free
+once dK has retired), so the high half no longer waits for the TMA unit to read the low one
+out; barrier 1 waits for both reads before those buffers load again.
+
 Everything else (the step walk over the GQA group's query blocks, masks only on edge blocks,
 lse/delta staging, the deterministic turns) is bwd.py's, through bwd_parts.
 """
@@ -86,7 +92,8 @@ if _GLUON_ERROR is None:
                              REVERSE_N: gl.constexpr, DQ_TMA: gl.constexpr,
                              STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
                              WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
-                             STATS_LATE: gl.constexpr, HEADS_FIRST: gl.constexpr):
+                             STATS_LATE: gl.constexpr, HEADS_FIRST: gl.constexpr,
+                             DQ_IN_OPS: gl.constexpr = False):
         # dPᵀ is always issued with Sᵀ here (DP_EARLY is bwd.py's register trade-off), and dV
         # is always retired before dSᵀ is published (barrier 2 relies on it); DV_OVERLAP keeps
         # it in flight while dSᵀ is formed. DQ_TMA: dQ leaves by TMA reduce-add in two
@@ -125,20 +132,25 @@ if _GLUON_ERROR is None:
                                                _tile_layout(q_desc.layout))
             # dO has one buffer: its readers (dPᵀ, dV) are retired by barrier 2, so the next
             # step's dO lands while dK and dQ run. The 32 KB saved hold the dQ staging tile.
-            do_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM_V],
-                                             _tile_layout(do_desc.layout))
+            # DQ_IN_OPS (BwdConfig.dq_in_operands): two dO buffers and no staging tile; each
+            # step stages its dQ halves in its own dO buffer and Q slot, free by then.
+            DO_BUFS: gl.constexpr = 2 if DQ_IN_OPS else 1
+            do_smem = gl.allocate_shared_memory(dtype, [DO_BUFS, BLOCK_M, HEAD_DIM_V],
+                                                _tile_layout(do_desc.layout))
             pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                            dtype)
             pt_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pt_layout)
             ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pt_layout)
             kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-            if DQ_TMA:
+            if DQ_TMA and not DQ_IN_OPS:
                 dq_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape,
                                                     dq_desc.layout)
             q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            do_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+            do_ready = gl.allocate_shared_memory(gl.int64, [DO_BUFS, 1],
+                                                 mbarrier.MBarrierLayout())
             mbarrier.init(kv_bar.index(0), count=1)
-            mbarrier.init(do_ready.index(0), count=1)
+            for st in gl.static_range(DO_BUFS):
+                mbarrier.init(do_ready.index(st), count=1)
             for st in gl.static_range(2):
                 mbarrier.init(q_ready.index(st), count=1)
             fence_async_shared()
@@ -152,8 +164,8 @@ if _GLUON_ERROR is None:
             held = sem_ptr  # deferred release: the dQ turn this CTA still holds
             load_rows(q_desc, q_smem.index(0), q_ready.index(0), q_start + m0, h, HEAD_DIM,
                       n_steps > 0)
-            load_rows(do_desc, do_s, do_ready.index(0), q_start + m0, h, HEAD_DIM_V,
-                      n_steps > 0)
+            load_rows(do_desc, do_smem.index(0), do_ready.index(0), q_start + m0, h,
+                      HEAD_DIM_V, n_steps > 0)
 
             kloc = gl.arange(0, BLOCK_N, layout=key_layout)
             n_valid = seqlen_k - n0
@@ -179,8 +191,10 @@ if _GLUON_ERROR is None:
                 h_next, m0_next = next_step(h, m0, m_lo, m_end, h_first, h_first + group,
                                             BLOCK_M)
                 mbarrier.wait(q_ready.index(slot), (it // 2) & 1)
-                mbarrier.wait(do_ready.index(0), it & 1)
+                do_slot = it % DO_BUFS
+                mbarrier.wait(do_ready.index(do_slot), (it // DO_BUFS) & 1)
                 q_s = q_smem.index(slot)
+                do_s = do_smem.index(do_slot)
                 s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False,
                                       is_async=True)
                 dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
@@ -203,10 +217,15 @@ if _GLUON_ERROR is None:
                         if RELEASE_AT == 1:
                             if it > 0:  # the previous step's turn (bwd.py)
                                 release_dq_turn_after_tma(held, m0)
-                    tma.store_wait(0)  # the previous step's dQ reduce has read dq_smem
+                    # the previous step's dQ reduces have read their staging (dq_smem, or
+                    # with DQ_IN_OPS that step's dO buffer and Q slot, loaded next)
+                    tma.store_wait(0)
                 gl.thread_barrier()  # barrier 1
                 load_rows(q_desc, q_smem.index(1 - slot), q_ready.index(1 - slot),
                           q_start + m0_next, h_next, HEAD_DIM, it + 1 < n_steps)
+                if DQ_IN_OPS:  # half a step earlier than a single buffer allows
+                    load_rows(do_desc, do_smem.index(1 - do_slot), do_ready.index(1 - do_slot),
+                              q_start + m0_next, h_next, HEAD_DIM_V, it + 1 < n_steps)
                 dv_tok = warpgroup_mma(pt_smem, do_s, dv, is_async=True)
                 if DV_OVERLAP:
                     # dV stays in flight while dSᵀ is formed (groups retire in order).
@@ -220,8 +239,9 @@ if _GLUON_ERROR is None:
                     dv = warpgroup_mma_wait(0, deps=[dv_tok])  # before barrier 2 (Pᵀ reuse)
                 fence_async_shared()
                 gl.thread_barrier()  # barrier 2
-                load_rows(do_desc, do_s, do_ready.index(0), q_start + m0_next, h_next,
-                          HEAD_DIM_V, it + 1 < n_steps)
+                if not DQ_IN_OPS:
+                    load_rows(do_desc, do_s, do_ready.index(0), q_start + m0_next, h_next,
+                              HEAD_DIM_V, it + 1 < n_steps)
                 dk_tok = warpgroup_mma(ds_smem, q_s, dk, is_async=True)
                 dq_lo_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(0, DQ_COLS, 1),
                                           dq_zero, use_acc=False, is_async=True)
@@ -260,7 +280,13 @@ if _GLUON_ERROR is None:
                         lo_col = h * HEAD_DIM
                         hi_row = dq_row
                         hi_col = lo_col + DQ_COLS
-                    stage_dq(dq_smem, dq_lo * softmax_scale, FRAG, BLOCK_M, DQ_COLS)
+                    if DQ_IN_OPS:
+                        # dO's readers (dPᵀ, dV) retired in every thread before barrier 2
+                        lo_buf = do_s._reinterpret(gl.float32, dq_desc.block_type.shape,
+                                                   dq_desc.layout)
+                    else:
+                        lo_buf = dq_smem
+                    stage_dq(lo_buf, dq_lo * softmax_scale, FRAG, BLOCK_M, DQ_COLS)
                     fence_async_shared()
                     if DETERMINISTIC:
                         if not WAIT_EARLY:
@@ -271,14 +297,21 @@ if _GLUON_ERROR is None:
                                                HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
                                                True)
                     gl.thread_barrier()
-                    tma_reduce_add(dq_desc, [dq_row, lo_col], dq_smem)
+                    tma_reduce_add(dq_desc, [dq_row, lo_col], lo_buf)
                     dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
-                    tma.store_wait(0)
-                    gl.thread_barrier()
-                    stage_dq(dq_smem, dq_hi * softmax_scale, FRAG, BLOCK_M, DQ_COLS)
+                    if DQ_IN_OPS:
+                        # Q's last reader, dK = dSᵀ·Q, retired in every thread before the
+                        # barrier above: nothing waits for the low half's reduce here.
+                        hi_buf = q_s._reinterpret(gl.float32, dq_desc.block_type.shape,
+                                                  dq_desc.layout)
+                    else:
+                        hi_buf = dq_smem
+                        tma.store_wait(0)  # the low half's reduce has read dq_smem
+                        gl.thread_barrier()
+                    stage_dq(hi_buf, dq_hi * softmax_scale, FRAG, BLOCK_M, DQ_COLS)
                     fence_async_shared()
                     gl.thread_barrier()
-                    tma_reduce_add(dq_desc, [hi_row, hi_col], dq_smem)
+                    tma_reduce_add(dq_desc, [hi_row, hi_col], hi_buf)
                     if DETERMINISTIC:
                         held = after_dq_reduce(sem, m0, RELEASE_AT)
                 else:
@@ -307,9 +340,10 @@ if _GLUON_ERROR is None:
                 tma.store_wait(0)
             for st in gl.static_range(2):
                 mbarrier.invalidate(q_ready.index(st))
-            mbarrier.invalidate(do_ready.index(0))
+            for st in gl.static_range(DO_BUFS):
+                mbarrier.invalidate(do_ready.index(st))
             mbarrier.invalidate(kv_bar.index(0))
             store_key_grads(dk_desc, dv_desc, dk_ptr, dv_ptr, dk * softmax_scale, dv, q_smem,
-                            do_s, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM, HEAD_DIM_V,
+                            do_smem, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM, HEAD_DIM_V,
                             BLOCK_N, KV_TMA_STORE, HAS_RIGHT and (DETERMINISTIC or REVERSE_N),
                             dk_layout, dv_layout, HEADS_FIRST)
