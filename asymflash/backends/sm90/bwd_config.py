@@ -211,6 +211,12 @@ class BwdConfig:
     # causal 176 / 304 / 379 -> 179 / 310 / 387, deterministic 198 / 257 / 292 -> 203 / 267 /
     # 304, causal 140 / 226 / 257 -> 145 / 228 / 267.
     dq_in_operands: bool = False
+    # With dq_in_operands, not deterministic: the high dQ half's reduce is issued in the next
+    # step, once its first MMAs are out, from the Q slot it was staged in. Issued right after
+    # the low half's, its UTMAREDG waited in the MIO queue for the TMA unit to read the low
+    # half out, and the loop's back branch behind it (Nsight Compute, H200 2026-12-01 session
+    # 23, d=256 16k: 15 % of the kernel's warp samples on those three instructions).
+    dq_hi_late: bool = False
 
 
 # FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,
@@ -225,7 +231,8 @@ _DEFAULT_CONFIGS = {
     128: BwdConfig(block_m=64, block_n=128, dv_overlap=False, dk_late=True,
                    split_warpgroups=True, dq_fragment=True, ws_dk_after_dq=True),
     256: BwdConfig(block_m=64, block_n=64, dv_overlap=False,  # FA3's hdim-256 tile
-                   turn_release=0, stats_late=False, dq_fragment=True, dq_in_operands=True),
+                   turn_release=0, stats_late=False, dq_fragment=True, dq_in_operands=True,
+                   dq_hi_late=True),
 }
 
 

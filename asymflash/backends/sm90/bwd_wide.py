@@ -93,7 +93,7 @@ if _GLUON_ERROR is None:
                              STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
                              WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
                              STATS_LATE: gl.constexpr, HEADS_FIRST: gl.constexpr,
-                             DQ_IN_OPS: gl.constexpr = False):
+                             DQ_IN_OPS: gl.constexpr = False, HI_LATE: gl.constexpr = False):
         # dPᵀ is always issued with Sᵀ here (DP_EARLY is bwd.py's register trade-off), and dV
         # is always retired before dSᵀ is published (barrier 2 relies on it); DV_OVERLAP keeps
         # it in flight while dSᵀ is formed. DQ_TMA: dQ leaves by TMA reduce-add in two
@@ -185,6 +185,10 @@ if _GLUON_ERROR is None:
                             seqlen_q, total_q, BLOCK_M, stat_layout)
             gl.thread_barrier()
             mbarrier.wait(kv_bar.index(0), 0)
+            # HI_LATE (BwdConfig.dq_hi_late): the previous step's high dQ half, staged in its Q
+            # slot, is reduced from there once this step's first MMAs are issued
+            pend_row = 0
+            pend_col = 0
 
             for it in range(n_steps):
                 slot = it % 2
@@ -199,6 +203,12 @@ if _GLUON_ERROR is None:
                                       is_async=True)
                 dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
                                        is_async=True)
+                if HI_LATE:
+                    if it > 0:  # barrier 1 below waits for its read before Q's next load
+                        tma_reduce_add(dq_desc, [pend_row, pend_col],
+                                       q_smem.index(1 - slot)._reinterpret(
+                                           gl.float32, dq_desc.block_type.shape,
+                                           dq_desc.layout))
                 if not STATS_LATE:  # next step's statistics (published by barrier 1)
                     if it + 1 < n_steps:
                         stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
@@ -311,7 +321,11 @@ if _GLUON_ERROR is None:
                     stage_dq(hi_buf, dq_hi * softmax_scale, FRAG, BLOCK_M, DQ_COLS)
                     fence_async_shared()
                     gl.thread_barrier()
-                    tma_reduce_add(dq_desc, [hi_row, hi_col], hi_buf)
+                    if HI_LATE:
+                        pend_row = hi_row + 0  # (`+ 0`: see bwd_ws's h_prev)
+                        pend_col = hi_col + 0
+                    else:
+                        tma_reduce_add(dq_desc, [hi_row, hi_col], hi_buf)
                     if DETERMINISTIC:
                         held = after_dq_reduce(sem, m0, RELEASE_AT)
                 else:
@@ -333,6 +347,12 @@ if _GLUON_ERROR is None:
                 m0 = m0_next
 
             if DQ_TMA:
+                if HI_LATE:
+                    if n_steps > 0:  # the last step's high half
+                        tma_reduce_add(dq_desc, [pend_row, pend_col],
+                                       q_smem.index((n_steps - 1) % 2)._reinterpret(
+                                           gl.float32, dq_desc.block_type.shape,
+                                           dq_desc.layout))
                 if DETERMINISTIC:
                     if RELEASE_AT != 0:
                         if n_steps > 0:
