@@ -31,7 +31,9 @@ reduce to read the tile, publish the high half).
 buffers (the next one loads at barrier 1, half a step earlier), and each step stages its low
 dQ half in its own dO buffer (free after barrier 2) and its high half in its own Q slot (free
 once dK has retired), so the high half no longer waits for the TMA unit to read the low one
-out; barrier 1 waits for both reads before those buffers load again.
+out; barrier 1 waits for both reads before those buffers load again. With
+`BwdConfig.dq_hi_late` the high half's reduce is issued only in the next step, after its
+first MMAs: issued right behind the low one, its command waited in the TMA unit's queue.
 
 Everything else (the step walk over the GQA group's query blocks, masks only on edge blocks,
 lse/delta staging, the deterministic turns) is bwd.py's, through bwd_parts.
