@@ -157,6 +157,10 @@ CONFIGS = [
       "softcap": True, "uniform": False, "has_seqused": True}, 8),
     ({"head_dim": 256, "has_right": True, "deterministic": True}, 8),  # 0 seen
     ({"head_dim": 256, "deterministic": True}, 8),  # 0 seen
+    # the dQ halves staged in the step's dO buffer and Q slot (BwdConfig.dq_in_operands,
+    # dq_hi_late: the d=256 defaults above) and, at dv = 128, in the staging tile (0 seen)
+    ({"head_dim": 256, "head_dim_v": 128, "has_right": True}, 0),
+    ({"head_dim": 256, "cfg": {"dq_in_operands": False, "dq_hi_late": False}}, 0),
     # d=64 causal calls below 1k rows (2026-12-01 session 22): 64-row steps, three ring
     # slots, fragment-order dQ, persistent: 26 seen, none in the step loops; with two K/V
     # buffers (the default there) 0, deterministic 0
@@ -494,3 +498,25 @@ def test_persistent_grid_only_where_it_was_verified():
     assert plan(d=64, seqlen=512, h=32, wr=0).persistent  # ... and 64-row steps below
     assert plan(d=64, seqlen=512, h=32, wr=0, det=True).persistent
     assert not plan(d=64, seqlen=2048, h=32, wr=0).persistent
+
+
+def test_d256_dq_staging_in_the_operand_buffers_only_where_it_fits():
+    cfg = bwd.select_config(256)
+    assert cfg.dq_in_operands and cfg.dq_hi_late
+    feats = {"uniform": True, "has_seqused": False, "has_left": False, "has_right": False,
+             "softcap": False}
+    c = bwd._constexprs(256, 256, cfg, **feats)
+    assert c["DQ_IN_OPS"] and c["HI_LATE"]
+    # 192/128 runs dv = 128: its dO buffer (16 KB) cannot hold a 32 KB fp32 dQ half (the
+    # first GPU run gave NaN there, 2026-12-01)
+    c = bwd._constexprs(256, 128, cfg, **feats)
+    assert not (c["DQ_IN_OPS"] or c["HI_LATE"])
+    # deterministic mode releases a turn once both halves have landed, within the step
+    det = bwd.select_config(256, deterministic=True)
+    c = bwd._constexprs(256, 256, det, deterministic=True, **feats)
+    assert c["DQ_IN_OPS"] and not c["HI_LATE"]
+    # dQ by per-thread atomics: nothing is staged
+    c = bwd._constexprs(256, 256, replace(cfg, dq_tma=False), **feats)
+    assert not (c["DQ_IN_OPS"] or c["HI_LATE"])
+    # head dims <= 128 run other kernels: no such switches
+    assert "DQ_IN_OPS" not in bwd._constexprs(128, 128, bwd.select_config(128), **feats)
