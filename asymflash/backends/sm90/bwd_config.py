@@ -42,6 +42,10 @@ class BwdConfig:
     # (2026-11-29, sm90-bwd-probe --variant): d=128 0: 308 / 343, 1: 341 / 391, 2: 340 / 385;
     # d=256 0: 192 / 207, 1: 180 / 184, 2: 176 / 181 (64-key blocks: a query block's next
     # visitor arrives one step later, so a late release makes it wait); d=64 within 2 %.
+    # d=256 again with its dQ halves staged in the step's dO buffer and Q slot
+    # (dq_in_operands; H200 2026-12-01 session 23, deterministic TFLOP/s 512 / 2k / 16k,
+    # 0 / 1 / 2): 204 / 265 / 305, 213 / 288 / 321, 207 / 283 / 317; causal 147 / 232 / 263,
+    # 155 / 257 / 316, 153 / 254 / 316: 1 there too now.
     turn_release: int = 1
     # Deterministic mode: wait for the dQ turn while the step's last MMAs run (the semaphore's
     # round trip overlaps them) instead of after they retire.
@@ -231,7 +235,7 @@ _DEFAULT_CONFIGS = {
     128: BwdConfig(block_m=64, block_n=128, dv_overlap=False, dk_late=True,
                    split_warpgroups=True, dq_fragment=True, ws_dk_after_dq=True),
     256: BwdConfig(block_m=64, block_n=64, dv_overlap=False,  # FA3's hdim-256 tile
-                   turn_release=0, stats_late=False, dq_fragment=True, dq_in_operands=True,
+                   stats_late=False, dq_fragment=True, dq_in_operands=True,
                    dq_hi_late=True),
 }
 
