@@ -77,6 +77,12 @@ if _GLUON_ERROR is None:
     )
     from .fwd import _tile_layout
 
+    @gluon.jit
+    def _dq_tile_in(buf, dq_desc):
+        """A 32 KB bf16 operand buffer (a dO buffer or Q slot) seen as the fp32 dQ staging
+        tile of `dq_desc`'s reduce (BwdConfig.dq_in_operands)."""
+        return buf._reinterpret(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
+
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
                                   "group", "window_left", "window_right", "num_m_blocks"])
     def attn_bwd_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc,
@@ -132,10 +138,10 @@ if _GLUON_ERROR is None:
                                                _tile_layout(v_desc.layout))
             q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM],
                                                _tile_layout(q_desc.layout))
-            # dO has one buffer: its readers (dPᵀ, dV) are retired by barrier 2, so the next
-            # step's dO lands while dK and dQ run. The 32 KB saved hold the dQ staging tile.
-            # DQ_IN_OPS (BwdConfig.dq_in_operands): two dO buffers and no staging tile; each
-            # step stages its dQ halves in its own dO buffer and Q slot, free by then.
+            # Without DQ_IN_OPS dO has one buffer: its readers (dPᵀ, dV) are retired by
+            # barrier 2, so the next step's dO lands while dK and dQ run, and the 32 KB saved
+            # hold the dQ staging tile. With it (BwdConfig.dq_in_operands) two dO buffers and
+            # no staging tile: each step stages its dQ halves in its own dO buffer and Q slot.
             DO_BUFS: gl.constexpr = 2 if DQ_IN_OPS else 1
             do_smem = gl.allocate_shared_memory(dtype, [DO_BUFS, BLOCK_M, HEAD_DIM_V],
                                                 _tile_layout(do_desc.layout))
@@ -208,9 +214,7 @@ if _GLUON_ERROR is None:
                 if HI_LATE:
                     if it > 0:  # barrier 1 below waits for its read before Q's next load
                         tma_reduce_add(dq_desc, [pend_row, pend_col],
-                                       q_smem.index(1 - slot)._reinterpret(
-                                           gl.float32, dq_desc.block_type.shape,
-                                           dq_desc.layout))
+                                       _dq_tile_in(q_smem.index(1 - slot), dq_desc))
                 if not STATS_LATE:  # next step's statistics (published by barrier 1)
                     if it + 1 < n_steps:
                         stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
@@ -294,8 +298,7 @@ if _GLUON_ERROR is None:
                         hi_col = lo_col + DQ_COLS
                     if DQ_IN_OPS:
                         # dO's readers (dPᵀ, dV) retired in every thread before barrier 2
-                        lo_buf = do_s._reinterpret(gl.float32, dq_desc.block_type.shape,
-                                                   dq_desc.layout)
+                        lo_buf = _dq_tile_in(do_s, dq_desc)
                     else:
                         lo_buf = dq_smem
                     stage_dq(lo_buf, dq_lo * softmax_scale, FRAG, BLOCK_M, DQ_COLS)
@@ -314,8 +317,7 @@ if _GLUON_ERROR is None:
                     if DQ_IN_OPS:
                         # Q's last reader, dK = dSᵀ·Q, retired in every thread before the
                         # barrier above: nothing waits for the low half's reduce here.
-                        hi_buf = q_s._reinterpret(gl.float32, dq_desc.block_type.shape,
-                                                  dq_desc.layout)
+                        hi_buf = _dq_tile_in(q_s, dq_desc)
                     else:
                         hi_buf = dq_smem
                         tma.store_wait(0)  # the low half's reduce has read dq_smem
@@ -352,9 +354,7 @@ if _GLUON_ERROR is None:
                 if HI_LATE:
                     if n_steps > 0:  # the last step's high half
                         tma_reduce_add(dq_desc, [pend_row, pend_col],
-                                       q_smem.index((n_steps - 1) % 2)._reinterpret(
-                                           gl.float32, dq_desc.block_type.shape,
-                                           dq_desc.layout))
+                                       _dq_tile_in(q_smem.index((n_steps - 1) % 2), dq_desc))
                 if DETERMINISTIC:
                     if RELEASE_AT != 0:
                         if n_steps > 0:
