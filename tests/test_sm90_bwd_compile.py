@@ -157,6 +157,9 @@ CONFIGS = [
       "softcap": True, "uniform": False, "has_seqused": True}, 8),
     ({"head_dim": 256, "has_right": True, "deterministic": True}, 8),  # 0 seen
     ({"head_dim": 256, "deterministic": True}, 8),  # 0 seen
+    # (those two release the turns from warp 0 under the MMAs, turn_release 3; at the main
+    # barrier, the default before 2026-12-01 session 24: 0 seen)
+    ({"head_dim": 256, "deterministic": True, "cfg": {"turn_release": 1}}, 8),
     # the dQ halves staged in the step's dO buffer and Q slot (BwdConfig.dq_in_operands,
     # dq_hi_late: the d=256 defaults above) and, at dv = 128, in the staging tile (0 seen)
     ({"head_dim": 256, "head_dim_v": 128, "has_right": True}, 0),
@@ -174,9 +177,9 @@ CONFIGS = [
       "cfg": {"block_m": 64, "ring_slots": 3, "dq_fragment": True, "ws_persistent": True,
               "ws_kv_buffers": 2}}, 8),
     # deterministic mode on the persistent grid (2026-12-01 session 22; d=64 causal calls
-    # below 2k rows take it): d=128 56 seen, 4 in the step loops, causal 118 / 36; d=64 146 /
-    # 44, causal 208 / 109 (as the plain grid's deterministic builds: the masked steps'
-    # scalars at 240 registers)
+    # below 2k rows take it, d=128 too since session 24): d=128 56 seen, 4 in the step
+    # loops, causal 118 / 36; d=64 146 / 44, causal 208 / 109 (as the plain grid's
+    # deterministic builds: the masked steps' scalars at 240 registers)
     ({"head_dim": 128, "deterministic": True, "cfg": {"ws_persistent": True}}, 64),
     ({"head_dim": 128, "has_right": True, "deterministic": True,
       "cfg": {"ws_persistent": True}}, 128),
@@ -520,3 +523,39 @@ def test_d256_dq_staging_in_the_operand_buffers_only_where_it_fits():
     assert not (c["DQ_IN_OPS"] or c["HI_LATE"])
     # head dims <= 128 run other kernels: no such switches
     assert "DQ_IN_OPS" not in bwd._constexprs(128, 128, bwd.select_config(128), **feats)
+
+
+def test_turn_release_by_warp_zero_only_in_the_wide_kernel():
+    """turn_release 3 (release from warp 0 after the main barrier) exists in bwd_wide only:
+    bwd.py's kernel would never pass a turn on inside its step loop (a deadlock), so the
+    config check refuses it below head dim 256; deterministic d=256 takes it by default."""
+    feats = {"uniform": True, "has_seqused": False, "has_left": False, "has_right": False,
+             "softcap": False}
+    det = bwd.select_config(256, deterministic=True)
+    assert det.turn_release == 3
+    assert bwd._constexprs(256, 256, det, deterministic=True, **feats)["RELEASE_AT"] == 3
+    # atomics release each turn in its own step: no RELEASE_AT there
+    c = bwd._constexprs(256, 256, replace(det, dq_tma=False), deterministic=True, **feats)
+    assert c["RELEASE_AT"] == 0
+    for d in (64, 128):
+        assert bwd.select_config(d, deterministic=True).turn_release == 1
+        with pytest.raises(ValueError, match="turn_release"):
+            bwd.select_config(d, replace(bwd.select_config(d), turn_release=3))
+    with pytest.raises(ValueError, match="turn_release"):
+        bwd.select_config(256, replace(det, turn_release=4))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_short_causal_deterministic_calls_run_the_persistent_grid(d):
+    """Deterministic causal calls below 2k rows take the persistent bwd_ws grid at d=64 and
+    d=128 (H200, 2026-12-01 sessions 22 and 24); longer calls, sliding windows and softcap
+    keep the plain grid."""
+    def cfg(rows, window=False, softcap=False):
+        return bwd.select_config(d, deterministic=True, masked=True, max_seqlen_q=rows,
+                                 window=window, softcap=softcap)
+    assert cfg(512).ws_persistent and cfg(2047).ws_persistent
+    assert not cfg(2048).ws_persistent
+    assert not cfg(512, window=True).ws_persistent
+    assert not cfg(512, softcap=True).ws_persistent
+    assert not bwd.select_config(d, deterministic=True, masked=False,
+                                 max_seqlen_q=512).ws_persistent

@@ -46,6 +46,10 @@ class BwdConfig:
     # (dq_in_operands; H200 2026-12-01 session 23, deterministic TFLOP/s 512 / 2k / 16k,
     # 0 / 1 / 2): 204 / 265 / 305, 213 / 288 / 321, 207 / 283 / 317; causal 147 / 232 / 263,
     # 155 / 257 / 316, 153 / 254 / 316: 1 there too now.
+    # 3 (bwd_wide, d=256 only): 1's step, but after that barrier and by warp 0 alone
+    # (`release_dq_turn_from_warp`): the fence a release implies (a MEMBAR; a relaxed atomic
+    # instead, a diagnostic, read 3-9 % faster) then waits under the dV and dPᵀ MMAs instead
+    # of holding every warp at the barrier.
     turn_release: int = 1
     # Deterministic mode: wait for the dQ turn while the step's last MMAs run (the semaphore's
     # round trip overlaps them) instead of after they retire.
@@ -284,6 +288,8 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
                 # H200 2026-11-30, TFLOP/s 512 / 2k / 16k, non-causal 303 / 460 / 536 ->
                 # 304 / 466 / 545, causal 196 / 375 / 492 -> 194 / 393 / 519.
                 cfg = replace(cfg, dv_overlap=True)
+            if head_dim == 256:
+                cfg = replace(cfg, turn_release=3)  # BwdConfig.turn_release has the numbers
             if head_dim == 64 and not softcap:
                 # bwd_ws's kernel with 128-row steps, its dQ warp taking the turns and the
                 # reduces off the compute warpgroups (which spill: sm_90a 37 local-memory
@@ -331,9 +337,11 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
         elif (head_dim in (64, 128) and masked and not window and not (deterministic or softcap)
               and max_seqlen_q is not None and max_seqlen_q < 2048):
             cfg = replace(cfg, ws_persistent=True)  # causal below 2k rows (ditto)
-        elif (head_dim == 64 and masked and not window and deterministic and not softcap
-              and max_seqlen_q is not None and max_seqlen_q < 2048):
-            # deterministic causal below 2k rows (BwdConfig.ws_persistent)
+        elif (head_dim in (64, 128) and masked and not window and deterministic
+              and not softcap and max_seqlen_q is not None and max_seqlen_q < 2048):
+            # deterministic causal below 2k rows (BwdConfig.ws_persistent); d=128: H200
+            # sm90-bwd-probe, deterministic TFLOP/s plain -> persistent, 2026-12-01 session
+            # 22 512 rows 190 -> 194 (2k 386 -> 388), session 24 512 / 1k 192 / 292 -> 196 / 295
             cfg = replace(cfg, ws_persistent=True)
         if softcap:
             # The softcap chain-rule tile takes the registers dPᵀ's early issue needs (d=128:
@@ -348,6 +356,9 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
             head_dim != 64 or cfg.block_m != 64)):
         raise ValueError(f"unsupported sm90 backward config {cfg} at head dim {head_dim}: "
                          "ws_kv_buffers is 1, or 2 at head dim 64 with 64-row steps")
+    if cfg.turn_release not in (0, 1, 2, 3) or (cfg.turn_release == 3 and head_dim != 256):
+        raise ValueError(f"unsupported sm90 backward config {cfg} at head dim {head_dim}: "
+                         "turn_release is 0, 1 or 2, or 3 at head dim 256")
     if cfg.num_warps != 8 or cfg.block_n != block_n or cfg.block_m not in block_ms \
             or cfg.ring_slots < 2:
         raise ValueError(f"unsupported sm90 backward config {cfg} at head dim {head_dim}: "

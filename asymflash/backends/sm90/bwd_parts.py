@@ -350,6 +350,19 @@ if _GLUON_ERROR is None:
         gl.atomic_add(sem, 1, sem="release")
 
     @gluon.jit
+    def release_dq_turn_from_warp(sem, x):
+        """`release_dq_turn_after_tma` without the CTA barrier (BwdConfig.turn_release 3): one
+        thread of warp 0 issued the reduces and thread 0 releases, so warp 0 alone waits for
+        them to land and passes the turn on after a warp barrier (bar.warp.sync orders memory
+        among the warp's threads). The release's fence (a MEMBAR) then holds up warp 0 only,
+        and only until the next CTA barrier."""
+        gl.inline_asm_elementwise(
+            "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tbar.warp.sync -1;"
+            "\n\tmov.b32 $0, $1;",
+            "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+        gl.atomic_add(sem, 1, sem="release")
+
+    @gluon.jit
     def add_dq(dq_ptr, dq, m0, q_start, seqlen_q, n_heads, h, col0, HEAD_DIM: gl.constexpr,
                BLOCK_M: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
         """dQ_acc[rows m0.., head h, cols col0..col0+COLS) += dq (fp32 reductions)."""

@@ -67,6 +67,7 @@ if _GLUON_ERROR is None:
         probabilities,
         query_range,
         release_dq_turn_after_tma,
+        release_dq_turn_from_warp,
         stage_dq,
         stage_stats,
         step_needs_mask,
@@ -243,6 +244,10 @@ if _GLUON_ERROR is None:
                     load_rows(do_desc, do_smem.index(1 - do_slot), do_ready.index(1 - do_slot),
                               q_start + m0_next, h_next, HEAD_DIM_V, it + 1 < n_steps)
                 dv_tok = warpgroup_mma(pt_smem, do_s, dv, is_async=True)
+                if DETERMINISTIC:
+                    if RELEASE_AT == 3:
+                        if it > 0:  # the previous step's turn, under the dV and dPᵀ MMAs
+                            release_dq_turn_from_warp(held, m0)
                 if DV_OVERLAP:
                     # dV stays in flight while dSᵀ is formed (groups retire in order).
                     dp = warpgroup_mma_wait(1, deps=[dp_tok])
