@@ -60,9 +60,10 @@ CONFIGS = [
     ({"head_dim": 64, "dtype": "float16", "uniform": False, "has_seqused": True}, 8),
     ({"head_dim": 64, "cfg": {"ws_dq_warp": False}}, 80),
     ({"head_dim": 64, "cfg": {"dq_fragment": False}}, 40),
-    # ... and causal calls from 2k rows (what these builds, without a length, select): 132
-    # seen, 114 in the loop (the masked steps' scalars at 240 registers)
-    ({"head_dim": 64, "has_right": True}, 144),
+    # ... and causal calls from 2k rows (what these builds, without a length, select): 66
+    # seen, 27 in the step loops (the masked steps' scalars at 240 registers; 132 / 100
+    # before the column indices were formed in the step, bwd_parts.allowed's STEP_COLS)
+    ({"head_dim": 64, "has_right": True}, 80),
     # shorter causal calls, sliding windows and softcap keep bwd.py's kernel, 128 query rows
     # per step at the 255-register limit (4 seen causal, 41 with a window, 11 with softcap;
     # unmasked on request 3), 46 causal with fragment-order dQ tiles (all in the loop)

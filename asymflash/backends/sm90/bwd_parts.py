@@ -214,9 +214,24 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def allowed(kloc, cols, n_valid, m0, diag_right, diag_left, HAS_LEFT: gl.constexpr,
-                HAS_RIGHT: gl.constexpr):
+                HAS_RIGHT: gl.constexpr, STEP_COLS: gl.constexpr = False):
         """[keys, rows] mask of a Pᵀ tile. In block-local indices (key - n0, row - m0) every
-        edge is one scalar: fewer live registers than absolute row/key tiles."""
+        edge is one scalar: fewer live registers than absolute row/key tiles.
+
+        STEP_COLS (bwd_ws at d=64): the column indices plus a zero the compiler cannot see
+        through (asm of m0), so they are formed inside the masked step from one base
+        register instead of living through the loop in ~32 registers per thread, which
+        ptxas spilled around every masked step (sm_90a, step-loop local-memory instructions,
+        causal: d=64 100 -> 27, d=128 36 -> 17). A diagnostic with no step masked had read
+        d=64 causal 2k +7 %, d=128 +4 %. H200 2026-12-01 session 24 (sm90-bwd-probe, causal
+        TFLOP/s, with / without / with): d=64 1k / 2k 279 / 266 / 280, 366 / 360 / 368, 512
+        and 16k a tie; d=128 2k / 16k 420 / 442 / 411, 548 / 576 / 523 (slower: on at d=64
+        only). bwd.py's kernel spilled more with it (four of its compile checks over their
+        budgets)."""
+        if STEP_COLS:
+            zero = gl.inline_asm_elementwise("sub.s32 $0, $1, $1;", "=r,r", [m0],
+                                             dtype=gl.int32, is_pure=True, pack=1)
+            cols = cols + zero
         c2 = gl.expand_dims(cols, 0)
         ok = gl.expand_dims(kloc < n_valid, 1)
         if HAS_RIGHT:
@@ -228,7 +243,7 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def probabilities(s, lse2, qk_scale, softcap_pre, needs_mask, kloc, cols, n_valid, m0,
                       diag_right, diag_left, SOFTCAP: gl.constexpr, HAS_LEFT: gl.constexpr,
-                      HAS_RIGHT: gl.constexpr):
+                      HAS_RIGHT: gl.constexpr, STEP_COLS: gl.constexpr = False):
         """(Pᵀ, Pᵀ for dSᵀ) of one step from Sᵀ and the rows' log2 lse, masked when
         `needs_mask`. With softcap the second carries the chain-rule factor 1 − tanh², folded
         in now so that tanh does not stay live (32 registers at d=128) until dPᵀ arrives;
@@ -241,7 +256,8 @@ if _GLUON_ERROR is None:
             p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
             p_ds = p
         if needs_mask:
-            ok = allowed(kloc, cols, n_valid, m0, diag_right, diag_left, HAS_LEFT, HAS_RIGHT)
+            ok = allowed(kloc, cols, n_valid, m0, diag_right, diag_left, HAS_LEFT, HAS_RIGHT,
+                         STEP_COLS)
             p = gl.where(ok, p, 0.0)
             if SOFTCAP:
                 p_ds = gl.where(ok, p_ds, 0.0)

@@ -332,7 +332,8 @@ if _GLUON_ERROR is None:
             p, p_ds = probabilities(
                 s, lse2, qk_scale, softcap_pre,
                 step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, HAS_LEFT, HAS_RIGHT),
-                kloc, cols, n_valid, m0, diag_right, diag_left, SOFTCAP, HAS_LEFT, HAS_RIGHT)
+                kloc, cols, n_valid, m0, diag_right, diag_left, SOFTCAP, HAS_LEFT, HAS_RIGHT,
+                HEAD_DIM == 64)  # (bwd_parts.allowed's STEP_COLS has the numbers)
             if not DP_EARLY:
                 dp_tok = warpgroup_mma(v_mine, do_s.permute((1, 0)), s_zero, use_acc=False,
                                        is_async=True)
