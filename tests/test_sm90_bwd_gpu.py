@@ -265,6 +265,42 @@ def test_sm90_backward_d64_split_warpgroups_match_reference(case, variant):
         assert_fa_close(name, g, r32, rlow, atol=atol)
 
 
+# How bwd_ws's masked steps mask (BwdConfig.step_cols, mask_scores: bwd_parts.probabilities'
+# MASK_MODE; mask_scores prepared 2026-12-01 session 24, off): every case bwd_ws can take at
+# d=64 / 96 / 128 (causal, windows, ragged keys past a block's end), as a plain grid and, where
+# the lengths are dense, as a persistent one.
+MASK_CASES = SPLIT_CASES + SPLIT_CASES_D64
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("variant", [dict(mask_scores=True),
+                                     dict(mask_scores=True, step_cols=False),
+                                     dict(step_cols=True),
+                                     dict(mask_scores=True, ws_persistent=True)],
+                         ids=["mask-scores", "mask-scores-hoisted-cols", "step-cols",
+                              "mask-scores-persistent"])
+@pytest.mark.parametrize("case", MASK_CASES, ids=lambda c: c["name"])
+def test_sm90_backward_mask_modes_match_reference(case, variant):
+    from dataclasses import replace
+
+    from asymflash.backends.sm90 import bwd
+
+    width = bwd_width(case)
+    window = case.get("window", (-1, -1))
+    cfg = replace(bwd.select_config(width, masked=window != (-1, -1), window=window[0] >= 0,
+                                    max_seqlen_q=max(case["lens_q"])),
+                  split_warpgroups=True, **variant)
+    if width == 64 and cfg.block_m == 128:
+        cfg = replace(cfg, ws_dq_warp=True, dq_fragment=True, dq_swizzle=128)
+    assert bwd._splits_warpgroups(width, cfg, False, False)
+    if cfg.ws_persistent:
+        seq = make_case(case, "cuda")[4]
+        if not bwd.persists(cfg, seq.uniform and seq.seqused_k is None):
+            pytest.skip("ragged lengths run the plain grid (the variant above)")
+    for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
+        assert_fa_close(name, g, r32, rlow, atol=atol)
+
+
 # The persistent bwd_ws (BwdConfig.ws_persistent, off by default; prepared 2026-11-30 session
 # 20): every dense case of bwd_ws's widths (d=64 with its bwd_ws build, masked cases too),
 # and cases with more tiles than the H200 has SMs, where a CTA walks several tiles (the

@@ -467,6 +467,8 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
         consts["ARRIVE_PASS"] = arrive_all.VERSION if cfg.arrive_all else 0
         consts["DK_AFTER_DQ"] = cfg.ws_dk_after_dq
         consts["DQ_WARP"] = cfg.ws_dq_warp and not deterministic
+        step_cols = head_dim == 64 if cfg.step_cols is None else cfg.step_cols
+        consts["MASK_MODE"] = int(step_cols) | (2 if cfg.mask_scores else 0)
         consts["PERSISTENT"] = persists(cfg, uniform and not has_seqused, softcap)
         consts["KV_BUFS"] = cfg.ws_kv_buffers if consts["PERSISTENT"] else 1
         if cfg.arrive_all:

@@ -170,6 +170,14 @@ class BwdConfig:
     # 532 / 560 -> 333 / 509 / 575, causal 213 / 442 / 595 -> 209 / 416 / 621, again 4k /
     # 16k 527-582 / 545-553 -> 546 / 554, causal 443-507 / 541-546 -> 480 / 518: off.
     ws_dq_warp: bool = False
+    # bwd_ws's masked steps (bwd_parts.probabilities' MASK_MODE). step_cols: the Pᵀ tile's
+    # column indices formed inside the masked step (`allowed`'s STEP_COLS; None: at d=64,
+    # where it measured faster; at d=128 it moved spills onto every step). mask_scores:
+    # without softcap, Sᵀ masked to -inf before the exponentials instead of Pᵀ after them
+    # (sm_90a: no local memory left around d=128's masked steps; prepared 2026-12-01 session
+    # 24, not yet timed on the GPU: off).
+    step_cols: bool | None = None
+    mask_scores: bool = False
     # bwd_ws as a persistent grid, one CTA per SM taking the plain grid's tiles in its order
     # from a counter, the next tile's K/V and first Q/dO loading while the current one
     # finishes dQ and stores dK/dV (`bwd.persists`: dense lengths, not deterministic).

@@ -243,26 +243,41 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def probabilities(s, lse2, qk_scale, softcap_pre, needs_mask, kloc, cols, n_valid, m0,
                       diag_right, diag_left, SOFTCAP: gl.constexpr, HAS_LEFT: gl.constexpr,
-                      HAS_RIGHT: gl.constexpr, STEP_COLS: gl.constexpr = False):
+                      HAS_RIGHT: gl.constexpr, MASK_MODE: gl.constexpr = 0):
         """(Pᵀ, Pᵀ for dSᵀ) of one step from Sᵀ and the rows' log2 lse, masked when
         `needs_mask`. With softcap the second carries the chain-rule factor 1 − tanh², folded
         in now so that tanh does not stay live (32 registers at d=128) until dPᵀ arrives;
-        without it, both are Pᵀ."""
+        without it, both are Pᵀ.
+
+        MASK_MODE (bwd_ws; BwdConfig.step_cols, mask_scores): bit 0, `allowed`'s STEP_COLS;
+        bit 1, without softcap, mask Sᵀ to -inf before the exponentials instead of Pᵀ to 0
+        after them (the same P: lse is finite or +inf where it is read). sm_90a, causal step
+        loops: the masked block's local-memory instructions d=128 12 + 24 -> 0, d=64 ~48 -> 8
+        a loop, none added on the unmasked path."""
+        STEP_COLS: gl.constexpr = (MASK_MODE & 1) != 0
         if SOFTCAP:
             t = _tanh(s * softcap_pre)
             p = gl.exp2(t * qk_scale - gl.expand_dims(lse2, 0))
             p_ds = p * (1.0 - t * t)
-        else:
+            if needs_mask:
+                ok = allowed(kloc, cols, n_valid, m0, diag_right, diag_left, HAS_LEFT,
+                             HAS_RIGHT, STEP_COLS)
+                p = gl.where(ok, p, 0.0)
+                p_ds = gl.where(ok, p_ds, 0.0)
+        elif (MASK_MODE & 2) != 0:
+            if needs_mask:
+                ok = allowed(kloc, cols, n_valid, m0, diag_right, diag_left, HAS_LEFT,
+                             HAS_RIGHT, STEP_COLS)
+                s = gl.where(ok, s, float("-inf"))
             p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
             p_ds = p
-        if needs_mask:
-            ok = allowed(kloc, cols, n_valid, m0, diag_right, diag_left, HAS_LEFT, HAS_RIGHT,
-                         STEP_COLS)
-            p = gl.where(ok, p, 0.0)
-            if SOFTCAP:
-                p_ds = gl.where(ok, p_ds, 0.0)
-            else:
-                p_ds = p
+        else:
+            p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
+            if needs_mask:
+                ok = allowed(kloc, cols, n_valid, m0, diag_right, diag_left, HAS_LEFT,
+                             HAS_RIGHT, STEP_COLS)
+                p = gl.where(ok, p, 0.0)
+            p_ds = p
         return p, p_ds
 
     @gluon.jit

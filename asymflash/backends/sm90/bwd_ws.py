@@ -268,7 +268,7 @@ if _GLUON_ERROR is None:
                     DET: gl.constexpr, DV_OVERLAP: gl.constexpr, ARRIVE: gl.constexpr,
                     DK_AFTER_DQ: gl.constexpr, it0=0, tile=0, kv_free=None, epi_done=None,
                     PERSISTENT: gl.constexpr = False, EPI: gl.constexpr = 0, dv_stage=None,
-                    KV_BUFS: gl.constexpr = 1):
+                    KV_BUFS: gl.constexpr = 1, MASK_MODE: gl.constexpr = 0):
         # PERSISTENT: one tile of a persistent CTA, as in _ws_loader (steps numbered on
         # from it0; the late warpgroup's previous step is always one of this tile's; K/V in
         # buffer tile % KV_BUFS, which `shared` holds).
@@ -333,7 +333,7 @@ if _GLUON_ERROR is None:
                 s, lse2, qk_scale, softcap_pre,
                 step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, HAS_LEFT, HAS_RIGHT),
                 kloc, cols, n_valid, m0, diag_right, diag_left, SOFTCAP, HAS_LEFT, HAS_RIGHT,
-                HEAD_DIM == 64)  # (bwd_parts.allowed's STEP_COLS has the numbers)
+                MASK_MODE)
             if not DP_EARLY:
                 dp_tok = warpgroup_mma(v_mine, do_s.permute((1, 0)), s_zero, use_acc=False,
                                        is_async=True)
@@ -595,7 +595,8 @@ if _GLUON_ERROR is None:
                           LATE_WG: gl.constexpr, RING: gl.constexpr, DET: gl.constexpr,
                           DV_OVERLAP: gl.constexpr, ARRIVE: gl.constexpr,
                           DK_AFTER_DQ: gl.constexpr, HEADS_FIRST: gl.constexpr,
-                          TOP_FIRST: gl.constexpr, KV_BUFS: gl.constexpr):
+                          TOP_FIRST: gl.constexpr, KV_BUFS: gl.constexpr,
+                          MASK_MODE: gl.constexpr):
         """A compute warpgroup of a persistent CTA: `_ws_compute` per tile (DET: its dQ
         tiles go to the dQ warp)."""
         (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
@@ -628,7 +629,7 @@ if _GLUON_ERROR is None:
             _ws_compute(tile_shared, WG, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                         HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DET,
                         DV_OVERLAP, ARRIVE, DK_AFTER_DQ, it0, tile, kv_free, epi_done, True, EPI,
-                        dv_stage, KV_BUFS)
+                        dv_stage, KV_BUFS, MASK_MODE)
             it0 += n_steps
             tile += 1
             t = _take_tile(tile_smem, tile_full, tile_empty, tile, 4)
@@ -715,7 +716,8 @@ if _GLUON_ERROR is None:
                   DP_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr,
                   RING: gl.constexpr, ARRIVE: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
                   HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr,
-                  DETERMINISTIC: gl.constexpr, KV_BUFS: gl.constexpr = 1):
+                  DETERMINISTIC: gl.constexpr, KV_BUFS: gl.constexpr = 1,
+                  MASK_MODE: gl.constexpr = 0):
         """A persistent CTA (BwdConfig.ws_persistent; dense lengths): the
         grid's (key block, kv head, sequence) tiles, the program's own number first and then
         the next of a counter's (`_ws_loader_tiles`, which hands each to the other roles),
@@ -776,11 +778,11 @@ if _GLUON_ERROR is None:
             (_ws_compute_tiles, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                  HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
                                  HAND_OVER, DV_OVERLAP, ARRIVE, DK_AFTER_DQ, HEADS_FIRST,
-                                 TOP_FIRST, KV_BUFS)),
+                                 TOP_FIRST, KV_BUFS, MASK_MODE)),
             (_ws_compute_tiles, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                  HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
                                  HAND_OVER, DV_OVERLAP, ARRIVE, DK_AFTER_DQ, HEADS_FIRST,
-                                 TOP_FIRST, KV_BUFS)),
+                                 TOP_FIRST, KV_BUFS, MASK_MODE)),
             (_ws_loader_tiles, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
                                 k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
                                 empty, kv_free, epi_done, tile_smem, tile_full, tile_empty,
@@ -815,7 +817,8 @@ if _GLUON_ERROR is None:
                            LATE_WG: gl.constexpr, RING: gl.constexpr, ARRIVE: gl.constexpr,
                            ARRIVE_PASS: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
                            HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr,
-                           PERSISTENT: gl.constexpr = False, KV_BUFS: gl.constexpr = 1):
+                           PERSISTENT: gl.constexpr = False, KV_BUFS: gl.constexpr = 1,
+                           MASK_MODE: gl.constexpr = 0):
         # Same arguments as bwd._attn_bwd_kernel (one host path); DK_LATE, STATS_LATE,
         # RELEASE_AT, WAIT_EARLY and dq_ptr belong to that kernel's schedule. DV_OVERLAP:
         # dV = Pᵀ·dO stays in flight while dSᵀ is formed (BwdConfig.dv_overlap).
@@ -825,7 +828,8 @@ if _GLUON_ERROR is None:
         # ARRIVE_PASS, that pass's version, only keys Triton's cache). DQ_WARP: without
         # DETERMINISTIC, the dQ warp still issues the reduces (BwdConfig.ws_dq_warp).
         # PERSISTENT: BwdConfig.ws_persistent (`_ws_tiles`); KV_BUFS: its K/V buffers
-        # (BwdConfig.ws_kv_buffers).
+        # (BwdConfig.ws_kv_buffers). MASK_MODE: how masked steps mask (bwd_parts.probabilities;
+        # BwdConfig.step_cols, mask_scores).
         if PERSISTENT:
             _ws_tiles(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
                       delta_ptr, dk_ptr, dv_ptr, sem_ptr, seqlen_q, seqlen_k, total_q, n_heads,
@@ -833,7 +837,7 @@ if _GLUON_ERROR is None:
                       window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                       HAS_LEFT, HAS_RIGHT, SOFTCAP, DV_OVERLAP, DP_EARLY, KV_TMA_STORE, LATE_WG,
                       RING, ARRIVE, DK_AFTER_DQ, HEADS_FIRST, DQ_WARP, DETERMINISTIC,
-                      KV_BUFS)
+                      KV_BUFS, MASK_MODE)
         else:
             n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
                 cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
@@ -873,10 +877,12 @@ if _GLUON_ERROR is None:
                 gl.warp_specialize([
                     (_ws_compute, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                    HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                                   DETERMINISTIC or DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ)),
+                                   DETERMINISTIC or DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ,
+                                   0, 0, None, None, False, 0, None, 1, MASK_MODE)),
                     (_ws_compute, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                    HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                                   DETERMINISTIC or DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ)),
+                                   DETERMINISTIC or DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ,
+                                   0, 0, None, None, False, 0, None, 1, MASK_MODE)),
                     (_ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
                                   k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
                                   empty, k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
