@@ -255,29 +255,28 @@ if _GLUON_ERROR is None:
         loops: the masked block's local-memory instructions d=128 12 + 24 -> 0, d=64 ~48 -> 8
         a loop, none added on the unmasked path."""
         STEP_COLS: gl.constexpr = (MASK_MODE & 1) != 0
-        if SOFTCAP:
-            t = _tanh(s * softcap_pre)
-            p = gl.exp2(t * qk_scale - gl.expand_dims(lse2, 0))
-            p_ds = p * (1.0 - t * t)
-            if needs_mask:
-                ok = allowed(kloc, cols, n_valid, m0, diag_right, diag_left, HAS_LEFT,
-                             HAS_RIGHT, STEP_COLS)
-                p = gl.where(ok, p, 0.0)
-                p_ds = gl.where(ok, p_ds, 0.0)
-        elif (MASK_MODE & 2) != 0:
+        BEFORE_EXP: gl.constexpr = (MASK_MODE & 2) != 0 and not SOFTCAP
+        if BEFORE_EXP:
             if needs_mask:
                 ok = allowed(kloc, cols, n_valid, m0, diag_right, diag_left, HAS_LEFT,
                              HAS_RIGHT, STEP_COLS)
                 s = gl.where(ok, s, float("-inf"))
-            p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
-            p_ds = p
+        if SOFTCAP:
+            t = _tanh(s * softcap_pre)
+            p = gl.exp2(t * qk_scale - gl.expand_dims(lse2, 0))
+            p_ds = p * (1.0 - t * t)
         else:
             p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
+            p_ds = p
+        if not BEFORE_EXP:
             if needs_mask:
                 ok = allowed(kloc, cols, n_valid, m0, diag_right, diag_left, HAS_LEFT,
                              HAS_RIGHT, STEP_COLS)
                 p = gl.where(ok, p, 0.0)
-            p_ds = p
+                if SOFTCAP:
+                    p_ds = gl.where(ok, p_ds, 0.0)
+                else:
+                    p_ds = p
         return p, p_ds
 
     @gluon.jit

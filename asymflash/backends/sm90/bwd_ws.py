@@ -266,9 +266,9 @@ if _GLUON_ERROR is None:
                     HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DP_EARLY: gl.constexpr,
                     KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr, RING: gl.constexpr,
                     DET: gl.constexpr, DV_OVERLAP: gl.constexpr, ARRIVE: gl.constexpr,
-                    DK_AFTER_DQ: gl.constexpr, it0=0, tile=0, kv_free=None, epi_done=None,
-                    PERSISTENT: gl.constexpr = False, EPI: gl.constexpr = 0, dv_stage=None,
-                    KV_BUFS: gl.constexpr = 1, MASK_MODE: gl.constexpr = 0):
+                    DK_AFTER_DQ: gl.constexpr, MASK_MODE: gl.constexpr, it0=0, tile=0,
+                    kv_free=None, epi_done=None, PERSISTENT: gl.constexpr = False,
+                    EPI: gl.constexpr = 0, dv_stage=None, KV_BUFS: gl.constexpr = 1):
         # PERSISTENT: one tile of a persistent CTA, as in _ws_loader (steps numbered on
         # from it0; the late warpgroup's previous step is always one of this tile's; K/V in
         # buffer tile % KV_BUFS, which `shared` holds).
@@ -628,8 +628,8 @@ if _GLUON_ERROR is None:
                            window_left, window_right)
             _ws_compute(tile_shared, WG, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                         HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DET,
-                        DV_OVERLAP, ARRIVE, DK_AFTER_DQ, it0, tile, kv_free, epi_done, True, EPI,
-                        dv_stage, KV_BUFS, MASK_MODE)
+                        DV_OVERLAP, ARRIVE, DK_AFTER_DQ, MASK_MODE, it0, tile, kv_free,
+                        epi_done, True, EPI, dv_stage, KV_BUFS)
             it0 += n_steps
             tile += 1
             t = _take_tile(tile_smem, tile_full, tile_empty, tile, 4)
@@ -878,11 +878,11 @@ if _GLUON_ERROR is None:
                     (_ws_compute, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                    HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
                                    DETERMINISTIC or DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ,
-                                   0, 0, None, None, False, 0, None, 1, MASK_MODE)),
+                                   MASK_MODE)),
                     (_ws_compute, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                    HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
                                    DETERMINISTIC or DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ,
-                                   0, 0, None, None, False, 0, None, 1, MASK_MODE)),
+                                   MASK_MODE)),
                     (_ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
                                   k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
                                   empty, k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
