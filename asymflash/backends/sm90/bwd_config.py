@@ -47,9 +47,9 @@ class BwdConfig:
     # 0 / 1 / 2): 204 / 265 / 305, 213 / 288 / 321, 207 / 283 / 317; causal 147 / 232 / 263,
     # 155 / 257 / 316, 153 / 254 / 316: 1 there too now.
     # 3 (bwd_wide, d=256 only): 1's step, but after that barrier and by warp 0 alone
-    # (`release_dq_turn_from_warp`): the fence a release implies (a MEMBAR; a relaxed atomic
-    # instead, a diagnostic, read 3-9 % faster) then waits under the dV and dPᵀ MMAs instead
-    # of holding every warp at the barrier.
+    # (`release_dq_turn_after_tma`'s FROM_WARP): the fence a release implies (a MEMBAR; a
+    # relaxed atomic instead, a diagnostic, read 3-9 % faster) then waits under the dV and
+    # dPᵀ MMAs instead of holding every warp at the barrier.
     turn_release: int = 1
     # Deterministic mode: wait for the dQ turn while the step's last MMAs run (the semaphore's
     # round trip overlaps them) instead of after they retire.

@@ -364,32 +364,33 @@ if _GLUON_ERROR is None:
             release_dq_turn_after_tma(sem, x)
         return sem
 
+    @gluon.constexpr_function
+    def _landed_asm(from_warp):
+        """PTX: wait until this thread's bulk reduces have written, fence the async proxy
+        (and, from_warp, a warp barrier), then pass $1 through as $0."""
+        warp = "bar.warp.sync -1;\n\t" if from_warp else ""
+        return ("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\t" + warp
+                + "mov.b32 $0, $1;")
+
     @gluon.jit
-    def release_dq_turn_after_tma(sem, x):
+    def release_dq_turn_after_tma(sem, x, FROM_WARP: gl.constexpr = False):
         """Deterministic mode with TMA reduces: pass the turn on once this CTA's dQ adds are
         complete in global memory.
 
         tma.store_wait only waits until a reduce has *read* shared memory; `cp.async.bulk.
         wait_group 0` waits until it has written, and the proxy fence orders those async-proxy
         writes before the release (a generic-proxy atomic). `x` is any int32 scalar: inline
-        asm needs an operand."""
-        gl.inline_asm_elementwise(
-            "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.b32 $0, $1;",
-            "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
-        gl.thread_barrier()
-        gl.atomic_add(sem, 1, sem="release")
+        asm needs an operand.
 
-    @gluon.jit
-    def release_dq_turn_from_warp(sem, x):
-        """`release_dq_turn_after_tma` without the CTA barrier (BwdConfig.turn_release 3): one
-        thread of warp 0 issued the reduces and thread 0 releases, so warp 0 alone waits for
-        them to land and passes the turn on after a warp barrier (bar.warp.sync orders memory
-        among the warp's threads). The release's fence (a MEMBAR) then holds up warp 0 only,
-        and only until the next CTA barrier."""
-        gl.inline_asm_elementwise(
-            "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tbar.warp.sync -1;"
-            "\n\tmov.b32 $0, $1;",
-            "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+        FROM_WARP (BwdConfig.turn_release 3): no CTA barrier. One thread of warp 0 issued the
+        reduces and thread 0 releases, so warp 0 alone waits for them to land and passes the
+        turn on after a warp barrier (bar.warp.sync orders memory among the warp's threads);
+        the release's fence (a MEMBAR) then holds up warp 0 only, until the next CTA
+        barrier."""
+        gl.inline_asm_elementwise(_landed_asm(FROM_WARP), "=r,r", [x], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+        if not FROM_WARP:
+            gl.thread_barrier()
         gl.atomic_add(sem, 1, sem="release")
 
     @gluon.jit

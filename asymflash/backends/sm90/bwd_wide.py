@@ -67,7 +67,6 @@ if _GLUON_ERROR is None:
         probabilities,
         query_range,
         release_dq_turn_after_tma,
-        release_dq_turn_from_warp,
         stage_dq,
         stage_stats,
         step_needs_mask,
@@ -247,7 +246,7 @@ if _GLUON_ERROR is None:
                 if DETERMINISTIC:
                     if RELEASE_AT == 3:
                         if it > 0:  # the previous step's turn, under the dV and dPᵀ MMAs
-                            release_dq_turn_from_warp(held, m0)
+                            release_dq_turn_after_tma(held, m0, True)
                 if DV_OVERLAP:
                     # dV stays in flight while dSᵀ is formed (groups retire in order).
                     dp = warpgroup_mma_wait(1, deps=[dp_tok])
