@@ -14,8 +14,9 @@
 
 --dims / --seqlens / --causal narrow the timed grid; --set FIELD=VALUE times a BwdConfig variant.
 --variant NAME:FIELD=VALUE,... adds a column timing ours with those BwdConfig fields (and
-`deterministic`) changed, in the same process as the default; --no-peers skips the portable
-and cuDNN timings (portable still computes the reference gradients).
+`deterministic`) changed from the config the call's dispatch picks, in the same process as
+the default; --no-peers skips the portable and cuDNN timings (portable still computes the
+reference gradients).
 Every step runs in a child process: a crash (illegal address, hang) costs its cell, never
 the table. The whole probe stays within --budget seconds (default 55).
 Prints a compact table; writes JSON to $OUT/sm90-bwd-probe.json when $OUT is set.
@@ -176,6 +177,7 @@ def _bench_cell(d, causal, seqlen, warm_only):
         res["portable"] = f"ERR {repr(exc)[:50]}"
         return res
     why = bwd.unsupported_backward(q, k, v, seq, params, None)
+    timed = {}  # column -> the call it times (ours and its variants)
     cfg = None
     if why is None and os.environ.get("ASYMFLASH_PROBE_CFG"):
         cfg = dataclasses.replace(bwd.select_config(d),
@@ -192,15 +194,21 @@ def _bench_cell(d, causal, seqlen, warm_only):
             # drop work on purpose (e.g. the dQ reductions), never for numbers to report.
             if (nan or rel > 5e-2) and not os.environ.get("ASYMFLASH_PROBE_NOCHECK"):
                 res["ours"] = f"WRONG rel {rel:.1e}"
-            elif not warm_only:
-                res["ours"] = tflops(
+            else:
+                timed["ours"] = (
                     lambda: bwd.backward(dout, q, k, v, out, lse, None, seq, params, None, cfg))
         except Exception as exc:  # noqa: BLE001 - report, go on
             traceback.print_exc(limit=3)
             res["ours"] = f"ERR {repr(exc)[:50]}"
         for name, fields in _variants().items():
-            res[name] = _time_variant(fields, (dout, q, k, v, out, lse, seq, params), ref,
-                                      None if warm_only else tflops)
+            fn = _checked_variant(fields, (dout, q, k, v, out, lse, seq, params), ref)
+            if callable(fn):
+                timed[name] = fn
+                res.setdefault(name, "ok")
+            else:
+                res[name] = fn
+        if not warm_only:
+            res.update(_time_rounds(timed, tflops))
     if not warm_only and not os.environ.get("ASYMFLASH_PROBE_NO_PEERS"):
         try:
             from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -222,9 +230,9 @@ def _variants() -> dict:
     return json.loads(os.environ.get("ASYMFLASH_PROBE_VARIANTS", "{}"))
 
 
-def _time_variant(fields, inputs, ref, tflops):
-    """TFLOP/s of ours with BwdConfig fields (and `deterministic`) changed, after checking it
-    against the reference gradients; tflops=None only compiles and checks."""
+def _checked_variant(fields, inputs, ref):
+    """The call of ours with BwdConfig fields (and `deterministic`) changed, once checked
+    against the reference gradients; or a string saying why not."""
 
     from asymflash.backends.sm90 import bwd
 
@@ -232,20 +240,44 @@ def _time_variant(fields, inputs, ref, tflops):
     fields = dict(fields)
     det = bool(fields.pop("deterministic", False))
     params = dataclasses.replace(params, deterministic=det)
-    cfg = dataclasses.replace(bwd.select_config(q.shape[-1], deterministic=det,
-                                                masked=params.mask.is_local), **fields)
+    # The base is the config this call's dispatch picks (its longest query sequence and its
+    # mask's left edge), so a short call's variant changes the short-call build.
+    base = bwd.select_config(q.shape[-1], deterministic=det, masked=params.mask.is_local,
+                             max_seqlen_q=seq.max_seqlen_q,
+                             window=params.mask.window_left >= 0)
+    cfg = dataclasses.replace(base, **fields)
+
+    def call():
+        return bwd.backward(dout, q, k, v, out, lse, None, seq, params, None, cfg)
+
     try:
-        rel, nan = _grad_error(
-            bwd.backward(dout, q, k, v, out, lse, None, seq, params, None, cfg), ref)
-        if rel > 5e-2 or nan:
-            return f"WRONG rel {rel:.1e}"
-        if tflops is None:
-            return "ok"
-        return tflops(lambda: bwd.backward(dout, q, k, v, out, lse, None, seq, params, None,
-                                           cfg))
+        rel, nan = _grad_error(call(), ref)
     except Exception as exc:  # noqa: BLE001 - report, go on
         traceback.print_exc(limit=3)
         return f"ERR {repr(exc)[:50]}"
+    return f"WRONG rel {rel:.1e}" if rel > 5e-2 or nan else call
+
+
+def _time_rounds(timed, tflops):
+    """TFLOP/s of each column. ASYMFLASH_PROBE_ROUNDS=N (default 1) times the columns in turn
+    N times and keeps each one's median: clocks drift between cells and processes by several
+    percent (d=128 causal 16k read 537 and 576 in two processes, 2026-12-01), and
+    interleaving puts a column and its variants under the same drift."""
+
+    rounds = max(1, int(os.environ.get("ASYMFLASH_PROBE_ROUNDS", 1)))
+    reads = {name: [] for name in timed}
+    for _ in range(rounds):
+        for name, fn in timed.items():
+            try:
+                reads[name].append(tflops(fn))
+            except Exception as exc:  # noqa: BLE001 - report, go on
+                traceback.print_exc(limit=3)
+                reads[name].append(f"ERR {repr(exc)[:50]}")
+    res = {}
+    for name, values in reads.items():
+        errors = [v for v in values if isinstance(v, str)]
+        res[name] = errors[0] if errors else sorted(values)[len(values) // 2]
+    return res
 
 
 def worker_bench(cells, warm_only):

@@ -161,6 +161,11 @@ CONFIGS = [
     # (those two release the turns from warp 0 under the MMAs, turn_release 3; at the main
     # barrier, the default before 2026-12-01 session 24: 0 seen)
     ({"head_dim": 256, "deterministic": True, "cfg": {"turn_release": 1}}, 8),
+    # ... with the late high dQ half (released with the turn in the next step)
+    ({"head_dim": 256, "has_right": True, "deterministic": True, "cfg": {"dq_hi_late": True}},
+     8),
+    ({"head_dim": 256, "deterministic": True, "cfg": {"dq_hi_late": True, "turn_release": 1}},
+     8),
     # the dQ halves staged in the step's dO buffer and Q slot (BwdConfig.dq_in_operands,
     # dq_hi_late: the d=256 defaults above) and, at dv = 128, in the staging tile (0 seen)
     ({"head_dim": 256, "head_dim_v": 128, "has_right": True}, 0),
@@ -525,10 +530,18 @@ def test_d256_dq_staging_in_the_operand_buffers_only_where_it_fits():
     # first GPU run gave NaN there, 2026-12-01)
     c = bwd._constexprs(256, 128, cfg, **feats)
     assert not (c["DQ_IN_OPS"] or c["HI_LATE"])
-    # deterministic mode releases a turn once both halves have landed, within the step
+    # deterministic mode: the late high half where the turn is released in the next step
+    # (after the half's issue), never where it is released within the step (turn_release 0)
     det = bwd.select_config(256, deterministic=True)
     c = bwd._constexprs(256, 256, det, deterministic=True, **feats)
-    assert c["DQ_IN_OPS"] and not c["HI_LATE"]
+    assert c["DQ_IN_OPS"] and c["HI_LATE"] == det.dq_hi_late
+    for release in (1, 2, 3):
+        c = bwd._constexprs(256, 256, replace(det, dq_hi_late=True, turn_release=release),
+                            deterministic=True, **feats)
+        assert c["RELEASE_AT"] == release and c["HI_LATE"]
+    c = bwd._constexprs(256, 256, replace(det, dq_hi_late=True, turn_release=0),
+                        deterministic=True, **feats)
+    assert c["RELEASE_AT"] == 0 and c["DQ_IN_OPS"] and not c["HI_LATE"]
     # dQ by per-thread atomics: nothing is staged
     c = bwd._constexprs(256, 256, replace(cfg, dq_tma=False), **feats)
     assert not (c["DQ_IN_OPS"] or c["HI_LATE"])

@@ -457,8 +457,11 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
     else:
         # the dO buffer holds a 32 KB half of dQ only at dv = 256 (192/128 runs dv = 128)
         consts["DQ_IN_OPS"] = cfg.dq_in_operands and cfg.dq_tma and head_dim_v == head_dim
-        # deterministic mode releases the turn once both halves have landed, in the step
-        consts["HI_LATE"] = cfg.dq_hi_late and consts["DQ_IN_OPS"] and not deterministic
+        # Deterministic mode: a turn released in its own step (RELEASE_AT 0) must see both
+        # halves land there; released in the next step (1, 2, 3), after the late high half's
+        # issue, it waits for that reduce too (wait_group 0 covers every reduce issued).
+        consts["HI_LATE"] = cfg.dq_hi_late and consts["DQ_IN_OPS"] and not (
+            deterministic and consts["RELEASE_AT"] == 0)
     consts["STATS_LATE"] = cfg.stats_late
     if split:
         consts["LATE_WG"] = cfg.late_warpgroup

@@ -227,8 +227,9 @@ class BwdConfig:
     # causal 176 / 304 / 379 -> 179 / 310 / 387, deterministic 198 / 257 / 292 -> 203 / 267 /
     # 304, causal 140 / 226 / 257 -> 145 / 228 / 267.
     dq_in_operands: bool = False
-    # With dq_in_operands, not deterministic: the high dQ half's reduce is issued in the next
-    # step, once its first MMAs are out, from the Q slot it was staged in. Issued right after
+    # With dq_in_operands: the high dQ half's reduce is issued in the next step, once its
+    # first MMAs are out, from the Q slot it was staged in (deterministic mode: where the
+    # turn is released in the next step, turn_release 1-3, after that issue). Issued right after
     # the low half's, its UTMAREDG waited in the MIO queue for the TMA unit to read the low
     # half out, and the loop's back branch behind it (Nsight Compute, H200 2026-12-01 session
     # 23, d=256 16k: 15 % of the kernel's warp samples on those three instructions).
@@ -297,7 +298,9 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
                 # 304 / 466 / 545, causal 196 / 375 / 492 -> 194 / 393 / 519.
                 cfg = replace(cfg, dv_overlap=True)
             if head_dim == 256:
-                cfg = replace(cfg, turn_release=3)  # BwdConfig.turn_release has the numbers
+                # BwdConfig.turn_release has the numbers; dq_hi_late's late high half is
+                # released with the turn (not measured in this mode yet: off)
+                cfg = replace(cfg, turn_release=3, dq_hi_late=False)
             if head_dim == 64 and not softcap:
                 # bwd_ws's kernel with 128-row steps, its dQ warp taking the turns and the
                 # reduces off the compute warpgroups (which spill: sm_90a 37 local-memory
