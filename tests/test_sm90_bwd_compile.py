@@ -187,16 +187,19 @@ CONFIGS = [
     # loops, causal 118 / 36; d=64 146 / 44, causal 208 / 109 (as the plain grid's
     # deterministic builds: the masked steps' scalars at 240 registers)
     ({"head_dim": 128, "deterministic": True, "cfg": {"ws_persistent": True}}, 64),
-    # masked steps masking Sᵀ before the exponentials (BwdConfig.mask_scores, prepared
-    # 2026-12-01 session 24, off): d=128 causal 4 seen, none in the step loops (40 / 36
-    # without), persistent 54 / 0 (98 / 44), deterministic 12 / 8 (22 / 18); d=64 causal with
-    # its columns hoisted again 52 / 20 (66 / 27 with step_cols, the d=64 default)
+    # masked steps masking Sᵀ before the exponentials (BwdConfig.mask_scores, masked d=64
+    # calls' default since 2026-12-01 session 25, off at d=128): d=128 causal 4 seen, none in
+    # the step loops (40 / 36 without), persistent 54 / 0 (98 / 44), deterministic 12 / 8
+    # (22 / 18); d=64 causal with its columns hoisted again 52 / 20 (66 / 27 with step_cols
+    # alone)
     ({"head_dim": 128, "has_right": True, "cfg": {"mask_scores": True}}, 8),
     ({"head_dim": 128, "has_right": True, "cfg": {"mask_scores": True, "ws_persistent": True}},
      64),
     ({"head_dim": 128, "has_right": True, "deterministic": True,
       "cfg": {"mask_scores": True}}, 16),
     ({"head_dim": 64, "has_right": True, "cfg": {"mask_scores": True, "step_cols": False}}, 64),
+    # (the default before session 25: 66 / 27)
+    ({"head_dim": 64, "has_right": True, "cfg": {"mask_scores": False}}, 80),
     ({"head_dim": 128, "has_right": True, "deterministic": True,
       "cfg": {"ws_persistent": True}}, 128),
     ({"head_dim": 64, "deterministic": True, "cfg": {"ws_persistent": True}}, 160),
@@ -329,7 +332,9 @@ def test_defaults_where_the_h200_measured_a_gain():
     assert (short.split_warpgroups and short.block_m == 64 and short.ring_slots == 3
             and short.dq_fragment and short.ws_persistent and not short.ws_dq_warp
             and short.ws_kv_buffers == 2), short
-    assert sel(64, max_seqlen_q=256) == short  # ... and unmasked ones up to 256 rows
+    # ... and unmasked ones up to 256 rows (their ragged key blocks masked after the
+    # exponentials: BwdConfig.mask_scores is for masked calls)
+    assert sel(64, max_seqlen_q=256) == replace(short, mask_scores=False) and short.mask_scores
     assert sel(64, max_seqlen_q=384).block_m == 128
     short_det = sel(64, masked=True, deterministic=True, max_seqlen_q=512)
     assert short_det.block_m == 64 and short_det.ws_kv_buffers == 2, short_det
@@ -586,9 +591,9 @@ def test_short_causal_deterministic_calls_run_the_persistent_grid(d):
 
 
 def test_mask_mode_reaches_only_the_warp_specialised_kernel():
-    """bwd_ws's MASK_MODE: bit 0 forms a masked step's column indices in the step (the d=64
-    default, BwdConfig.step_cols), bit 1 masks Sᵀ before the exponentials (mask_scores, off);
-    the other kernels have no such constexpr."""
+    """bwd_ws's MASK_MODE: bit 0 forms a masked step's column indices in the step
+    (BwdConfig.step_cols), bit 1 masks Sᵀ before the exponentials (mask_scores); both are
+    masked d=64 calls' default, neither d=128's. The other kernels have no such constexpr."""
     feats = {"uniform": True, "has_seqused": False, "has_left": False, "has_right": True,
              "softcap": False}
 
@@ -596,9 +601,13 @@ def test_mask_mode_reaches_only_the_warp_specialised_kernel():
         cfg = replace(bwd.select_config(d, masked=True), **fields)
         return bwd._constexprs(d, d, cfg, split=True, **feats)["MASK_MODE"]
 
-    assert mode(64) == 1 and mode(128) == 0
-    assert mode(64, mask_scores=True) == 3 and mode(128, mask_scores=True) == 2
-    assert mode(64, step_cols=False) == 0 and mode(128, step_cols=True) == 1
-    assert not bwd.select_config(128).mask_scores and not bwd.select_config(64).mask_scores
+    assert mode(64) == 3 and mode(128) == 0
+    assert mode(64, mask_scores=False) == 1 and mode(128, mask_scores=True) == 2
+    assert mode(64, step_cols=False) == 2 and mode(128, step_cols=True) == 1
+    assert mode(64, step_cols=False, mask_scores=False) == 0
+    # unmasked d=64 calls keep it off (their build spilled more with it)
+    assert not bwd.select_config(64).mask_scores and not bwd.select_config(128, masked=True) \
+        .mask_scores
+    assert not bwd.select_config(64, masked=True, softcap=True).mask_scores
     for d in (64, 128, 256):
         assert "MASK_MODE" not in bwd._constexprs(d, d, bwd.select_config(d), **feats)

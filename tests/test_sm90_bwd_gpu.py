@@ -266,7 +266,7 @@ def test_sm90_backward_d64_split_warpgroups_match_reference(case, variant):
 
 
 # How bwd_ws's masked steps mask (BwdConfig.step_cols, mask_scores: bwd_parts.probabilities'
-# MASK_MODE; mask_scores prepared 2026-12-01 session 24, off): every case bwd_ws can take at
+# MASK_MODE; both on at d=64, off at d=128, by default): every case bwd_ws can take at
 # d=64 / 96 / 128 (causal, windows, ragged keys past a block's end), as a plain grid and, where
 # the lengths are dense, as a persistent one.
 MASK_CASES = SPLIT_CASES + SPLIT_CASES_D64
@@ -276,9 +276,10 @@ MASK_CASES = SPLIT_CASES + SPLIT_CASES_D64
 @pytest.mark.parametrize("variant", [dict(mask_scores=True),
                                      dict(mask_scores=True, step_cols=False),
                                      dict(step_cols=True),
-                                     dict(mask_scores=True, ws_persistent=True)],
+                                     dict(mask_scores=True, ws_persistent=True),
+                                     dict(mask_scores=False)],
                          ids=["mask-scores", "mask-scores-hoisted-cols", "step-cols",
-                              "mask-scores-persistent"])
+                              "mask-scores-persistent", "no-mask-scores"])
 @pytest.mark.parametrize("case", MASK_CASES, ids=lambda c: c["name"])
 def test_sm90_backward_mask_modes_match_reference(case, variant):
     from dataclasses import replace

@@ -174,8 +174,14 @@ class BwdConfig:
     # column indices formed inside the masked step (`allowed`'s STEP_COLS; None: at d=64,
     # where it measured faster; at d=128 it moved spills onto every step). mask_scores:
     # without softcap, Sᵀ masked to -inf before the exponentials instead of Pᵀ after them
-    # (sm_90a: no local memory left around d=128's masked steps; prepared 2026-12-01 session
-    # 24, not yet timed on the GPU: off).
+    # (sm_90a: no local memory left around d=128's masked steps). On for masked d=64 calls
+    # (`select_config`; unmasked ones mask only a ragged last key block, and their build
+    # spilled more with it: 11 local-memory instructions, 6 without). H200 2026-12-01
+    # session 25 (sm90-bwd-probe, causal TFLOP/s, three interleaved rounds, without ->
+    # with): d=64 512 / 1k / 2k / 16k 193 / 282 / 365 / 495 -> 196 / 283 / 368 /
+    # 506 (two earlier processes at 2k / 16k: +1-2 %, +2-5 %); d=128 219 / 324 / 439 / 560 ->
+    # 225 / 325 / 416 / 553, and in two earlier processes 2k +1 / +4 %, 16k +9 / -7 %: within
+    # the spread of d=128's cells there, so off.
     step_cols: bool | None = None
     mask_scores: bool = False
     # bwd_ws as a persistent grid, one CTA per SM taking the plain grid's tiles in its order
@@ -298,9 +304,13 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
                 # 304 / 466 / 545, causal 196 / 375 / 492 -> 194 / 393 / 519.
                 cfg = replace(cfg, dv_overlap=True)
             if head_dim == 256:
-                # BwdConfig.turn_release has the numbers; dq_hi_late's late high half is
-                # released with the turn (not measured in this mode yet: off)
-                cfg = replace(cfg, turn_release=3, dq_hi_late=False)
+                # BwdConfig.turn_release has the numbers; the late high dQ half (dq_hi_late,
+                # the non-deterministic default) is released with the turn in the next step.
+                # H200 2026-12-01 session 25 (sm90-bwd-probe, deterministic TFLOP/s, three
+                # interleaved rounds, without -> with it): 512 / 2k / 16k 216 / 297 / 324 ->
+                # 219 / 301 / 340, causal 159 / 264 / 327 -> 161 / 270 / 332; with
+                # turn_release 1 instead of 3: 213 / 284 / 325, causal 151 / 250 / 302.
+                cfg = replace(cfg, turn_release=3)
             if head_dim == 64 and not softcap:
                 # bwd_ws's kernel with 128-row steps, its dQ warp taking the turns and the
                 # reduces off the compute warpgroups (which spill: sm_90a 37 local-memory
@@ -354,6 +364,8 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
             # sm90-bwd-probe, deterministic TFLOP/s plain -> persistent, 2026-12-01 session
             # 22 512 rows 190 -> 194 (2k 386 -> 388), session 24 512 / 1k 192 / 292 -> 196 / 295
             cfg = replace(cfg, ws_persistent=True)
+        if head_dim == 64 and masked and not softcap:
+            cfg = replace(cfg, mask_scores=True)  # BwdConfig.mask_scores has the numbers
         if softcap:
             # The softcap chain-rule tile takes the registers dPᵀ's early issue needs (d=128:
             # 2 spill instructions in the unmasked loop otherwise; d=64 with 128-row steps:
