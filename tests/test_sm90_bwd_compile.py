@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 from sass_report import sass_report, sm90_build
 
-from asymflash.backends.sm90 import bwd
+from asymflash.backends.sm90 import bwd, bwd_config
 
 pytestmark = pytest.mark.skipif(bwd._GLUON_ERROR is not None, reason=str(bwd._GLUON_ERROR))
 
@@ -480,7 +480,7 @@ def test_heads_first_grid_where_all_heads_fit_l2():
                      (dict(hq=16, hkv=4), (4, blocks(2048), 8))):  # GQA: q heads count
         p = plan(**kw)
         assert p.constexprs["HEADS_FIRST"] and p.grid == grid, kw
-    for kw in (dict(seqlen=4096, batch=4), dict(seqlen=16384, batch=1), dict(wr=-1),
+    for kw in (dict(seqlen=16384, batch=1), dict(wr=-1),
                dict(wl=100, wr=0), dict(uniform=False), dict(det=True)):
         p = plan(**kw)
         assert not p.constexprs["HEADS_FIRST"], kw
@@ -496,6 +496,47 @@ def test_heads_first_grid_where_all_heads_fit_l2():
     p = plan(seqlen=16384, batch=1, cfg=replace(causal, heads_first=True))
     assert p.constexprs["HEADS_FIRST"] and p.grid == (16, blocks(16384), 1)
     assert not plan(wr=-1, cfg=replace(causal, heads_first=True)).constexprs["HEADS_FIRST"]
+
+
+def test_heads_first_in_chunks_where_all_heads_overflow_l2():
+    # BwdConfig.heads_chunk: where all heads' Q and dO overflow HEADS_FIRST_L2_BYTES, causal
+    # calls run heads first in chunks (the largest divisor of the kv heads that fits) if the
+    # replayed hand-out of one head after another is more than CHUNK_GAIN less balanced.
+    def plan(d=128, seqlen=4096, hq=16, hkv=16, cfg=None, wr=0):
+        return bwd.launch_plan(d, d, seqlen, seqlen, True, False, -1, wr, False, False,
+                               16384 // seqlen, hkv, 132, cfg, False, hq)
+
+    def blocks(seqlen, d=128):
+        return -(-seqlen // (64 if d == 256 else 128))
+
+    for kw, chunk in ((dict(), 8), (dict(seqlen=8192), 4), (dict(d=64, hq=32, hkv=32), 16),
+                      (dict(d=256, hq=8, hkv=8), 4), (dict(hq=16, hkv=8, seqlen=8192), 2)):
+        p = plan(**kw)
+        seqlen = kw.get("seqlen", 4096)
+        hkv = kw.get("hkv", 16)
+        assert p.constexprs["HEADS_FIRST"] == chunk, (kw, p.constexprs["HEADS_FIRST"])
+        assert p.grid == (chunk, hkv // chunk * blocks(seqlen, kw.get("d", 128)),
+                          16384 // seqlen), kw
+    # balanced enough one head after another (16k rows: 1.005x), or no fitting chunk
+    for kw in (dict(seqlen=16384), dict(d=256, hq=8, hkv=8, seqlen=8192), dict(wr=-1)):
+        p = plan(**kw)
+        assert not p.constexprs["HEADS_FIRST"], kw
+    steps = bwd_config.key_block_steps(bwd.select_config(128, masked=True), 4096, 4096, 0, 1)
+    assert steps[0] == 64 and steps[-1] == 2 and len(steps) == 32  # 64-row steps, 128 keys
+    flat = bwd_config.dispatch_imbalance(steps, 16, 4, 1, 132)
+    assert flat > 1.05 and bwd_config.dispatch_imbalance(steps, 16, 4, 8, 132) < 1.01
+    # an explicit chunk wins (1: one head after another; all kv heads: all heads first)
+    causal = replace(bwd.select_config(128, masked=True, max_seqlen_q=2048),
+                     ws_persistent=False)
+    for chunk, first, grid in ((2, 2, (2, 8 * blocks(2048), 8)), (1, 0, (blocks(2048), 16, 8)),
+                               (16, 1, (16, blocks(2048), 8))):
+        p = plan(seqlen=2048, cfg=replace(causal, heads_chunk=chunk))
+        assert p.constexprs["HEADS_FIRST"] == first and p.grid == grid, chunk
+    for bad in (3, 0):
+        with pytest.raises(ValueError, match="heads_chunk"):
+            plan(seqlen=2048, cfg=replace(causal, heads_chunk=bad))
+    with pytest.raises(ValueError, match="heads_chunk"):  # persistent grids: not in chunks
+        plan(seqlen=1024, cfg=replace(causal, ws_persistent=True, heads_chunk=2))
 
 
 def test_persistent_grid_only_where_it_was_verified():

@@ -413,6 +413,33 @@ def test_sm90_backward_grid_orders_match_reference(case, first):
         assert_fa_close(name, g, r32, rlow, atol=atol)
 
 
+# Heads first in chunks of kv heads (BwdConfig.heads_chunk: the grid (chunk's heads,
+# chunks x key blocks, sequences), where all heads' Q and dO overflow L2): the same causal
+# cases with four kv heads, in chunks of two, on the plain grid.
+CHUNK_CASES = [dict(c, name=c["name"] + "-4kv", hq=c["hq"] * 4 // c["hkv"], hkv=4)
+               for c in ORDER_CASES]
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=lambda c: c["name"])
+def test_sm90_backward_heads_in_chunks_match_reference(case):
+    from dataclasses import replace
+
+    from asymflash.backends.sm90 import bwd
+
+    cfg = replace(bwd.select_config(bwd_width(case), softcap=bool(case.get("softcap")),
+                                    masked=True, max_seqlen_q=max(case["lens_q"])),
+                  heads_chunk=2, ws_persistent=False)
+    seq = make_case(case, "cuda")[4]
+    width, width_v = bwd._fwd.forward_widths(case["d"], case.get("dv", case["d"]))
+    plan = bwd.launch_plan(width, width_v, seq.max_seqlen_q, seq.max_seqlen_k, seq.uniform,
+                           False, -1, 0, bool(case.get("softcap")), False, seq.batch, 4, 132,
+                           cfg, False, case["hq"])
+    assert plan.constexprs["HEADS_FIRST"] == 2 and plan.grid[0] == 2, plan.grid
+    for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
+        assert_fa_close(name, g, r32, rlow, atol=atol)
+
+
 # The dQ staging tile with a 32-byte swizzle (BwdConfig.dq_swizzle: conflict-free stores from
 # the wgmma accumulator; the TMA reduce moves 8-column boxes; d=64's default), on every case
 # of each kernel: bwd.py's (d=64, softcap), bwd_ws.py's (d=128, deterministic with its dQ

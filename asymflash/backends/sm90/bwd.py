@@ -90,6 +90,7 @@ from .bwd_config import (  # noqa: F401 - re-exported: tests and scripts read th
     HEADS_FIRST_L2_BYTES,
     BwdConfig,
     _splits_warpgroups,
+    head_chunk,
     heads_first,
     select_config,
 )
@@ -437,7 +438,7 @@ if _GLUON_ERROR is None:
 
 def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, has_left,
                 has_right, softcap, deterministic=False, max_key_blocks=1, resident_ctas=1,
-                kv_tma_store=False, split=False, heads_first_grid=False):
+                kv_tma_store=False, split=False, heads_first_grid=0):
     # A staggered deterministic walk makes key block j wait for j + 1 at some query blocks, so
     # every key block of a sequence must be resident at once (one CTA per SM): otherwise
     # ascending turns, where a CTA only waits for CTAs launched before it.
@@ -751,18 +752,22 @@ def launch_plan(width: int, width_v: int, max_seqlen_q: int, max_seqlen_k: int,
                         window_left >= 0 or window_right >= 0, max_seqlen_q, window_left >= 0)
     if arrive:
         cfg = replace(cfg, arrive_all=True)
-    grid = (cdiv(max(max_seqlen_k, 1), cfg.block_n), hkv, batch)
-    first = heads_first(cfg, window_right >= 0 and window_left < 0,
-                        uniform and not has_seqused, deterministic, hq or hkv, max_seqlen_q,
-                        width, width_v)
-    if first:
-        grid = (hkv, grid[0], batch)
+    key_blocks = cdiv(max(max_seqlen_k, 1), cfg.block_n)
     split = _splits_warpgroups(width, cfg, deterministic, softcap)
+    dense = uniform and not has_seqused
+    chunk = head_chunk(cfg, window_right >= 0 and window_left < 0, dense, deterministic,
+                       split and persists(cfg, dense, softcap), hq or hkv, hkv, batch,
+                       max_seqlen_q, max_seqlen_k, window_right, width, width_v, sms)
+    # the kernels' HEADS_FIRST (bwd_parts.key_block): 0 one head after another, 1 all heads
+    # first, c >= 2 chunks of c kv heads
+    first = 1 if chunk == hkv else chunk
+    grid = ((chunk, hkv // chunk * key_blocks, batch) if chunk
+            else (key_blocks, hkv, batch))
     consts = _constexprs(width, width_v, cfg, split=split, uniform=uniform,
                          has_seqused=has_seqused,
                          has_left=window_left >= 0, has_right=window_right >= 0,
                          softcap=softcap, deterministic=deterministic,
-                         max_key_blocks=grid[1] if first else grid[0], resident_ctas=sms,
+                         max_key_blocks=key_blocks, resident_ctas=sms,
                          heads_first_grid=first,
                          kv_tma_store=cfg.kv_tma_store and kv_tma_store(
                              uniform, max_seqlen_k, batch, cfg.block_n))

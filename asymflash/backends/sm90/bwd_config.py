@@ -5,6 +5,8 @@ launch are in `bwd.py`, `bwd_ws.py` and `bwd_wide.py`; `bwd.py` re-exports these
 
 from __future__ import annotations
 
+import functools
+import heapq
 from dataclasses import dataclass, replace
 
 
@@ -155,8 +157,19 @@ class BwdConfig:
     # d=128 1k / 2k 316-317 / 400-414 -> 319-328 / 420-436, d=256 1k / 2k 240 / 292-293 ->
     # 248 / 302-304, 512 rows +1 %, d=64 a tie. (All heads at once over 16k rows lost L2
     # sharing: -7 % at d=128, session 10.) None: per call (`heads_first`: where all heads'
-    # Q and dO fit HEADS_FIRST_L2_BYTES).
+    # Q and dO fit HEADS_FIRST_L2_BYTES; where they do not, in chunks of heads: heads_chunk).
     heads_first: bool | None = None
+    # Heads first in chunks of this many kv heads (a divisor of the call's; the grid is
+    # (chunk's heads, chunks x key blocks, sequences): chunk by chunk, key block 0 of each of
+    # its heads first). Where all heads' Q and dO overflow L2, one head after another ends
+    # each head with its shortest blocks: the host's replay of the hardware's hand-out
+    # (`dispatch_imbalance`) gives the busiest SM of d=128 causal 4k / 8k 1.068 / 1.056x the
+    # mean work, chunks of 8 / 4 heads 1.002 / 1.000x. H200 2026-12-01 session 25
+    # (sm90-bwd-probe, causal TFLOP/s, one head after another -> all heads first): d=128 4k /
+    # 8k 479 / 530 -> 488 / 503, d=64 449 / 473 -> 433 / 446, d=256 356 / 392 -> 362 / 376
+    # (L2 lost at 8k). None: per call (`head_chunk`); plain grids only (a persistent grid
+    # takes tiles in the order of one head after another, or of all heads first).
+    heads_chunk: int | None = None
     # bwd_ws without deterministic mode: the compute warpgroups hand their staged dQ tiles to
     # the dQ warp, which issues both reduces (deterministic mode's hand-over, without the
     # turns), instead of each issuing its own. H200 2026-11-30 session 20 (sm90-bwd-probe,
@@ -264,15 +277,84 @@ _DEFAULT_CONFIGS = {
 HEADS_FIRST_L2_BYTES = 24 << 20
 
 
+# A chunked grid order (BwdConfig.heads_chunk) is taken where it lowers the replayed
+# imbalance of one head after another by more than this.
+CHUNK_GAIN = 0.01
+
+
 def heads_first(cfg: BwdConfig, masked: bool, uniform: bool, deterministic: bool, hq: int,
                 max_seqlen_q: int, head_dim: int, head_dim_v: int) -> bool:
-    """Whether a call's grid runs heads first (BwdConfig.heads_first): causal or right-window
-    masks on dense lengths, not deterministic."""
+    """Whether a call's grid runs all heads first (BwdConfig.heads_first): causal or
+    right-window masks on dense lengths, not deterministic."""
     if not (masked and uniform) or deterministic:
         return False
     if cfg.heads_first is not None:
         return cfg.heads_first
     return hq * max_seqlen_q * (head_dim + head_dim_v) * 2 <= HEADS_FIRST_L2_BYTES
+
+
+def head_chunk(cfg: BwdConfig, masked: bool, uniform: bool, deterministic: bool,
+               persistent: bool, hq: int, hkv: int, batch: int, max_seqlen_q: int,
+               max_seqlen_k: int, window_right: int, head_dim: int, head_dim_v: int,
+               slots: int) -> int:
+    """The grid's head order: 0, one head after another (key blocks first); hkv, all heads
+    first (`heads_first`); 2 <= c < hkv, heads first in chunks of c kv heads
+    (BwdConfig.heads_chunk; plain grids only)."""
+    if not (masked and uniform) or deterministic or cfg.heads_first is False:
+        return 0
+    chunk = cfg.heads_chunk
+    if chunk is not None:  # an explicit chunk wins (1: one head after another)
+        if chunk < 1 or hkv % chunk or (1 < chunk < hkv and persistent):
+            raise ValueError(f"BwdConfig.heads_chunk {chunk}: needs a divisor of the {hkv} kv "
+                             "heads and, below all of them, the plain grid (ws_persistent off)")
+        return hkv if chunk == hkv else 0 if chunk == 1 else chunk
+    if heads_first(cfg, masked, uniform, deterministic, hq, max_seqlen_q, head_dim,
+                   head_dim_v):
+        return hkv
+    if persistent:
+        return 0
+    per_head = hq // hkv * max_seqlen_q * (head_dim + head_dim_v) * 2
+    fits = [c for c in range(2, hkv) if hkv % c == 0 and c * per_head <= HEADS_FIRST_L2_BYTES]
+    if not fits:
+        return 0
+    steps = key_block_steps(cfg, max_seqlen_q, max_seqlen_k, window_right, hq // hkv)
+    flat = dispatch_imbalance(steps, hkv, batch, 1, slots)
+    chunked = dispatch_imbalance(steps, hkv, batch, fits[-1], slots)
+    return fits[-1] if flat - chunked > CHUNK_GAIN else 0
+
+
+def key_block_steps(cfg: BwdConfig, seqlen_q: int, seqlen_k: int, window_right: int,
+                    group: int) -> tuple[int, ...]:
+    """Steps (query blocks of the GQA group's heads) of each key block of a dense call
+    with a right mask edge (causal: window_right 0): key block j sees the rows from
+    j·block_n - (seqlen_k - seqlen_q) - window_right on."""
+    shift = seqlen_k - seqlen_q
+    n_blocks = -(-seqlen_k // cfg.block_n)
+    first_rows = (max(0, j * cfg.block_n - shift - window_right) for j in range(n_blocks))
+    return tuple(-(-max(0, seqlen_q - r) // cfg.block_m) * group for r in first_rows)
+
+
+# A CTA's cost beyond its steps, in steps (bwd_ws: K/V wait, epilogue, the gap to the next
+# CTA, 1.9-3.4 steps, H200 2026-11-30 session 20: `BwdConfig.ws_persistent`).
+CTA_FIXED_STEPS = 2.0
+
+
+@functools.lru_cache(maxsize=256)
+def dispatch_imbalance(steps: tuple[int, ...], hkv: int, batch: int, chunk: int,
+                       slots: int) -> float:
+    """Busiest slot's work over the mean when the hardware hands the grid's CTAs out in
+    order, each to the first slot (resident CTA) that frees up: sequences, then chunks of
+    `chunk` kv heads, then key blocks, then the chunk's heads (chunk 1: one head after
+    another)."""
+    costs = [s + CTA_FIXED_STEPS for s in steps]
+    free = [0.0] * slots  # a heap of the slots' finish times
+    total = 0.0
+    for _ in range(batch * (hkv // chunk)):
+        for cost in costs:
+            for _ in range(chunk):
+                heapq.heapreplace(free, free[0] + cost)
+                total += cost
+    return max(free) / (total / slots)
 
 
 def _splits_warpgroups(head_dim: int, cfg: BwdConfig, deterministic: bool,

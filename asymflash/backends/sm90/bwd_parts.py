@@ -65,7 +65,7 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def key_block(cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr,
                   UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr, TOP_FIRST: gl.constexpr,
-                  HEADS_FIRST: gl.constexpr = False):
+                  HEADS_FIRST: gl.constexpr = 0):
         """This CTA's key block, kv head and sequence: (n_blk, n_seq, hk, batch, q_start,
         k_start, seqlen_q, seqlen_k); n_seq key blocks in the sequence.
 
@@ -74,10 +74,12 @@ if _GLUON_ERROR is None:
         takes the first turn there, and the grid runs from the top key block down, so a CTA
         only ever waits for CTAs launched before it.
 
-        HEADS_FIRST (BwdConfig.heads_first): the grid is (kv heads, key blocks, sequences),
-        so the hardware hands out key block 0 of every head of a sequence, then block 1, ...:
-        longest first under a causal mask, where the (key blocks, ...) order ends each head
-        with its shortest blocks and the call with a wave of long and short CTAs mixed.
+        HEADS_FIRST (BwdConfig.heads_first): 1, the grid is (kv heads, key blocks,
+        sequences), so the hardware hands out key block 0 of every head of a sequence, then
+        block 1, ...: longest first under a causal mask, where the (key blocks, ...) order
+        ends each head with its shortest blocks and the call with a wave of long and short
+        CTAs mixed. c >= 2 (BwdConfig.heads_chunk, dense lengths): the same in chunks of c kv
+        heads, the grid (c, chunks x key blocks, sequences).
         """
         n_blk = gl.program_id(1 if HEADS_FIRST else 0)
         hk = gl.program_id(0 if HEADS_FIRST else 1)
@@ -85,6 +87,9 @@ if _GLUON_ERROR is None:
         q_start, k_start, seqlen_q, seqlen_k = _sequence(
             batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr, UNIFORM, HAS_SEQUSED)
         n_seq = (seqlen_k + BLOCK_N - 1) // BLOCK_N
+        if HEADS_FIRST > 1:
+            hk += n_blk // n_seq * HEADS_FIRST
+            n_blk = n_blk % n_seq
         if TOP_FIRST:
             n_blk = n_seq - 1 - n_blk
         return n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k
@@ -428,7 +433,7 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def key_block_origin(seqlen_k, BLOCK_N: gl.constexpr, TOP_FIRST: gl.constexpr,
-                         HEADS_FIRST: gl.constexpr = False):
+                         HEADS_FIRST: gl.constexpr = 0):
         """(first packed key row, kv head) of this CTA's key block in a uniform call,
         recomputed for the epilogue (`key_block`'s values, derived again). Reusing the
         prologue's would keep them live through the loop: at d <= 128 the kernels run at
@@ -437,6 +442,10 @@ if _GLUON_ERROR is None:
         n_blk = _ctaid_again(seqlen_k, 1 if HEADS_FIRST else 0)
         hk = _ctaid_again(seqlen_k, 0 if HEADS_FIRST else 1)
         batch = _ctaid_again(seqlen_k, 2)
+        if HEADS_FIRST > 1:
+            n_seq = (seqlen_k + BLOCK_N - 1) // BLOCK_N
+            hk += n_blk // n_seq * HEADS_FIRST
+            n_blk = n_blk % n_seq
         if TOP_FIRST:
             n_blk = (seqlen_k + BLOCK_N - 1) // BLOCK_N - 1 - n_blk
         return batch * seqlen_k + n_blk * BLOCK_N, hk
@@ -479,7 +488,7 @@ if _GLUON_ERROR is None:
                         HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
                         KV_TMA_STORE: gl.constexpr, TOP_FIRST: gl.constexpr,
                         dk_layout: gl.constexpr, dv_layout: gl.constexpr,
-                        HEADS_FIRST: gl.constexpr = False):
+                        HEADS_FIRST: gl.constexpr = 0):
         """Both kernels' epilogue: the CTA's dK (already scaled) and dV tiles, by TMA through
         the Q and dO buffers (free once the loop is over: d <= 128 two 32 KB rings, d = 256
         Q's 64 KB ring and dO's 32 KB buffer) where the host allows it (`kv_tma_store`), else

@@ -570,6 +570,7 @@ if _GLUON_ERROR is None:
         fragment-order tiles, q_start + 128 · sequence, since `fragment_block` reads the
         sequence from the grid's third index, which a persistent grid does not have (its
         2 · sequence is 2 · 0 there)."""
+        gl.static_assert(HEADS_FIRST <= 1, "chunked head order: plain grids only")
         if HEADS_FIRST:
             hk = t % n_kv_heads
             n_blk = (t // n_kv_heads) % n_blocks
