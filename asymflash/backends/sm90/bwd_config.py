@@ -165,10 +165,12 @@ class BwdConfig:
     # each head with its shortest blocks: the host's replay of the hardware's hand-out
     # (`dispatch_imbalance`) gives the busiest SM of d=128 causal 4k / 8k 1.068 / 1.056x the
     # mean work, chunks of 8 / 4 heads 1.002 / 1.000x. H200 2026-12-01 session 25
-    # (sm90-bwd-probe, causal TFLOP/s, one head after another -> all heads first): d=128 4k /
+    # (sm90-bwd-probe, causal TFLOP/s): one head after another -> all heads first, d=128 4k /
     # 8k 479 / 530 -> 488 / 503, d=64 449 / 473 -> 433 / 446, d=256 356 / 392 -> 362 / 376
-    # (L2 lost at 8k). None: per call (`head_chunk`); plain grids only (a persistent grid
-    # takes tiles in the order of one head after another, or of all heads first).
+    # (L2 lost at 8k); one head after another -> chunks (three interleaved rounds), d=64 4k /
+    # 8k 425 / 472 -> 432 / 482 (16 / 8 heads), d=128 472 / 525 -> 490 / 535 (8 / 4),
+    # d=256 4k 353 -> 366 (4). None: per call (`head_chunk`); plain grids only (a persistent
+    # grid takes tiles in the order of one head after another, or of all heads first).
     heads_chunk: int | None = None
     # bwd_ws without deterministic mode: the compute warpgroups hand their staged dQ tiles to
     # the dQ warp, which issues both reduces (deterministic mode's hand-over, without the
