@@ -86,14 +86,6 @@ print(_json.dumps(dict(
     release_after_bulk_write=bool(_re.search(
         r"cp\.async\.bulk\.wait_group 0;\s*fence\.proxy\.async\.global;(?:(?!atom\.)[\s\S])*"
         r"atom\.global\.gpu\.release", kernel.asm["ptx"])),
-    # BwdConfig.split_turns: the low dQ half's release waits for all but the newest reduce
-    # (the high half, issued right before it), and the turns are polled with `>=`
-    low_half_release=len(_re.findall(
-        r"cp\.reduce\.async\.bulk\.tensor(?:(?!atom\.|cp\.async\.bulk\.wait_group)[\s\S])*"
-        r"cp\.async\.bulk\.wait_group 1;\s*"
-        r"fence\.proxy\.async\.global;(?:(?!atom\.)[\s\S])*atom\.global\.gpu\.release",
-        kernel.asm["ptx"])),
-    spin_at_least=kernel.asm["ptx"].count("setp.lt.s32 %spin_busy"),
     syncs=len(_re.findall(r"\bSYNCS\.(?:PHASECHK|ARRIVE)", _sass)),
     bars=_sass.count("BAR.SYNC"),
     vote_any=_sass.count("VOTE.ANY"),

@@ -595,33 +595,6 @@ def test_d256_dq_staging_in_the_operand_buffers_only_where_it_fits():
     assert "DQ_IN_OPS" not in bwd._constexprs(128, 128, bwd.select_config(128), **feats)
 
 
-def test_split_turns_release_each_dq_half_once_it_has_landed():
-    """BwdConfig.split_turns (deterministic d=256, off by default): two releases per visit,
-    the low half's right behind the high half's issue (wait_group 1: all but that newest
-    reduce have written), the high half's after wait_group 0; turns polled with `>=` (the
-    counter may run past a turn between two polls)."""
-    feats = {"uniform": True, "has_seqused": False, "has_left": False, "has_right": False,
-             "softcap": False}
-    det = bwd.select_config(256, deterministic=True)
-    assert not det.split_turns and det.dq_hi_late and det.turn_release == 3
-
-    def split(cfg, deterministic=True, dv=256):
-        return bwd._constexprs(256, dv, cfg, deterministic=deterministic, **feats)["SPLIT_TURNS"]
-
-    on = replace(det, split_turns=True)
-    assert split(on) and not split(det)
-    # only with the late high half released from warp 0 in the next step, deterministic
-    assert not split(replace(on, turn_release=1)) and not split(replace(on, dq_hi_late=False))
-    assert not split(on, deterministic=False) and not split(on, dv=128)
-    for kw in ({}, {"has_right": True}):
-        rep = compile_report(head_dim=256, deterministic=True, cfg={"split_turns": True}, **kw)
-        # in the loop and after it (the last step's high half)
-        assert rep["low_half_release"] == 2 and rep["release_after_bulk_write"], rep
-        assert rep["spin_at_least"] == 3 and rep["local"] == 0, rep
-    rep = compile_report(head_dim=256, deterministic=True)
-    assert rep["low_half_release"] == 0 and rep["spin_at_least"] == 0, rep
-
-
 def test_turn_release_by_warp_zero_only_in_the_wide_kernel():
     """turn_release 3 (release from warp 0 after the main barrier) exists in bwd_wide only:
     bwd.py's kernel would never pass a turn on inside its step loop (a deadlock), so the

@@ -515,8 +515,7 @@ def test_sm90_deterministic_backward_is_bitwise_reproducible(case):
 # swizzle), with dK issued behind dQ (ws_dk_after_dq), at d=64 bwd.py's synchronous kernel
 # (the default before 2026-11-30 session 19) and bwd_ws.py's with 64-row steps; at d=256
 # without the late high dQ half (BwdConfig.dq_hi_late, the default since 2026-12-01 session
-# 25) and with it where the turn is released at the main barrier or before the next take, or
-# as two turns, one per dQ half (BwdConfig.split_turns).
+# 25) and with it where the turn is released at the main barrier or before the next take.
 DET_VARIANTS = [(c, variant) for c in DET_CASES if c["d"] in (96, 128) and not c.get("softcap")
                 for variant in (dict(ws_deterministic=False), dict(dv_overlap=False),
                                 dict(arrive_all=True), dict(dq_fragment=False, dq_swizzle=32),
@@ -524,8 +523,7 @@ DET_VARIANTS = [(c, variant) for c in DET_CASES if c["d"] in (96, 128) and not c
     [(c, variant) for c in DET_CASES if c["d"] == 64 and not c.get("softcap")
      for variant in (dict(split_warpgroups=False, dq_swizzle=32), dict(block_m=64))] + \
     [(c, variant) for c in DET_CASES if c["d"] == 256
-     for variant in (dict(dq_hi_late=False), dict(turn_release=1), dict(turn_release=2),
-                     dict(split_turns=True))]
+     for variant in (dict(dq_hi_late=False), dict(turn_release=1), dict(turn_release=2))]
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")

@@ -463,9 +463,6 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
         # issue, it waits for that reduce too (wait_group 0 covers every reduce issued).
         consts["HI_LATE"] = cfg.dq_hi_late and consts["DQ_IN_OPS"] and not (
             deterministic and consts["RELEASE_AT"] == 0)
-        # two turns per visit where the high half is released from warp 0 in the next step
-        consts["SPLIT_TURNS"] = (cfg.split_turns and deterministic and consts["HI_LATE"]
-                                 and consts["RELEASE_AT"] == 3)
     consts["STATS_LATE"] = cfg.stats_late
     if split:
         consts["LATE_WG"] = cfg.late_warpgroup

@@ -255,15 +255,6 @@ class BwdConfig:
     # half out, and the loop's back branch behind it (Nsight Compute, H200 2026-12-01 session
     # 23, d=256 16k: 15 % of the kernel's warp samples on those three instructions).
     dq_hi_late: bool = False
-    # Deterministic d=256 with dq_hi_late and turn_release 3: the dQ turn counter goes up
-    # twice per visitor, once its low half has landed (released at the next step's start,
-    # right behind the high half's issue) and once its high half has (at that step's main
-    # barrier), and the next visitor waits for each half's turn where it adds that half
-    # (`bwd_parts.take_low_half_turn`): the halves are disjoint columns, so each keeps its
-    # own order, and each turn gets two thirds of a step of slack instead of one third
-    # (session 24: the turn waits cost ~9 % of deterministic d=256). Prepared 2026-12-01
-    # session 25.
-    split_turns: bool = False
 
 
 # FA3's Hopper shapes (BM=64, BN=128, two MMA warpgroups) to start from. d=128 (ptxas,

@@ -292,40 +292,6 @@ if _GLUON_ERROR is None:
         """Deterministic mode: spin until key block n_blk may add its dQ partial of query
         block m0 of head h (bwd.py's docstring), return that block's turn counter.
         WARP_SPIN: every warp polls (`spin_until_equal`), else thread 0 polls and broadcasts.
-        """
-        sem, turn = dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq, shift,
-                            window_left, window_right, h_first, m_lo, group_blocks, stride,
-                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER)
-        if WARP_SPIN:
-            spin_until_equal(sem, turn)
-        else:
-            while gl.atomic_add(sem, 0, sem="acquire") != turn:
-                pass
-        return sem
-
-    @gluon.jit
-    def take_low_half_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq, shift,
-                           window_left, window_right, h_first, m_lo, group_blocks, stride,
-                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                           STAGGER: gl.constexpr):
-        """BwdConfig.split_turns (bwd_wide): the counter goes up twice per visitor, once its
-        low dQ half has landed and once its high half has, so turn k may add its low half
-        from 2k - 1 on and its high half from 2k on (`spin_until_at_least`: the counter may
-        have moved past). Waits for the low half's turn; returns (counter, turn)."""
-        sem, turn = dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq, shift,
-                            window_left, window_right, h_first, m_lo, group_blocks, stride,
-                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER)
-        spin_until_at_least(sem, 2 * turn - 1)
-        return sem, turn
-
-    @gluon.jit
-    def dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq, shift,
-                window_left, window_right, h_first, m_lo, group_blocks, stride,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr):
-        """(turn counter, turn) of key block n_blk at query block m0 of head h: the counter
-        reads `turn` once every earlier visitor has added its dQ partial.
 
         Key blocks [n_first, n_last] see the query block; causal turns run from n_last down.
         Staggered walks (`walk_start`, stride > 0): the step index e of (h, m0) is visited
@@ -346,25 +312,12 @@ if _GLUON_ERROR is None:
                     first = gl.minimum(e // stride, n_seq - 1)
                     turn = (first - n_blk + n_seq) % n_seq
         sem = sem_ptr + (batch * n_heads + h) * num_m_blocks + m0 // BLOCK_M
-        return sem, turn
-
-    @gluon.constexpr_function
-    def _spin_asm(busy_if):
-        """PTX of `spin_until_equal` (busy_if "ne") and `spin_until_at_least` ("lt")."""
-        return ("{\n\t.reg .pred %spin_busy;\n\t.reg .b32 %spin_now;"
-                "\nSPIN_POLL:\n\tld.acquire.gpu.global.b32 %spin_now, [$1];"
-                f"\n\tsetp.{busy_if}.s32 %spin_busy, %spin_now, $2;"
-                "\n\tvote.sync.any.pred %spin_busy, %spin_busy, -1;"
-                "\n\t@%spin_busy bra.uni SPIN_POLL;"
-                "\n\tmov.b32 $0, 0;\n\t}")
-
-    @gluon.jit
-    def spin_until_at_least(ptr, value):
-        """`spin_until_equal` for a counter that may run past `value` before it is read
-        (BwdConfig.split_turns: two releases per turn)."""
-        gl.inline_asm_elementwise(_spin_asm("lt"), "=r,l,r", [ptr, value], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-        gl.thread_barrier()
+        if WARP_SPIN:
+            spin_until_equal(sem, turn)
+        else:
+            while gl.atomic_add(sem, 0, sem="acquire") != turn:
+                pass
+        return sem
 
     @gluon.jit
     def spin_until_equal(ptr, value):
@@ -381,8 +334,14 @@ if _GLUON_ERROR is None:
         thread or one warp polling behind a branch on the thread index, or thread 0 with a
         predicated load, still spilled 60-77 in the non-causal build.
         """
-        gl.inline_asm_elementwise(_spin_asm("ne"), "=r,l,r", [ptr, value], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        gl.inline_asm_elementwise(
+            "{\n\t.reg .pred %spin_busy;\n\t.reg .b32 %spin_now;"
+            "\nSPIN_POLL:\n\tld.acquire.gpu.global.b32 %spin_now, [$1];"
+            "\n\tsetp.ne.s32 %spin_busy, %spin_now, $2;"
+            "\n\tvote.sync.any.pred %spin_busy, %spin_busy, -1;"
+            "\n\t@%spin_busy bra.uni SPIN_POLL;"
+            "\n\tmov.b32 $0, 0;\n\t}",
+            "=r,l,r", [ptr, value], dtype=gl.int32, is_pure=False, pack=1)
         gl.thread_barrier()
 
     @gluon.jit
@@ -411,16 +370,15 @@ if _GLUON_ERROR is None:
         return sem
 
     @gluon.constexpr_function
-    def _landed_asm(from_warp, pending):
-        """PTX: wait until this thread's bulk reduces but the newest `pending` have written,
-        fence the async proxy (and, from_warp, a warp barrier), then pass $1 through as $0."""
+    def _landed_asm(from_warp):
+        """PTX: wait until this thread's bulk reduces have written, fence the async proxy
+        (and, from_warp, a warp barrier), then pass $1 through as $0."""
         warp = "bar.warp.sync -1;\n\t" if from_warp else ""
-        return (f"cp.async.bulk.wait_group {pending};\n\tfence.proxy.async.global;\n\t" + warp
+        return ("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\t" + warp
                 + "mov.b32 $0, $1;")
 
     @gluon.jit
-    def release_dq_turn_after_tma(sem, x, FROM_WARP: gl.constexpr = False,
-                                  PENDING: gl.constexpr = 0):
+    def release_dq_turn_after_tma(sem, x, FROM_WARP: gl.constexpr = False):
         """Deterministic mode with TMA reduces: pass the turn on once this CTA's dQ adds are
         complete in global memory.
 
@@ -433,11 +391,8 @@ if _GLUON_ERROR is None:
         reduces and thread 0 releases, so warp 0 alone waits for them to land and passes the
         turn on after a warp barrier (bar.warp.sync orders memory among the warp's threads);
         the release's fence (a MEMBAR) then holds up warp 0 only, until the next CTA
-        barrier.
-
-        PENDING (BwdConfig.split_turns, with FROM_WARP): the newest PENDING reduces may still
-        be in flight: the low dQ half's release, issued right behind the high half."""
-        gl.inline_asm_elementwise(_landed_asm(FROM_WARP, PENDING), "=r,r", [x], dtype=gl.int32,
+        barrier."""
+        gl.inline_asm_elementwise(_landed_asm(FROM_WARP), "=r,r", [x], dtype=gl.int32,
                                   is_pure=False, pack=1)
         if not FROM_WARP:
             gl.thread_barrier()

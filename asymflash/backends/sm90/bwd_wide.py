@@ -67,13 +67,11 @@ if _GLUON_ERROR is None:
         probabilities,
         query_range,
         release_dq_turn_after_tma,
-        spin_until_at_least,
         stage_dq,
         stage_stats,
         step_needs_mask,
         store_key_grads,
         take_dq_turn,
-        take_low_half_turn,
         tma_reduce_add,
         walk_start,
     )
@@ -103,8 +101,7 @@ if _GLUON_ERROR is None:
                              STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
                              WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
                              STATS_LATE: gl.constexpr, HEADS_FIRST: gl.constexpr,
-                             DQ_IN_OPS: gl.constexpr = False, HI_LATE: gl.constexpr = False,
-                             SPLIT_TURNS: gl.constexpr = False):
+                             DQ_IN_OPS: gl.constexpr = False, HI_LATE: gl.constexpr = False):
         # dPᵀ is always issued with Sᵀ here (DP_EARLY is bwd.py's register trade-off), and dV
         # is always retired before dSᵀ is published (barrier 2 relies on it); DV_OVERLAP keeps
         # it in flight while dSᵀ is formed. DQ_TMA: dQ leaves by TMA reduce-add in two
@@ -173,7 +170,6 @@ if _GLUON_ERROR is None:
                                        STAGGER, BLOCK_M)
             m_end = m_lo + group_blocks * BLOCK_M
             held = sem_ptr  # deferred release: the dQ turn this CTA still holds
-            held_turn = 0  # SPLIT_TURNS: that turn's index (`dq_turn`)
             load_rows(q_desc, q_smem.index(0), q_ready.index(0), q_start + m0, h, HEAD_DIM,
                       n_steps > 0)
             load_rows(do_desc, do_smem.index(0), do_ready.index(0), q_start + m0, h,
@@ -217,12 +213,8 @@ if _GLUON_ERROR is None:
                                        is_async=True)
                 if HI_LATE:
                     if it > 0:  # barrier 1 below waits for its read before Q's next load
-                        if SPLIT_TURNS:  # the previous visitor's high half has landed
-                            spin_until_at_least(held, 2 * held_turn)
                         tma_reduce_add(dq_desc, [pend_row, pend_col],
                                        _dq_tile_in(q_smem.index(1 - slot), dq_desc))
-                        if SPLIT_TURNS:  # the low half's turn, once it has landed
-                            release_dq_turn_after_tma(held, m0, True, 1)
                 if not STATS_LATE:  # next step's statistics (published by barrier 1)
                     if it + 1 < n_steps:
                         stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
@@ -284,17 +276,11 @@ if _GLUON_ERROR is None:
                                     m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
                 if DETERMINISTIC:
                     if WAIT_EARLY:  # the semaphore's round trip under the MMAs (bwd.py)
-                        if SPLIT_TURNS:
-                            sem, turn = take_low_half_turn(
-                                sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq,
-                                shift, window_left, window_right, h_first, m_lo, group_blocks,
-                                stride, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER)
-                        else:
-                            sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
-                                               num_m_blocks, m0, n_blk, n_seq, shift,
-                                               window_left, window_right, h_first, m_lo,
-                                               group_blocks, stride, BLOCK_M, BLOCK_N,
-                                               HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT, True)
+                        sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
+                                           m0, n_blk, n_seq, shift, window_left, window_right,
+                                           h_first, m_lo, group_blocks, stride, BLOCK_M,
+                                           BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
+                                           True)
                 # Groups retire in order: the low dQ half is added while the high one runs.
                 dk, dq_lo = warpgroup_mma_wait(1, deps=[dk_tok, dq_lo_tok])
                 if DQ_TMA:
@@ -323,19 +309,12 @@ if _GLUON_ERROR is None:
                     fence_async_shared()
                     if DETERMINISTIC:
                         if not WAIT_EARLY:
-                            if SPLIT_TURNS:
-                                sem, turn = take_low_half_turn(
-                                    sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq,
-                                    shift, window_left, window_right, h_first, m_lo,
-                                    group_blocks, stride, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                    HAS_RIGHT, STAGGER)
-                            else:
-                                sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
-                                                   num_m_blocks, m0, n_blk, n_seq, shift,
-                                                   window_left, window_right, h_first, m_lo,
-                                                   group_blocks, stride, BLOCK_M, BLOCK_N,
-                                                   HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
-                                                   True)
+                            sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
+                                               num_m_blocks, m0, n_blk, n_seq, shift,
+                                               window_left, window_right, h_first, m_lo,
+                                               group_blocks, stride, BLOCK_M, BLOCK_N,
+                                               HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
+                                               True)
                     gl.thread_barrier()
                     tma_reduce_add(dq_desc, [dq_row, lo_col], lo_buf)
                     dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
@@ -357,8 +336,6 @@ if _GLUON_ERROR is None:
                         tma_reduce_add(dq_desc, [hi_row, hi_col], hi_buf)
                     if DETERMINISTIC:
                         held = after_dq_reduce(sem, m0, RELEASE_AT)
-                        if SPLIT_TURNS:
-                            held_turn = turn + 0  # (`+ 0`: see bwd_ws's h_prev)
                 else:
                     if DETERMINISTIC:  # atomics: each turn is released in its own step
                         sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
@@ -380,12 +357,8 @@ if _GLUON_ERROR is None:
             if DQ_TMA:
                 if HI_LATE:
                     if n_steps > 0:  # the last step's high half
-                        if SPLIT_TURNS:
-                            spin_until_at_least(held, 2 * held_turn)
                         tma_reduce_add(dq_desc, [pend_row, pend_col],
                                        _dq_tile_in(q_smem.index((n_steps - 1) % 2), dq_desc))
-                        if SPLIT_TURNS:
-                            release_dq_turn_after_tma(held, n_steps, True, 1)
                 if DETERMINISTIC:
                     if RELEASE_AT != 0:
                         if n_steps > 0:
