@@ -87,12 +87,20 @@ if _GLUON_ERROR is None:
         q_start, k_start, seqlen_q, seqlen_k = _sequence(
             batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr, UNIFORM, HAS_SEQUSED)
         n_seq = (seqlen_k + BLOCK_N - 1) // BLOCK_N
-        if HEADS_FIRST > 1:
-            hk += n_blk // n_seq * HEADS_FIRST
-            n_blk = n_blk % n_seq
+        n_blk, hk = _head_chunk_split(n_blk, hk, n_seq, HEADS_FIRST)
         if TOP_FIRST:
             n_blk = n_seq - 1 - n_blk
         return n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k
+
+    @gluon.jit
+    def _head_chunk_split(y, x, n_seq, HEADS_FIRST: gl.constexpr):
+        """(key block, kv head) from the grid's (y, x) = (key block, kv head) where the grid
+        is not chunked, or (chunk x key blocks + key block, head in the chunk) where
+        HEADS_FIRST = c >= 2 kv heads per chunk (BwdConfig.heads_chunk)."""
+        if HEADS_FIRST > 1:
+            x += y // n_seq * HEADS_FIRST
+            y = y % n_seq
+        return y, x
 
     @gluon.jit
     def load_kv(k_desc, v_desc, k_smem, v_smem, bar, row, hk, HEAD_DIM: gl.constexpr,
@@ -442,12 +450,10 @@ if _GLUON_ERROR is None:
         n_blk = _ctaid_again(seqlen_k, 1 if HEADS_FIRST else 0)
         hk = _ctaid_again(seqlen_k, 0 if HEADS_FIRST else 1)
         batch = _ctaid_again(seqlen_k, 2)
-        if HEADS_FIRST > 1:
-            n_seq = (seqlen_k + BLOCK_N - 1) // BLOCK_N
-            hk += n_blk // n_seq * HEADS_FIRST
-            n_blk = n_blk % n_seq
+        n_seq = (seqlen_k + BLOCK_N - 1) // BLOCK_N
+        n_blk, hk = _head_chunk_split(n_blk, hk, n_seq, HEADS_FIRST)
         if TOP_FIRST:
-            n_blk = (seqlen_k + BLOCK_N - 1) // BLOCK_N - 1 - n_blk
+            n_blk = n_seq - 1 - n_blk
         return batch * seqlen_k + n_blk * BLOCK_N, hk
 
     @gluon.jit
