@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from asymflash import flash_attn_with_kvcache  # noqa: E402
 from asymflash.bench_core import capture_graph, host_issue_us, profile_calls  # noqa: E402
+from probe_common import forced_decode_config  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 4, 128, 64
 DTYPE = torch.bfloat16
@@ -115,7 +116,7 @@ STEP_CALLS = 8  # decode calls per captured "step" (one per layer in a serving e
 STEP_MAX_BYTES = 600e6  # the step column only where fixed per-call costs matter
 
 
-def step_graph_ms(case, graph, num_splits: int = 0) -> float:
+def step_graph_ms(case, graph) -> float:
     """ms per call of STEP_CALLS asymflash decode calls on as many different caches (same
     sizes and page table), captured in one CUDA graph: serving engines capture a whole
     decode step (every layer) as one graph, so a call there pays no graph launch of its
@@ -127,8 +128,7 @@ def step_graph_ms(case, graph, num_splits: int = 0) -> float:
     def step():
         for kc, vc in caches:
             flash_attn_with_kvcache(case["q"], kc, vc, cache_seqlens=case["seqlens"],
-                                    page_table=case["page_table"], num_splits=num_splits,
-                                    check_values=False)
+                                    page_table=case["page_table"], check_values=False)
     return graph(step) / STEP_CALLS
 
 
@@ -266,11 +266,9 @@ def sweep(graph, copy_gbs, budget_s, t_start):
                                    v_cache=case["v_cache"], page_table=case["page_table"],
                                    cache_seqlens=case["seqlens"], num_splits=splits,
                                    check_values=False)
-                    orig = dec.select_config
-                    dec.select_config = lambda *a, cfg=cfg, **k: cfg
-                    dec._plan.cache_clear()
                     try:
-                        ms = graph(lambda kw=spec_kw: flash_attn_with_kvcache(**kw))
+                        with forced_decode_config(cfg):
+                            ms = graph(lambda kw=spec_kw: flash_attn_with_kvcache(**kw))
                         pct = 100 * kv_bytes / (ms * 1e-3) / 1e9 / copy_gbs
                         line.append(f"s{splits}:{ms * 1e3:.1f}us/{pct:.0f}%")
                         results.append(dict(paged=paged, batch=batch, seqlen=seqlen,
@@ -278,65 +276,11 @@ def sweep(graph, copy_gbs, budget_s, t_start):
                                             us=ms * 1e3, pct_copy=pct))
                     except Exception as e:  # noqa: BLE001 - a config that fails is listed
                         line.append(f"s{splits}:{short(e, 60)}")
-                    finally:
-                        dec.select_config = orig
-                        dec._plan.cache_clear()
                 print(f"sweep {'paged' if paged else 'contig'} b{batch} {seqlen} "
                       f"(auto={auto}) n{block_n} w{warps} st{stages}: " + " ".join(line),
                       flush=True)
             del case
             torch.cuda.empty_cache()
-    return results
-
-
-VPARTS_GRID = [(1, 0), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (2, 4)]  # (v_parts, splits)
-
-
-def vparts_probe(graph, copy_gbs, budget_s, t_start):
-    """Graph and step-graph time of the portable kernel per (v_parts, splits): V's columns
-    cut over programs (each reading all of K) against key splits (each merged)."""
-    import dataclasses
-
-    from asymflash.backends.portable import decode as dec
-
-    results = []
-    for batch, seqlen, paged in ((8, 4096, False), (8, 4096, True), (8, 16384, False),
-                                 (32, 4096, False), (8, 16384, True)):
-        case = make_case(batch, seqlen, paged, "cuda")
-        kv_bytes = batch * seqlen * HKV * 2 * D * DTYPE.itemsize
-        kw = dict(q=case["q"], k_cache=case["k_cache"], v_cache=case["v_cache"],
-                  page_table=case["page_table"], cache_seqlens=case["seqlens"],
-                  check_values=False)
-        expected = flash_attn_with_kvcache(**kw, num_splits=1).float()
-        line = []
-        for v_parts, splits in VPARTS_GRID:
-            if time.time() - t_start > budget_s:
-                break
-            orig = dec.select_config
-            dec.select_config = lambda *a, vp=v_parts, **k: dataclasses.replace(
-                orig(*a, **k), v_parts=vp)
-            dec._plan.cache_clear()
-            try:
-                err = (flash_attn_with_kvcache(**kw, num_splits=splits).float()
-                       - expected).abs().max().item()
-                ms = graph(lambda: flash_attn_with_kvcache(**kw, num_splits=splits))
-                sms = step_graph_ms(case, graph, splits)
-                g, st = (100 * kv_bytes / (t * 1e-3) / 1e9 / copy_gbs for t in (ms, sms))
-                line.append(f"v{v_parts}s{splits or 'auto'}: {ms * 1e3:.1f}/{sms * 1e3:.1f}us "
-                            f"{g:.0f}/{st:.0f}% err {err:.1e}")
-                results.append(dict(paged=paged, batch=batch, seqlen=seqlen, v_parts=v_parts,
-                                    splits=splits, graph_us=ms * 1e3, step_us=sms * 1e3,
-                                    graph_pct=g, step_pct=st, max_diff=err))
-            except Exception as e:  # noqa: BLE001 - listed, never fatal
-                line.append(f"v{v_parts}s{splits}: {short(e, 60)}")
-            finally:
-                dec.select_config = orig
-                dec._plan.cache_clear()
-            torch.cuda.empty_cache()
-        print(f"vparts {'paged' if paged else 'contig'} b{batch} {seqlen}: "
-              + " | ".join(line), flush=True)
-        del case
-        torch.cuda.empty_cache()
     return results
 
 
@@ -348,8 +292,6 @@ def main(argv=None) -> int:
                     help="cells after this many seconds are skipped (listed as skipped)")
     ap.add_argument("--host", action="store_true", help="host issue time of 3 decode calls")
     ap.add_argument("--sweep", action="store_true", help="tile/split sweep (graph replay)")
-    ap.add_argument("--vparts", action="store_true",
-                    help="V-column parts x key splits of the portable kernel (graph, step)")
     ap.add_argument("--profile", action="store_true", help="with --host: cProfile a call")
     ap.add_argument("--no-table", action="store_true", help="skip the main table")
     ap.add_argument("--lengths", default=None, help="comma-separated seqlen_k (default 4k,16k,64k)")
@@ -382,8 +324,6 @@ def main(argv=None) -> int:
         result["host"] = host_report(bench, graph, copy_gbs, args.profile)
     if args.sweep and graph is not None:
         result["sweep"] = sweep(graph, copy_gbs, args.budget_s, t_start)
-    if args.vparts and graph is not None:
-        result["vparts"] = vparts_probe(graph, copy_gbs, args.budget_s, t_start)
     rows = [] if args.no_table else table_rows(args, device, bench, graph, batches, lengths,
                                                copy_gbs, t_start)
     result["rows"] = rows

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from asymflash import dispatch, flash_attn_with_kvcache  # noqa: E402
 from asymflash.bench_core import capture_graph  # noqa: E402
+from probe_common import forced_decode_config  # noqa: E402
 
 HQ, HKV, D, PAGE, BATCH = 32, 4, 128, 64, 8
 DECODE = "asymflash.backends.portable.decode"
@@ -212,7 +213,6 @@ def timeline(lengths):
 def sweep(lengths):
     from asymflash.backends.portable import decode as dec
 
-    chosen = dec.select_config
     for seqlen in lengths:
         kv_bytes = BATCH * seqlen * HKV * 2 * D * 2
         for paged in (False, True):
@@ -220,17 +220,14 @@ def sweep(lengths):
             for block_n, warps, stages in [(128, 4, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3),
                                            (64, 4, 3), (64, 8, 3), (64, 4, 4)]:
                 cfg = dec.DecodeConfig(16, block_n, True, warps, stages)
-                dec.select_config = lambda *a, cfg=cfg, **k: cfg
-                dec._plan.cache_clear()
                 line = []
                 for splits in (4, 8, 16):
-                    ms = graph(partial(flash_attn_with_kvcache, q, k, v, num_splits=splits,
-                                       **kw))
+                    with forced_decode_config(cfg):
+                        ms = graph(partial(flash_attn_with_kvcache, q, k, v, num_splits=splits,
+                                           **kw))
                     line.append(f"s{splits}:{ms * 1e3:.1f}us/{pct(kv_bytes, ms, 4240):.0f}%")
                 print(f"sweep {'paged' if paged else 'contig'} b{BATCH} {seqlen} n{block_n} "
                       f"w{warps} st{stages}: " + " ".join(line), flush=True)
-    dec.select_config = chosen
-    dec._plan.cache_clear()
 
 
 def main():

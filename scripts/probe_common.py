@@ -1,7 +1,9 @@
-"""Shared by the sm90 probe scripts: load the GPU test modules where pytest is missing."""
+"""Shared by the probe scripts: load the GPU test modules where pytest is missing; force a
+decode config."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 
@@ -120,3 +122,25 @@ STAMP_READ = '''
         return gl.inline_asm_elementwise("mov.u32 $0, " + WHAT + ";", "=r,r", [x],
                                          dtype=gl.int32, is_pure=False, pack=1)
 '''
+
+
+@contextlib.contextmanager
+def forced_decode_config(cfg):
+    """Within the block the portable decode kernel runs `cfg` (a DecodeConfig) on every call.
+
+    Both caches that would hide it are emptied on the way in and out: the kernel's plans per
+    size and flash_attn_with_kvcache's call plans, which keep one bound runner per call
+    signature (a sweep that only replaced `select_config` timed the first config it saw)."""
+    from asymflash import kvcache
+    from asymflash.backends.portable import decode as dec
+
+    chosen = dec.select_config
+    dec.select_config = lambda *a, **k: cfg
+    dec._plan.cache_clear()
+    kvcache._KV_PLANS.clear()
+    try:
+        yield
+    finally:
+        dec.select_config = chosen
+        dec._plan.cache_clear()
+        kvcache._KV_PLANS.clear()

@@ -154,45 +154,6 @@ def test_gqa_packing_on_and_off(pack, monkeypatch):
     run_case("portable", "indexed", "prefill-17", splits=3)
 
 
-@pytest.mark.parametrize("v_parts,splits,name,layout", [
-    (2, 1, "decode-gqa8", "contiguous"), (2, 3, "decode-softcap-sink", "paged"),
-    (2, 0, "prefill-window", "indexed"), (2, 2, "append-5-local", "paged")])
-def test_v_parts(v_parts, splits, name, layout, monkeypatch):
-    """V's columns cut over programs that each compute the whole softmax: with and without
-    key splits, appends, sinks and the lse (written by part 0 alone) as the reference."""
-    if "portable" not in BACKENDS:
-        pytest.skip("the portable kernels need a GPU or TRITON_INTERPRET=1")
-    from asymflash.backends.portable import decode
-
-    chosen = decode.select_config
-
-    def forced(*args, **kwargs):
-        return dataclasses.replace(chosen(*args, **kwargs), v_parts=v_parts)
-
-    monkeypatch.setattr(decode, "select_config", forced)
-    decode._plan.cache_clear()
-    try:
-        run_case("portable", layout, name, splits=splits)
-    finally:
-        decode._plan.cache_clear()
-
-
-def test_v_parts_refused_where_a_part_would_be_narrower_than_16():
-    from asymflash.backends.portable import decode
-    from asymflash.kvcache import CacheSpec
-
-    q = torch.randn(1, 1, 2, 32, dtype=torch.bfloat16, device=DEVICE)
-    k = torch.randn(1, 16, 1, 32, dtype=torch.bfloat16, device=DEVICE)
-    lens = torch.tensor([16], dtype=torch.int32, device=DEVICE)
-    spec = CacheSpec(k, k.clone(), lens, 0, None, None, None, 1, 16, 1)
-    for v_parts in (4, 3, 0):  # 8 columns; not a divisor; none
-        cfg = decode.DecodeConfig(16, 16, True, 4, 1, v_parts=v_parts)
-        with pytest.raises(ValueError, match=f"v_parts={v_parts}"):
-            decode.plan(q, spec, 1, cfg)
-    assert decode.plan(q, spec, 1, decode.DecodeConfig(16, 16, True, 4, 1, v_parts=2))[0] \
-        .v_parts == 2
-
-
 def test_fp16_and_head_dims():
     """fp16, d != dv, odd head count ratios: the portable kernel's masking of dims."""
     backend = BACKENDS[-1]

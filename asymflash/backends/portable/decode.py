@@ -68,11 +68,6 @@ class DecodeConfig:
     pack_gqa: bool
     num_warps: int
     num_stages: int
-    # Programs per (sequence, head tile, key split) that each own 1 / v_parts of V's
-    # columns: every one of them computes the whole softmax (all of K's columns), so K is
-    # read v_parts times, the repeats from L2 if the programs run together. What it buys:
-    # the GPU filled without cutting the keys, i.e. without the split merge.
-    v_parts: int = 1
 
 
 def select_config(seqlen_q: int, group: int, d: int, dv: int,
@@ -153,7 +148,7 @@ def decode_kernel(
     HAS_LEFTPAD: tl.constexpr,
     HAS_NEW: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr, LEFT: tl.constexpr,
-    RIGHT: tl.constexpr, V_PARTS: tl.constexpr,
+    RIGHT: tl.constexpr,
 ):
     """One program: BLOCK_M (query position, q head) rows of sequence b, one key split.
 
@@ -166,15 +161,11 @@ def decode_kernel(
     (sequence, kv head) also writes into the cache. HAS_LEFTPAD (contiguous caches): the
     sequence's cache starts at position LEFTPAD[b]; key j is position LEFTPAD[b] + j, and
     cache_len, seqlen_k count from there (the append still writes at SEQLENS_K[b]).
-
-    Axis 2 is (key split, V part): with V_PARTS > 1 the program computes the output columns
-    v_part * BLOCK_DV .. + BLOCK_DV only (BLOCK_DV is then a part's width).
     """
     pid_bh = tl.program_id(0)
     m_block = num_m_blocks - 1 - tl.program_id(1)  # latest positions see the most keys
-    split = tl.program_id(2) // V_PARTS
-    v_part = tl.program_id(2) % V_PARTS
-    num_splits = tl.num_programs(2) // V_PARTS
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     b = pid_bh // head_tiles
     head0 = (pid_bh % head_tiles) * heads_per_tile
     kv_head = head0 // group
@@ -192,15 +183,15 @@ def decode_kernel(
     table_row = PAGE_TABLE + b64 * stride_table
 
     if HAS_NEW:  # the append: once per (sequence, kv head), by a program that never exits
-        if (tl.program_id(1) == 0) & (tl.program_id(2) == 0) & (head0 % group == 0):
+        if (tl.program_id(1) == 0) & (split == 0) & (head0 % group == 0):
             _copy_new_rows(K_NEW + b64 * stride_nkb + kv_head * stride_nkh,
                            K + kv_head * stride_kh, table_row, page_size, row, cache_len,
                            k_extra, stride_nkt, stride_kb, stride_kt, D, BLOCK_D, BLOCK_N,
                            PAGED)
             _copy_new_rows(V_NEW + b64 * stride_nvb + kv_head * stride_nvh,
                            V + kv_head * stride_vh, table_row, page_size, row, cache_len,
-                           k_extra, stride_nvt, stride_vb, stride_vt, DV,
-                           BLOCK_DV * V_PARTS, BLOCK_N, PAGED)
+                           k_extra, stride_nvt, stride_vb, stride_vt, DV, BLOCK_DV, BLOCK_N,
+                           PAGED)
 
     if HAS_LEFTPAD:  # the keys before the sequence's start are not its own
         left = tl.load(LEFTPAD + b)
@@ -226,7 +217,7 @@ def decode_kernel(
     row_ok = pos < seqlen_q
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = v_part * BLOCK_DV + tl.arange(0, BLOCK_DV)  # this part's columns of V and out
+    offs_dv = tl.arange(0, BLOCK_DV)
     pos64 = pos.to(tl.int64)
     q = tl.load(q_base + pos64[:, None] * stride_qt + head[:, None] * stride_qh
                 + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
@@ -277,7 +268,7 @@ def decode_kernel(
                             RIGHT)
             s = tl.where(ok, s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
-        if BLOCK_DV * V_PARTS == DV:
+        if BLOCK_DV == DV:
             v = tl.load(v_base + v_off[:, None] + offs_dv[None, :])
         else:
             v = tl.load(v_base + v_off[:, None] + offs_dv[None, :], mask=dv_ok, other=0.0)
@@ -321,14 +312,12 @@ def decode_kernel(
     if SPLIT:
         # Partial result normalised by its own sum; lse in log2 units, no sink (the merge
         # adds it once). An empty split writes 0 and -inf, which the merge weighs as 0.
-        # Scratch: tile-major (a tile being a query tile's V part), then split, then the
-        # tile's BLOCK_M rows (all of them), BLOCK_DV columns each.
-        tile = (pid_bh * num_m_blocks + tl.program_id(1)) * V_PARTS + v_part
+        # Scratch: tile-major, then split, then the tile's BLOCK_M rows (all of them).
+        tile = pid_bh * num_m_blocks + tl.program_id(1)
         empty = l_i == 0.0
         part = (tile * num_splits).to(tl.int64) * BLOCK_M
-        offs_w = tl.arange(0, BLOCK_DV)
         tl.store(WORK + (part + split * BLOCK_M + offs_m)[:, None] * BLOCK_DV
-                 + offs_w[None, :], acc / tl.where(empty, 1.0, l_i)[:, None])
+                 + offs_dv[None, :], acc / tl.where(empty, 1.0, l_i)[:, None])
         tl.store(WORK + work_lse_offset + part + split * BLOCK_M + offs_m,
                  tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i))))
         # Every thread's stores come before the ticket (acq_rel: the last program then sees
@@ -342,7 +331,7 @@ def decode_kernel(
             for s_idx in range(num_splits):
                 rows = part + s_idx * BLOCK_M + offs_m
                 lse_s = tl.load(WORK + work_lse_offset + rows, cache_modifier=".cg")
-                o_s = tl.load(WORK + rows[:, None] * BLOCK_DV + offs_w[None, :],
+                o_s = tl.load(WORK + rows[:, None] * BLOCK_DV + offs_dv[None, :],
                               cache_modifier=".cg")
                 m_new = tl.maximum(m_i, lse_s)
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -354,15 +343,13 @@ def decode_kernel(
             acc, lse = finish_rows(acc, m_i, l_i, SINK, head, HAS_SINK)
             tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
             if WRITE_LSE:
-                tl.store(LSE + head.to(tl.int64) * stride_lse_h + q_rows, lse,
-                         mask=row_ok & (v_part == 0))
+                tl.store(LSE + head.to(tl.int64) * stride_lse_h + q_rows, lse, mask=row_ok)
             tl.atomic_xchg(COUNTERS + tile, 0)  # ready for the next call
     else:
         acc, lse = finish_rows(acc, m_i, l_i, SINK, head, HAS_SINK)
         tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
-        if WRITE_LSE:  # every V part has the same lse: part 0 writes it
-            tl.store(LSE + head.to(tl.int64) * stride_lse_h + q_rows, lse,
-                     mask=row_ok & (v_part == 0))
+        if WRITE_LSE:
+            tl.store(LSE + head.to(tl.int64) * stride_lse_h + q_rows, lse, mask=row_ok)
 
 
 def unsupported_decode(q, cache, params, sink):
@@ -373,15 +360,11 @@ def unsupported_decode(q, cache, params, sink):
 def _plan(hq, d, hkv, dv, max_seqlen_q, max_seqlen_k, batch, num_splits, sms, paged, config):
     group = hq // hkv
     cfg = select_config(max_seqlen_q, group, d, dv, config)
-    width = pow2_block(dv)
-    if cfg.v_parts < 1 or width % cfg.v_parts or width // cfg.v_parts < 16:
-        raise ValueError(f"DecodeConfig.v_parts={cfg.v_parts} for dv={dv}: the parts must cut "
-                         f"{width} columns into powers of two of at least 16")
     heads_per_tile = group if cfg.pack_gqa else 1
     num_m = cdiv(max(max_seqlen_q * heads_per_tile, 1), cfg.block_m)
     key_blocks = cdiv(max(max_seqlen_k, 1), cfg.block_n)
     if num_splits <= 0:
-        tiles = batch * (hq // heads_per_tile) * num_m * cfg.v_parts
+        tiles = batch * (hq // heads_per_tile) * num_m
         num_splits = num_splits_heuristic(
             tiles, key_blocks, sms, PROGRAMS_PER_SM if paged else PROGRAMS_PER_SM_CONTIGUOUS)
     # Splits past the key-block count could only be empty.
@@ -474,12 +457,11 @@ class DecodeRunner:
             step = 0 if varlen else cache.max_seqlen_q
             q_strides = (step * qs[0], qs[0], qs[1])
             o_strides = (step * os_[0], os_[0], os_[1])
-        v_parts = cfg.v_parts
-        self.grid = (cache.batch * (hq // heads_per_tile), num_m, splits * v_parts)
-        block_dv = pow2_block(dv) // v_parts  # one V part's columns
+        self.grid = (cache.batch * (hq // heads_per_tile), num_m, splits)
+        block_dv = pow2_block(dv)
         self.splits = splits
         if splits > 1:
-            self.n_tiles = self.grid[0] * num_m * v_parts
+            self.n_tiles = self.grid[0] * num_m
             n_rows = self.n_tiles * splits * cfg.block_m
             self.n_work = n_rows * (block_dv + 1)
         else:
@@ -504,7 +486,7 @@ class DecodeRunner:
             HAS_BATCH_IDX=cache.batch_idx is not None, HAS_LEFTPAD=cache.leftpad is not None,
             HAS_NEW=has_new, SPLIT=splits > 1,
             SOFTCAP=params.softcap > 0, HAS_SINK=sink is not None, WRITE_LSE=need_lse,
-            LEFT=mask.window_left >= 0, RIGHT=mask.window_right >= 0, V_PARTS=v_parts,
+            LEFT=mask.window_left >= 0, RIGHT=mask.window_right >= 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         self.bound = None
         self.binds = binds  # kept by a call plan: bind the binary after the first launch
