@@ -116,19 +116,22 @@ STEP_CALLS = 8  # decode calls per captured "step" (one per layer in a serving e
 STEP_MAX_BYTES = 600e6  # the step column only where fixed per-call costs matter
 
 
-def step_graph_ms(case, graph) -> float:
+def step_graph_ms(case, graph, num_splits: int = 0) -> float:
     """ms per call of STEP_CALLS asymflash decode calls on as many different caches (same
     sizes and page table), captured in one CUDA graph: serving engines capture a whole
     decode step (every layer) as one graph, so a call there pays no graph launch of its
-    own, unlike the one-call replay of the graph column."""
-    caches = [(case["k_cache"], case["v_cache"])] + [
-        (torch.randn_like(case["k_cache"]), torch.randn_like(case["v_cache"]))
-        for _ in range(STEP_CALLS - 1)]
+    own, unlike the one-call replay of the graph column. The extra caches are kept in
+    `case` for the next call (the sweep times many configs on one case)."""
+    if "step_caches" not in case:
+        case["step_caches"] = [(case["k_cache"], case["v_cache"])] + [
+            (torch.randn_like(case["k_cache"]), torch.randn_like(case["v_cache"]))
+            for _ in range(STEP_CALLS - 1)]
 
     def step():
-        for kc, vc in caches:
+        for kc, vc in case["step_caches"]:
             flash_attn_with_kvcache(case["q"], kc, vc, cache_seqlens=case["seqlens"],
-                                    page_table=case["page_table"], check_values=False)
+                                    page_table=case["page_table"], num_splits=num_splits,
+                                    check_values=False)
     return graph(step) / STEP_CALLS
 
 
@@ -245,12 +248,13 @@ def host_report(bench, graph, copy_gbs, profile=False):
 SWEEP_CONFIGS = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 4)]
 
 
-def sweep(graph, copy_gbs, budget_s, t_start):
-    """Graph-replay time of the portable kernel per (tile config, split count)."""
+def sweep(graph, copy_gbs, budget_s, t_start, cases=None):
+    """Graph-replay time of the portable kernel per (tile config, split count), and per call
+    in an 8-call step graph where the caches are small enough for the step column."""
     from asymflash.backends.portable import decode as dec
 
     results = []
-    cases = [(8, 4096), (8, 16384), (32, 4096), (32, 16384), (8, 65536)]
+    cases = cases or [(8, 4096), (8, 16384), (32, 4096), (32, 16384), (8, 65536)]
     for paged in (True, False):
         for batch, seqlen in cases:
             case = make_case(batch, seqlen, paged, "cuda")
@@ -269,11 +273,17 @@ def sweep(graph, copy_gbs, budget_s, t_start):
                     try:
                         with forced_decode_config(cfg):
                             ms = graph(lambda kw=spec_kw: flash_attn_with_kvcache(**kw))
+                            step = (step_graph_ms(case, graph, splits)
+                                    if kv_bytes <= STEP_MAX_BYTES else None)
                         pct = 100 * kv_bytes / (ms * 1e-3) / 1e9 / copy_gbs
-                        line.append(f"s{splits}:{ms * 1e3:.1f}us/{pct:.0f}%")
+                        step_pct = (100 * kv_bytes / (step * 1e-3) / 1e9 / copy_gbs
+                                    if step else None)
+                        line.append(f"s{splits}:{ms * 1e3:.1f}us/{pct:.0f}%"
+                                    + (f" step {step * 1e3:.1f}us/{step_pct:.0f}%"
+                                       if step else ""))
                         results.append(dict(paged=paged, batch=batch, seqlen=seqlen,
                                             config=[block_n, warps, stages], splits=splits,
-                                            us=ms * 1e3, pct_copy=pct))
+                                            us=ms * 1e3, pct_copy=pct, step_pct=step_pct))
                     except Exception as e:  # noqa: BLE001 - a config that fails is listed
                         line.append(f"s{splits}:{short(e, 60)}")
                 print(f"sweep {'paged' if paged else 'contig'} b{batch} {seqlen} "
@@ -295,6 +305,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="with --host: cProfile a call")
     ap.add_argument("--no-table", action="store_true", help="skip the main table")
     ap.add_argument("--lengths", default=None, help="comma-separated seqlen_k (default 4k,16k,64k)")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 8,32)")
     args = ap.parse_args(argv)
     t_start = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -304,6 +315,8 @@ def main(argv=None) -> int:
     bench = timer(args.smoke)
     graph = graph_timer(args.smoke, bench)
     batches = (2,) if args.smoke else (8, 32)
+    if args.batches:
+        batches = tuple(int(x) for x in args.batches.split(","))
     lengths = (128, 256) if args.smoke else (4096, 16384, 65536)
     if args.lengths:
         lengths = tuple(int(x) for x in args.lengths.split(","))
@@ -323,7 +336,9 @@ def main(argv=None) -> int:
     if args.host and graph is not None:
         result["host"] = host_report(bench, graph, copy_gbs, args.profile)
     if args.sweep and graph is not None:
-        result["sweep"] = sweep(graph, copy_gbs, args.budget_s, t_start)
+        cases = ([(b, n) for b in batches for n in lengths]
+                 if args.lengths or args.batches else None)
+        result["sweep"] = sweep(graph, copy_gbs, args.budget_s, t_start, cases)
     rows = [] if args.no_table else table_rows(args, device, bench, graph, batches, lengths,
                                                copy_gbs, t_start)
     result["rows"] = rows
