@@ -652,3 +652,49 @@ def test_mask_mode_reaches_only_the_warp_specialised_kernel():
     assert not bwd.select_config(64, masked=True, softcap=True).mask_scores
     for d in (64, 128, 256):
         assert "MASK_MODE" not in bwd._constexprs(d, d, bwd.select_config(d), **feats)
+
+
+# Deterministic mode's first dQ turns store (bwd.first_stores, FIRST_STORES): the dQ warp
+# issues both a store and an add per tile, one aimed past the buffer (no branch: a branch
+# there made ptxas spill in the compute warpgroups, 2 -> 32 local-memory instructions at
+# d=128). Same local-memory budget as the build that always adds (seen: d=128 2 / 2, causal
+# 22 / 22, d=64 34 / 38), and two more TMA stores than it.
+@pytest.mark.parametrize("kw", [
+    {"head_dim": 128, "deterministic": True},
+    {"head_dim": 128, "has_right": True, "deterministic": True},
+    {"head_dim": 64, "deterministic": True},
+    {"head_dim": 128, "deterministic": True, "cfg": {"ws_persistent": True}},
+], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_first_stores_build_keeps_the_spill_budget(kw):
+    adds = compile_report(**kw)
+    stores = compile_report(**kw, first_stores=True)
+    assert stores["local"] <= adds["local"], (adds, stores)
+    assert stores["local_in_step_loops"] <= adds["local_in_step_loops"], (adds, stores)
+    assert stores["tma_store"] == adds["tma_store"] + adds["tma_reduce"], (adds, stores)
+    assert stores["tma_reduce"] == adds["tma_reduce"] and stores["release_after_bulk_write"]
+
+
+def test_first_stores_only_where_every_query_block_gets_a_first_turn():
+    cfg = bwd.select_config(128, deterministic=True)
+    rule = bwd.first_stores
+    assert rule(cfg, True, True, 512, 512, -1, False)  # unmasked, whole blocks
+    assert rule(cfg, True, True, 640, 640, 0, False)  # causal, sq = sk
+    assert rule(cfg, True, True, 200, 700, 0, True)  # causal sq < sk, fragment tiles
+    assert not rule(cfg, False, True, 512, 512, -1, False)  # default mode adds unordered
+    assert not rule(cfg, True, False, 512, 512, -1, False)  # varlen / seqused: maybe empty
+    assert not rule(cfg, True, True, 700, 300, 0, True)  # causal sq > sk: rows see no key
+    assert not rule(cfg, True, True, 512, 0, -1, True)  # no keys
+    assert not rule(cfg, True, True, 300, 300, -1, False)  # a row-major box spans sequences
+    assert rule(cfg, True, True, 300, 300, -1, True)  # fragment tiles never do
+    assert not rule(replace(cfg, dq_tma=False), True, True, 512, 512, -1, False)
+    assert not rule(replace(cfg, first_stores=False), True, True, 512, 512, -1, False)
+    # the launch plan passes it to bwd_ws's kernel alone, and only in deterministic mode
+    plan = bwd.launch_plan(128, 128, 512, 512, True, False, -1, -1, False, True, 2, 4, 132,
+                           None, hq=4)
+    assert plan.split and plan.constexprs.get("FIRST_STORES") is True
+    plan = bwd.launch_plan(128, 128, 512, 512, True, False, -1, -1, False, False, 2, 4, 132,
+                           None, hq=4)
+    assert "FIRST_STORES" not in plan.constexprs
+    plan = bwd.launch_plan(256, 256, 512, 512, True, False, -1, -1, False, True, 2, 4, 132,
+                           None, hq=4)
+    assert not plan.split and "FIRST_STORES" not in plan.constexprs

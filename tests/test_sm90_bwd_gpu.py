@@ -508,6 +508,57 @@ def test_sm90_deterministic_backward_is_bitwise_reproducible(case):
     assert_repeats_bitwise(case, 50)
 
 
+# Deterministic mode without zeroing dQ_acc (bwd.first_stores): each query block's first
+# turn stores its tile. The caching allocator is first handed NaN-filled blocks of the sizes
+# dQ_acc takes, so a tile no turn stored would show as NaN, not as the zeros a fresh
+# allocation happens to hold. (name, whether the preprocess skips the zeroing): the shapes
+# the rule refuses (causal rows that see no key, varlen) must still zero.
+FIRST_STORE_CASES = [(dict(c, deterministic=True), skips) for c in CASES for name, skips in (
+    ("d128", True), ("d64", True), ("d128-causal", True), ("d64-causal-fp16", True),
+    ("d128-gqa-causal-tma", True), ("d128-gqa-causal-sq<sk", None), ("d128-gqa", None),
+    ("d64-causal-sq>sk", False), ("d128-varlen-causal", False)) if c["name"] == name]
+
+
+def _poison_allocator(total_q, batch, hq, width):
+    from asymflash.backends.sm90 import dq_fragments
+
+    for rows in (total_q, dq_fragments.num_blocks(total_q, batch) * 64):
+        for _ in range(2):
+            torch.full((rows, hq, width), float("nan"), device="cuda")  # freed at once
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case,skips", FIRST_STORE_CASES, ids=lambda x: x["name"]
+                         if isinstance(x, dict) else str(x))
+def test_sm90_deterministic_first_stores_leave_no_stale_dq(case, skips, monkeypatch):
+    from asymflash.backends import portable
+    from asymflash.backends.sm90 import bwd
+
+    zeroed = []
+    delta = portable._delta
+
+    def recording_delta(out, dout, dlse, zero=None):
+        zeroed.append(zero is not None)
+        return delta(out, dout, dlse, zero=zero)
+
+    monkeypatch.setattr(portable, "_delta", recording_delta)
+    q, k, v, dout, seq, params, sink = make_case(case)
+    out, lse = portable.forward(q, k, v, seq, params, sink)
+    width = bwd_width(case)
+    grads = []
+    for _ in range(3):
+        _poison_allocator(q.shape[0], seq.batch, q.shape[1], width)
+        grads.append(bwd.backward(dout, q, k, v, out, lse, None, seq, params, sink)[:3])
+    torch.cuda.synchronize()
+    if skips is not None:
+        assert zeroed == [not skips] * 3
+    ref32, reflow = reference_grads(q, k, v, dout, seq, params, sink, case)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        assert_fa_close(name, grads[0][i], ref32[i], reflow[i], atol=2e-3)
+        for again in grads[1:]:
+            assert torch.equal(grads[0][i], again[i])
+
+
 # Deterministic mode on kernels and schedules the default config does not pick: at d=128
 # bwd.py's synchronous kernel (ws_deterministic=False; softcap calls take it anyway) and
 # bwd_ws.py's with dV retired before dSᵀ is formed (dv_overlap=False), with per-thread

@@ -63,6 +63,15 @@ if _GLUON_ERROR is None:
                                                   coord, src.handle)
 
     @gluon.jit
+    def tma_store_or_add(desc, coord, src, store):
+        """global[box at coord] = src where `store` (a query block's first dQ partial in
+        deterministic mode, FIRST_STORES: its buffer is not zeroed), else += src."""
+        if store:
+            tma.async_copy_shared_to_global(desc, coord, src)
+        else:
+            tma_reduce_add(desc, coord, src)
+
+    @gluon.jit
     def key_block(cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr,
                   UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr, TOP_FIRST: gl.constexpr,
                   HEADS_FIRST: gl.constexpr = 0):
@@ -293,13 +302,13 @@ if _GLUON_ERROR is None:
         return p, p_ds
 
     @gluon.jit
-    def wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq, shift,
-                     window_left, window_right, h_first, m_lo, group_blocks, stride,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                     HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr, WARP_SPIN: gl.constexpr):
-        """Deterministic mode: spin until key block n_blk may add its dQ partial of query
-        block m0 of head h (bwd.py's docstring), return that block's turn counter.
-        WARP_SPIN: every warp polls (`spin_until_equal`), else thread 0 polls and broadcasts.
+    def dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq, shift,
+                window_left, window_right, h_first, m_lo, group_blocks, stride,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr):
+        """Deterministic mode: (turn counter of query block m0 of head h, the turn of key
+        block n_blk there): it may add its dQ partial once the counter reads the turn.
+        Turn 0 is the block's first contribution (with FIRST_STORES a plain store).
 
         Key blocks [n_first, n_last] see the query block; causal turns run from n_last down.
         Staggered walks (`walk_start`, stride > 0): the step index e of (h, m0) is visited
@@ -320,6 +329,20 @@ if _GLUON_ERROR is None:
                     first = gl.minimum(e // stride, n_seq - 1)
                     turn = (first - n_blk + n_seq) % n_seq
         sem = sem_ptr + (batch * n_heads + h) * num_m_blocks + m0 // BLOCK_M
+        return sem, turn
+
+    @gluon.jit
+    def wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq, shift,
+                     window_left, window_right, h_first, m_lo, group_blocks, stride,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                     HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr, WARP_SPIN: gl.constexpr):
+        """Deterministic mode: spin until key block n_blk may add its dQ partial of query
+        block m0 of head h (`dq_turn`, bwd.py's docstring), return that block's turn counter.
+        WARP_SPIN: every warp polls (`spin_until_equal`), else thread 0 polls and broadcasts.
+        """
+        sem, turn = dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq, shift,
+                            window_left, window_right, h_first, m_lo, group_blocks, stride,
+                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER)
         if WARP_SPIN:
             spin_until_equal(sem, turn)
         else:

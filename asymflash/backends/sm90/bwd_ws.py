@@ -99,8 +99,10 @@ if _GLUON_ERROR is None:
         step_needs_mask,
         store_key_rows,
         store_key_tiles,
+        dq_turn,
+        spin_until_equal,
         tma_reduce_add,
-        wait_dq_turn,
+        tma_store_or_add,
         walk_start,
     )
     from .fwd import _tile_layout
@@ -109,6 +111,9 @@ if _GLUON_ERROR is None:
     # 240 * 256 + 24 * 128 = 64512 <= 64K registers.
     COMPUTE_REGS = gl.constexpr(240)
     LOADER_REGS = gl.constexpr(24)
+    # A dQ row index past any buffer's rows (TMA row coordinates are int32; the buffers'
+    # rows stay below 2^29, dq_fragments.num_blocks): a box there is written nowhere.
+    FAR_ROW = gl.constexpr(1 << 30)
 
     @gluon.jit
     def _ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem, k_smem,
@@ -226,32 +231,52 @@ if _GLUON_ERROR is None:
                      shift, window_left, window_right, group_blocks, stride,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr,
-                     DET: gl.constexpr, TURNS: gl.constexpr, it0=0):
+                     DET: gl.constexpr, TURNS: gl.constexpr, it0=0,
+                     FIRST_STORES: gl.constexpr = False):
         """The dQ warp (DET: the compute warpgroups hand it their staged dQ tiles): per step,
         with TURNS (deterministic mode) wait for this CTA's dQ turn on the step's query block
         (bwd_parts.wait_dq_turn, the synchronous kernel's order), then for both warpgroups'
         tiles, reduce-add them, hand the tiles back once read, and (TURNS) pass the turn on
         once the adds have landed. The turn's round trips and the wait for the writes stay
         off the compute warpgroups, which only wait for their tile's hand-back (a step
-        later). Without TURNS (BwdConfig.ws_dq_warp) it only takes the reduces off them."""
+        later). Without TURNS (BwdConfig.ws_dq_warp) it only takes the reduces off them.
+        FIRST_STORES (with TURNS): turn 0 stores its tiles instead of adding them, the
+        buffer being left unzeroed (`first_stores`)."""
         if not DET:
             return
         for j in range(n_steps):
+            first = False
             if TURNS:
-                sem = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq,
-                                   shift, window_left, window_right, h_first, m_lo,
-                                   group_blocks, stride, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                                   STAGGER, True)
+                sem, turn = dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq,
+                                    shift, window_left, window_right, h_first, m_lo,
+                                    group_blocks, stride, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                    HAS_RIGHT, STAGGER)
+                spin_until_equal(sem, turn)
+                if FIRST_STORES:
+                    first = (turn == 0).to(gl.int32)
             mbarrier.wait(dq_full.index(0), (it0 + j) & 1)
             mbarrier.wait(dq_full.index(1), (it0 + j) & 1)
             FRAG: gl.constexpr = in_fragments(dq_desc.layout)
             TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
-            row, col = _dq_coord(0, h, m0, q_start, FRAG, HEAD_DIM, BLOCK_M,
-                                 TILE_ROWS)
-            tma_reduce_add(dq_desc, [row, col], dq_smem.index(0))
-            row, col = _dq_coord(1, h, m0, q_start, FRAG, HEAD_DIM, BLOCK_M,
-                                 TILE_ROWS)
-            tma_reduce_add(dq_desc, [row, col], dq_smem.index(1))
+            row0, col0 = _dq_coord(0, h, m0, q_start, FRAG, HEAD_DIM, BLOCK_M,
+                                   TILE_ROWS)
+            row1, col1 = _dq_coord(1, h, m0, q_start, FRAG, HEAD_DIM, BLOCK_M,
+                                   TILE_ROWS)
+            if FIRST_STORES:
+                # Branch-free (a branch here made ptxas spill in the compute warpgroups): both
+                # a store and an add, the one not wanted aimed past the buffer's last row,
+                # where the TMA unit writes nothing.
+                far_store = (1 - first) * FAR_ROW
+                far_add = first * FAR_ROW
+                tma.async_copy_shared_to_global(dq_desc, [row0 + far_store, col0],
+                                                dq_smem.index(0))
+                tma_reduce_add(dq_desc, [row0 + far_add, col0], dq_smem.index(0))
+                tma.async_copy_shared_to_global(dq_desc, [row1 + far_store, col1],
+                                                dq_smem.index(1))
+                tma_reduce_add(dq_desc, [row1 + far_add, col1], dq_smem.index(1))
+            else:
+                tma_reduce_add(dq_desc, [row0, col0], dq_smem.index(0))
+                tma_reduce_add(dq_desc, [row1, col1], dq_smem.index(1))
             tma.store_wait(0)  # both reduces have read their tiles
             gl.thread_barrier()
             mbarrier.arrive(dq_empty.index(0), count=1)
@@ -683,7 +708,8 @@ if _GLUON_ERROR is None:
                      window_left, window_right, n_blocks, HEAD_DIM: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                      HAS_RIGHT: gl.constexpr, DQ_WARP: gl.constexpr, HEADS_FIRST: gl.constexpr,
-                     DETERMINISTIC: gl.constexpr, TOP_FIRST: gl.constexpr):
+                     DETERMINISTIC: gl.constexpr, TOP_FIRST: gl.constexpr,
+                     FIRST_STORES: gl.constexpr):
         """The dQ warp of a persistent CTA per tile: the reduces (ws_dq_warp), or in
         deterministic mode the reduces in turn (`_ws_dq_turns`, unstaggered: `_ws_tiles`)."""
         if DQ_WARP or DETERMINISTIC:
@@ -702,7 +728,8 @@ if _GLUON_ERROR is None:
                              h_first, m_lo, m_lo, m_end, h_first, group, batch, n_heads,
                              num_m_blocks, n_blk, n_blocks, seqlen_k - seqlen_q, window_left,
                              window_right, group_blocks, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
-                             HAS_LEFT, HAS_RIGHT, False, True, DETERMINISTIC, it0)
+                             HAS_LEFT, HAS_RIGHT, False, True, DETERMINISTIC, it0,
+                             FIRST_STORES)
                 it0 += n_steps
                 tile += 1
                 t = _take_tile(tile_smem, tile_full, tile_empty, tile, 1)
@@ -718,7 +745,7 @@ if _GLUON_ERROR is None:
                   RING: gl.constexpr, ARRIVE: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
                   HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr,
                   DETERMINISTIC: gl.constexpr, KV_BUFS: gl.constexpr = 1,
-                  MASK_MODE: gl.constexpr = 0):
+                  MASK_MODE: gl.constexpr = 0, FIRST_STORES: gl.constexpr = False):
         """A persistent CTA (BwdConfig.ws_persistent; dense lengths): the
         grid's (key block, kv head, sequence) tiles, the program's own number first and then
         the next of a counter's (`_ws_loader_tiles`, which hands each to the other roles),
@@ -796,7 +823,7 @@ if _GLUON_ERROR is None:
                             tile_empty, sem_ptr, seqlen_q, seqlen_k, n_heads, n_kv_heads,
                             group, num_m_blocks, window_left, window_right, n_blocks, HEAD_DIM,
                             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DQ_WARP, HEADS_FIRST,
-                            DETERMINISTIC, TOP_FIRST)),
+                            DETERMINISTIC, TOP_FIRST, FIRST_STORES)),
         ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])
 
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
@@ -819,7 +846,7 @@ if _GLUON_ERROR is None:
                            ARRIVE_PASS: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
                            HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr,
                            PERSISTENT: gl.constexpr = False, KV_BUFS: gl.constexpr = 1,
-                           MASK_MODE: gl.constexpr = 0):
+                           MASK_MODE: gl.constexpr = 0, FIRST_STORES: gl.constexpr = False):
         # Same arguments as bwd._attn_bwd_kernel (one host path); DK_LATE, STATS_LATE,
         # RELEASE_AT, WAIT_EARLY and dq_ptr belong to that kernel's schedule. DV_OVERLAP:
         # dV = Pᵀ·dO stays in flight while dSᵀ is formed (BwdConfig.dv_overlap).
@@ -830,7 +857,8 @@ if _GLUON_ERROR is None:
         # DETERMINISTIC, the dQ warp still issues the reduces (BwdConfig.ws_dq_warp).
         # PERSISTENT: BwdConfig.ws_persistent (`_ws_tiles`); KV_BUFS: its K/V buffers
         # (BwdConfig.ws_kv_buffers). MASK_MODE: how masked steps mask (bwd_parts.probabilities;
-        # BwdConfig.step_cols, mask_scores).
+        # BwdConfig.step_cols, mask_scores). FIRST_STORES: deterministic mode's first dQ turn
+        # of each query block stores instead of adding (bwd.first_stores).
         if PERSISTENT:
             _ws_tiles(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
                       delta_ptr, dk_ptr, dv_ptr, sem_ptr, seqlen_q, seqlen_k, total_q, n_heads,
@@ -838,7 +866,7 @@ if _GLUON_ERROR is None:
                       window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                       HAS_LEFT, HAS_RIGHT, SOFTCAP, DV_OVERLAP, DP_EARLY, KV_TMA_STORE, LATE_WG,
                       RING, ARRIVE, DK_AFTER_DQ, HEADS_FIRST, DQ_WARP, DETERMINISTIC,
-                      KV_BUFS, MASK_MODE)
+                      KV_BUFS, MASK_MODE, FIRST_STORES)
         else:
             n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
                 cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
@@ -893,5 +921,6 @@ if _GLUON_ERROR is None:
                                     n_steps, h, m0, m_lo, m_end, h_first, group, batch, n_heads,
                                     num_m_blocks, n_blk, n_seq, shift, window_left, window_right,
                                     group_blocks, stride, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                    HAS_RIGHT, STAGGER, DETERMINISTIC or DQ_WARP, DETERMINISTIC)),
+                                    HAS_RIGHT, STAGGER, DETERMINISTIC or DQ_WARP, DETERMINISTIC,
+                                    0, FIRST_STORES)),
                 ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])
