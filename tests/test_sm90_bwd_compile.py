@@ -679,6 +679,11 @@ def test_first_stores_only_where_every_query_block_gets_a_first_turn():
     rule = bwd.first_stores
     assert rule(cfg, True, True, 512, 512, -1, False)  # unmasked, whole blocks
     assert rule(cfg, True, True, 640, 640, 0, False)  # causal, sq = sk
+    # where a query block meets many keys the unwanted TMA op costs more than the zeroing
+    assert rule(cfg, True, True, 1024, 1024, -1, False)
+    assert not rule(cfg, True, True, 2048, 2048, -1, False)
+    assert rule(cfg, True, True, 2048, 2048, 0, False)
+    assert not rule(cfg, True, True, 4096, 4096, 0, False)
     assert rule(cfg, True, True, 200, 700, 0, True)  # causal sq < sk, fragment tiles
     assert not rule(cfg, False, True, 512, 512, -1, False)  # default mode adds unordered
     assert not rule(cfg, True, False, 512, 512, -1, False)  # varlen / seqused: maybe empty

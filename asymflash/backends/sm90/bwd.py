@@ -510,7 +510,21 @@ def first_stores(cfg: BwdConfig, deterministic: bool, dense: bool, seqlen_q: int
         return False
     if window_right >= 0 and seqlen_k - seqlen_q + window_right < 0:
         return False
+    # What it saves is fixed per token (the zeroing's 134 MB at model dim 2048); what it
+    # costs grows with the keys each query block meets: the unwanted store or add per tile
+    # (aimed past the buffer) still takes the TMA unit ~3 % of the kernel. H200 2026-12-02
+    # session 26 (sm90-bwd-probe, deterministic TFLOP/s, three interleaved rounds, zeroing ->
+    # first stores): d=64 512 / 2k / 16k 263 / 422 / 493 -> 287 / 423 / 480, causal 173 /
+    # 348 / 475 -> 202 / 364 / 484; d=128 302 / 459 / 516 -> 335 / 446 / 501, causal 195 /
+    # 391 / 532 -> 217 / 407 / 519. So only while a query block meets at most
+    # FIRST_STORES_MAX_KEYS keys (causal: half of seqlen_k on average).
+    keys = seqlen_k // 2 if window_right >= 0 else seqlen_k
+    if keys > FIRST_STORES_MAX_KEYS:
+        return False
     return fragments or seqlen_q % cfg.block_m == 0
+
+
+FIRST_STORES_MAX_KEYS = 1024
 
 
 def kv_tma_store(uniform: bool, max_seqlen_k: int, batch: int, block_n: int) -> bool:
