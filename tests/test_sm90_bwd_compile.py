@@ -664,6 +664,9 @@ def test_mask_mode_reaches_only_the_warp_specialised_kernel():
     {"head_dim": 128, "has_right": True, "deterministic": True},
     {"head_dim": 64, "deterministic": True},
     {"head_dim": 128, "deterministic": True, "cfg": {"ws_persistent": True}},
+    {"head_dim": 256, "deterministic": True},
+    {"head_dim": 256, "has_right": True, "deterministic": True},
+    {"head_dim": 256, "deterministic": True, "cfg": {"turn_release": 1}},
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_first_stores_build_keeps_the_spill_budget(kw):
     adds = compile_report(**kw)
@@ -701,5 +704,9 @@ def test_first_stores_only_where_every_query_block_gets_a_first_turn():
                            None, hq=4)
     assert "FIRST_STORES" not in plan.constexprs
     plan = bwd.launch_plan(256, 256, 512, 512, True, False, -1, -1, False, True, 2, 4, 132,
+                           None, hq=4)
+    assert not plan.split and plan.constexprs.get("FIRST_STORES") is True  # bwd_wide
+    # bwd.py's kernel for d <= 128 (deterministic d=64 with softcap) always adds
+    plan = bwd.launch_plan(64, 64, 512, 512, True, False, -1, -1, True, True, 2, 4, 132,
                            None, hq=4)
     assert not plan.split and "FIRST_STORES" not in plan.constexprs

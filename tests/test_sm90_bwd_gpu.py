@@ -516,7 +516,9 @@ def test_sm90_deterministic_backward_is_bitwise_reproducible(case):
 FIRST_STORE_CASES = [(dict(c, deterministic=True), skips) for c in CASES for name, skips in (
     ("d128", True), ("d64", True), ("d128-causal", True), ("d64-causal-fp16", True),
     ("d128-gqa-causal-tma", True), ("d128-gqa-causal-sq<sk", None), ("d128-gqa", None),
-    ("d64-causal-sq>sk", False), ("d128-varlen-causal", False)) if c["name"] == name]
+    ("d64-causal-sq>sk", False), ("d128-varlen-causal", False), ("d256", True),
+    ("d256-causal-fp16", True), ("d256-causal-tma", True), ("d256-gqa-causal-sq<sk", True),
+    ("d256-varlen-seqused", False), ("d256-dv128-causal", True)) if c["name"] == name]
 
 
 def _poison_allocator(total_q, batch, hq, width):

@@ -357,11 +357,10 @@ if _GLUON_ERROR is None:
                                      m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
                 if DETERMINISTIC:
                     if WAIT_EARLY:  # the semaphore's round trip under the dK/dQ MMAs
-                        sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
-                                           m0, n_blk, n_seq, shift, window_left, window_right,
-                                           h_first, m_lo, group_blocks, stride, BLOCK_M,
-                                           BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
-                                           WARP_SPIN)
+                        sem, _ = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
+                                              m0, n_blk, n_seq, shift, window_left, window_right,
+                                              h_first, m_lo, group_blocks, stride, BLOCK_M, BLOCK_N,
+                                              HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT, WARP_SPIN)
                 if DK_LATE:  # groups retire in order: dQ (and dV) now, dK in flight
                     if DV_OVERLAP:
                         dv, dq, p_op = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok, p_op])
@@ -381,12 +380,11 @@ if _GLUON_ERROR is None:
                     fence_async_shared()
                     if DETERMINISTIC:
                         if not WAIT_EARLY:
-                            sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
-                                               num_m_blocks, m0, n_blk, n_seq, shift,
-                                               window_left, window_right, h_first, m_lo,
-                                               group_blocks, stride, BLOCK_M, BLOCK_N,
-                                               HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
-                                               WARP_SPIN)
+                            sem, _ = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
+                                                  num_m_blocks, m0, n_blk, n_seq, shift,
+                                                  window_left, window_right, h_first, m_lo,
+                                                  group_blocks, stride, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                                  HAS_RIGHT, STAGGER, RELEASE_AT, WARP_SPIN)
                     gl.thread_barrier()
                     if FRAG:  # rows of the two 64-row blocks from `fragment_block` in the
                         # fragment buffer, columns of head h (dq_fragments.py)
@@ -398,11 +396,10 @@ if _GLUON_ERROR is None:
                         held = after_dq_reduce(sem, m0, RELEASE_AT)
                 else:
                     if DETERMINISTIC:  # atomics: each turn is released in its own step
-                        sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
-                                           m0, n_blk, n_seq, shift, window_left, window_right,
-                                           h_first, m_lo, group_blocks, stride, BLOCK_M,
-                                           BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, 0,
-                                           WARP_SPIN)
+                        sem, _ = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
+                                              m0, n_blk, n_seq, shift, window_left, window_right,
+                                              h_first, m_lo, group_blocks, stride, BLOCK_M, BLOCK_N,
+                                              HAS_LEFT, HAS_RIGHT, STAGGER, 0, WARP_SPIN)
                     add_dq(dq_ptr, dq * softmax_scale, m0, q_start, seqlen_q, n_heads, h, 0,
                            HEAD_DIM, BLOCK_M, HEAD_DIM, dq_layout)
                     if DETERMINISTIC:
@@ -463,6 +460,8 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
         # issue, it waits for that reduce too (wait_group 0 covers every reduce issued).
         consts["HI_LATE"] = cfg.dq_hi_late and consts["DQ_IN_OPS"] and not (
             deterministic and consts["RELEASE_AT"] == 0)
+        if first_stores and deterministic:
+            consts["FIRST_STORES"] = True
     consts["STATS_LATE"] = cfg.stats_late
     if split:
         consts["LATE_WG"] = cfg.late_warpgroup
@@ -475,7 +474,7 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
         consts["MASK_MODE"] = int(step_cols) | (2 if cfg.mask_scores else 0)
         consts["PERSISTENT"] = persists(cfg, uniform and not has_seqused, softcap)
         consts["KV_BUFS"] = cfg.ws_kv_buffers if consts["PERSISTENT"] else 1
-        if first_stores and deterministic:  # (bwd_ws only: bwd.py's kernels always add)
+        if first_stores and deterministic:  # (bwd.py's kernel for d <= 128 always adds)
             consts["FIRST_STORES"] = True
         if cfg.arrive_all:
             arrive_all.install()  # the PTX pass that makes the marked arrives per-thread
@@ -496,7 +495,7 @@ def persists(cfg: BwdConfig, dense: bool, softcap: bool = False) -> bool:
 
 def first_stores(cfg: BwdConfig, deterministic: bool, dense: bool, seqlen_q: int,
                  seqlen_k: int, window_right: int, fragments: bool) -> bool:
-    """Deterministic mode on bwd_ws: may each query block's first dQ turn store its tile
+    """Deterministic mode on bwd_ws and bwd_wide: may each query block's first dQ turn store
     instead of adding it, so that the preprocess need not zero dQ_acc (half its traffic:
     model dim 2048, 16k tokens: 134 MB of fp32 writes beside 134 MB of reads)?
 

@@ -62,14 +62,23 @@ if _GLUON_ERROR is None:
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle,
                                                   coord, src.handle)
 
+    # A dQ row index past any buffer's rows (TMA row coordinates are int32; the buffers'
+    # rows stay below 2^29, dq_fragments.num_blocks): a box there is written nowhere.
+    FAR_ROW = gl.constexpr(1 << 30)
+
     @gluon.jit
-    def tma_store_or_add(desc, coord, src, store):
-        """global[box at coord] = src where `store` (a query block's first dQ partial in
-        deterministic mode, FIRST_STORES: its buffer is not zeroed), else += src."""
-        if store:
-            tma.async_copy_shared_to_global(desc, coord, src)
+    def add_dq_tile(desc, row, col, src, FIRST_STORES: gl.constexpr, first):
+        """dQ_acc[box at (row, col)] += the staged tile `src` (TMA reduce-add). FIRST_STORES
+        (deterministic mode, `bwd.first_stores`: dQ_acc is not zeroed): where `first` (1 on
+        a query block's first turn, else 0) the tile is stored instead. Branch-free: both a
+        store and an add are issued, the one not wanted aimed FAR_ROW rows away, where the
+        TMA unit writes nothing (a branch around them made ptxas spill in bwd_ws's compute
+        warpgroups: 2 -> 32 local-memory instructions at d=128)."""
+        if FIRST_STORES:
+            tma.async_copy_shared_to_global(desc, [row + (1 - first) * FAR_ROW, col], src)
+            tma_reduce_add(desc, [row + first * FAR_ROW, col], src)
         else:
-            tma_reduce_add(desc, coord, src)
+            tma_reduce_add(desc, [row, col], src)
 
     @gluon.jit
     def key_block(cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr,
@@ -337,8 +346,9 @@ if _GLUON_ERROR is None:
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                      HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr, WARP_SPIN: gl.constexpr):
         """Deterministic mode: spin until key block n_blk may add its dQ partial of query
-        block m0 of head h (`dq_turn`, bwd.py's docstring), return that block's turn counter.
-        WARP_SPIN: every warp polls (`spin_until_equal`), else thread 0 polls and broadcasts.
+        block m0 of head h (`dq_turn`, bwd.py's docstring); return that block's turn counter
+        and whether this is its first turn (1 or 0: `add_dq_tile`). WARP_SPIN: every warp
+        polls (`spin_until_equal`), else thread 0 polls and broadcasts.
         """
         sem, turn = dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq, shift,
                             window_left, window_right, h_first, m_lo, group_blocks, stride,
@@ -348,7 +358,7 @@ if _GLUON_ERROR is None:
         else:
             while gl.atomic_add(sem, 0, sem="acquire") != turn:
                 pass
-        return sem
+        return sem, (turn == 0).to(gl.int32)
 
     @gluon.jit
     def spin_until_equal(ptr, value):
@@ -383,7 +393,8 @@ if _GLUON_ERROR is None:
                      RELEASE_AT: gl.constexpr, WARP_SPIN: gl.constexpr):
         """Deterministic mode, before step `it`'s dQ reduce: with RELEASE_AT == 2 first pass
         on the previous step's turn (`held`: a CTA never holds a turn while it waits for
-        another), then wait for this step's; returns its counter (wait_dq_turn)."""
+        another), then wait for this step's; returns its counter and whether the turn is
+        the query block's first (1 or 0: `add_dq_tile`)."""
         if RELEASE_AT == 2:
             if it > 0:
                 release_dq_turn_after_tma(held, m0)

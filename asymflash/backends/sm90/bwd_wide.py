@@ -72,7 +72,7 @@ if _GLUON_ERROR is None:
         step_needs_mask,
         store_key_grads,
         take_dq_turn,
-        tma_reduce_add,
+        add_dq_tile,
         walk_start,
     )
     from .fwd import _tile_layout
@@ -101,7 +101,8 @@ if _GLUON_ERROR is None:
                              STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
                              WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
                              STATS_LATE: gl.constexpr, HEADS_FIRST: gl.constexpr,
-                             DQ_IN_OPS: gl.constexpr = False, HI_LATE: gl.constexpr = False):
+                             DQ_IN_OPS: gl.constexpr = False, HI_LATE: gl.constexpr = False,
+                             FIRST_STORES: gl.constexpr = False):
         # dPᵀ is always issued with Sᵀ here (DP_EARLY is bwd.py's register trade-off), and dV
         # is always retired before dSᵀ is published (barrier 2 relies on it); DV_OVERLAP keeps
         # it in flight while dSᵀ is formed. DQ_TMA: dQ leaves by TMA reduce-add in two
@@ -196,9 +197,11 @@ if _GLUON_ERROR is None:
             # HI_LATE (BwdConfig.dq_hi_late): the previous step's high dQ half, staged in its Q
             # slot, is reduced from there once this step's first MMAs are issued
             pend_row = 0
+            pend_first = 0  # (FIRST_STORES: whether that half is its query block's first)
             pend_col = 0
 
             for it in range(n_steps):
+                first = 0  # (deterministic mode: 1 on the query block's first dQ turn)
                 slot = it % 2
                 h_next, m0_next = next_step(h, m0, m_lo, m_end, h_first, h_first + group,
                                             BLOCK_M)
@@ -213,8 +216,9 @@ if _GLUON_ERROR is None:
                                        is_async=True)
                 if HI_LATE:
                     if it > 0:  # barrier 1 below waits for its read before Q's next load
-                        tma_reduce_add(dq_desc, [pend_row, pend_col],
-                                       _dq_tile_in(q_smem.index(1 - slot), dq_desc))
+                        add_dq_tile(dq_desc, pend_row, pend_col,
+                                    _dq_tile_in(q_smem.index(1 - slot), dq_desc), FIRST_STORES,
+                                    pend_first)
                 if not STATS_LATE:  # next step's statistics (published by barrier 1)
                     if it + 1 < n_steps:
                         stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
@@ -276,11 +280,11 @@ if _GLUON_ERROR is None:
                                     m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
                 if DETERMINISTIC:
                     if WAIT_EARLY:  # the semaphore's round trip under the MMAs (bwd.py)
-                        sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
-                                           m0, n_blk, n_seq, shift, window_left, window_right,
-                                           h_first, m_lo, group_blocks, stride, BLOCK_M,
-                                           BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
-                                           True)
+                        sem, first = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
+                                                  num_m_blocks, m0, n_blk, n_seq, shift,
+                                                  window_left, window_right, h_first, m_lo,
+                                                  group_blocks, stride, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                                  HAS_RIGHT, STAGGER, RELEASE_AT, True)
                 # Groups retire in order: the low dQ half is added while the high one runs.
                 dk, dq_lo = warpgroup_mma_wait(1, deps=[dk_tok, dq_lo_tok])
                 if DQ_TMA:
@@ -309,14 +313,14 @@ if _GLUON_ERROR is None:
                     fence_async_shared()
                     if DETERMINISTIC:
                         if not WAIT_EARLY:
-                            sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
-                                               num_m_blocks, m0, n_blk, n_seq, shift,
-                                               window_left, window_right, h_first, m_lo,
-                                               group_blocks, stride, BLOCK_M, BLOCK_N,
-                                               HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
-                                               True)
+                            sem, first = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
+                                                      num_m_blocks, m0, n_blk, n_seq, shift,
+                                                      window_left, window_right, h_first, m_lo,
+                                                      group_blocks, stride, BLOCK_M, BLOCK_N,
+                                                      HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
+                                                      True)
                     gl.thread_barrier()
-                    tma_reduce_add(dq_desc, [dq_row, lo_col], lo_buf)
+                    add_dq_tile(dq_desc, dq_row, lo_col, lo_buf, FIRST_STORES, first)
                     dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
                     if DQ_IN_OPS:
                         # Q's last reader, dK = dSᵀ·Q, retired in every thread before the
@@ -331,18 +335,19 @@ if _GLUON_ERROR is None:
                     gl.thread_barrier()
                     if HI_LATE:
                         pend_row = hi_row + 0  # (`+ 0`: see bwd_ws's h_prev)
+                        pend_first = first + 0
                         pend_col = hi_col + 0
                     else:
-                        tma_reduce_add(dq_desc, [hi_row, hi_col], hi_buf)
+                        add_dq_tile(dq_desc, hi_row, hi_col, hi_buf, FIRST_STORES, first)
                     if DETERMINISTIC:
                         held = after_dq_reduce(sem, m0, RELEASE_AT)
                 else:
                     if DETERMINISTIC:  # atomics: each turn is released in its own step
-                        sem = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
-                                           m0, n_blk, n_seq, shift, window_left, window_right,
-                                           h_first, m_lo, group_blocks, stride, BLOCK_M,
-                                           BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, 0,
-                                           True)
+                        sem, first = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
+                                                  num_m_blocks, m0, n_blk, n_seq, shift,
+                                                  window_left, window_right, h_first, m_lo,
+                                                  group_blocks, stride, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                                  HAS_RIGHT, STAGGER, 0, True)
                     add_dq(dq_ptr, dq_lo * softmax_scale, m0, q_start, seqlen_q, n_heads, h, 0,
                            HEAD_DIM, BLOCK_M, DQ_COLS, dq_layout)
                     dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
@@ -357,8 +362,9 @@ if _GLUON_ERROR is None:
             if DQ_TMA:
                 if HI_LATE:
                     if n_steps > 0:  # the last step's high half
-                        tma_reduce_add(dq_desc, [pend_row, pend_col],
-                                       _dq_tile_in(q_smem.index((n_steps - 1) % 2), dq_desc))
+                        add_dq_tile(dq_desc, pend_row, pend_col,
+                                    _dq_tile_in(q_smem.index((n_steps - 1) % 2), dq_desc),
+                                    FIRST_STORES, pend_first)
                 if DETERMINISTIC:
                     if RELEASE_AT != 0:
                         if n_steps > 0:

@@ -99,10 +99,9 @@ if _GLUON_ERROR is None:
         step_needs_mask,
         store_key_rows,
         store_key_tiles,
-        dq_turn,
-        spin_until_equal,
+        add_dq_tile,
         tma_reduce_add,
-        tma_store_or_add,
+        wait_dq_turn,
         walk_start,
     )
     from .fwd import _tile_layout
@@ -111,9 +110,6 @@ if _GLUON_ERROR is None:
     # 240 * 256 + 24 * 128 = 64512 <= 64K registers.
     COMPUTE_REGS = gl.constexpr(240)
     LOADER_REGS = gl.constexpr(24)
-    # A dQ row index past any buffer's rows (TMA row coordinates are int32; the buffers'
-    # rows stay below 2^29, dq_fragments.num_blocks): a box there is written nowhere.
-    FAR_ROW = gl.constexpr(1 << 30)
 
     @gluon.jit
     def _ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem, k_smem,
@@ -245,38 +241,22 @@ if _GLUON_ERROR is None:
         if not DET:
             return
         for j in range(n_steps):
-            first = False
+            first = 0
             if TURNS:
-                sem, turn = dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq,
-                                    shift, window_left, window_right, h_first, m_lo,
-                                    group_blocks, stride, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                    HAS_RIGHT, STAGGER)
-                spin_until_equal(sem, turn)
-                if FIRST_STORES:
-                    first = (turn == 0).to(gl.int32)
+                sem, first = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
+                                          n_seq, shift, window_left, window_right, h_first,
+                                          m_lo, group_blocks, stride, BLOCK_M, BLOCK_N,
+                                          HAS_LEFT, HAS_RIGHT, STAGGER, True)
             mbarrier.wait(dq_full.index(0), (it0 + j) & 1)
             mbarrier.wait(dq_full.index(1), (it0 + j) & 1)
             FRAG: gl.constexpr = in_fragments(dq_desc.layout)
             TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
-            row0, col0 = _dq_coord(0, h, m0, q_start, FRAG, HEAD_DIM, BLOCK_M,
-                                   TILE_ROWS)
-            row1, col1 = _dq_coord(1, h, m0, q_start, FRAG, HEAD_DIM, BLOCK_M,
-                                   TILE_ROWS)
-            if FIRST_STORES:
-                # Branch-free (a branch here made ptxas spill in the compute warpgroups): both
-                # a store and an add, the one not wanted aimed past the buffer's last row,
-                # where the TMA unit writes nothing.
-                far_store = (1 - first) * FAR_ROW
-                far_add = first * FAR_ROW
-                tma.async_copy_shared_to_global(dq_desc, [row0 + far_store, col0],
-                                                dq_smem.index(0))
-                tma_reduce_add(dq_desc, [row0 + far_add, col0], dq_smem.index(0))
-                tma.async_copy_shared_to_global(dq_desc, [row1 + far_store, col1],
-                                                dq_smem.index(1))
-                tma_reduce_add(dq_desc, [row1 + far_add, col1], dq_smem.index(1))
-            else:
-                tma_reduce_add(dq_desc, [row0, col0], dq_smem.index(0))
-                tma_reduce_add(dq_desc, [row1, col1], dq_smem.index(1))
+            row, col = _dq_coord(0, h, m0, q_start, FRAG, HEAD_DIM, BLOCK_M,
+                                 TILE_ROWS)
+            add_dq_tile(dq_desc, row, col, dq_smem.index(0), FIRST_STORES, first)
+            row, col = _dq_coord(1, h, m0, q_start, FRAG, HEAD_DIM, BLOCK_M,
+                                 TILE_ROWS)
+            add_dq_tile(dq_desc, row, col, dq_smem.index(1), FIRST_STORES, first)
             tma.store_wait(0)  # both reduces have read their tiles
             gl.thread_barrier()
             mbarrier.arrive(dq_empty.index(0), count=1)
