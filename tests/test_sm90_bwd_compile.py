@@ -702,7 +702,7 @@ def test_first_stores_only_where_every_query_block_gets_a_first_turn():
     assert plan.split and plan.constexprs.get("FIRST_STORES") is True
     plan = bwd.launch_plan(128, 128, 512, 512, True, False, -1, -1, False, False, 2, 4, 132,
                            None, hq=4)
-    assert "FIRST_STORES" not in plan.constexprs
+    assert plan.constexprs["FIRST_STORES"] is False
     plan = bwd.launch_plan(256, 256, 512, 512, True, False, -1, -1, False, True, 2, 4, 132,
                            None, hq=4)
     assert not plan.split and plan.constexprs.get("FIRST_STORES") is True  # bwd_wide
@@ -710,3 +710,18 @@ def test_first_stores_only_where_every_query_block_gets_a_first_turn():
     plan = bwd.launch_plan(64, 64, 512, 512, True, False, -1, -1, True, True, 2, 4, 132,
                            None, hq=4)
     assert not plan.split and "FIRST_STORES" not in plan.constexprs
+
+
+@pytest.mark.parametrize("d,causal,det,softcap,seqlen", [
+    (d, causal, det, softcap, seqlen) for d in (64, 128, 256) for causal in (False, True)
+    for det in (False, True) for softcap in (False, True) for seqlen in (512, 4096)])
+def test_launch_plans_pass_every_constexpr(d, causal, det, softcap, seqlen):
+    """DirectLaunch keeps a binary only for calls that pass every constexpr parameter (a
+    defaulted one left out sends each launch down Triton's path: 2026-12-02, FIRST_STORES
+    left out of non-deterministic plans cost every bwd_ws and bwd_wide launch ~85 us of
+    host time on the H200's host)."""
+    plan = bwd.launch_plan(d, d, seqlen, seqlen, True, False, -1, 0 if causal else -1, softcap,
+                           det, 2, 4, 132, None, hq=8)
+    kernel = bwd._kernel_for(d, plan.split)
+    wanted = {p.name for p in kernel.params if p.is_constexpr}
+    assert wanted <= set(plan.constexprs), wanted - set(plan.constexprs)
