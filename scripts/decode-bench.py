@@ -44,9 +44,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from probe_common import forced_decode_config  # noqa: E402
+
 from asymflash import flash_attn_with_kvcache  # noqa: E402
 from asymflash.bench_core import capture_graph, host_issue_us, profile_calls  # noqa: E402
-from probe_common import forced_decode_config  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 4, 128, 64
 DTYPE = torch.bfloat16

@@ -35,9 +35,10 @@ from triton.testing import do_bench
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from probe_common import forced_decode_config  # noqa: E402
+
 from asymflash import dispatch, flash_attn_with_kvcache  # noqa: E402
 from asymflash.bench_core import capture_graph  # noqa: E402
-from probe_common import forced_decode_config  # noqa: E402
 
 HQ, HKV, D, PAGE, BATCH = 32, 4, 128, 64, 8
 DECODE = "asymflash.backends.portable.decode"

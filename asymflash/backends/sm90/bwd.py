@@ -460,7 +460,6 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
         # issue, it waits for that reduce too (wait_group 0 covers every reduce issued).
         consts["HI_LATE"] = cfg.dq_hi_late and consts["DQ_IN_OPS"] and not (
             deterministic and consts["RELEASE_AT"] == 0)
-        consts["FIRST_STORES"] = first_stores and deterministic
     consts["STATS_LATE"] = cfg.stats_late
     if split:
         consts["LATE_WG"] = cfg.late_warpgroup
@@ -473,11 +472,12 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
         consts["MASK_MODE"] = int(step_cols) | (2 if cfg.mask_scores else 0)
         consts["PERSISTENT"] = persists(cfg, uniform and not has_seqused, softcap)
         consts["KV_BUFS"] = cfg.ws_kv_buffers if consts["PERSISTENT"] else 1
-        # (every parameter passed: a defaulted one left out sends DirectLaunch to Triton's
-        # slow path on every call; bwd.py's kernel for d <= 128 always adds)
-        consts["FIRST_STORES"] = first_stores and deterministic
         if cfg.arrive_all:
             arrive_all.install()  # the PTX pass that makes the marked arrives per-thread
+    if split or head_dim == 256:  # bwd_ws, bwd_wide (bwd.py's kernel for d <= 128 always adds)
+        # Passed even where False: a defaulted parameter left out would send every launch
+        # down Triton's own launch path (DirectLaunch keeps binaries of full calls only).
+        consts["FIRST_STORES"] = first_stores and deterministic
     return consts
 
 

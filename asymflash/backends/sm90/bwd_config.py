@@ -56,9 +56,9 @@ class BwdConfig:
     # Deterministic mode: wait for the dQ turn while the step's last MMAs run (the semaphore's
     # round trip overlaps them) instead of after they retire.
     turn_wait_early: bool = True
-    # Deterministic mode on bwd_ws: each query block's first dQ turn stores its tiles, so the
-    # preprocess does not zero dQ_acc, where every query block has a first turn
-    # (`bwd.first_stores`). Measured in benchmarks/NOTES.md, session 26.
+    # Deterministic mode on bwd_ws and bwd_wide: each query block's first dQ turn stores its
+    # tiles, so the preprocess does not zero dQ_acc, where every query block has a first turn
+    # and meets at most 1k keys (`bwd.first_stores`, with the H200's numbers).
     first_stores: bool = True
     # dK and dV leave through shared memory and TMA stores where no key block straddles two
     # sequences (`kv_tma_store`), instead of masked per-thread stores.

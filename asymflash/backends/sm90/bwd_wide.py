@@ -56,6 +56,7 @@ if _GLUON_ERROR is None:
 
     from .bwd_parts import (
         add_dq,
+        add_dq_tile,
         after_dq_reduce,
         fragment_block,
         in_fragments,
@@ -72,7 +73,6 @@ if _GLUON_ERROR is None:
         step_needs_mask,
         store_key_grads,
         take_dq_turn,
-        add_dq_tile,
         walk_start,
     )
     from .fwd import _tile_layout

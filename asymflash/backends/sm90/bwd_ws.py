@@ -84,6 +84,7 @@ if _GLUON_ERROR is None:
     )
 
     from .bwd_parts import (
+        add_dq_tile,
         fragment_block,
         in_fragments,
         key_block,
@@ -99,7 +100,6 @@ if _GLUON_ERROR is None:
         step_needs_mask,
         store_key_rows,
         store_key_tiles,
-        add_dq_tile,
         tma_reduce_add,
         wait_dq_turn,
         walk_start,
