@@ -164,6 +164,10 @@ def main():
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (GPU time)")
     ap.add_argument("--warm-only", action="store_true",
                     help="only compile the cells' kernels (run several at once to fill the cache)")
+    ap.add_argument("--call-defaults", action="store_true",
+                    help="start from each cell's per-call default (three warpgroups, short "
+                         "masked tiles: fwd_config.default_for_call) instead of the head "
+                         "dim's table entry")
     ap.add_argument("--fa4-switches", action="store_true",
                     help="also time the FA4 switches and the LPT order where they apply")
     args = ap.parse_args()
@@ -205,6 +209,8 @@ def main():
     for cell in args.cells.split(","):
         d, causal, seqlen = map(int, cell.split(":"))
         base = fwd.select_config(d, d, AttnParams(1.0, MaskSpec(-1, 0 if causal else -1)))
+        if args.call_defaults:
+            base = fwd.default_for_call(d, False, bool(causal), seqlen, True, True)
         variants = [("ours", base)]
         if args.persistent:
             variants = [("ours", replace(base, persistent=False)),

@@ -505,6 +505,16 @@ if _GLUON_ERROR is None:
         l_i = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_i, alpha
 
+    @gluon.jit
+    def _after_row_sums(l_i):
+        """l_i unchanged, through an instruction ptxas will not schedule the P·V wait above
+        (FwdConfig.pin_pv_wait): a nanosleep predicated on l_i < -1, never true (l_i is a
+        sum of exponentials; NaN compares false), that ptxas cannot prove false."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred never; setp.lt.f32 never, $1, 0fBF800000; "
+            "@never nanosleep.u32 1; mov.b32 $0, $1; }",
+            "=r,r", [l_i], dtype=gl.float32, is_pure=False, pack=1)
+
     # ------------------------------------------------------------------------------------------
     # mma role: one pipelined step of a consumer warpgroup
     # ------------------------------------------------------------------------------------------
@@ -530,7 +540,8 @@ if _GLUON_ERROR is None:
               rows, shift, seqlen_k, window_left, window_right, qk_scale, softcap_pre,
               MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               SOFTCAP: gl.constexpr, EMU_EVERY: gl.constexpr,
-              RESCALE_THRESHOLD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              RESCALE_THRESHOLD: gl.constexpr, PIN_PV_WAIT: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr,
               s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
               bars, q_phase, WG: gl.constexpr, PINGPONG: gl.constexpr,
               ARRIVE: gl.constexpr):
@@ -557,6 +568,8 @@ if _GLUON_ERROR is None:
         s = _scores(s, n, rows, shift, seqlen_k, window_left, window_right, softcap_pre, MASKED,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
         p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
+        if PIN_PV_WAIT:
+            l_i = _after_row_sums(l_i)
         # p_op is a register operand of the P·V in flight: keep it alive until that group retires.
         acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
         mbarrier.arrive(v_empty.index(prev), count=ARRIVE)
@@ -576,7 +589,8 @@ if _GLUON_ERROR is None:
                        p_op, m_i, l_i, rows, shift, seqlen_k, window_left, window_right, qk_scale,
                        softcap_pre, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
                        HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, EMU_EVERY: gl.constexpr,
-                       RESCALE_THRESHOLD: gl.constexpr, BLOCK_N: gl.constexpr,
+                       RESCALE_THRESHOLD: gl.constexpr, PIN_PV_WAIT: gl.constexpr,
+                       BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
                        p_layout: gl.constexpr, bars, q_phase, WG: gl.constexpr,
                        PINGPONG: gl.constexpr, ARRIVE: gl.constexpr):
@@ -586,6 +600,7 @@ if _GLUON_ERROR is None:
                 n + base, n, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p_op,
                 m_i, l_i, rows, shift, seqlen_k, window_left, window_right, qk_scale,
                 softcap_pre, MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD,
+                PIN_PV_WAIT,
                 BLOCK_N, STAGES, s_layout, o_layout, p_layout, bars, q_phase, WG, PINGPONG,
                 ARRIVE)
         return acc, p_op, m_i, l_i
@@ -639,6 +654,7 @@ if _GLUON_ERROR is None:
                   HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
+                  PIN_PV_WAIT: gl.constexpr,
                   RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr, ARRIVE: gl.constexpr):
         """From S_0 (the only wgmma group in flight) to the issue of the last P·V, over key
         blocks [n_lo, n_end) (n_end: this warpgroup's last block, `_warpgroup_end`): returns
@@ -666,19 +682,22 @@ if _GLUON_ERROR is None:
             n_lo + 1, n_a, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
-            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
+            RESCALE_THRESHOLD, PIN_PV_WAIT, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar,
+            q_phase,
             WG, PINGPONG, ARRIVE)
         acc, p_op, m_i, l_i = _consumer_loop(
             n_a, n_b, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
-            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
+            RESCALE_THRESHOLD, PIN_PV_WAIT, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar,
+            q_phase,
             WG, PINGPONG, ARRIVE)
         acc, p_op, m_i, l_i = _consumer_loop(
             n_b, n_end, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
-            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
+            RESCALE_THRESHOLD, PIN_PV_WAIT, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar,
+            q_phase,
             WG, PINGPONG, ARRIVE)
 
         if RELEASE_Q:
@@ -806,7 +825,8 @@ if _GLUON_ERROR is None:
                        HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                        HAS_SINK: gl.constexpr, EMU_EVERY: gl.constexpr,
-                       RESCALE_THRESHOLD: gl.constexpr, RELEASE_Q: gl.constexpr,
+                       RESCALE_THRESHOLD: gl.constexpr, PIN_PV_WAIT: gl.constexpr,
+                       RELEASE_Q: gl.constexpr,
                        PINGPONG: gl.constexpr, ARRIVE: gl.constexpr, TAIL_SKIP: gl.constexpr):
         """One 64-row query tile of warpgroup WG: key blocks [n_lo, n_hi) sit at K/V ring
         positions it0, it0 + 1, ...; its Q arrives in Q buffer q_slot, on q_bar[q_slot] with
@@ -825,7 +845,8 @@ if _GLUON_ERROR is None:
             q, s_tok, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
             rows, seqlen_k - seqlen_q, seqlen_k, n_lo, n_a, n_b, n_end, it0, q_slot, q_phase,
             window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V, BLOCK_N, STAGES,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, RELEASE_Q, PINGPONG,
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, PIN_PV_WAIT, RELEASE_Q,
+            PINGPONG,
             ARRIVE)
         acc = _tile_finish(o_tok, p_op, v_empty, slot, ARRIVE)
         _tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
@@ -980,6 +1001,7 @@ if _GLUON_ERROR is None:
                                   HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                                   HAS_SINK: gl.constexpr, LPT: gl.constexpr,
                                   EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
+                                  PIN_PV_WAIT: gl.constexpr,
                                   PINGPONG: gl.constexpr, NUM_WG: gl.constexpr,
                                   Q_BUFS: gl.constexpr, ARRIVE: gl.constexpr,
                                   TAIL_SKIP: gl.constexpr):
@@ -1010,7 +1032,7 @@ if _GLUON_ERROR is None:
                                head, n_heads, n_lo, n_a, n_b, n_hi, it, q_slot, q_phase,
                                window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V,
                                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK,
-                               EMU_EVERY, RESCALE_THRESHOLD, True, PINGPONG, ARRIVE,
+                               EMU_EVERY, RESCALE_THRESHOLD, PIN_PV_WAIT, True, PINGPONG, ARRIVE,
                                TAIL_SKIP)
                 it += n_hi - n_lo
                 tc += 1
@@ -1033,7 +1055,8 @@ if _GLUON_ERROR is None:
                          HAS_SEQUSED: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr,
                          LPT: gl.constexpr, EMU_EVERY: gl.constexpr,
-                         RESCALE_THRESHOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                         RESCALE_THRESHOLD: gl.constexpr, PIN_PV_WAIT: gl.constexpr,
+                         CONSUMER_REGS: gl.constexpr,
                          LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
                          PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
                          ARRIVE: gl.constexpr, ARRIVE_PASS: gl.constexpr,
@@ -1101,7 +1124,8 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 0,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PIN_PV_WAIT,
+                        PINGPONG, 3, Q_BUFS,
                         ARRIVE, TAIL_SKIP)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
@@ -1110,7 +1134,8 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 1,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PIN_PV_WAIT,
+                        PINGPONG, 3, Q_BUFS,
                         ARRIVE, TAIL_SKIP)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
@@ -1119,7 +1144,8 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 2,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PIN_PV_WAIT,
+                        PINGPONG, 3, Q_BUFS,
                         ARRIVE, TAIL_SKIP)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
@@ -1137,7 +1163,7 @@ if _GLUON_ERROR is None:
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 0, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS, ARRIVE,
+                        EMU_EVERY, RESCALE_THRESHOLD, PIN_PV_WAIT, PINGPONG, 2, Q_BUFS, ARRIVE,
                         TAIL_SKIP)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
@@ -1146,7 +1172,7 @@ if _GLUON_ERROR is None:
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 1, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS, ARRIVE,
+                        EMU_EVERY, RESCALE_THRESHOLD, PIN_PV_WAIT, PINGPONG, 2, Q_BUFS, ARRIVE,
                         TAIL_SKIP)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
@@ -1187,6 +1213,7 @@ if _GLUON_ERROR is None:
                                       n_hi, 0, 0, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 0, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
+                                      PIN_PV_WAIT,
                                       False, PINGPONG, ARRIVE, TAIL_SKIP)),
                     (_consumer_tile, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
                                       v_ready, v_empty, out_ptr, o_desc, o_smem,
@@ -1195,6 +1222,7 @@ if _GLUON_ERROR is None:
                                       n_hi, 0, 1, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 1, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
+                                      PIN_PV_WAIT,
                                       False, PINGPONG, ARRIVE, TAIL_SKIP)),
                     (_load_tile, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                                   k_ready, k_empty, v_ready, v_empty, q_start + m0, head,
@@ -1350,6 +1378,7 @@ def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, h
             "HAS_LEFT": has_left, "HAS_RIGHT": has_right, "SOFTCAP": softcap,
             "HAS_SINK": has_sink, "LPT": cfg.lpt, "EMU_EVERY": cfg.exp2_emu_every,
             "RESCALE_THRESHOLD": float(cfg.rescale_threshold),
+            "PIN_PV_WAIT": cfg.pin_pv_wait,
             "CONSUMER_REGS": _consumer_regs(cfg), "LOADER_REGS": cfg.loader_regs,
             "PERSISTENT": bool(cfg.persistent),
             "PINGPONG": cfg.consumer_wgs if cfg.pingpong else 0,
