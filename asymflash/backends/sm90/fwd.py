@@ -505,16 +505,6 @@ if _GLUON_ERROR is None:
         l_i = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_i, alpha
 
-    @gluon.jit
-    def _after_row_sums(l_i):
-        """l_i unchanged, through an instruction ptxas will not schedule the P·V wait above
-        (FwdConfig.pin_pv_wait): a nanosleep predicated on l_i < -1, never true (l_i is a
-        sum of exponentials; NaN compares false), that ptxas cannot prove false."""
-        return gl.inline_asm_elementwise(
-            "{ .reg .pred never; setp.lt.f32 never, $1, 0fBF800000; "
-            "@never nanosleep.u32 1; mov.b32 $0, $1; }",
-            "=r,r", [l_i], dtype=gl.float32, is_pure=False, pack=1)
-
     # ------------------------------------------------------------------------------------------
     # mma role: one pipelined step of a consumer warpgroup
     # ------------------------------------------------------------------------------------------
@@ -537,17 +527,20 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _step(i, n, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p_op, m_i, l_i,
-              rows, shift, seqlen_k, window_left, window_right, qk_scale, softcap_pre,
+              alpha, rows, shift, seqlen_k, window_left, window_right, qk_scale, softcap_pre,
               MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               SOFTCAP: gl.constexpr, EMU_EVERY: gl.constexpr,
-              RESCALE_THRESHOLD: gl.constexpr, PIN_PV_WAIT: gl.constexpr, BLOCK_N: gl.constexpr,
+              RESCALE_THRESHOLD: gl.constexpr, RESCALE_FIRST: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr,
               s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
               bars, q_phase, WG: gl.constexpr, PINGPONG: gl.constexpr,
               ARRIVE: gl.constexpr):
         """Ring position i holds key block n; P_{i-1} (p_op) still has to meet V_{i-1}.
         With PINGPONG the two wgmmas are issued in this warpgroup's turn (`_take_turn`).
-        ARRIVE: the count each warpgroup releases a K/V slot with (`arrive_all.py`)."""
+        ARRIVE: the count each warpgroup releases a K/V slot with (`arrive_all.py`).
+        RESCALE_FIRST: O is rescaled by the previous block's alpha (carried in `alpha`)
+        between the two wgmma issues, under S_i's matrix work, as FA3 orders it; otherwise
+        after the P·V wait, at the end of the step."""
         slot = i % STAGES
         prev = (i - 1) % STAGES
         mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
@@ -557,6 +550,8 @@ if _GLUON_ERROR is None:
         s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
         s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
+        if RESCALE_FIRST:
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         if not PINGPONG:
             mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
         o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
@@ -568,13 +563,13 @@ if _GLUON_ERROR is None:
         s = _scores(s, n, rows, shift, seqlen_k, window_left, window_right, softcap_pre, MASKED,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
         p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
-        if PIN_PV_WAIT:
-            l_i = _after_row_sums(l_i)
         # p_op is a register operand of the P·V in flight: keep it alive until that group retires.
         acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
         mbarrier.arrive(v_empty.index(prev), count=ARRIVE)
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-        if RESCALE_THRESHOLD > 0:
+        if RESCALE_FIRST:
+            p_op = gl.convert_layout(_to_16bit(p, q.dtype), p_layout)
+        elif RESCALE_THRESHOLD > 0:
             # P packed first: the skip's branch ends the block, so the packs can still
             # interleave with the exponentials
             p_op = gl.convert_layout(_to_16bit(p, q.dtype), p_layout)
@@ -582,28 +577,28 @@ if _GLUON_ERROR is None:
         else:
             acc = acc * gl.expand_dims(alpha_o, 1)
             p_op = gl.convert_layout(_to_16bit(p, q.dtype), p_layout)
-        return acc, p_op, m_i, l_i
+        return acc, p_op, m_i, l_i, alpha
 
     @gluon.jit
     def _consumer_loop(lo, hi, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc,
-                       p_op, m_i, l_i, rows, shift, seqlen_k, window_left, window_right, qk_scale,
-                       softcap_pre, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
+                       p_op, m_i, l_i, alpha, rows, shift, seqlen_k, window_left, window_right,
+                       qk_scale, softcap_pre, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
                        HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, EMU_EVERY: gl.constexpr,
-                       RESCALE_THRESHOLD: gl.constexpr, PIN_PV_WAIT: gl.constexpr,
+                       RESCALE_THRESHOLD: gl.constexpr, RESCALE_FIRST: gl.constexpr,
                        BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
                        p_layout: gl.constexpr, bars, q_phase, WG: gl.constexpr,
                        PINGPONG: gl.constexpr, ARRIVE: gl.constexpr):
         # Ring position of key block n: n + base (base = ring position of n_lo minus n_lo).
         for n in range(lo, hi):
-            acc, p_op, m_i, l_i = _step(
+            acc, p_op, m_i, l_i, alpha = _step(
                 n + base, n, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p_op,
-                m_i, l_i, rows, shift, seqlen_k, window_left, window_right, qk_scale,
+                m_i, l_i, alpha, rows, shift, seqlen_k, window_left, window_right, qk_scale,
                 softcap_pre, MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD,
-                PIN_PV_WAIT,
+                RESCALE_FIRST,
                 BLOCK_N, STAGES, s_layout, o_layout, p_layout, bars, q_phase, WG, PINGPONG,
                 ARRIVE)
-        return acc, p_op, m_i, l_i
+        return acc, p_op, m_i, l_i, alpha
 
     # ------------------------------------------------------------------------------------------
     # consumer warpgroup: peeled first block, three loops, last P·V, epilogue
@@ -654,7 +649,7 @@ if _GLUON_ERROR is None:
                   HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
-                  PIN_PV_WAIT: gl.constexpr,
+                  RESCALE_FIRST: gl.constexpr,
                   RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr, ARRIVE: gl.constexpr):
         """From S_0 (the only wgmma group in flight) to the issue of the last P·V, over key
         blocks [n_lo, n_end) (n_end: this warpgroup's last block, `_warpgroup_end`): returns
@@ -672,31 +667,31 @@ if _GLUON_ERROR is None:
         mbarrier.arrive(k_empty.index(it0 % STAGES), count=ARRIVE)
         s = _scores(s, n_lo, rows, shift, seqlen_k, window_left, window_right, softcap_pre, True,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
-        p, m_i, l_i, _alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
+        p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
         p_op = gl.convert_layout(_to_16bit(p, q.dtype), p_layout)
 
         base = it0 - n_lo
         n_a = gl.minimum(n_a, n_end)
         n_b = gl.minimum(n_b, n_end)
-        acc, p_op, m_i, l_i = _consumer_loop(
+        acc, p_op, m_i, l_i, alpha = _consumer_loop(
             n_lo + 1, n_a, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-            acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
+            acc, p_op, m_i, l_i, alpha, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
-            RESCALE_THRESHOLD, PIN_PV_WAIT, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar,
+            RESCALE_THRESHOLD, RESCALE_FIRST, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar,
             q_phase,
             WG, PINGPONG, ARRIVE)
-        acc, p_op, m_i, l_i = _consumer_loop(
+        acc, p_op, m_i, l_i, alpha = _consumer_loop(
             n_a, n_b, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-            acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
+            acc, p_op, m_i, l_i, alpha, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
-            RESCALE_THRESHOLD, PIN_PV_WAIT, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar,
+            RESCALE_THRESHOLD, RESCALE_FIRST, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar,
             q_phase,
             WG, PINGPONG, ARRIVE)
-        acc, p_op, m_i, l_i = _consumer_loop(
+        acc, p_op, m_i, l_i, alpha = _consumer_loop(
             n_b, n_end, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-            acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
+            acc, p_op, m_i, l_i, alpha, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
-            RESCALE_THRESHOLD, PIN_PV_WAIT, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar,
+            RESCALE_THRESHOLD, RESCALE_FIRST, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar,
             q_phase,
             WG, PINGPONG, ARRIVE)
 
@@ -710,6 +705,8 @@ if _GLUON_ERROR is None:
         mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
         if PINGPONG:
             _take_turn(q_bar, q_phase + last + 1, WG, PINGPONG)
+        if RESCALE_FIRST:
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         o_tok = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
         if PINGPONG:
             _pass_turn(q_bar, WG, PINGPONG)
@@ -825,7 +822,7 @@ if _GLUON_ERROR is None:
                        HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                        HAS_SINK: gl.constexpr, EMU_EVERY: gl.constexpr,
-                       RESCALE_THRESHOLD: gl.constexpr, PIN_PV_WAIT: gl.constexpr,
+                       RESCALE_THRESHOLD: gl.constexpr, RESCALE_FIRST: gl.constexpr,
                        RELEASE_Q: gl.constexpr,
                        PINGPONG: gl.constexpr, ARRIVE: gl.constexpr, TAIL_SKIP: gl.constexpr):
         """One 64-row query tile of warpgroup WG: key blocks [n_lo, n_hi) sit at K/V ring
@@ -845,7 +842,7 @@ if _GLUON_ERROR is None:
             q, s_tok, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
             rows, seqlen_k - seqlen_q, seqlen_k, n_lo, n_a, n_b, n_end, it0, q_slot, q_phase,
             window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V, BLOCK_N, STAGES,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, PIN_PV_WAIT, RELEASE_Q,
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, RESCALE_FIRST, RELEASE_Q,
             PINGPONG,
             ARRIVE)
         acc = _tile_finish(o_tok, p_op, v_empty, slot, ARRIVE)
@@ -1001,7 +998,7 @@ if _GLUON_ERROR is None:
                                   HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                                   HAS_SINK: gl.constexpr, LPT: gl.constexpr,
                                   EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
-                                  PIN_PV_WAIT: gl.constexpr,
+                                  RESCALE_FIRST: gl.constexpr,
                                   PINGPONG: gl.constexpr, NUM_WG: gl.constexpr,
                                   Q_BUFS: gl.constexpr, ARRIVE: gl.constexpr,
                                   TAIL_SKIP: gl.constexpr):
@@ -1032,7 +1029,7 @@ if _GLUON_ERROR is None:
                                head, n_heads, n_lo, n_a, n_b, n_hi, it, q_slot, q_phase,
                                window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V,
                                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK,
-                               EMU_EVERY, RESCALE_THRESHOLD, PIN_PV_WAIT, True, PINGPONG, ARRIVE,
+                               EMU_EVERY, RESCALE_THRESHOLD, RESCALE_FIRST, True, PINGPONG, ARRIVE,
                                TAIL_SKIP)
                 it += n_hi - n_lo
                 tc += 1
@@ -1055,7 +1052,7 @@ if _GLUON_ERROR is None:
                          HAS_SEQUSED: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr,
                          LPT: gl.constexpr, EMU_EVERY: gl.constexpr,
-                         RESCALE_THRESHOLD: gl.constexpr, PIN_PV_WAIT: gl.constexpr,
+                         RESCALE_THRESHOLD: gl.constexpr, RESCALE_FIRST: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr,
                          LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
                          PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
@@ -1124,7 +1121,7 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 0,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PIN_PV_WAIT,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, RESCALE_FIRST,
                         PINGPONG, 3, Q_BUFS,
                         ARRIVE, TAIL_SKIP)),
                     (_consumer_role_persistent, (
@@ -1134,7 +1131,7 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 1,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PIN_PV_WAIT,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, RESCALE_FIRST,
                         PINGPONG, 3, Q_BUFS,
                         ARRIVE, TAIL_SKIP)),
                     (_consumer_role_persistent, (
@@ -1144,7 +1141,7 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 2,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PIN_PV_WAIT,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, RESCALE_FIRST,
                         PINGPONG, 3, Q_BUFS,
                         ARRIVE, TAIL_SKIP)),
                     (_load_role_persistent, (
@@ -1163,7 +1160,7 @@ if _GLUON_ERROR is None:
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 0, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, PIN_PV_WAIT, PINGPONG, 2, Q_BUFS, ARRIVE,
+                        EMU_EVERY, RESCALE_THRESHOLD, RESCALE_FIRST, PINGPONG, 2, Q_BUFS, ARRIVE,
                         TAIL_SKIP)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
@@ -1172,7 +1169,7 @@ if _GLUON_ERROR is None:
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 1, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, PIN_PV_WAIT, PINGPONG, 2, Q_BUFS, ARRIVE,
+                        EMU_EVERY, RESCALE_THRESHOLD, RESCALE_FIRST, PINGPONG, 2, Q_BUFS, ARRIVE,
                         TAIL_SKIP)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
@@ -1213,7 +1210,7 @@ if _GLUON_ERROR is None:
                                       n_hi, 0, 0, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 0, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
-                                      PIN_PV_WAIT,
+                                      RESCALE_FIRST,
                                       False, PINGPONG, ARRIVE, TAIL_SKIP)),
                     (_consumer_tile, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
                                       v_ready, v_empty, out_ptr, o_desc, o_smem,
@@ -1222,7 +1219,7 @@ if _GLUON_ERROR is None:
                                       n_hi, 0, 1, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 1, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
-                                      PIN_PV_WAIT,
+                                      RESCALE_FIRST,
                                       False, PINGPONG, ARRIVE, TAIL_SKIP)),
                     (_load_tile, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                                   k_ready, k_empty, v_ready, v_empty, q_start + m0, head,
@@ -1378,7 +1375,7 @@ def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, h
             "HAS_LEFT": has_left, "HAS_RIGHT": has_right, "SOFTCAP": softcap,
             "HAS_SINK": has_sink, "LPT": cfg.lpt, "EMU_EVERY": cfg.exp2_emu_every,
             "RESCALE_THRESHOLD": float(cfg.rescale_threshold),
-            "PIN_PV_WAIT": cfg.pin_pv_wait,
+            "RESCALE_FIRST": cfg.rescale_first and cfg.rescale_threshold == 0,
             "CONSUMER_REGS": _consumer_regs(cfg), "LOADER_REGS": cfg.loader_regs,
             "PERSISTENT": bool(cfg.persistent),
             "PINGPONG": cfg.consumer_wgs if cfg.pingpong else 0,

@@ -85,12 +85,11 @@ class FwdConfig:
     # (216 / 292), d=128 512 / 1k 274 / 350 -> 279 / 348 (269 / 355), d=256 512 276 -> 284.
     # On for short masked calls only (`default_for_call`, `SHORT_MASKED`).
     tail_skip: bool = False
-    # The P·V wait after the softmax: ptxas 12.x schedules `wgmma.wait_group 0` right after
-    # the row max, before all but 3-5 of a step's exponentials (sm_90a SASS, every build), so
-    # a warpgroup's exponentials never run under its own P·V. With this, the row sums pass
-    # through an instruction with a side effect (`fwd._after_row_sums`) just before the
-    # wait, and the wait lands after every exponential (CPU SASS, d=128: 66 of 66).
-    pin_pv_wait: bool = False
+    # FA3's order in a key step: O is multiplied by the previous block's alpha between the
+    # issues of S_i = Q·K_iᵀ and of P_{i-1}·V_{i-1} (under S_i's matrix work) instead of after
+    # the P·V wait at the step's end, where the multiplies delay the next step's issues.
+    # Only with rescale_threshold 0 (the conditional rescale's branch stays at the end).
+    rescale_first: bool = False
 
 
 # Tuning table. Measured on the H200 (2026-11-29, bf16, model dim 2048, batch 16384/seqlen,
