@@ -298,20 +298,12 @@ if _GLUON_ERROR is None:
                                          is_pure=True, pack=PACK)
 
     @gluon.jit
-    def _to_16bit(x, dtype: gl.constexpr, ALU: gl.constexpr = False):
+    def _to_16bit(x, dtype: gl.constexpr):
         """x.to(dtype) for a 16-bit dtype, two neighbouring elements per cvt with the first in
         the low half. `x.to(dtype)` converts element by element and packs each pair high-first,
         so every register of P (and dSᵀ) needed a PRMT half swap before it could be a wgmma A
-        operand: 32 of ~450 instructions per key block at d=64 (sm_90a SASS, 2026-11-30).
-        ALU (bf16, x finite and >= 0, as P is: FwdConfig.p_pack_alu): rounded on the integer
-        units instead of the conversion unit MUFU.EX2 shares, half up (RNE but at exact ties,
-        one in 2^16 values): 0x8000 added to each bit pattern, the high halves taken."""
-        if dtype == gl.bfloat16 and ALU:
-            return gl.inline_asm_elementwise(
-                "{ .reg .b32 lo, hi; add.u32 lo, $1, 0x8000; add.u32 hi, $2, 0x8000; "
-                "prmt.b32 $0, lo, hi, 0x7632; }", "=r,r,r", [x], dtype=gl.bfloat16,
-                is_pure=True, pack=2)
-        elif dtype == gl.bfloat16:
+        operand: 32 of ~450 instructions per key block at d=64 (sm_90a SASS, 2026-11-30)."""
+        if dtype == gl.bfloat16:
             return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x],
                                              dtype=gl.bfloat16, is_pure=True, pack=2)
         else:
@@ -538,8 +530,7 @@ if _GLUON_ERROR is None:
               rows, shift, seqlen_k, window_left, window_right, qk_scale, softcap_pre,
               MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               SOFTCAP: gl.constexpr, EMU_EVERY: gl.constexpr,
-              RESCALE_THRESHOLD: gl.constexpr, P_PACK_ALU: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr,
+              RESCALE_THRESHOLD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
               bars, q_phase, WG: gl.constexpr, PINGPONG: gl.constexpr,
               ARRIVE: gl.constexpr):
@@ -573,11 +564,11 @@ if _GLUON_ERROR is None:
         if RESCALE_THRESHOLD > 0:
             # P packed first: the skip's branch ends the block, so the packs can still
             # interleave with the exponentials
-            p_op = gl.convert_layout(_to_16bit(p, q.dtype, P_PACK_ALU), p_layout)
+            p_op = gl.convert_layout(_to_16bit(p, q.dtype), p_layout)
             acc = _rescale_if_moved(acc, alpha_o)
         else:
             acc = acc * gl.expand_dims(alpha_o, 1)
-            p_op = gl.convert_layout(_to_16bit(p, q.dtype, P_PACK_ALU), p_layout)
+            p_op = gl.convert_layout(_to_16bit(p, q.dtype), p_layout)
         return acc, p_op, m_i, l_i
 
     @gluon.jit
@@ -585,8 +576,7 @@ if _GLUON_ERROR is None:
                        p_op, m_i, l_i, rows, shift, seqlen_k, window_left, window_right, qk_scale,
                        softcap_pre, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
                        HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, EMU_EVERY: gl.constexpr,
-                       RESCALE_THRESHOLD: gl.constexpr, P_PACK_ALU: gl.constexpr,
-                       BLOCK_N: gl.constexpr,
+                       RESCALE_THRESHOLD: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
                        p_layout: gl.constexpr, bars, q_phase, WG: gl.constexpr,
                        PINGPONG: gl.constexpr, ARRIVE: gl.constexpr):
@@ -596,7 +586,6 @@ if _GLUON_ERROR is None:
                 n + base, n, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p_op,
                 m_i, l_i, rows, shift, seqlen_k, window_left, window_right, qk_scale,
                 softcap_pre, MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD,
-                P_PACK_ALU,
                 BLOCK_N, STAGES, s_layout, o_layout, p_layout, bars, q_phase, WG, PINGPONG,
                 ARRIVE)
         return acc, p_op, m_i, l_i
@@ -650,7 +639,6 @@ if _GLUON_ERROR is None:
                   HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
-                  P_PACK_ALU: gl.constexpr,
                   RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr, ARRIVE: gl.constexpr):
         """From S_0 (the only wgmma group in flight) to the issue of the last P·V, over key
         blocks [n_lo, n_end) (n_end: this warpgroup's last block, `_warpgroup_end`): returns
@@ -669,7 +657,7 @@ if _GLUON_ERROR is None:
         s = _scores(s, n_lo, rows, shift, seqlen_k, window_left, window_right, softcap_pre, True,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
         p, m_i, l_i, _alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
-        p_op = gl.convert_layout(_to_16bit(p, q.dtype, P_PACK_ALU), p_layout)
+        p_op = gl.convert_layout(_to_16bit(p, q.dtype), p_layout)
 
         base = it0 - n_lo
         n_a = gl.minimum(n_a, n_end)
@@ -678,22 +666,19 @@ if _GLUON_ERROR is None:
             n_lo + 1, n_a, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
-            RESCALE_THRESHOLD, P_PACK_ALU, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar,
-            q_phase,
+            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
             WG, PINGPONG, ARRIVE)
         acc, p_op, m_i, l_i = _consumer_loop(
             n_a, n_b, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
-            RESCALE_THRESHOLD, P_PACK_ALU, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar,
-            q_phase,
+            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
             WG, PINGPONG, ARRIVE)
         acc, p_op, m_i, l_i = _consumer_loop(
             n_b, n_end, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
-            RESCALE_THRESHOLD, P_PACK_ALU, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar,
-            q_phase,
+            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
             WG, PINGPONG, ARRIVE)
 
         if RELEASE_Q:
@@ -821,8 +806,7 @@ if _GLUON_ERROR is None:
                        HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                        HAS_SINK: gl.constexpr, EMU_EVERY: gl.constexpr,
-                       RESCALE_THRESHOLD: gl.constexpr, P_PACK_ALU: gl.constexpr,
-                       RELEASE_Q: gl.constexpr,
+                       RESCALE_THRESHOLD: gl.constexpr, RELEASE_Q: gl.constexpr,
                        PINGPONG: gl.constexpr, ARRIVE: gl.constexpr, TAIL_SKIP: gl.constexpr):
         """One 64-row query tile of warpgroup WG: key blocks [n_lo, n_hi) sit at K/V ring
         positions it0, it0 + 1, ...; its Q arrives in Q buffer q_slot, on q_bar[q_slot] with
@@ -841,8 +825,7 @@ if _GLUON_ERROR is None:
             q, s_tok, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
             rows, seqlen_k - seqlen_q, seqlen_k, n_lo, n_a, n_b, n_end, it0, q_slot, q_phase,
             window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V, BLOCK_N, STAGES,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, P_PACK_ALU, RELEASE_Q,
-            PINGPONG,
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, RELEASE_Q, PINGPONG,
             ARRIVE)
         acc = _tile_finish(o_tok, p_op, v_empty, slot, ARRIVE)
         _tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
@@ -997,7 +980,6 @@ if _GLUON_ERROR is None:
                                   HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                                   HAS_SINK: gl.constexpr, LPT: gl.constexpr,
                                   EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
-                                  P_PACK_ALU: gl.constexpr,
                                   PINGPONG: gl.constexpr, NUM_WG: gl.constexpr,
                                   Q_BUFS: gl.constexpr, ARRIVE: gl.constexpr,
                                   TAIL_SKIP: gl.constexpr):
@@ -1028,7 +1010,7 @@ if _GLUON_ERROR is None:
                                head, n_heads, n_lo, n_a, n_b, n_hi, it, q_slot, q_phase,
                                window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V,
                                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK,
-                               EMU_EVERY, RESCALE_THRESHOLD, P_PACK_ALU, True, PINGPONG, ARRIVE,
+                               EMU_EVERY, RESCALE_THRESHOLD, True, PINGPONG, ARRIVE,
                                TAIL_SKIP)
                 it += n_hi - n_lo
                 tc += 1
@@ -1051,8 +1033,7 @@ if _GLUON_ERROR is None:
                          HAS_SEQUSED: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr,
                          LPT: gl.constexpr, EMU_EVERY: gl.constexpr,
-                         RESCALE_THRESHOLD: gl.constexpr, P_PACK_ALU: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr,
+                         RESCALE_THRESHOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                          LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
                          PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
                          ARRIVE: gl.constexpr, ARRIVE_PASS: gl.constexpr,
@@ -1120,8 +1101,7 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 0,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, P_PACK_ALU,
-                        PINGPONG, 3, Q_BUFS,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
                         ARRIVE, TAIL_SKIP)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
@@ -1130,8 +1110,7 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 1,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, P_PACK_ALU,
-                        PINGPONG, 3, Q_BUFS,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
                         ARRIVE, TAIL_SKIP)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
@@ -1140,8 +1119,7 @@ if _GLUON_ERROR is None:
                         seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 2,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, P_PACK_ALU,
-                        PINGPONG, 3, Q_BUFS,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
                         ARRIVE, TAIL_SKIP)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
@@ -1159,7 +1137,7 @@ if _GLUON_ERROR is None:
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 0, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, P_PACK_ALU, PINGPONG, 2, Q_BUFS, ARRIVE,
+                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS, ARRIVE,
                         TAIL_SKIP)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
@@ -1168,7 +1146,7 @@ if _GLUON_ERROR is None:
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 1, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, P_PACK_ALU, PINGPONG, 2, Q_BUFS, ARRIVE,
+                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS, ARRIVE,
                         TAIL_SKIP)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
@@ -1209,7 +1187,6 @@ if _GLUON_ERROR is None:
                                       n_hi, 0, 0, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 0, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
-                                      P_PACK_ALU,
                                       False, PINGPONG, ARRIVE, TAIL_SKIP)),
                     (_consumer_tile, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
                                       v_ready, v_empty, out_ptr, o_desc, o_smem,
@@ -1218,7 +1195,6 @@ if _GLUON_ERROR is None:
                                       n_hi, 0, 1, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 1, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
-                                      P_PACK_ALU,
                                       False, PINGPONG, ARRIVE, TAIL_SKIP)),
                     (_load_tile, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                                   k_ready, k_empty, v_ready, v_empty, q_start + m0, head,
@@ -1374,7 +1350,6 @@ def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, h
             "HAS_LEFT": has_left, "HAS_RIGHT": has_right, "SOFTCAP": softcap,
             "HAS_SINK": has_sink, "LPT": cfg.lpt, "EMU_EVERY": cfg.exp2_emu_every,
             "RESCALE_THRESHOLD": float(cfg.rescale_threshold),
-            "P_PACK_ALU": cfg.p_pack_alu,
             "CONSUMER_REGS": _consumer_regs(cfg), "LOADER_REGS": cfg.loader_regs,
             "PERSISTENT": bool(cfg.persistent),
             "PINGPONG": cfg.consumer_wgs if cfg.pingpong else 0,

@@ -85,10 +85,6 @@ class FwdConfig:
     # (216 / 292), d=128 512 / 1k 274 / 350 -> 279 / 348 (269 / 355), d=256 512 276 -> 284.
     # On for short masked calls only (`default_for_call`, `SHORT_MASKED`).
     tail_skip: bool = False
-    # P packed to bf16 on the integer units (add 0x8000, keep the high halves: `fwd._to_16bit`)
-    # instead of F2FP on the conversion unit, which MUFU.EX2 also issues to: the key loop's
-    # exponentials and packs share that quarter-rate unit (d=64: 66 MUFU + 32 F2FP per block).
-    p_pack_alu: bool = False
 
 
 # Tuning table. Measured on the H200 (2026-11-29, bf16, model dim 2048, batch 16384/seqlen,
