@@ -246,10 +246,12 @@ def host_report(bench, graph, copy_gbs, profile=False):
     return rows
 
 
-SWEEP_CONFIGS = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 4)]
+# (block_n, warps, stages, interleaved splits); --sweep-configs picks others.
+SWEEP_CONFIGS = [(64, 4, 3, 1), (64, 4, 4, 1), (128, 4, 3, 1), (128, 8, 3, 1), (32, 4, 4, 1),
+                 (64, 8, 4, 1)]
 
 
-def sweep(graph, copy_gbs, budget_s, t_start, cases=None):
+def sweep(graph, copy_gbs, budget_s, t_start, cases=None, configs=None, splits_list=None):
     """Graph-replay time of the portable kernel per (tile config, split count), and per call
     in an 8-call step graph where the caches are small enough for the step column."""
     from asymflash.backends.portable import decode as dec
@@ -261,10 +263,11 @@ def sweep(graph, copy_gbs, budget_s, t_start, cases=None):
             case = make_case(batch, seqlen, paged, "cuda")
             kv_bytes = batch * seqlen * HKV * 2 * D * DTYPE.itemsize
             auto = splits_chosen(case)
-            for block_n, warps, stages in SWEEP_CONFIGS:
-                cfg = dec.DecodeConfig(16, block_n, True, warps, stages)
+            for block_n, warps, stages, interleave in configs or SWEEP_CONFIGS:
+                cfg = dec.DecodeConfig(16, block_n, True, warps, stages, bool(interleave))
                 line = []
-                for splits in (4, 8, 16, 32, 64) if batch == 8 else (1, 2, 4, 8):
+                for splits in splits_list or ((4, 8, 16, 32, 64) if batch == 8
+                                              else (1, 2, 4, 8)):
                     if time.time() - t_start > budget_s:
                         break
                     spec_kw = dict(q=case["q"], k_cache=case["k_cache"],
@@ -283,12 +286,14 @@ def sweep(graph, copy_gbs, budget_s, t_start, cases=None):
                                     + (f" step {step * 1e3:.1f}us/{step_pct:.0f}%"
                                        if step else ""))
                         results.append(dict(paged=paged, batch=batch, seqlen=seqlen,
-                                            config=[block_n, warps, stages], splits=splits,
+                                            config=[block_n, warps, stages, interleave],
+                                            splits=splits,
                                             us=ms * 1e3, pct_copy=pct, step_pct=step_pct))
                     except Exception as e:  # noqa: BLE001 - a config that fails is listed
                         line.append(f"s{splits}:{short(e, 60)}")
                 print(f"sweep {'paged' if paged else 'contig'} b{batch} {seqlen} "
-                      f"(auto={auto}) n{block_n} w{warps} st{stages}: " + " ".join(line),
+                      f"(auto={auto}) n{block_n} w{warps} st{stages} il{int(interleave)}: "
+                      + " ".join(line),
                       flush=True)
             del case
             torch.cuda.empty_cache()
@@ -303,6 +308,9 @@ def main(argv=None) -> int:
                     help="cells after this many seconds are skipped (listed as skipped)")
     ap.add_argument("--host", action="store_true", help="host issue time of 3 decode calls")
     ap.add_argument("--sweep", action="store_true", help="tile/split sweep (graph replay)")
+    ap.add_argument("--sweep-configs", default=None,
+                    help="block_n:warps:stages:interleave,... for --sweep")
+    ap.add_argument("--sweep-splits", default=None, help="comma-separated split counts")
     ap.add_argument("--profile", action="store_true", help="with --host: cProfile a call")
     ap.add_argument("--no-table", action="store_true", help="skip the main table")
     ap.add_argument("--lengths", default=None, help="comma-separated seqlen_k (default 4k,16k,64k)")
@@ -339,7 +347,12 @@ def main(argv=None) -> int:
     if args.sweep and graph is not None:
         cases = ([(b, n) for b in batches for n in lengths]
                  if args.lengths or args.batches else None)
-        result["sweep"] = sweep(graph, copy_gbs, args.budget_s, t_start, cases)
+        configs = ([tuple(int(x) for x in c.split(":")) for c in args.sweep_configs.split(",")]
+                   if args.sweep_configs else None)
+        splits_list = ([int(x) for x in args.sweep_splits.split(",")]
+                       if args.sweep_splits else None)
+        result["sweep"] = sweep(graph, copy_gbs, args.budget_s, t_start, cases, configs,
+                                splits_list)
     rows = [] if args.no_table else table_rows(args, device, bench, graph, batches, lengths,
                                                copy_gbs, t_start)
     result["rows"] = rows

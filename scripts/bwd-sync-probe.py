@@ -1,0 +1,128 @@
+"""Does a short backward wait for the GPU on the host? (H200 device tool)
+
+The 512-row backward cells read ~2x below the same kernels under graph replay on some
+device machines, with the bench's "host issue" time close to host + GPU time added up:
+what one stream synchronisation per call would give. For each case this times the call
+as the benchmark does (do_bench with grads reset; the bench's host issue loop), then
+lists the CUDA runtime calls a profiled call makes (any synchronize, memcpy, malloc or
+free among them), the caching allocator's counters across the timed loop, and torch's
+sync debug mode's complaints. A peer (cuDNN through SDPA) runs the same loop beside us.
+
+    PYTHONPATH=. python scripts/bwd-sync-probe.py [--cases 128:1,64:1,256:1] [--seqlen 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import warnings
+
+import torch
+
+from asymflash import flash_attn_func
+from asymflash.bench_core import cell_host_us, cuda_timer
+
+TOKENS, MODEL_DIM = 16384, 2048
+WATCHED = ("Synchronize", "Memcpy", "Malloc", "Free", "Memset", "HostAlloc", "Query")
+COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams",
+            "num_ooms")
+
+
+def runtime_calls(call, leaves, n=5):
+    """(name -> (count, total us)) of the CUDA runtime / driver calls n calls make."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            for t in leaves:
+                t.grad = None
+            call()
+        torch.cuda.synchronize()
+    seen = collections.defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        name = ev.name
+        if name.startswith(("cuda", "cu")) and not name.startswith("cudnn"):
+            seen[name][0] += 1
+            seen[name][1] += ev.cpu_time_total
+    return {k: (c, t / n) for k, (c, t) in seen.items()}
+
+
+def sync_warnings(call, leaves):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for t in leaves:
+                t.grad = None
+            call()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sorted({str(w.message).splitlines()[0][:120] for w in caught})
+
+
+def probe(label, fwd, leaves, dout, flops):
+    out = fwd()
+    call = lambda: out.backward(dout, retain_graph=True)  # noqa: E731 - as bench_core
+    timer = cuda_timer(100, 100)
+    timer(call, leaves)  # warm
+    before = torch.cuda.memory_stats()
+    ms = timer(call, leaves)
+    after = torch.cuda.memory_stats()
+    host = cell_host_us("bwd", fwd, leaves, dout)
+    gc.disable()
+    host_nogc = cell_host_us("bwd", fwd, leaves, dout)
+    gc.enable()
+    counters = {c: after.get(c, 0) - before.get(c, 0) for c in COUNTERS}
+    print(f"{label:34s} {flops / ms / 1e9:6.0f} TFLOP/s  {ms * 1e3:7.1f} us  host issue "
+          f"{host:6.1f} us (gc off {host_nogc:6.1f})  allocator {counters}")
+    calls = runtime_calls(call, leaves)
+    for name, (count, us) in sorted(calls.items(), key=lambda kv: -kv[1][1]):
+        flag = " <--" if any(w in name for w in WATCHED) else ""
+        print(f"    {name:44s} {count / 5:5.1f} per call {us:8.1f} us per call{flag}")
+    for msg in sync_warnings(call, leaves):
+        print(f"    sync debug: {msg}")
+
+
+def run_case(d, causal, s, peer):
+    b, h = TOKENS // s, MODEL_DIM // d
+    base = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    leaves = [t.detach().requires_grad_(True) for t in base]
+    dout = torch.randn_like(base[0])
+    flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+    name = f"d={d} causal={causal} s={s}"
+    if peer:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        bhsd = [t.transpose(1, 2) for t in leaves]
+
+        def sdpa():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    *bhsd, is_causal=bool(causal))
+            return out.transpose(1, 2)
+        try:
+            probe(f"{name} cuDNN", sdpa, leaves, dout, flops)
+        except Exception as e:  # noqa: BLE001 - the peer is context only
+            print(f"{name} cuDNN: {type(e).__name__}: {e}")
+    for det in (False, True):
+        probe(f"{name} asymflash{' det' if det else ''}",
+              lambda det=det: flash_attn_func(*leaves, causal=bool(causal), deterministic=det),
+              leaves, dout, flops)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="128:1,128:0,64:1,256:1")
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--no-peer", action="store_true")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    for case in a.cases.split(","):
+        d, causal = (int(x) for x in case.split(":"))
+        run_case(d, causal, a.seqlen, not a.no_peer)
+
+
+if __name__ == "__main__":
+    main()
