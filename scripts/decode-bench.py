@@ -246,9 +246,8 @@ def host_report(bench, graph, copy_gbs, profile=False):
     return rows
 
 
-# (block_n, warps, stages, interleaved splits); --sweep-configs picks others.
-SWEEP_CONFIGS = [(64, 4, 3, 1), (64, 4, 4, 1), (128, 4, 3, 1), (128, 8, 3, 1), (32, 4, 4, 1),
-                 (64, 8, 4, 1)]
+# (block_n, warps, stages); --sweep-configs picks others.
+SWEEP_CONFIGS = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 4)]
 
 
 def sweep(graph, copy_gbs, budget_s, t_start, cases=None, configs=None, splits_list=None):
@@ -263,8 +262,8 @@ def sweep(graph, copy_gbs, budget_s, t_start, cases=None, configs=None, splits_l
             case = make_case(batch, seqlen, paged, "cuda")
             kv_bytes = batch * seqlen * HKV * 2 * D * DTYPE.itemsize
             auto = splits_chosen(case)
-            for block_n, warps, stages, interleave in configs or SWEEP_CONFIGS:
-                cfg = dec.DecodeConfig(16, block_n, True, warps, stages, bool(interleave))
+            for block_n, warps, stages in configs or SWEEP_CONFIGS:
+                cfg = dec.DecodeConfig(16, block_n, True, warps, stages)
                 line = []
                 for splits in splits_list or ((4, 8, 16, 32, 64) if batch == 8
                                               else (1, 2, 4, 8)):
@@ -286,14 +285,12 @@ def sweep(graph, copy_gbs, budget_s, t_start, cases=None, configs=None, splits_l
                                     + (f" step {step * 1e3:.1f}us/{step_pct:.0f}%"
                                        if step else ""))
                         results.append(dict(paged=paged, batch=batch, seqlen=seqlen,
-                                            config=[block_n, warps, stages, interleave],
-                                            splits=splits,
+                                            config=[block_n, warps, stages], splits=splits,
                                             us=ms * 1e3, pct_copy=pct, step_pct=step_pct))
                     except Exception as e:  # noqa: BLE001 - a config that fails is listed
                         line.append(f"s{splits}:{short(e, 60)}")
                 print(f"sweep {'paged' if paged else 'contig'} b{batch} {seqlen} "
-                      f"(auto={auto}) n{block_n} w{warps} st{stages} il{int(interleave)}: "
-                      + " ".join(line),
+                      f"(auto={auto}) n{block_n} w{warps} st{stages}: " + " ".join(line),
                       flush=True)
             del case
             torch.cuda.empty_cache()
@@ -309,7 +306,7 @@ def main(argv=None) -> int:
     ap.add_argument("--host", action="store_true", help="host issue time of 3 decode calls")
     ap.add_argument("--sweep", action="store_true", help="tile/split sweep (graph replay)")
     ap.add_argument("--sweep-configs", default=None,
-                    help="block_n:warps:stages:interleave,... for --sweep")
+                    help="block_n:warps:stages,... for --sweep")
     ap.add_argument("--sweep-splits", default=None, help="comma-separated split counts")
     ap.add_argument("--profile", action="store_true", help="with --host: cProfile a call")
     ap.add_argument("--no-table", action="store_true", help="skip the main table")

@@ -138,31 +138,6 @@ def test_split_kv(splits, name):
     run_case("portable", "paged", name, splits=splits)
 
 
-@pytest.mark.parametrize("splits", [3, 7])
-def test_split_kv_key_ranges(splits, monkeypatch):
-    """The splits' other way of dividing the keys (one range each instead of every
-    splits-th block): the same answer, the tail block and the new keys included."""
-    if "portable" not in BACKENDS:
-        pytest.skip("the portable kernels need a GPU or TRITON_INTERPRET=1")
-    from asymflash import kvcache
-    from asymflash.backends.portable import decode
-
-    chosen = decode.select_config
-
-    def ranges(*args, **kwargs):
-        return dataclasses.replace(chosen(*args, **kwargs), interleave=False)
-
-    monkeypatch.setattr(decode, "select_config", ranges)
-    for cached in (decode._plan.cache_clear, kvcache._KV_PLANS.clear):
-        cached()
-    try:
-        for name in ("decode-gqa8", "prefill-window", "append-5-local"):
-            run_case("portable", "paged", name, splits=splits)
-    finally:
-        for cached in (decode._plan.cache_clear, kvcache._KV_PLANS.clear):
-            cached()
-
-
 @pytest.mark.parametrize("pack", [True, False])
 def test_gqa_packing_on_and_off(pack, monkeypatch):
     """Both tile shapes of the portable kernel: (position, head) rows, or one head per tile."""

@@ -8,8 +8,7 @@ choices that follow:
   one kv head, so each K/V tile is loaded once for the whole group instead of once per q
   head (8x fewer bytes for GQA 8:1) and the tile is full even when seqlen_q is 1.
 - Split-KV (flash-decoding): with few (batch, kv head) tiles the GPU would sit mostly idle,
-  so each sequence's keys are dealt to `num_splits` programs, key block i to split
-  i % num_splits (side by side, they stream the cache's bytes at the same pace).
+  so each sequence's keys are cut into `num_splits` ranges processed by separate programs.
   Each writes its partial output, normalised by its own sum, and its log2-sum-exp to fp32
   scratch, then takes a ticket from a per-tile counter; the program that draws the last
   ticket merges the partials with weights exp2(lse_s - lse) and resets the counter to 0.
@@ -69,9 +68,6 @@ class DecodeConfig:
     pack_gqa: bool
     num_warps: int
     num_stages: int
-    # Key blocks dealt to the splits in turn (block i to split i % splits) rather than in
-    # one range per split (see decode_kernel).
-    interleave: bool = True
 
 
 def select_config(seqlen_q: int, group: int, d: int, dv: int,
@@ -152,7 +148,7 @@ def decode_kernel(
     HAS_LEFTPAD: tl.constexpr,
     HAS_NEW: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr, LEFT: tl.constexpr,
-    RIGHT: tl.constexpr, INTERLEAVE: tl.constexpr,
+    RIGHT: tl.constexpr,
 ):
     """One program: BLOCK_M (query position, q head) rows of sequence b, one key split.
 
@@ -231,23 +227,12 @@ def decode_kernel(
     pos_hi = tl.minimum(((m_block + 1) * BLOCK_M - 1) // heads_per_tile + 1, seqlen_q)
     lo, hi = key_block_range(pos_lo, pos_hi, seqlen_q, seqlen_k, window_left, window_right,
                              LEFT, RIGHT, BLOCK_N)
-    if INTERLEAVE:
-        # Block i of the range belongs to split i % num_splits: the splits of a tile sweep
-        # the same stretch of the cache side by side (and finish together) instead of each
-        # streaming a range of its own.
-        start = lo + split * BLOCK_N
-        step = num_splits * BLOCK_N
-        end = hi
-    else:
-        n_blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
-        per_split = tl.cdiv(n_blocks, num_splits)
-        start = lo + split * per_split * BLOCK_N
-        step = BLOCK_N
-        end = tl.minimum(hi, start + per_split * BLOCK_N)
-    # Blocks before `full_end` lie wholly in the cache: no key mask on their loads. The
-    # masked loop starts at this split's first block at or after it.
+    n_blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+    per_split = tl.cdiv(n_blocks, num_splits)
+    start = lo + split * per_split * BLOCK_N
+    end = tl.minimum(hi, start + per_split * BLOCK_N)
+    # Blocks before `full_end` lie wholly in the cache: no key mask on their loads.
     full_end = tl.maximum(tl.minimum(end, (cache_len // BLOCK_N) * BLOCK_N), start)
-    tail_start = start + tl.cdiv(full_end - start, step) * step
 
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
@@ -263,7 +248,7 @@ def decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for start_n in range(start, full_end, step):
+    for start_n in range(start, full_end, BLOCK_N):
         cols = start_n + offs_n
         if PAGED:
             page = tl.load(table_row + cols // page_size).to(tl.int64)
@@ -290,7 +275,7 @@ def decode_kernel(
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
 
     # The last partial block of the cache and the new keys: masked, from either source.
-    for start_n in tl.range(tail_start, end, step, num_stages=1):
+    for start_n in tl.range(full_end, end, BLOCK_N, num_stages=1):
         cols = start_n + offs_n
         in_cache = cols < cache_len
         if PAGED:
@@ -502,7 +487,6 @@ class DecodeRunner:
             HAS_NEW=has_new, SPLIT=splits > 1,
             SOFTCAP=params.softcap > 0, HAS_SINK=sink is not None, WRITE_LSE=need_lse,
             LEFT=mask.window_left >= 0, RIGHT=mask.window_right >= 0,
-            INTERLEAVE=splits > 1 and cfg.interleave,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         self.bound = None
         self.binds = binds  # kept by a call plan: bind the binary after the first launch
