@@ -40,12 +40,17 @@ def runtime_calls(call, leaves, n=5):
             call()
         torch.cuda.synchronize()
     seen = collections.defaultdict(lambda: [0, 0.0])
+    kernels = collections.defaultdict(lambda: [0, 0.0])
     for ev in prof.events():
         name = ev.name
-        if name.startswith(("cuda", "cu")) and not name.startswith("cudnn"):
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[name[:60]][0] += 1
+            kernels[name[:60]][1] += ev.device_time_total
+        elif name.startswith(("cuda", "cu")) and not name.startswith("cudnn"):
             seen[name][0] += 1
             seen[name][1] += ev.cpu_time_total
-    return {k: (c, t / n) for k, (c, t) in seen.items()}
+    return ({k: (c, t / n) for k, (c, t) in seen.items()},
+            {k: (c, t / n) for k, (c, t) in kernels.items()})
 
 
 def sync_warnings(call, leaves):
@@ -77,10 +82,12 @@ def probe(label, fwd, leaves, dout, flops):
     counters = {c: after.get(c, 0) - before.get(c, 0) for c in COUNTERS}
     print(f"{label:34s} {flops / ms / 1e9:6.0f} TFLOP/s  {ms * 1e3:7.1f} us  host issue "
           f"{host:6.1f} us (gc off {host_nogc:6.1f})  allocator {counters}")
-    calls = runtime_calls(call, leaves)
+    calls, kernels = runtime_calls(call, leaves)
     for name, (count, us) in sorted(calls.items(), key=lambda kv: -kv[1][1]):
         flag = " <--" if any(w in name for w in WATCHED) else ""
         print(f"    {name:44s} {count / 5:5.1f} per call {us:8.1f} us per call{flag}")
+    for name, (count, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
+        print(f"    GPU {name:60s} {count / 5:5.1f} per call {us:8.1f} us per call")
     for msg in sync_warnings(call, leaves):
         print(f"    sync debug: {msg}")
 
