@@ -66,6 +66,9 @@ def main():
                   f"({io / read / 1e6:4.2f} TB/s), postprocess {post:6.1f} us "
                   f"({post_bytes / post / 1e6:4.2f} TB/s)", flush=True)
         for block_t, warps in ((32, 4), (128, 4), (128, 8), (256, 8)):
+            acc.normal_()
+            assert torch.equal(_delta(out, dout, None, acc, True, block_t, warps),
+                               ref["delta"]) and not acc.any(), (d, block_t)
             pre = timed(lambda: _delta(out, dout, None, acc, True, block_t, warps))
             read = timed(lambda: _delta(out, dout, None, None, True, block_t, warps))
             print(f"d={d:3d} b={b} heads inner, {block_t} rows, {warps} warps: preprocess+zero "
