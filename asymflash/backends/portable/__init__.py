@@ -170,25 +170,24 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink):
 _PREPROCESS = DirectLaunch(bwd_preprocess_kernel)
 
 
-def _delta(out, dout, dlse, zero=None, heads_inner=True, block_t=None, num_warps=4):
+def _delta(out, dout, dlse, zero=None, block_t=None, num_warps=4):
     """delta (hq, total_q) fp32 = rowsum(dO * O) - dlse; also zeroes `zero`, a contiguous
     fp32 (rows, hq, width) tensor with a power-of-two width (rows >= 1, any count), when
-    given. heads_inner: the kernel's program order (`bwd_preprocess_kernel`)."""
+    given. block_t (rows per program) and num_warps: the default tiling, or a probe's."""
     total_q, hq, dv = out.shape
     delta = torch.empty(hq, total_q, dtype=torch.float32, device=out.device)
     if block_t is None:  # H200, 16k tokens x model dim 2048 (bwd-passes-probe): 32 rows
-        block_t = 16 if interpreting() else 32  # 77-81 us with dQ_acc's zeroing, 64: 80-85
+        block_t = 16 if interpreting() else 32  # 77-81 us with dQ_acc zeroed (64 rows: 79-85)
     zero_rows = 0 if zero is None else zero.shape[0]
     blocks = cdiv(max(total_q, zero_rows), block_t)
-    grid = (blocks * hq,) if heads_inner else (blocks, hq)
+    grid = (blocks * hq,)  # a row block's heads side by side (bwd_preprocess_kernel)
     z = delta if zero is None else zero
     _PREPROCESS[grid](
         out, dout, dlse if dlse is not None else delta, delta, total_q,
         out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0),
         z, z.stride(0), z.stride(1) if zero is not None else 0, zero_rows, hq,
         DV=dv, BLOCK_DV=pow2_block(dv), BLOCK_T=block_t, HAS_DLSE=dlse is not None,
-        ZERO_D=0 if zero is None else zero.shape[2], HEADS_INNER=heads_inner,
-        num_warps=num_warps,
+        ZERO_D=0 if zero is None else zero.shape[2], num_warps=num_warps,
     )
     return delta
 

@@ -30,23 +30,20 @@ def bwd_preprocess_kernel(
     Out, DO, DLSE, DELTA, total_q, stride_ot, stride_oh, stride_dot, stride_doh,
     stride_delta_h, ZERO, stride_zt, stride_zh, zero_rows, n_heads, DV: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, HAS_DLSE: tl.constexpr,
-    ZERO_D: tl.constexpr, HEADS_INNER: tl.constexpr = True,
+    ZERO_D: tl.constexpr,
 ):
     """delta = rowsum(dO * O) - dlse per (head, token): the softmax Jacobian's row term.
     With ZERO_D > 0 it also zeroes ZERO[rows, h, :ZERO_D] for rows < zero_rows (the sm90
     backward's fp32 dQ accumulator, which may have more rows than total_q: the fragment-order
     buffer; one launch fewer than a separate fill, host time being the limit at short
     sequences). The grid covers max(total_q, zero_rows) rows: one program per (block of
-    BLOCK_T rows, head), the heads of a row block in consecutive programs (HEADS_INNER), so
-    the programs in flight together read and write whole stretches of the (rows, heads, d)
-    tensors rather than one head's slice of many rows."""
-    if HEADS_INNER:
-        pid = tl.program_id(0)
-        h = pid % n_heads
-        rows = (pid // n_heads) * BLOCK_T + tl.arange(0, BLOCK_T)
-    else:
-        h = tl.program_id(1)
-        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    BLOCK_T rows, head), a row block's heads in consecutive programs, so the programs in
+    flight together read and write whole stretches of the (rows, heads, d) tensors rather
+    than one head's slice of many rows (H200, 16k tokens x model dim 2048, with the zeroing:
+    77-81 us, against 85-89 with one head's row blocks in consecutive programs)."""
+    pid = tl.program_id(0)
+    h = pid % n_heads
+    rows = (pid // n_heads) * BLOCK_T + tl.arange(0, BLOCK_T)
     if ZERO_D > 0:
         zcols = tl.arange(0, ZERO_D)
         zptr = ZERO + h.to(tl.int64) * stride_zh + rows.to(tl.int64)[:, None] * stride_zt

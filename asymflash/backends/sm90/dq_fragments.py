@@ -106,17 +106,11 @@ def _tile_rows(x, COLS: tl.constexpr):
 
 @triton.jit
 def _dq_from_fragments_kernel(acc_ptr, dq_ptr, cu_q_ptr, stride_row, stride_head, n_heads,
-                              D: tl.constexpr, WIDTH: tl.constexpr, COLS: tl.constexpr,
-                              HEADS_INNER: tl.constexpr = True):
+                              D: tl.constexpr, WIDTH: tl.constexpr, COLS: tl.constexpr):
     # One 64-row block of one head and sequence: each of its WIDTH / COLS tiles is read in
-    # memory order (whole 128-byte rows: the loads coalesce) and stored as rows. HEADS_INNER:
-    # a block's heads in consecutive programs (their tiles and rows are neighbours).
-    if HEADS_INNER:
-        block = tl.program_id(0) // n_heads
-        h = tl.program_id(0) % n_heads
-    else:
-        block = tl.program_id(0)
-        h = tl.program_id(1)
+    # memory order (whole 128-byte rows: the loads coalesce) and stored as rows.
+    block = tl.program_id(0)
+    h = tl.program_id(1)
     b = tl.program_id(2)
     q_start = tl.load(cu_q_ptr + b)
     seqlen = tl.load(cu_q_ptr + b + 1) - q_start
@@ -140,13 +134,12 @@ _FROM_FRAGMENTS = DirectLaunch(_dq_from_fragments_kernel)  # host time: short ca
 
 def dq_from_fragments(acc: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
                       total_q: int, heads: int, d: int, width: int, cols: int,
-                      dtype: torch.dtype, heads_inner: bool = True) -> torch.Tensor:
+                      dtype: torch.dtype) -> torch.Tensor:
     """dQ (total_q, heads, d) in `dtype` from the fragment buffer (`fragment_buffer`, or its
-    `tiles_view`; tiles `cols` wide). heads_inner: the kernel's program order."""
+    `tiles_view`; tiles `cols` wide)."""
     batch = cu_seqlens_q.numel() - 1
     dq = torch.empty((total_q, heads, d), dtype=dtype, device=acc.device)
-    blocks = cdiv(max(max_seqlen_q, 1), ROWS)
-    grid = (blocks * heads, 1, batch) if heads_inner else (blocks, heads, batch)
+    grid = (cdiv(max(max_seqlen_q, 1), ROWS), heads, batch)
     _FROM_FRAGMENTS[grid](acc, dq, cu_seqlens_q, dq.stride(0), dq.stride(1), heads,
-                          D=d, WIDTH=width, COLS=cols, HEADS_INNER=heads_inner)
+                          D=d, WIDTH=width, COLS=cols)
     return dq
