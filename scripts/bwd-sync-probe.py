@@ -9,6 +9,7 @@ free among them), the caching allocator's counters across the timed loop, and to
 sync debug mode's complaints. A peer (cuDNN through SDPA) runs the same loop beside us.
 
     PYTHONPATH=. python scripts/bwd-sync-probe.py [--cases 128:1,64:1,256:1] [--seqlen 512]
+        [--no-peer] [--profile]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import warnings
 import torch
 
 from asymflash import flash_attn_func
-from asymflash.bench_core import cell_host_us, cuda_timer
+from asymflash.bench_core import cell_host_us, cuda_timer, profile_calls
 
 TOKENS, MODEL_DIM = 16384, 2048
 WATCHED = ("Synchronize", "Memcpy", "Malloc", "Free", "Memset", "HostAlloc", "Query")
@@ -92,7 +93,20 @@ def probe(label, fwd, leaves, dout, flops):
         print(f"    sync debug: {msg}")
 
 
-def run_case(d, causal, s, peer):
+def profile_backward(fwd, leaves, dout):
+    """cProfile of our backward's host work, autograd kept on the calling thread (where
+    cProfile sees it): sorted by own time."""
+    out = fwd()
+
+    def call():
+        for t in leaves:
+            t.grad = None
+        with torch.autograd.set_multithreading_enabled(False):
+            out.backward(dout, retain_graph=True)
+    print(profile_calls(call, n=200, top=25))
+
+
+def run_case(d, causal, s, peer, profile=False):
     b, h = TOKENS // s, MODEL_DIM // d
     base = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     leaves = [t.detach().requires_grad_(True) for t in base]
@@ -117,6 +131,8 @@ def run_case(d, causal, s, peer):
         probe(f"{name} asymflash{' det' if det else ''}",
               lambda det=det: flash_attn_func(*leaves, causal=bool(causal), deterministic=det),
               leaves, dout, flops)
+    if profile:
+        profile_backward(lambda: flash_attn_func(*leaves, causal=bool(causal)), leaves, dout)
 
 
 def main():
@@ -124,11 +140,13 @@ def main():
     ap.add_argument("--cases", default="128:1,128:0,64:1,256:1")
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="also cProfile our backward's host work (calling thread)")
     a = ap.parse_args()
     torch.manual_seed(0)
     for case in a.cases.split(","):
         d, causal = (int(x) for x in case.split(":"))
-        run_case(d, causal, a.seqlen, not a.no_peer)
+        run_case(d, causal, a.seqlen, not a.no_peer, a.profile)
 
 
 if __name__ == "__main__":
