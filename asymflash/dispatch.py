@@ -11,6 +11,8 @@ and, if it has a backward,
         (dsink None when sink is None)
 and optionally, for the call plans of `plans.py` (one per call signature),
     forward_runner(q, k, v, seq, params, sink) -> runner(q, k, v, sink) -> (out, lse), or None
+    backward_runner(q, k, v, seq, params, sink) -> a callable with backward's arguments, or
+        None (the plan's seq and params are passed back to it)
 All backends compute the same semantics (reference.py + core/), so any forward may be paired
 with any backward. Calls go to the first backend of the device's list that can implement
 them; one that cannot is skipped, never run to give a wrong answer.

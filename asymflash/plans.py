@@ -159,10 +159,13 @@ def _store(key, grad, q, k, v, seq: SeqInfo, params: AttnParams, sink) -> None:
     backward = None
     if grad:
         try:
-            backward = (dispatch.pick_backward(q, k, v, seq, params, sink).backward, seq,
-                        params)
+            backward_backend = dispatch.pick_backward(q, k, v, seq, params, sink)
         except NotImplementedError:
-            pass
+            backward_backend = None
+        if backward_backend is not None:
+            make_runner = getattr(backward_backend, "backward_runner", None)
+            run = make_runner(q, k, v, seq, params, sink) if make_runner else None
+            backward = (run or backward_backend.backward, seq, params)
     mask = params.mask
     head = (seq.cu_seqlens_q, seq.cu_seqlens_k, seq.seqused_k)
     tail = (seq.max_seqlen_q, seq.max_seqlen_k, params.softmax_scale, mask.window_left,

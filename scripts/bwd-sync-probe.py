@@ -9,7 +9,10 @@ free among them), the caching allocator's counters across the timed loop, and to
 sync debug mode's complaints. A peer (cuDNN through SDPA) runs the same loop beside us.
 
     PYTHONPATH=. python scripts/bwd-sync-probe.py [--cases 128:1,64:1,256:1] [--seqlen 512]
-        [--no-peer] [--profile]
+        [--no-peer] [--profile] [--runner both|on|off]
+
+--runner: our backward through the call plan's bound runner (`bwd.BackwardRunner`, on), or
+through `bwd.backward` as before it (off), or both in turn (the default).
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ def sync_warnings(call, leaves):
 
 
 def probe(label, fwd, leaves, dout, flops):
+    fwd()  # the first call of a signature plans it; the timed graph is the plan's
     out = fwd()
     call = lambda: out.backward(dout, retain_graph=True)  # noqa: E731 - as bench_core
     timer = cuda_timer(100, 100)
@@ -106,7 +110,22 @@ def profile_backward(fwd, leaves, dout):
     print(profile_calls(call, n=100, top=25))  # 100: the launch queue never fills
 
 
-def run_case(d, causal, s, peer, profile=False):
+def without_runner(run):
+    """run() with the sm90 backend offering call plans no backward runner."""
+    from asymflash import plans
+    from asymflash.backends.sm90 import backend
+
+    make = backend.backward_runner
+    backend.backward_runner = lambda *args: None
+    plans.clear()
+    try:
+        run()
+    finally:
+        backend.backward_runner = make
+        plans.clear()
+
+
+def run_case(d, causal, s, peer, profile=False, runner="both"):
     b, h = TOKENS // s, MODEL_DIM // d
     base = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     leaves = [t.detach().requires_grad_(True) for t in base]
@@ -128,9 +147,15 @@ def run_case(d, causal, s, peer, profile=False):
         except Exception as e:  # noqa: BLE001 - the peer is context only
             print(f"{name} cuDNN: {type(e).__name__}: {e}")
     for det in (False, True):
-        probe(f"{name} asymflash{' det' if det else ''}",
-              lambda det=det: flash_attn_func(*leaves, causal=bool(causal), deterministic=det),
-              leaves, dout, flops)
+        for how in (("on", "off") if runner == "both" else (runner,)):
+            def run(det=det, how=how):
+                probe(f"{name} asymflash{' det' if det else ''} runner {how}",
+                      lambda: flash_attn_func(*leaves, causal=bool(causal), deterministic=det),
+                      leaves, dout, flops)
+            if how == "on":
+                run()
+            else:
+                without_runner(run)
     if profile:
         profile_backward(lambda: flash_attn_func(*leaves, causal=bool(causal)), leaves, dout)
 
@@ -142,11 +167,12 @@ def main():
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="also cProfile our backward's host work (calling thread)")
+    ap.add_argument("--runner", choices=("both", "on", "off"), default="both")
     a = ap.parse_args()
     torch.manual_seed(0)
     for case in a.cases.split(","):
         d, causal = (int(x) for x in case.split(":"))
-        run_case(d, causal, a.seqlen, not a.no_peer, a.profile)
+        run_case(d, causal, a.seqlen, not a.no_peer, a.profile, a.runner)
 
 
 if __name__ == "__main__":

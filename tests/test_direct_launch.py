@@ -131,6 +131,27 @@ def test_bound_launch_of_a_kernel_without_descriptors(fake_cuda, monkeypatch):
     assert kernel.bind((x, 17, 0.5), kwargs) is None  # another class: not compiled
 
 
+def test_launch_site_binds_after_its_first_launch(fake_cuda, monkeypatch):
+    # A runner's LaunchSite: Triton's path once (compiling), the bound binary after; with a
+    # profiler's hook installed since, the bound launch declines and Triton's path runs.
+    from triton import knobs
+
+    jit, kernel, x = fake_kernel(monkeypatch)
+    site = launch.LaunchSite()
+    kwargs = dict(BLOCK=64, FLAG=True, num_warps=4)
+    site(kernel, (3, 2), (x, 32, 0.5), kwargs)
+    assert site.bound is not None
+    y = torch.randn(64)
+    site(kernel, (4,), (y, 48, 0.25), kwargs)
+    assert [entry[0] for entry in jit.log] == ["jit", "direct"]
+    assert jit.log[-1] == ("direct", (4, 1, 1), (y, 48, 0.25, 64, True))
+    hook = knobs.HookChain()
+    hook.add(lambda metadata: None)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
+    site(kernel, (4,), (y, 48, 0.25), kwargs)
+    assert jit.log[-1][0] == "jit" and jit.log[-1][1] == (4,)
+
+
 def test_direct_launch_off_and_unkeyable(fake_cuda, monkeypatch):
     jit, kernel, x = fake_kernel(monkeypatch)
     monkeypatch.setenv("ASYMFLASH_DIRECT_LAUNCH", "0")

@@ -146,6 +146,45 @@ def test_sm90_runner_binds_and_launches_directly():
     assert plan.forward.bound is not None  # the third call went through the bound launcher
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the sm90 runner launches on an H100/H200")
+@pytest.mark.parametrize("d,causal,deterministic", [(64, True, False), (128, False, True),
+                                                     (256, True, False), (128, True, False)])
+def test_sm90_backward_runner_matches_the_reference(d, causal, deterministic):
+    """Planned backwards go through bwd.BackwardRunner: its launches bind at its first call
+    and go through the bound binaries after. Calls alternate between a loss without and with
+    the lse term (dlse None or a tensor: two preprocess binaries), fresh inputs each time."""
+    from asymflash.backends.sm90 import bwd
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs sm_90")
+    for call in range(5):
+        q, k, v = qkv(b=2, sq=113, sk=203, hq=4, hkv=2, d=d, grad=True)
+        dout = torch.randn(q.shape[:3] + (v.shape[-1],), dtype=q.dtype, device=DEVICE)
+        dlse = torch.randn(2, 4, 113, device=DEVICE) if call % 2 else None
+        out, lse = flash_attn_func(q, k, v, causal=causal, deterministic=deterministic,
+                                   return_lse=True)
+        loss = (out.float() * dout.float()).sum()
+        if dlse is not None:
+            loss = loss + (lse * dlse).sum()
+        grads = torch.autograd.grad(loss, (q, k, v))
+        leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+        ref, ref_lse = attention_ref(*leaves, causal=causal)
+        ref_loss = (ref * dout.float()).sum()
+        if dlse is not None:
+            ref_loss = ref_loss + (ref_lse * dlse).sum()
+        for got, want in zip(grads, torch.autograd.grad(ref_loss, leaves)):
+            torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=5e-2)
+    (plan,) = plans._PLANS.values()
+    runner = plan.backward[0]
+    assert isinstance(runner, bwd.BackwardRunner)
+    sites = runner.sites
+    # calls 2-5 ran the plan: both preprocess kinds, the main kernel (and the dQ
+    # postprocess where dQ_acc holds fragment-order tiles) bound after their first launch
+    assert sites.pre.bound is not None and sites.pre_dlse.bound is not None
+    assert sites.main.bound is not None
+    assert (sites.post.bound is not None) == runner.plan.dq_fragment
+
+
 def test_switches_follow_the_environment(monkeypatch):
     """Plans key on the backends' environment switches, read through os.environ's own dict:
     a change made while the process runs must show at once."""

@@ -312,3 +312,24 @@ class BoundLaunch:
         self.fast(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device),
                   args + self.tail)
         return True
+
+
+class LaunchSite:
+    """One launch of a runner that call plans keep (a signature's kernels and specialisation
+    fixed): `site(launcher, grid, args, kwargs)` launches through `launcher` (a DirectLaunch)
+    the first time, binds its binary (`DirectLaunch.bind`) and launches through the bound
+    binary from then on, skipping the specialisation key. The caller guarantees what `bind`
+    asks: every call at this site passes arguments of one specialisation class."""
+
+    __slots__ = ("bound",)
+
+    def __init__(self):
+        self.bound = None
+
+    def __call__(self, launcher: DirectLaunch, grid, args, kwargs) -> None:
+        bound = self.bound
+        if bound is not None and bound(grid, args):
+            return
+        launcher[grid](*args, **kwargs)
+        if bound is None:  # None again where it cannot bind (a profiler's hook): retried
+            self.bound = launcher.bind(args, kwargs)

@@ -170,10 +170,11 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink):
 _PREPROCESS = DirectLaunch(bwd_preprocess_kernel)
 
 
-def _delta(out, dout, dlse, zero=None, block_t=None, num_warps=4):
+def _delta(out, dout, dlse, zero=None, block_t=None, num_warps=4, site=None):
     """delta (hq, total_q) fp32 = rowsum(dO * O) - dlse; also zeroes `zero`, a contiguous
     fp32 (rows, hq, width) tensor with a power-of-two width (rows >= 1, any count), when
-    given. block_t (rows per program) and num_warps: the default tiling, or a probe's."""
+    given. block_t (rows per program) and num_warps: the default tiling, or a probe's.
+    site: a `launch.LaunchSite` of a call plan's runner (one specialisation class), or None."""
     total_q, hq, dv = out.shape
     delta = torch.empty(hq, total_q, dtype=torch.float32, device=out.device)
     if block_t is None:  # H200, 16k tokens x model dim 2048 (bwd-passes-probe): 32 rows
@@ -182,13 +183,15 @@ def _delta(out, dout, dlse, zero=None, block_t=None, num_warps=4):
     blocks = cdiv(max(total_q, zero_rows), block_t)
     grid = (blocks * hq,)  # a row block's heads side by side (bwd_preprocess_kernel)
     z = delta if zero is None else zero
-    _PREPROCESS[grid](
-        out, dout, dlse if dlse is not None else delta, delta, total_q,
-        out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0),
-        z, z.stride(0), z.stride(1) if zero is not None else 0, zero_rows, hq,
-        DV=dv, BLOCK_DV=pow2_block(dv), BLOCK_T=block_t, HAS_DLSE=dlse is not None,
-        ZERO_D=0 if zero is None else zero.shape[2], num_warps=num_warps,
-    )
+    args = (out, dout, dlse if dlse is not None else delta, delta, total_q,
+            out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0),
+            z, z.stride(0), z.stride(1) if zero is not None else 0, zero_rows, hq)
+    kwargs = dict(DV=dv, BLOCK_DV=pow2_block(dv), BLOCK_T=block_t, HAS_DLSE=dlse is not None,
+                  ZERO_D=0 if zero is None else zero.shape[2], num_warps=num_warps)
+    if site is None:
+        _PREPROCESS[grid](*args, **kwargs)
+    else:
+        site(_PREPROCESS, grid, args, kwargs)
     return delta
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from .bwd import backward, unsupported_backward  # noqa: F401 - the backend protocol
+from .bwd import backward, backward_runner, unsupported_backward  # noqa: F401 - the backend protocol
 from .fwd import forward, forward_runner, unsupported  # noqa: F401 - the backend protocol
 
 NAME = "sm90"

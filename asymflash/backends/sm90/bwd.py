@@ -82,7 +82,7 @@ import torch
 
 from asymflash.core.params import AttnParams, SeqInfo, cdiv
 
-from ..launch import DirectLaunch, sm_count
+from ..launch import DirectLaunch, LaunchSite, sm_count
 from . import arrive_all, bwd_wide, bwd_ws, dq_fragments
 from . import fwd as _fwd
 from .bwd_config import (  # noqa: F401 - re-exported: tests and scripts read them here
@@ -667,20 +667,41 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
                                      sink, cfg)
         return (dq[..., :d].contiguous(), dk[..., :d].contiguous(), dv[..., :dvd].contiguous(),
                 dsink)
+    q, k, v = _fwd.tma_ready(q), _fwd.tma_ready(k), _fwd.tma_ready(v)
+    plan = _plan_of(width, width_v, q, k, seq, params, cfg)
+    dq, dk, dv, dsink = _run(plan, width, width_v, padded, dout, q, k, v, out, lse, dlse, seq,
+                             params, sink)
+    if padded:
+        dk, dv = dk[..., :d].contiguous(), dv[..., :dvd].contiguous()
+    return dq, dk, dv, dsink
+
+
+def _plan_of(width, width_v, q, k, seq: SeqInfo, params: AttnParams, cfg) -> LaunchPlan:
+    """launch_plan for kernel widths (width, width_v) and this call."""
+    wl, wr = params.mask.window_left, params.mask.window_right
+    has_seqused = seq.seqused_k is not None
+    return launch_plan(width, width_v, seq.max_seqlen_q, seq.max_seqlen_k,
+                       bool(seq.uniform and not has_seqused), has_seqused, wl, wr,
+                       params.softcap > 0, params.deterministic, seq.batch, k.shape[1],
+                       sm_count(q.device), cfg, cfg is None and _fwd.arrive_all_switch(),
+                       q.shape[1])
+
+
+def _run(plan: LaunchPlan, width, width_v, padded, dout, q, k, v, out, lse, dlse,
+         seq: SeqInfo, params: AttnParams, sink, sites: BackwardSites | None = None):
+    """(dq, dk, dv, dsink) of one backward: allocate, build the descriptors, launch the
+    preprocess, the main kernel and the dQ postprocess (through `sites`, a call plan
+    runner's bound launches, where given). dk and dv are `width` (width_v) wide: `backward`
+    cuts padded ones. q, k, v: `tma_ready`; dout and lse as the caller has them."""
     # The portable preprocess and the sink gradient are shared with the portable backend.
     from ..cpu import sink_grad
     from ..portable import _delta
 
-    q, k, v = _fwd.tma_ready(q), _fwd.tma_ready(k), _fwd.tma_ready(v)
-
+    d, dvd = q.shape[-1], v.shape[-1]
     total_q, hq, _ = q.shape
     hkv = k.shape[1]
     wl, wr = params.mask.window_left, params.mask.window_right
     has_seqused = seq.seqused_k is not None
-    plan = launch_plan(width, width_v, seq.max_seqlen_q, seq.max_seqlen_k,
-                       bool(seq.uniform and not has_seqused), has_seqused, wl, wr,
-                       params.softcap > 0, params.deterministic, seq.batch, hkv,
-                       sm_count(q.device), cfg, cfg is None and _fwd.arrive_all_switch(), hq)
     cfg = plan.cfg
     # The dO descriptor shares Q's compiled element type and needs TMA-friendly strides.
     # (Each no-op conversion still costs host time: convert only what needs it.)
@@ -690,6 +711,8 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
         lse = lse.float().contiguous()
     if dlse is not None and not dlse.is_contiguous():
         dlse = dlse.contiguous()
+    if sites is not None and not sites.admits(out, lse, dlse):
+        sites = None
     # The kernel's tensors are `width` (V side: width_v) wide: dQ_acc, dK, dV are cut below.
     # The preprocess (delta) zeroes dQ_acc: one launch instead of two (unless FIRST_STORES).
     extra = PERSISTENT_ROWS if plan.persistent and not params.deterministic else 0
@@ -701,7 +724,8 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
                              device=q.device)
     # Deterministic mode's first turns may store instead (`first_stores`): no zeroing then.
     delta = _delta(out, dout, dlse,
-                   zero=None if plan.constexprs.get("FIRST_STORES") else dq_acc)
+                   zero=None if plan.constexprs.get("FIRST_STORES") else dq_acc,
+                   site=None if sites is None else sites.of_dlse(dlse))
     if extra:  # its tile counter: zeroed rows past dQ_acc's (bwd_ws._ws_tiles)
         dq_acc, tile_counter = dq_acc[:-extra], dq_acc[-extra:].view(torch.int32)
     # Varlen rows that belong to no sequence are never written: they must read as zero.
@@ -734,23 +758,73 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
         sem = tile_counter
     else:
         sem = _unused_semaphore(q.device)
-    _launcher_for(width, plan.split)[plan.grid](
-        q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse, delta, dq_acc, dk, dv,
-        seq.cu_seqlens_q,
-        seq.cu_seqlens_k, seq.seqused_k if has_seqused else seq.cu_seqlens_k, sem,
-        seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, hkv, hq // hkv, plan.num_m_blocks,
-        qk_scale, params.softmax_scale, softcap_pre, wl, wr, **plan.constexprs)
+    args = (q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse, delta, dq_acc,
+            dk, dv, seq.cu_seqlens_q, seq.cu_seqlens_k,
+            seq.seqused_k if has_seqused else seq.cu_seqlens_k, sem,
+            seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, hkv, hq // hkv, plan.num_m_blocks,
+            qk_scale, params.softmax_scale, softcap_pre, wl, wr)
+    if sites is None:
+        _launcher_for(width, plan.split)[plan.grid](*args, **plan.constexprs)
+    else:
+        sites.main(_launcher_for(width, plan.split), plan.grid, args, plan.constexprs)
     # The kernel folded softmax_scale into its dQ partial sums.
     if plan.dq_fragment:
         cols = _dq_tile(width, cfg, plan.split)[1]
         dq = dq_fragments.dq_from_fragments(dq_acc, seq.cu_seqlens_q, seq.max_seqlen_q,
-                                            total_q, hq, d, width, cols, q.dtype)
+                                            total_q, hq, d, width, cols, q.dtype,
+                                            site=None if sites is None else sites.post)
     else:
         dq = dq_acc[..., :d].to(q.dtype, memory_format=torch.contiguous_format)
-    dsink = sink_grad(sink, lse, delta)
-    if padded:
-        dk, dv = dk[..., :d].contiguous(), dv[..., :dvd].contiguous()
-    return dq, dk, dv, dsink
+    return dq, dk, dv, sink_grad(sink, lse, delta)
+
+
+class BackwardSites:
+    """A backward runner's bound launches (`launch.LaunchSite`): the main kernel's, the dQ
+    postprocess's, and the preprocess's per dlse kind (its HAS_DLSE binary). They stand for
+    one specialisation class of the tensors the caller passes: `admits` checks the ones a
+    call plan's key does not fix (out, lse and dlse come from autograd)."""
+
+    __slots__ = ("main", "post", "pre", "pre_dlse")
+
+    def __init__(self):
+        self.main, self.post = LaunchSite(), LaunchSite()
+        self.pre, self.pre_dlse = LaunchSite(), LaunchSite()
+
+    def of_dlse(self, dlse) -> LaunchSite:
+        return self.pre if dlse is None else self.pre_dlse
+
+    @staticmethod
+    def admits(out, lse, dlse) -> bool:
+        """Whether this call's autograd tensors fall in the class the sites were bound for:
+        out contiguous (its strides are the preprocess's int arguments), all 16-byte aligned
+        (dO and lse are already contiguous, dO aligned: `_run` converts them)."""
+        ptrs = out.data_ptr() | lse.data_ptr() | (0 if dlse is None else dlse.data_ptr())
+        return ptrs % 16 == 0 and out.is_contiguous()
+
+
+class BackwardRunner:
+    """`backward` for one call signature with its launch plan made once: the dispatcher's call
+    plans (`asymflash.plans`) keep one per signature and call it as `backward` (the plan's
+    seq and params). The launches bind their binaries at the first call and go through them
+    from the second (`BackwardSites`): no specialisation keys, no plan lookup per call."""
+
+    def __init__(self, q, k, v, seq: SeqInfo, params: AttnParams):
+        self.width, self.width_v = q.shape[-1], v.shape[-1]
+        self.plan = _plan_of(self.width, self.width_v, q, k, seq, params, None)
+        self.sites = BackwardSites()
+
+    def __call__(self, dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, sink):
+        q, k, v = _fwd.tma_ready(q), _fwd.tma_ready(k), _fwd.tma_ready(v)
+        return _run(self.plan, self.width, self.width_v, False, dout, q, k, v, out, lse, dlse,
+                    seq, params, sink, self.sites)
+
+
+def backward_runner(q, k, v, seq: SeqInfo, params: AttnParams, sink):
+    """A BackwardRunner for calls with this signature, or None where `backward` does more
+    than the plain launches (padded head dims): those keep calling `backward`."""
+    if _fwd.forward_widths(q.shape[-1], v.shape[-1]) != (q.shape[-1], v.shape[-1]):
+        return None
+    return BackwardRunner(q, k, v, seq, params)
 
 
 @dataclass(frozen=True)

@@ -134,12 +134,17 @@ _FROM_FRAGMENTS = DirectLaunch(_dq_from_fragments_kernel)  # host time: short ca
 
 def dq_from_fragments(acc: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
                       total_q: int, heads: int, d: int, width: int, cols: int,
-                      dtype: torch.dtype) -> torch.Tensor:
+                      dtype: torch.dtype, site=None) -> torch.Tensor:
     """dQ (total_q, heads, d) in `dtype` from the fragment buffer (`fragment_buffer`, or its
-    `tiles_view`; tiles `cols` wide)."""
+    `tiles_view`; tiles `cols` wide). site: a `launch.LaunchSite` of a call plan's runner,
+    or None."""
     batch = cu_seqlens_q.numel() - 1
     dq = torch.empty((total_q, heads, d), dtype=dtype, device=acc.device)
     grid = (cdiv(max(max_seqlen_q, 1), ROWS), heads, batch)
-    _FROM_FRAGMENTS[grid](acc, dq, cu_seqlens_q, dq.stride(0), dq.stride(1), heads,
-                          D=d, WIDTH=width, COLS=cols)
+    args = (acc, dq, cu_seqlens_q, dq.stride(0), dq.stride(1), heads)
+    kwargs = dict(D=d, WIDTH=width, COLS=cols)
+    if site is None:
+        _FROM_FRAGMENTS[grid](*args, **kwargs)
+    else:
+        site(_FROM_FRAGMENTS, grid, args, kwargs)
     return dq
