@@ -9,10 +9,12 @@ free among them), the caching allocator's counters across the timed loop, and to
 sync debug mode's complaints. A peer (cuDNN through SDPA) runs the same loop beside us.
 
     PYTHONPATH=. python scripts/bwd-sync-probe.py [--cases 128:1,64:1,256:1] [--seqlen 512]
-        [--no-peer] [--profile] [--runner both|on|off]
+        [--no-peer] [--profile] [--runner both|on|off] [--host-ab ROUNDS]
 
 --runner: our backward through the call plan's bound runner (`bwd.BackwardRunner`, on), or
-through `bwd.backward` as before it (off), or both in turn (the default).
+through `bwd.backward` as before it (off), or both in turn (the default). --host-ab: only the
+host issue time of one backward call, runner on and off in alternating rounds (medians; the
+device hosts' single CUDA calls vary by up to ~100 us, so one reading of each says little).
 """
 
 from __future__ import annotations
@@ -125,6 +127,42 @@ def without_runner(run):
         plans.clear()
 
 
+def host_ab(d, causal, s, rounds):
+    """Median host issue per backward call, runner on / off, alternating rounds."""
+    b, h = TOKENS // s, MODEL_DIM // d
+    leaves = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+              for _ in range(3)]
+    dout = torch.randn_like(leaves[0])
+    for det in (False, True):
+        host_ab_mode(f"d={d} causal={causal} s={s}{' det' if det else ''}", leaves, dout,
+                     bool(causal), det, rounds)
+
+
+def host_ab_mode(label, leaves, dout, causal, det, rounds):
+    import statistics
+
+    from asymflash.bench_core import host_issue_us
+
+    def planned():
+        flash_attn_func(*leaves, causal=causal, deterministic=det)  # plans the signature
+        return flash_attn_func(*leaves, causal=causal, deterministic=det)
+    graphs = {"on": planned()}
+    without_runner(lambda: graphs.setdefault("off", planned()))
+
+    def issue(out):
+        for t in leaves:
+            t.grad = None
+        out.backward(dout, retain_graph=True)
+    times = {"on": [], "off": []}
+    for _ in range(rounds):
+        for how, out in graphs.items():
+            times[how].append(host_issue_us(lambda out=out: issue(out), 50))
+    med = {how: statistics.median(t) for how, t in times.items()}
+    print(f"{label}: host issue per backward runner on {med['on']:6.1f} us, off "
+          f"{med['off']:6.1f} us ({rounds} rounds: on {min(times['on']):.0f}-"
+          f"{max(times['on']):.0f}, off {min(times['off']):.0f}-{max(times['off']):.0f})")
+
+
 def run_case(d, causal, s, peer, profile=False, runner="both"):
     b, h = TOKENS // s, MODEL_DIM // d
     base = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
@@ -168,10 +206,14 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="also cProfile our backward's host work (calling thread)")
     ap.add_argument("--runner", choices=("both", "on", "off"), default="both")
+    ap.add_argument("--host-ab", type=int, default=0, metavar="ROUNDS")
     a = ap.parse_args()
     torch.manual_seed(0)
     for case in a.cases.split(","):
         d, causal = (int(x) for x in case.split(":"))
+        if a.host_ab:
+            host_ab(d, causal, a.seqlen, a.host_ab)
+            continue
         run_case(d, causal, a.seqlen, not a.no_peer, a.profile, a.runner)
 
 

@@ -539,9 +539,9 @@ def test_sm90_deterministic_first_stores_leave_no_stale_dq(case, skips, monkeypa
     zeroed = []
     delta = portable._delta
 
-    def recording_delta(out, dout, dlse, zero=None):
+    def recording_delta(out, dout, dlse, zero=None, **kw):
         zeroed.append(zero is not None)
-        return delta(out, dout, dlse, zero=zero)
+        return delta(out, dout, dlse, zero=zero, **kw)
 
     monkeypatch.setattr(portable, "_delta", recording_delta)
     q, k, v, dout, seq, params, sink = make_case(case)
