@@ -101,7 +101,8 @@ def probe(label, fwd, leaves, dout, flops):
 
 def profile_backward(fwd, leaves, dout):
     """cProfile of our backward's host work, autograd kept on the calling thread (where
-    cProfile sees it): sorted by own time."""
+    cProfile sees it): sorted by own time. The second forward's graph: its call plan's."""
+    fwd()
     out = fwd()
 
     def call():
