@@ -1,8 +1,8 @@
 """asymflash: exact attention for PyTorch, in Triton and Gluon."""
 
-from .interface import flash_attn_func, flash_attn_varlen_func
-from .kvcache import flash_attn_with_kvcache
-from .packed import (
+from .api.dense import flash_attn_func, flash_attn_varlen_func
+from .api.kvcache import flash_attn_with_kvcache
+from .api.packed import (
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
     flash_attn_varlen_kvpacked_func,

@@ -23,8 +23,8 @@ def demo(argv) -> int:
     """Forward + backward at a realistic size on the best device, checked against the
     reference; prints the backend used, max errors and times."""
     from . import flash_attn_func
-    from .dispatch import backend_names
     from .reference import attention_ref
+    from .runtime.dispatch import backend_names
 
     p = argparse.ArgumentParser(prog="python -m asymflash demo")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         return 2
     if argv[0] == "demo":
         return demo(argv[1:])
-    from .bench import main as bench_main
+    from .bench.cli import main as bench_main
 
     return bench_main(argv[1:])
 

@@ -20,7 +20,7 @@ import torch
 
 def _providers():
     from asymflash import flash_attn_func
-    from asymflash.dispatch import use_backend
+    from asymflash.runtime.dispatch import use_backend
 
     def ours(q, k, v, causal):
         with use_backend("sm90"):

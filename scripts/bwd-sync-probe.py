@@ -27,7 +27,7 @@ import warnings
 import torch
 
 from asymflash import flash_attn_func
-from asymflash.bench_core import cell_host_us, cuda_timer, profile_calls
+from asymflash.bench.core import cell_host_us, cuda_timer, profile_calls
 
 TOKENS, MODEL_DIM = 16384, 2048
 WATCHED = ("Synchronize", "Memcpy", "Malloc", "Free", "Memset", "HostAlloc", "Query")
@@ -115,8 +115,8 @@ def profile_backward(fwd, leaves, dout):
 
 def without_runner(run):
     """run() with the sm90 backend offering call plans no backward runner."""
-    from asymflash import plans
     from asymflash.backends.sm90 import backend
+    from asymflash.runtime import plans
 
     make = backend.backward_runner
     backend.backward_runner = lambda *args: None
@@ -142,7 +142,7 @@ def host_ab(d, causal, s, rounds):
 def host_ab_mode(label, leaves, dout, causal, det, rounds):
     import statistics
 
-    from asymflash.bench_core import host_issue_us
+    from asymflash.bench.core import host_issue_us
 
     def planned():
         flash_attn_func(*leaves, causal=causal, deterministic=det)  # plans the signature

@@ -139,8 +139,8 @@ def main():
     from triton.testing import do_bench
 
     from asymflash.backends import portable
-    from asymflash.backends.launch import DirectLaunch
     from asymflash.backends.sm90 import bwd
+    from asymflash.runtime.launch import DirectLaunch
 
     ws = probe_common.patched_module(SRC, EDITS, "bwd-ws-tiles")
     launcher = DirectLaunch(ws.attn_bwd_ws_kernel)

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from probe_common import forced_decode_config  # noqa: E402
 
 from asymflash import flash_attn_with_kvcache  # noqa: E402
-from asymflash.bench_core import capture_graph, host_issue_us, profile_calls  # noqa: E402
+from asymflash.bench.core import capture_graph, host_issue_us, profile_calls  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 4, 128, 64
 DTYPE = torch.bfloat16
@@ -205,8 +205,8 @@ def providers(case, smoke):
 def splits_chosen(case):
     """The split count num_splits=0 picks (the portable kernel's heuristic)."""
     try:
+        from asymflash.api.kvcache import CacheSpec
         from asymflash.backends.portable import decode as dec
-        from asymflash.kvcache import CacheSpec
 
         q = case["q"]
         spec = CacheSpec(case["k_cache"], case["v_cache"], case["seqlens"], 0,

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from probe_common import forced_decode_config  # noqa: E402
 
 from asymflash import dispatch, flash_attn_with_kvcache  # noqa: E402
-from asymflash.bench_core import capture_graph  # noqa: E402
+from asymflash.bench.core import capture_graph  # noqa: E402
 
 HQ, HKV, D, PAGE, BATCH = 32, 4, 128, 64, 8
 DECODE = "asymflash.backends.portable.decode"

@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from asymflash.api.kvcache import CacheSpec  # noqa: E402
 from asymflash.backends.sm90 import decode  # noqa: E402
 from asymflash.core.params import AttnParams  # noqa: E402
-from asymflash.kvcache import CacheSpec  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 4, 128, 64
 

@@ -19,10 +19,12 @@ import time
 import torch
 from triton.runtime import driver
 
-from asymflash import flash_attn_func, interface, plans
+from asymflash import flash_attn_func
+from asymflash.api import dense as interface
 from asymflash.backends.portable import _delta
 from asymflash.backends.sm90 import bwd, fwd
 from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
+from asymflash.runtime import plans
 
 
 def timed(fn, n, busy):

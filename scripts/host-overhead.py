@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from asymflash import flash_attn_func, flash_attn_with_kvcache
-from asymflash.bench_core import capture_graph, host_issue_us, profile_calls
+from asymflash.bench.core import capture_graph, host_issue_us, profile_calls
 
 
 def cases():

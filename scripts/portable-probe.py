@@ -33,8 +33,8 @@ def run_one(case, tile, repeats: int) -> str:
 
     from asymflash import flash_attn_func
     from asymflash.backends import portable
-    from asymflash.dispatch import use_backend
     from asymflash.reference import attention_ref
+    from asymflash.runtime.dispatch import use_backend
 
     d, dv, window, with_sink, dtype = case
     portable._CANDIDATES["fwd"] = {c: [tile] for c in (64, 128, 256)}

@@ -85,8 +85,8 @@ def time_stamped_ws(ws_kernel, stamps, args, cfg=None) -> tuple[float, float]:
     import torch
     from triton.testing import do_bench
 
-    from asymflash.backends.launch import DirectLaunch
     from asymflash.backends.sm90 import bwd
+    from asymflash.runtime.launch import DirectLaunch
 
     launcher = DirectLaunch(ws_kernel)
     real_launcher, real_sem = bwd._launcher_for, bwd._unused_semaphore
@@ -131,7 +131,7 @@ def forced_decode_config(cfg):
     Both caches that would hide it are emptied on the way in and out: the kernel's plans per
     size and flash_attn_with_kvcache's call plans, which keep one bound runner per call
     signature (a sweep that only replaced `select_config` timed the first config it saw)."""
-    from asymflash import kvcache
+    from asymflash.api import kvcache
     from asymflash.backends.portable import decode as dec
 
     chosen = dec.select_config

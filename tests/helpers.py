@@ -12,8 +12,8 @@ import contextlib
 import pytest
 import torch
 
-from asymflash.dispatch import use_backend
 from asymflash.reference import attention_ref
+from asymflash.runtime.dispatch import use_backend
 
 
 def make_qkv(batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, d, dv, dtype, device,

@@ -8,8 +8,8 @@ import torch
 from helpers import forced
 
 from asymflash import flash_attn_func, flash_attn_varlen_func
-from asymflash.dispatch import backend_names
 from asymflash.reference import attention_ref
+from asymflash.runtime.dispatch import backend_names
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -105,8 +105,7 @@ def test_cu_seqlens_values_are_read_once_per_unmodified_tensor(monkeypatch):
     """Reading cu_seqlens on the host waits for the GPU: a model calling attention in every
     layer with the same offsets pays it once (validation._PassedValueChecks), yet an in-place
     change or a new tensor is checked again."""
-    from asymflash import validation
-
+    from asymflash.api import validation
     reads = []
     real = validation._check_cu_seqlens_values
     monkeypatch.setattr(validation, "_check_cu_seqlens_values",
@@ -254,7 +253,7 @@ def test_forced_backend_reaches_a_backward_on_another_thread(monkeypatch):
     is unset: the forward's choice must travel with the graph."""
     import threading
 
-    import asymflash.dispatch as dispatch
+    import asymflash.runtime.dispatch as dispatch
 
     name = "portable"
     module = dispatch.get_backend(name)
@@ -299,7 +298,7 @@ def test_flash_attn_2_keywords():
 def test_without_a_sink_backends_return_no_sink_gradient_and_the_op_zeros():
     """Backends return dsink None without a sink (no zeros made per backward call); the
     custom op's implementation, whose schema returns a tensor, makes the zeros."""
-    from asymflash import interface
+    from asymflash.api import dense as interface
     from asymflash.backends import cpu
     from asymflash.core.params import AttnParams, SeqInfo
 

@@ -143,8 +143,8 @@ def test_the_switch_applies_to_every_call_unless_a_config_is_given(monkeypatch):
     config (forward and backward), changes nothing else in them, and keys call plans."""
     from dataclasses import replace
 
-    from asymflash import dispatch
     from asymflash.backends.sm90 import bwd
+    from asymflash.runtime import dispatch
 
     def fwd_plan(cfg=None):
         return fwd.launch_plan(128, 128, 2048, 2048, True, False, -1, 0, False, False, 2, 8,

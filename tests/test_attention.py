@@ -11,7 +11,7 @@ import torch
 from helpers import assert_fa_close, assert_lse_close, forced, make_qkv, reference_pair
 
 from asymflash import flash_attn_func
-from asymflash.dispatch import backend_names
+from asymflash.runtime.dispatch import backend_names
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = backend_names(DEVICE)

@@ -16,8 +16,10 @@ import sys
 import pytest
 import torch
 
-from asymflash import bench, bench_providers, bench_report
-from asymflash.bench_core import (
+from asymflash.bench import cli as bench
+from asymflash.bench import providers as bench_providers
+from asymflash.bench import report as bench_report
+from asymflash.bench.core import (
     ERROR,
     NA,
     OK,
@@ -382,8 +384,7 @@ def test_opt_in_providers_run_only_when_named(monkeypatch):
 def test_fa4_trick_providers_switch_the_forward_on_and_off(monkeypatch):
     import os
 
-    from asymflash import dispatch
-
+    from asymflash.runtime import dispatch
     monkeypatch.setattr(dispatch, "backend_names", lambda device: ["sm90", "portable"])
     monkeypatch.delenv("ASYMFLASH_SM90_EXP2_EMU", raising=False)
     by_name = {p.name: p for p in bench_providers.asymflash_providers("cuda")}

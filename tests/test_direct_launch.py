@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from asymflash.backends import launch
+from asymflash.runtime import launch
 
 triton = pytest.importorskip("triton")
 from triton._C.libtriton import native_specialize_impl  # noqa: E402

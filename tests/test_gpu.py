@@ -12,8 +12,8 @@ import torch
 from helpers import assert_fa_close, assert_lse_close, forced, make_qkv, reference_pair
 
 from asymflash import flash_attn_func
-from asymflash.dispatch import backend_names
 from asymflash.reference import attention_ref
+from asymflash.runtime.dispatch import backend_names
 
 pytestmark = pytest.mark.gpu
 BACKENDS = backend_names("cuda") if torch.cuda.is_available() else []

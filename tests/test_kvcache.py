@@ -14,8 +14,9 @@ import pytest
 import torch
 from helpers import assert_fa_close, assert_lse_close, forced
 
-from asymflash import dispatch, flash_attn_varlen_func, flash_attn_with_kvcache
+from asymflash import flash_attn_varlen_func, flash_attn_with_kvcache
 from asymflash.reference import attention_ref
+from asymflash.runtime import dispatch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = [n for n in dispatch.backend_names(DEVICE) if n in dispatch._DECODE_MODULES]
@@ -433,8 +434,7 @@ def test_lengths_known_on_the_host_need_no_device_read(monkeypatch):
     """cache_seqlens None (full caches) or an int, without page_table or cache_batch_idx:
     nothing to read back from the device (a sync per call, per layer in a decode step).
     A lengths tensor is still read and checked."""
-    from asymflash import kvcache
-
+    from asymflash.api import kvcache
     reads = []
     real = kvcache.check.check_cache_values
     monkeypatch.setattr(kvcache.check, "check_cache_values",
@@ -614,8 +614,7 @@ def test_long_queries_through_the_forward_kernels_match_reference(monkeypatch, n
     """Long-query calls on a contiguous cache may run the varlen forward (sm90 on Hopper)
     over the cache's rows with the lengths as seqused_k: the same answer and the same append
     as the decode path. Checked here with the CPU forward standing in for sm90."""
-    from asymflash import kvcache
-
+    from asymflash.api import kvcache
     sq, hq, hkv, new, lens, kw = CASES[name]
     kw = dict(kw)
     monkeypatch.setattr(kvcache, "PREFILL_MIN_Q", 1)
@@ -649,7 +648,7 @@ def test_long_queries_through_the_forward_kernels_match_reference(monkeypatch, n
 def test_long_queries_keep_the_decode_kernel_off_hopper():
     """Without the sm90 forward (here: the CPU), prefill_on_forward_kernels declines and the
     decode path runs."""
-    from asymflash import kvcache
+    from asymflash.api import kvcache
     from asymflash.core.params import AttnParams, MaskSpec
 
     cache = Cache("contiguous", 2, 2, 32, 32, capacity=160)
@@ -665,8 +664,7 @@ def test_long_query_chunk_over_a_contiguous_cache(monkeypatch, causal):
     """A 130-row chunk appended to and attending over a contiguous cache, GQA 4:2, d=64:
     on an sm_90 GPU it runs the sm90 forward over the cache rows (asserted there), elsewhere
     the decode path; the reference either way."""
-    from asymflash import kvcache
-
+    from asymflash.api import kvcache
     taken = []
     real = kvcache.prefill_on_forward_kernels
 
@@ -717,8 +715,7 @@ def test_call_plans_run_later_calls_and_match_the_reference(lengths, monkeypatch
     """The second call of a signature runs its plan (the dispatcher is not asked again) and
     still appends and attends exactly: fresh k/v and q each call, checked against the
     reference after each."""
-    from asymflash import kvcache
-
+    from asymflash.api import kvcache
     if "portable" not in BACKENDS:
         pytest.skip("the portable kernels need a GPU or TRITON_INTERPRET=1")
     kvcache._KV_PLANS.clear()
@@ -764,8 +761,7 @@ def test_call_plans_never_skip_a_check(monkeypatch):
     """A plan exists only for its exact signature: a call that differs in any checked way (a
     length past the capacity, a wrong dtype, lengths whose values are checked) takes the
     full path and is refused there, the cache untouched."""
-    from asymflash import kvcache
-
+    from asymflash.api import kvcache
     kvcache._KV_PLANS.clear()
     cache = Cache("contiguous", 2, 2, 32, 32, capacity=48)
     q = torch.randn(2, 1, 4, 32, dtype=torch.bfloat16, device=DEVICE)
@@ -792,8 +788,7 @@ def test_call_plans_never_skip_a_check(monkeypatch):
 
 
 def test_uniform_lengths_are_made_once_and_the_table_is_bounded(monkeypatch):
-    from asymflash import kvcache
-
+    from asymflash.api import kvcache
     monkeypatch.setattr(kvcache, "_UNIFORM_LENGTHS", {})
     monkeypatch.setattr(kvcache, "_UNIFORM_LENGTHS_LIMIT", 3)
     dev = torch.device(DEVICE)

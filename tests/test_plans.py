@@ -11,8 +11,9 @@ import pytest
 import torch
 from helpers import forced
 
-from asymflash import flash_attn_func, plans
+from asymflash import flash_attn_func
 from asymflash.reference import attention_ref
+from asymflash.runtime import plans
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The sm90 kernels' head dims on the GPU; the CPU backend takes any.
@@ -188,8 +189,7 @@ def test_sm90_backward_runner_matches_the_reference(d, causal, deterministic):
 def test_switches_follow_the_environment(monkeypatch):
     """Plans key on the backends' environment switches, read through os.environ's own dict:
     a change made while the process runs must show at once."""
-    from asymflash import dispatch
-
+    from asymflash.runtime import dispatch
     for name in dispatch.SWITCHES:
         monkeypatch.delenv(name, raising=False)
     assert dispatch.switches() == (None,) * len(dispatch.SWITCHES)
@@ -231,7 +231,6 @@ def varlen_reference(q, k, v, cu_q, cu_k, seqused_k=None, **kw):
 
 def test_planned_varlen_calls_match_the_reference():
     from asymflash import flash_attn_varlen_func
-
     cu_fixed = None
     for call in range(3):
         q, k, v, cu_q, cu_k, mq, mk = varlen_inputs()
@@ -247,7 +246,6 @@ def test_planned_varlen_calls_match_the_reference():
 
 def test_planned_varlen_gradients_match_the_reference():
     from asymflash import flash_attn_varlen_func
-
     _, _, _, cu_q, cu_k, mq, mk = varlen_inputs()
     used = torch.tensor([5, 150, 0, 9], dtype=torch.int32, device=DEVICE)
     for _ in range(3):
@@ -268,7 +266,6 @@ def test_changed_offsets_never_reuse_a_plan():
     """An in-place change of cu_seqlens after good calls (here to values the checks refuse)
     goes through the checks again; a new tensor of equal values gets a plan of its own."""
     from asymflash import flash_attn_varlen_func
-
     q, k, v, cu_q, cu_k, mq, mk = varlen_inputs()
     for _ in range(2):
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk)

@@ -330,7 +330,7 @@ def test_fa4_switches_apply_to_every_call_unless_a_config_is_given(monkeypatch):
         with pytest.raises(ValueError, match=name):
             fwd.fa4_tricks()
         monkeypatch.setenv(name, "8")
-    from asymflash import dispatch
+    from asymflash.runtime import dispatch
     assert {fwd.EXP2_EMU_SWITCH, fwd.RESCALE_SWITCH} <= set(dispatch.SWITCHES)
 
 

@@ -15,8 +15,9 @@ import torch
 from helpers import assert_fa_close, assert_lse_close
 from test_kvcache import Cache, reference
 
-from asymflash import dispatch, flash_attn_with_kvcache
+from asymflash import flash_attn_with_kvcache
 from asymflash.backends.sm90 import decode
+from asymflash.runtime import dispatch
 
 ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -143,7 +144,7 @@ def _params():
 
 
 def _spec(q, kc, table=None):
-    from asymflash.kvcache import CacheSpec
+    from asymflash.api.kvcache import CacheSpec
 
     batch, sq = q.shape[:2]
     lens = torch.full((batch,), 100, dtype=torch.int32, device=q.device)

@@ -243,7 +243,7 @@ def test_sm90_fa4_switches_through_the_api(monkeypatch, d, causal, batch, seqlen
 
     from asymflash import flash_attn_func
     from asymflash.backends.sm90 import fwd
-    from asymflash.dispatch import use_backend
+    from asymflash.runtime.dispatch import use_backend
 
     torch.manual_seed(d + seqlen)
     q = torch.randn(batch, seqlen, 4, d, device="cuda", dtype=torch.bfloat16)

@@ -16,7 +16,7 @@ from helpers import assert_fa_close, reference_pair
 
 from asymflash import flash_attn_func, flash_attn_varlen_func
 from asymflash.backends.sm90 import fwd
-from asymflash.dispatch import use_backend
+from asymflash.runtime.dispatch import use_backend
 
 needs_gluon = pytest.mark.skipif(fwd._GLUON_ERROR is not None, reason=str(fwd._GLUON_ERROR))
 

@@ -7,8 +7,8 @@ import torch
 from helpers import forced
 
 from asymflash import flash_attn_varlen_func
-from asymflash.dispatch import backend_names
 from asymflash.reference import attention_ref
+from asymflash.runtime.dispatch import backend_names
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = backend_names(DEVICE)
@@ -83,7 +83,6 @@ def test_varlen_matches_reference(backend, causal, window, softcap, with_sink, w
 def test_varlen_equals_dense(backend):
     """Equal lengths packed as varlen give bitwise the dense call's answer."""
     from asymflash import flash_attn_func
-
     q = torch.randn(3, 33, 2, 64, dtype=torch.float16, device=DEVICE)
     k = torch.randn(3, 21, 2, 64, dtype=torch.float16, device=DEVICE)
     v = torch.randn(3, 21, 2, 64, dtype=torch.float16, device=DEVICE)

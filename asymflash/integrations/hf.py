@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from ..interface import flash_attn_func, flash_attn_varlen_func
-from ..kvcache import flash_attn_with_kvcache
-from ..tensor_memo import TensorMemo
+from ..api.dense import flash_attn_func, flash_attn_varlen_func
+from ..api.kvcache import flash_attn_with_kvcache
+from ..runtime.tensor_memo import TensorMemo
 
 NAME = "asymattn"
 # Calls with at most this many query tokens and a longer key history are decode steps (or

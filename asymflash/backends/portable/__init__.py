@@ -14,8 +14,8 @@ import torch
 import triton
 
 from ...core.params import AttnParams, SeqInfo, cdiv
-from ...dispatch import interpreting
-from ..launch import DirectLaunch
+from ...runtime.dispatch import interpreting
+from ...runtime.launch import DirectLaunch
 from .bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
 from .fwd import attn_fwd_kernel
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...dispatch import interpreting
+from ...runtime.dispatch import interpreting
 
 # Triton 3.6's interpreter multiplies bf16 tiles wrongly in tl.dot (fp16 is fine): there the
 # operands are widened to fp32 first, after any rounding the kernel itself does, so the

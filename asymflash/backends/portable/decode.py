@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 from ...core.params import cdiv
-from ...dispatch import interpreting
-from ..launch import DirectLaunch, sm_count
+from ...runtime.dispatch import interpreting
+from ...runtime.launch import DirectLaunch, sm_count
 from . import pow2_block, unsupported_input
 from .common import dot, finish_rows, key_block_range, log2_scores, online_softmax_step, tile_valid
 

@@ -82,7 +82,7 @@ import torch
 
 from asymflash.core.params import AttnParams, SeqInfo, cdiv
 
-from ..launch import DirectLaunch, LaunchSite, sm_count
+from ...runtime.launch import DirectLaunch, LaunchSite, sm_count
 from . import arrive_all, bwd_wide, bwd_ws, dq_fragments
 from . import fwd as _fwd
 from .bwd_config import (  # noqa: F401 - re-exported: tests and scripts read them here
@@ -804,7 +804,7 @@ class BackwardSites:
 
 class BackwardRunner:
     """`backward` for one call signature with its launch plan made once: the dispatcher's call
-    plans (`asymflash.plans`) keep one per signature and call it as `backward` (the plan's
+    plans (`asymflash.runtime.plans`) keep one per signature and call it as `backward` (the plan's
     seq and params). The launches bind their binaries at the first call and go through them
     from the second (`BackwardSites`): no specialisation keys, no plan lookup per call."""
 

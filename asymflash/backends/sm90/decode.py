@@ -42,7 +42,7 @@ import os
 import torch
 
 from ...core.params import cdiv
-from ..launch import DirectLaunch, sm_count
+from ...runtime.launch import DirectLaunch, sm_count
 from ..portable.decode import _workspace, num_splits_heuristic
 from . import fwd as _fwd
 from .fwd import _GLUON_ERROR

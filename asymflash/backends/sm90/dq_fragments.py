@@ -40,7 +40,7 @@ import triton.language as tl
 from triton.runtime.jit import constexpr_function
 
 from ...core.params import cdiv
-from ..launch import DirectLaunch
+from ...runtime.launch import DirectLaunch
 
 ROWS = 64  # rows of one warpgroup's dQ tile (a wgmma M)
 

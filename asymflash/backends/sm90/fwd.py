@@ -45,10 +45,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from asymflash import dispatch
 from asymflash.core.params import AttnParams, MaskSpec, SeqInfo, cdiv
+from asymflash.runtime import dispatch
 
-from ..launch import DirectLaunch, descriptor_token, sm_count
+from ...runtime.launch import DirectLaunch, descriptor_token, sm_count
 from . import arrive_all
 from .fwd_config import (  # noqa: F401 - re-exported: tests, scripts and bwd read them here
     _DEFAULT_CONFIGS,
@@ -1629,7 +1629,7 @@ def _launch(q, k, v, seq: SeqInfo, params: AttnParams, sink, plan: LaunchPlan, p
 
 class ForwardRunner:
     """`forward` for one call signature with its decisions made once: the dispatcher's call
-    plans (`asymflash.plans`) keep one per (shapes, strides, dtypes, device, params, sink
+    plans (`asymflash.runtime.plans`) keep one per (shapes, strides, dtypes, device, params, sink
     class) and call it with that signature's tensors only. The first call launches through
     Triton's path and binds the compiled binary; later calls allocate, build descriptors and
     launch (`launch.BoundLaunch`)."""

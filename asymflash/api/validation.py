@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .tensor_memo import TensorMemo
+from ..runtime.tensor_memo import TensorMemo
 
 MAX_HEAD_DIM = 256
 

@@ -41,7 +41,7 @@ _MODULES = {
 #     decode(q, cache, params, sink, num_splits) -> (out, lse)
 # and is tried in backend_names' order; a backend with no entry here is skipped.
 _DECODE_MODULES = {
-    "cpu": "asymflash.kvcache",  # gathers the cache, then the cpu backend's forward
+    "cpu": "asymflash.api.kvcache",  # gathers the cache, then the cpu backend's forward
     "sm90": "asymflash.backends.sm90.decode",  # TMA-fed, off unless ASYMFLASH_SM90_DECODE=1
     "portable": "asymflash.backends.portable.decode",
 }

@@ -16,10 +16,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import dispatch, plans
+from ..core.masks import normalize_window
+from ..core.params import AttnParams, MaskSpec, SeqInfo
+from ..runtime import dispatch, plans
 from . import validation as check
-from .core.masks import normalize_window
-from .core.params import AttnParams, MaskSpec, SeqInfo
 
 
 def _params(scale, window_left, window_right, softcap, deterministic=False) -> AttnParams:

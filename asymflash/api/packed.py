@@ -13,7 +13,7 @@ from typing import Optional
 
 from torch import Tensor
 
-from .interface import flash_attn_func, flash_attn_varlen_func
+from .dense import flash_attn_func, flash_attn_varlen_func
 from .validation import _fail
 
 

@@ -30,8 +30,9 @@ from types import SimpleNamespace
 
 import torch
 
-from . import bench_providers, bench_report
-from .bench_core import (
+from . import providers as bench_providers
+from . import report as bench_report
+from .core import (
     DTYPES,
     MODES,
     WRONG,
@@ -223,7 +224,7 @@ class Progress:
 
 
 def default_reference() -> Callable:
-    from .reference import attention_ref
+    from ..reference import attention_ref
 
     return attention_ref
 

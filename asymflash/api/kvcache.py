@@ -20,10 +20,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import dispatch, plans
+from ..core.masks import normalize_window
+from ..core.params import AttnParams, SeqInfo
+from ..runtime import dispatch, plans
 from . import validation as check
-from .core.masks import normalize_window
-from .core.params import AttnParams, SeqInfo
 
 NAME = "cpu"
 
@@ -155,7 +155,7 @@ def _check_rotary(cos, sin, q, k, capacity, leftpad):
 
 def _rotated(q, k, cos, sin, seqlens, params, interleaved):
     """(q, k) rotated as flash_attn_with_kvcache documents (new tensors)."""
-    from .core.rotary import apply_rotary
+    from ..core.rotary import apply_rotary
 
     start = seqlens.to(torch.int64).unsqueeze(1)
     k_pos = start + torch.arange(k.shape[1], device=k.device)
@@ -602,7 +602,7 @@ def gather(cache: CacheSpec):
 
 def decode(q, cache: CacheSpec, params: AttnParams, sink, num_splits: int = 0):
     """The CPU path; num_splits does not apply (the tiled loop has no occupancy to fill)."""
-    from .backends import cpu
+    from ..backends import cpu
 
     total_q, nheads_q = q.shape[0], q.shape[1]
     dv = cache.v.shape[-1]

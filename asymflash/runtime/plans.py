@@ -29,8 +29,8 @@ import os
 
 import torch
 
+from ..core.params import AttnParams, MaskSpec, SeqInfo
 from . import dispatch
-from .core.params import AttnParams, MaskSpec, SeqInfo
 
 _Tensor = torch.Tensor
 # ASYMFLASH_CALL_PLANS=0 sends every call through the full path (A/B timing, bug reports).

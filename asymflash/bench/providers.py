@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from .bench_core import Provider, probe
+from .core import Provider, probe
 
 # Peers in the order their columns appear (asymflash's backends come after them).
 PEER_ORDER = ("FA2", "cuDNN", "SDPA-efficient", "Flex", "FA4", "FA3", "flash-attn2",
@@ -54,7 +54,7 @@ def asymflash_providers(device: str) -> list:
     names = []
 
     def list_backends():
-        names.extend(importlib.import_module("asymflash.dispatch").backend_names(device))
+        names.extend(importlib.import_module("asymflash.runtime.dispatch").backend_names(device))
 
     reason = probe(list_backends)
     if reason:  # still one column, so the table says why asymflash is missing
@@ -115,7 +115,7 @@ def _asymflash_backend(backend: str, deterministic: bool = False) -> Provider:
         return _import_reason("asymflash") or _backend_reason(backend)
 
     def context():
-        from .dispatch import use_backend
+        from ..runtime.dispatch import use_backend
 
         return use_backend(backend)
 
@@ -133,7 +133,7 @@ def _asymflash_backend(backend: str, deterministic: bool = False) -> Provider:
 
 
 def _backend_reason(backend: str) -> str | None:
-    return probe(lambda: importlib.import_module("asymflash.dispatch").get_backend(backend))
+    return probe(lambda: importlib.import_module("asymflash.runtime.dispatch").get_backend(backend))
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .bench_core import MODES, OK, Case, Result
+from .core import MODES, OK, Case, Result
 
 # --------------------------------------------------------------------------------------------
 # Grouping results
@@ -207,7 +207,7 @@ def _git_commit() -> str | None:
 def source_digest() -> str:
     """sha256 (12 hex digits) of the package's .py files: identifies the code that ran where
     git is stale or absent (the device tool's checkout copy keeps an older .git).
-    Check locally: `python -c "from asymflash.bench_report import source_digest;
+    Check locally: `python -c "from asymflash.bench.report import source_digest;
     print(source_digest())"` at a commit gives the same digest."""
     h = hashlib.sha256()
     root = Path(__file__).parent
@@ -265,7 +265,7 @@ def result_record(r: Result, flops: float) -> dict:
 
 def json_record(results: list, env: dict, providers: list, unavailable: dict,
                 asymflash_names: set, extra: dict) -> dict:
-    from .bench_core import attention_flops
+    from .core import attention_flops
 
     ratios = []
     by_key = index(results)

@@ -1,0 +1,1 @@
+"""The public entry points: dense, varlen, packed and kvcache attention."""

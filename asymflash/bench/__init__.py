@@ -1,0 +1,1 @@
+"""`python -m asymflash bench`: the benchmark grid, its peers and its report."""
