@@ -16,7 +16,7 @@ from helpers import assert_fa_close, assert_lse_close, forced
 
 from asymflash import flash_attn_varlen_func, flash_attn_with_kvcache
 from asymflash.reference import attention_ref
-from asymflash.runtime import dispatch
+from asymflash.runtime import dispatch, plans
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = [n for n in dispatch.backend_names(DEVICE) if n in dispatch._DECODE_MODULES]
@@ -718,7 +718,7 @@ def test_call_plans_run_later_calls_and_match_the_reference(lengths, monkeypatch
     from asymflash.api import kvcache
     if "portable" not in BACKENDS:
         pytest.skip("the portable kernels need a GPU or TRITON_INTERPRET=1")
-    kvcache._KV_PLANS.clear()
+    plans.clear()
     cache, _ = _planned_decode_case("contiguous" if lengths != "tensor" else "paged")
     lens = [9, 40, 0]
     if lengths == "tensor":
@@ -754,21 +754,24 @@ def test_call_plans_run_later_calls_and_match_the_reference(lengths, monkeypatch
         assert_fa_close(f"out {step}", out, r32, rlow, atol=1e-3)
         assert_lse_close(lse, rlse)
     assert len(calls) == 1, "later calls of the signature should run its plan"
-    assert len(kvcache._KV_PLANS) == 1
+    assert _kv_plan_count() == 1
+
+
+def _kv_plan_count():
+    return sum(1 for key in plans._PLANS if key[0] == "kvcache")
 
 
 def test_call_plans_never_skip_a_check(monkeypatch):
     """A plan exists only for its exact signature: a call that differs in any checked way (a
     length past the capacity, a wrong dtype, lengths whose values are checked) takes the
     full path and is refused there, the cache untouched."""
-    from asymflash.api import kvcache
-    kvcache._KV_PLANS.clear()
+    plans.clear()
     cache = Cache("contiguous", 2, 2, 32, 32, capacity=48)
     q = torch.randn(2, 1, 4, 32, dtype=torch.bfloat16, device=DEVICE)
     k = torch.randn(2, 1, 2, 32, dtype=torch.bfloat16, device=DEVICE)
     v = torch.randn_like(k)
     flash_attn_with_kvcache(q, cache.k, cache.v, k, v, cache_seqlens=10)
-    assert len(kvcache._KV_PLANS) == (1 if "cpu" not in BACKENDS[:1] else 0)
+    assert _kv_plan_count() == (1 if "cpu" not in BACKENDS[:1] else 0)
     before = cache.k.clone()
     with pytest.raises(ValueError, match="cache_seqlens"):
         flash_attn_with_kvcache(q, cache.k, cache.v, k, v, cache_seqlens=48)
@@ -779,12 +782,12 @@ def test_call_plans_never_skip_a_check(monkeypatch):
         flash_attn_with_kvcache(q, cache.k, cache.v, k, v, cache_seqlens=bad)
     assert torch.equal(cache.k, before)
     # keys hold what the checks read
-    key = kvcache._plan_key(q, cache.k, cache.v, k, v, bad, None, None, None, False, (-1, -1),
-                            0.0, None, 0, False, True, None)
+    key = plans.kvcache_key(q, cache.k, cache.v, k, v, bad, None, None, None, False, (-1, -1),
+                             0.0, None, 0, False, True, None)
     assert key is None, "tensor lengths with value checks on are never planned"
-    monkeypatch.setattr(kvcache.plans, "ENABLED", False)
-    assert kvcache._plan_key(q, cache.k, cache.v, k, v, 10, None, None, None, False, (-1, -1),
-                             0.0, None, 0, False, True, None) is None
+    monkeypatch.setattr(plans, "ENABLED", False)
+    assert plans.kvcache_key(q, cache.k, cache.v, k, v, 10, None, None, None, False, (-1, -1),
+                              0.0, None, 0, False, True, None) is None
 
 
 def test_uniform_lengths_are_made_once_and_the_table_is_bounded(monkeypatch):

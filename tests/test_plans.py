@@ -114,7 +114,7 @@ def test_a_new_signature_or_switch_makes_a_new_plan(monkeypatch):
     flash_attn_func(q, k, v)
     flash_attn_func(q[:, :17].contiguous(), k, v)  # another shape
     flash_attn_func(q, k, v, causal=True)  # another mask
-    monkeypatch.setenv("ASYMFLASH_SM90_BWD", "0")  # a backend switch
+    monkeypatch.setenv("ASYMFLASH_SM90_RESCALE", "8")  # a per-call switch
     flash_attn_func(q, k, v)
     assert len(plans._PLANS) == 4
     with forced("cpu" if DEVICE == "cpu" else "portable"):  # a forced backend
@@ -187,20 +187,22 @@ def test_sm90_backward_runner_matches_the_reference(d, causal, deterministic):
 
 
 def test_switches_follow_the_environment(monkeypatch):
-    """Plans key on the backends' environment switches, read through os.environ's own dict:
+    """Plans key on the per-call environment switches, read through os.environ's own dict:
     a change made while the process runs must show at once."""
-    from asymflash.runtime import dispatch
-    for name in dispatch.SWITCHES:
+    from asymflash.runtime import env
+    for name in env.SWITCHES:
         monkeypatch.delenv(name, raising=False)
-    assert dispatch.switches() == (None,) * len(dispatch.SWITCHES)
-    monkeypatch.setenv("ASYMFLASH_SM90_PACK_GQA", "0")
-    got = dict(zip(dispatch.SWITCHES, dispatch.switches()))
-    assert got["ASYMFLASH_SM90_PACK_GQA"] in ("0", b"0")
-    assert got["ASYMFLASH_SM90_BWD"] is None
-    # one switch at a time (what the backends read per launch): os.environ.get's answer
-    monkeypatch.setenv("ASYMFLASH_SM90_ARRIVE_ALL", "1")
-    for name in dispatch.SWITCHES + ("NOT_A_SWITCH",):
-        assert dispatch.switch(name) == os.environ.get(name), name
+    assert env.per_call_values() == (None,) * len(env.PER_CALL)
+    monkeypatch.setenv("ASYMFLASH_SM90_RESCALE", "0")
+    got = dict(zip(env.PER_CALL, env.per_call_values()))
+    assert got["ASYMFLASH_SM90_RESCALE"] in ("0", b"0")
+    assert got["ASYMFLASH_SM90_EXP2_EMU"] is None
+    # one switch at a time: os.environ.get's answer
+    monkeypatch.setenv("ASYMFLASH_SM90_EXP2_EMU", "4")
+    for name in env.SWITCHES:
+        assert env.get(name) == os.environ.get(name), name
+    with pytest.raises(KeyError, match="not an asymflash switch"):
+        env.get("ASYMFLASH_NOT_A_SWITCH")
 
 
 # flash_attn_varlen_func: the offsets tensors are part of the key by identity and version.

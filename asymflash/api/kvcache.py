@@ -6,58 +6,23 @@ paged form of `flash_attn_varlen_func` (prefill over a paged cache) shares the v
 and the kernels through `paged_varlen`.
 
 Backends see one calling convention: packed q (total_q, nheads_q, d) plus a `CacheSpec`
-describing where each sequence's keys are. The portable Triton kernel is in
-`backends/portable/decode.py`; the CPU path below gathers the cache into packed tensors and
-runs the tiled CPU backend (the cache is only as big as the CPU can hold anyway).
+describing where each sequence's keys are (core/params.py). The portable Triton kernel is in
+`backends/portable/decode.py`; the CPU backend gathers the cache into packed tensors and runs
+its tiled forward (the cache is only as big as the CPU can hold anyway).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ..core.masks import normalize_window
-from ..core.params import AttnParams, SeqInfo
+from ..core.params import AttnParams, CacheSpec, SeqInfo
 from ..runtime import dispatch, plans
 from . import validation as check
-
-NAME = "cpu"
-
-
-@dataclass
-class CacheSpec:
-    """Where the keys of each sequence live.
-
-    Sequence b attends to its first seqlens_k[b] + k_extra keys (k_extra: the tokens just
-    appended, so no device op is spent adding them), from position leftpad[b] on if given.
-    Paged (page_table given): k/v are (num_pages, page_size, nheads_kv, d) and key j is row
-    j % page_size of page page_table[b, j // page_size]. Contiguous: k/v are (batch_cache,
-    seqlen_cache, nheads_kv, d) and key j is k[batch_idx[b] (or b), leftpad[b] (or 0) + j].
-    q is packed: sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1], or b * max_seqlen_q
-    onward when cu_seqlens_q is None.
-    """
-
-    k: Tensor
-    v: Tensor
-    seqlens_k: Tensor  # int32 (batch,)
-    k_extra: int
-    page_table: Tensor | None
-    batch_idx: Tensor | None
-    cu_seqlens_q: Tensor | None
-    max_seqlen_q: int
-    max_seqlen_k: int  # the longest sequence, or an upper bound (sizes heuristics only)
-    batch: int
-    # The k_extra new keys/values (batch, k_extra, nheads_kv, d), for a backend that appends
-    # them itself (KVCACHE_FUSED): not yet in the cache when it is called.
-    k_new: Tensor | None = None
-    v_new: Tensor | None = None
-    # Contiguous caches: sequence b's cache starts at position leftpad[b] (int32 (batch,)):
-    # its key j is position leftpad[b] + j, and it has seqlens_k[b] - leftpad[b] + k_extra.
-    leftpad: Tensor | None = None
 
 
 def _params(q, softmax_scale, causal, window_size, softcap) -> AttnParams:
@@ -209,59 +174,11 @@ def _pick(q, spec, params, sink):
     return dispatch.pick_decode(q, spec, params, sink)
 
 
-# Call plans, as `plans.py` keeps for flash_attn_func: a decode step is host-bound at small
-# batch (H200 host, scripts/decode-host.py: 71 us of Python per call against 20 for SDPA),
-# and nearly all of it re-derives what the call's signature decides: the shape checks, the
-# dispatcher's choice, the kernel's tiles, splits and integer arguments, its specialisation.
-# The first call of a signature takes the full path and, once it has succeeded, stores a
-# `_KvPlan`; an equal key later runs the plan: allocate, launch. Only calls that read no
-# values on the host are planned (lengths None or an int, or check_values=False): a value
-# check cannot be skipped. For lengths None or an int the plan keeps the value.
-_KV_PLANS: dict = {}
-_KV_PLAN_LIMIT = 256
-_T = torch.Tensor
-
-
-def _tensor_class(t):
-    """What may not change in a tensor argument between calls of one planned signature."""
-    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
-
-
-def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
-              softmax_scale, causal, window_size, softcap, learnable_sink, num_splits,
-              return_lse, check_values, cache_leftpad):
-    """flash_attn_with_kvcache's call signature as a dict key, or None (not planned)."""
-    if not plans.ENABLED or type(q) is not _T or type(k_cache) is not _T or \
-            type(v_cache) is not _T:
-        return None
-    if type(return_lse) is not bool or type(check_values) is not bool or \
-            type(num_splits) is not int or \
-            not plans.plain_scalars(softmax_scale, causal, window_size, softcap):
-        return None
-    tables = (cache_batch_idx, page_table, cache_leftpad)
-    if cache_seqlens is None or type(cache_seqlens) is int:
-        lens = cache_seqlens
-        if check_values and any(t is not None for t in tables):
-            return None  # their values are checked on the host
-    elif type(cache_seqlens) is _T and not check_values:
-        lens = _tensor_class(cache_seqlens)
-    else:
-        return None
-    extra = []
-    for t in (k, v, learnable_sink, *tables):
-        if t is None:
-            extra.append(None)
-        elif type(t) is _T or (t is learnable_sink and isinstance(t, _T)):
-            extra.append(_tensor_class(t))
-        else:
-            return None
-    if torch.compiler.is_compiling():
-        return None
-    return (_tensor_class(q), _tensor_class(k_cache), _tensor_class(v_cache), lens, *extra,
-            softmax_scale, causal, window_size, softcap, num_splits, return_lse,
-            check_values, dispatch.forced_backend(), dispatch.switches())
-
-
+# Call plans (runtime/plans.py): a decode step is host-bound at small batch, and nearly all
+# of its Python re-derives what the call's signature decides. The first call of a signature
+# takes the full path and, once it has succeeded, stores a `_KvPlan`; an equal key later runs
+# the plan: allocate, launch. Only calls that read no values on the host are planned (lengths
+# None or an int, or check_values=False): a value check cannot be skipped.
 class _KvPlan:
     """A planned signature's decode: the backend's runner (`decode_runner`) and what the
     full path derived for the CacheSpec."""
@@ -294,12 +211,8 @@ def _remember(key, backend, q, spec, params, sink, num_splits, return_lse, unifo
     make = getattr(backend, "decode_runner", None)
     if key is None or make is None or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
-    if len(_KV_PLANS) >= _KV_PLAN_LIMIT:
-        _KV_PLANS.clear()
-    plan = _KV_PLANS[key] = _KvPlan(make(q, spec, params, sink, num_splits,
-                                         need_lse=return_lse),
-                                    uniform_len, spec, return_lse)
-    return plan
+    return plans.keep(key, _KvPlan(make(q, spec, params, sink, num_splits, need_lse=return_lse),
+                                   uniform_len, spec, return_lse))
 
 
 @torch.no_grad()
@@ -386,10 +299,11 @@ def flash_attn_with_kvcache(
                               num_splits, cache_leftpad)
     key = None
     if rotary_cos is None and rotary_sin is None:
-        key = _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
-                        softmax_scale, causal, window_size, softcap, learnable_sink,
-                        num_splits, return_lse, check_values, cache_leftpad)
-        plan = _KV_PLANS.get(key) if key is not None else None
+        key = plans.kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                                page_table, softmax_scale, causal, window_size, softcap,
+                                learnable_sink, num_splits, return_lse, check_values,
+                                cache_leftpad)
+        plan = plans.find(key)
         if plan is not None:
             return plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                         learnable_sink, cache_leftpad)
@@ -569,50 +483,3 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     with torch.no_grad():
         out, lse = backend.decode(q, spec, params, sink, 0)
     return (out, lse) if return_lse else out
-
-
-# ---- CPU path: gather the cache, then the tiled CPU backend --------------------------------
-
-def unsupported_decode(q, cache, params, sink):
-    return None if q.device.type == "cpu" else f"tensors are on {q.device}, not the CPU"
-
-
-def gather(cache: CacheSpec):
-    """Each sequence's keys and values, packed: (k, v, cu_seqlens_k) as in core.params."""
-    lens = (cache.seqlens_k.to(torch.int64) + cache.k_extra).tolist()
-    ks, vs = [], []
-    for b, n in enumerate(lens):
-        if cache.page_table is not None:
-            page_size = cache.k.shape[1]
-            pages = cache.page_table[b, :-(-n // page_size)].to(torch.int64)
-            ks.append(cache.k[pages].flatten(0, 1)[:n])
-            vs.append(cache.v[pages].flatten(0, 1)[:n])
-        else:
-            row = int(cache.batch_idx[b]) if cache.batch_idx is not None else b
-            start = int(cache.leftpad[b]) if cache.leftpad is not None else 0
-            ks.append(cache.k[row, start:n])
-            vs.append(cache.v[row, start:n])
-            lens[b] = max(n - start, 0)
-    cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
-    empty_k = cache.k.new_empty(0, *cache.k.shape[2:])
-    empty_v = cache.v.new_empty(0, *cache.v.shape[2:])
-    return (torch.cat(ks) if ks else empty_k, torch.cat(vs) if vs else empty_v,
-            cu.to(cache.k.device), max(lens, default=0))
-
-
-def decode(q, cache: CacheSpec, params: AttnParams, sink, num_splits: int = 0):
-    """The CPU path; num_splits does not apply (the tiled loop has no occupancy to fill)."""
-    from ..backends import cpu
-
-    total_q, nheads_q = q.shape[0], q.shape[1]
-    dv = cache.v.shape[-1]
-    if total_q == 0:
-        return (q.new_empty(0, nheads_q, dv),
-                torch.empty(nheads_q, 0, dtype=torch.float32, device=q.device))
-    k, v, cu_k, max_k = gather(cache)
-    if cache.cu_seqlens_q is not None:
-        cu_q = cache.cu_seqlens_q
-    else:
-        cu_q = torch.arange(cache.batch + 1, dtype=torch.int32) * cache.max_seqlen_q
-    seq = SeqInfo(cu_q, cu_k, cache.max_seqlen_q, max_k, None, False)
-    return cpu.forward(q, k, v, seq, params, sink)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..core.masks import allowed, key_range, tile_is_full
-from ..core.params import AttnParams, SeqInfo
+from ..core.params import AttnParams, CacheSpec, SeqInfo
 
 NAME = "cpu"
 BLOCK_Q = 256
@@ -150,3 +150,48 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
     scale = params.softmax_scale
     dsink = sink_grad(sink, lse, d_rows)
     return (dq * scale).to(q.dtype), (dk * scale).to(q.dtype), dv.to(q.dtype), dsink
+
+
+# ---- Decode over a KV cache (flash_attn_with_kvcache, paged varlen): gather, then forward --
+
+def unsupported_decode(q, cache, params, sink):
+    return None if q.device.type == "cpu" else f"tensors are on {q.device}, not the CPU"
+
+
+def gather(cache: CacheSpec):
+    """Each sequence's keys and values, packed: (k, v, cu_seqlens_k) as in core.params."""
+    lens = (cache.seqlens_k.to(torch.int64) + cache.k_extra).tolist()
+    ks, vs = [], []
+    for b, n in enumerate(lens):
+        if cache.page_table is not None:
+            page_size = cache.k.shape[1]
+            pages = cache.page_table[b, :-(-n // page_size)].to(torch.int64)
+            ks.append(cache.k[pages].flatten(0, 1)[:n])
+            vs.append(cache.v[pages].flatten(0, 1)[:n])
+        else:
+            row = int(cache.batch_idx[b]) if cache.batch_idx is not None else b
+            start = int(cache.leftpad[b]) if cache.leftpad is not None else 0
+            ks.append(cache.k[row, start:n])
+            vs.append(cache.v[row, start:n])
+            lens[b] = max(n - start, 0)
+    cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
+    empty_k = cache.k.new_empty(0, *cache.k.shape[2:])
+    empty_v = cache.v.new_empty(0, *cache.v.shape[2:])
+    return (torch.cat(ks) if ks else empty_k, torch.cat(vs) if vs else empty_v,
+            cu.to(cache.k.device), max(lens, default=0))
+
+
+def decode(q, cache: CacheSpec, params: AttnParams, sink, num_splits: int = 0):
+    """The CPU path; num_splits does not apply (the tiled loop has no occupancy to fill)."""
+    total_q, nheads_q = q.shape[0], q.shape[1]
+    dv = cache.v.shape[-1]
+    if total_q == 0:
+        return (q.new_empty(0, nheads_q, dv),
+                torch.empty(nheads_q, 0, dtype=torch.float32, device=q.device))
+    k, v, cu_k, max_k = gather(cache)
+    if cache.cu_seqlens_q is not None:
+        cu_q = cache.cu_seqlens_q
+    else:
+        cu_q = torch.arange(cache.batch + 1, dtype=torch.int32) * cache.max_seqlen_q
+    seq = SeqInfo(cu_q, cu_k, cache.max_seqlen_q, max_k, None, False)
+    return forward(q, k, v, seq, params, sink)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch import Tensor
 
 
 def cdiv(a: int, b: int) -> int:
@@ -91,3 +92,35 @@ class SeqInfo:
 # Dense calls reuse their (never written) offset tensors: three tiny kernel launches per call
 # otherwise, which at short sequence lengths cost as much host time as the attention kernel.
 _DENSE_OFFSETS: dict = {}
+
+
+@dataclass
+class CacheSpec:
+    """Where the keys of each sequence live.
+
+    Sequence b attends to its first seqlens_k[b] + k_extra keys (k_extra: the tokens just
+    appended, so no device op is spent adding them), from position leftpad[b] on if given.
+    Paged (page_table given): k/v are (num_pages, page_size, nheads_kv, d) and key j is row
+    j % page_size of page page_table[b, j // page_size]. Contiguous: k/v are (batch_cache,
+    seqlen_cache, nheads_kv, d) and key j is k[batch_idx[b] (or b), leftpad[b] (or 0) + j].
+    q is packed: sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1], or b * max_seqlen_q
+    onward when cu_seqlens_q is None.
+    """
+
+    k: Tensor
+    v: Tensor
+    seqlens_k: Tensor  # int32 (batch,)
+    k_extra: int
+    page_table: Tensor | None
+    batch_idx: Tensor | None
+    cu_seqlens_q: Tensor | None
+    max_seqlen_q: int
+    max_seqlen_k: int  # the longest sequence, or an upper bound (sizes heuristics only)
+    batch: int
+    # The k_extra new keys/values (batch, k_extra, nheads_kv, d), for a backend that appends
+    # them itself (KVCACHE_FUSED): not yet in the cache when it is called.
+    k_new: Tensor | None = None
+    v_new: Tensor | None = None
+    # Contiguous caches: sequence b's cache starts at position leftpad[b] (int32 (batch,)):
+    # its key j is position leftpad[b] + j, and it has seqlens_k[b] - leftpad[b] + k_extra.
+    leftpad: Tensor | None = None

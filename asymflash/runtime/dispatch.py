@@ -28,6 +28,8 @@ import warnings
 
 import torch
 
+from . import env
+
 # name -> module path; imported lazily so a CPU box never imports GPU-only code paths.
 _MODULES = {
     "cpu": "asymflash.backends.cpu",
@@ -36,12 +38,12 @@ _MODULES = {
 }
 
 # flash_attn_with_kvcache and paged varlen read K/V through a cache, a calling convention of
-# its own (`kvcache.CacheSpec`), so their backends are listed apart; each module has
+# its own (`core.params.CacheSpec`), so their backends are listed apart; each module has
 #     unsupported_decode(q, cache, params, sink) -> str | None
 #     decode(q, cache, params, sink, num_splits) -> (out, lse)
 # and is tried in backend_names' order; a backend with no entry here is skipped.
 _DECODE_MODULES = {
-    "cpu": "asymflash.api.kvcache",  # gathers the cache, then the cpu backend's forward
+    "cpu": "asymflash.backends.cpu",  # gathers the cache, then its forward
     "sm90": "asymflash.backends.sm90.decode",  # TMA-fed, off unless ASYMFLASH_SM90_DECODE=1
     "portable": "asymflash.backends.portable.decode",
 }
@@ -50,35 +52,9 @@ _DECODE_MODULES = {
 # API moves between releases and a silent miscompile is worse than the portable kernel.
 SM90_TESTED_TRITON = ("3.6.",)
 
-# Environment switches the backends read per call (so a process may flip them: tests, the
-# benchmark). Call plans cache decisions that depend on them, so their values are part of a
-# plan's key (`switches`).
-SWITCHES = ("ASYMFLASH_SM90_BWD", "ASYMFLASH_SM90_PACK_GQA", "ASYMFLASH_PORTABLE_SPLIT",
-            "ASYMFLASH_SM90_STRIDED", "ASYMFLASH_SM90_EXP2_EMU", "ASYMFLASH_SM90_RESCALE",
-            "ASYMFLASH_SM90_DECODE", "ASYMFLASH_SM90_ARRIVE_ALL")
-_ENV_DATA = getattr(os.environ, "_data", None)  # CPython's dict behind os.environ
-_SWITCH_KEYS = tuple(os.fsencode(n) for n in SWITCHES) if os.name == "posix" else ()
-
-
-_SWITCH_KEY = dict(zip(SWITCHES, _SWITCH_KEYS))
-
-
 def switch(name: str) -> str | None:
-    """One switch of SWITCHES, as os.environ.get(name) returns it, read the fast way that
-    `switches` reads them (backends read theirs on every launch)."""
-    key = _SWITCH_KEY.get(name)
-    if _ENV_DATA is None or key is None:
-        return os.environ.get(name)
-    value = _ENV_DATA.get(key)
-    return None if value is None else os.fsdecode(value)
-
-
-def switches() -> tuple:
-    """The current values of SWITCHES. Read through os.environ's own dict where CPython has
-    one (~0.1 us each, against ~2 us for os.environ.get: this runs on every planned call)."""
-    if _ENV_DATA is None or not _SWITCH_KEYS:
-        return tuple(os.environ.get(n) for n in SWITCHES)
-    return tuple(_ENV_DATA.get(k) for k in _SWITCH_KEYS)
+    """An environment switch's value (the registry: runtime/env.py)."""
+    return env.get(name) if name in env.SWITCHES else os.environ.get(name)
 
 
 _forced: contextvars.ContextVar = contextvars.ContextVar("asymflash_backend", default=None)

@@ -24,9 +24,10 @@ variable is read once, at the first launch.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from . import env
 
 _Tensor = torch.Tensor
 _TOKENS: dict = {}
@@ -103,7 +104,7 @@ def mode() -> str:
     """'on' (default), 'off' (ASYMFLASH_DIRECT_LAUNCH=0) or 'check'; read from the
     environment at the first launch (an environment lookup costs ~2 us per call)."""
     if not _mode:
-        value = os.environ.get("ASYMFLASH_DIRECT_LAUNCH", "1")
+        value = env.get("ASYMFLASH_DIRECT_LAUNCH") or "1"
         _mode.append({"0": "off", "check": "check"}.get(value, "on"))
     return _mode[0]
 

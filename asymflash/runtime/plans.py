@@ -11,10 +11,10 @@ equal key runs the plan: reshape, allocate, launch.
 
 The key holds everything the skipped steps read: shapes, strides (so contiguity), dtypes,
 devices, whether q, k, v are 16-byte aligned, the scalars, the sink's class, whether a
-gradient can flow, the backend forced by `dispatch.use_backend` and the backends' environment
-switches. Only exact types form a key (a bool is not taken for an int: True == 1 would let a
-refused `softcap=True` find the plan of an accepted `softcap=1`), and a plan is stored only
-after its call passed the checks, so an input the checks refuse never finds one.
+gradient can flow, the backend forced by `dispatch.use_backend` and the per-call environment
+switches (`env.PER_CALL`). Only exact types form a key (a bool is not taken for an int: True ==
+1 would let a refused `softcap=True` find the plan of an accepted `softcap=1`), and a plan is
+stored only after its call passed the checks, so an input the checks refuse never finds one.
 
 `flash_attn_varlen_func` plans too (`varlen_key`, `remember_varlen`): its key adds the
 offsets tensors by identity and version counter (a model passes one cu_seqlens tensor to all
@@ -25,16 +25,14 @@ while the key exists.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..core.params import AttnParams, MaskSpec, SeqInfo
-from . import dispatch
+from . import dispatch, env
 
 _Tensor = torch.Tensor
 # ASYMFLASH_CALL_PLANS=0 sends every call through the full path (A/B timing, bug reports).
-ENABLED = os.environ.get("ASYMFLASH_CALL_PLANS", "1") != "0"
+ENABLED = env.get("ASYMFLASH_CALL_PLANS") != "0"
 _PLANS: dict = {}
 _LIMIT = 256  # plans kept; cleared when full (a bound, not an LRU: signatures rarely vary)
 
@@ -80,7 +78,7 @@ def dense_key(q, k, v, softmax_scale, causal, window_size, softcap, sink, determ
     return (grad, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
             k.dtype, v.dtype, q.device, k.device, v.device, aligned, softmax_scale, causal,
             window_size, softcap, sink_key, deterministic, dispatch.forced_backend(),
-            dispatch.switches())
+            env.per_call_values())
 
 
 def _offsets_key(t):
@@ -106,8 +104,58 @@ def varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     return ("varlen", base, offsets, max_seqlen_q, max_seqlen_k)
 
 
-def find(key) -> CallPlan | None:
+def tensor_class(t):
+    """What may not change in a tensor argument between calls of one planned signature."""
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+                softmax_scale, causal, window_size, softcap, learnable_sink, num_splits,
+                return_lse, check_values, cache_leftpad):
+    """flash_attn_with_kvcache's call signature as a dict key, or None (not planned: calls
+    that read values on the host, whose checks cannot be skipped)."""
+    if not ENABLED or type(q) is not _Tensor or type(k_cache) is not _Tensor or \
+            type(v_cache) is not _Tensor:
+        return None
+    if type(return_lse) is not bool or type(check_values) is not bool or \
+            type(num_splits) is not int or \
+            not plain_scalars(softmax_scale, causal, window_size, softcap):
+        return None
+    tables = (cache_batch_idx, page_table, cache_leftpad)
+    if cache_seqlens is None or type(cache_seqlens) is int:
+        lens = cache_seqlens
+        if check_values and any(t is not None for t in tables):
+            return None  # their values are checked on the host
+    elif type(cache_seqlens) is _Tensor and not check_values:
+        lens = tensor_class(cache_seqlens)
+    else:
+        return None
+    extra = []
+    for t in (k, v, learnable_sink, *tables):
+        if t is None:
+            extra.append(None)
+        elif type(t) is _Tensor or (t is learnable_sink and isinstance(t, _Tensor)):
+            extra.append(tensor_class(t))
+        else:
+            return None
+    if torch.compiler.is_compiling():
+        return None
+    return ("kvcache", tensor_class(q), tensor_class(k_cache), tensor_class(v_cache), lens, *extra,
+            softmax_scale, causal, window_size, softcap, num_splits, return_lse,
+            check_values, dispatch.forced_backend(), env.per_call_values())
+
+
+def find(key):
+    """The plan stored under `key` (any kind: dense, varlen, kvcache), or None."""
     return None if key is None else _PLANS.get(key)
+
+
+def keep(key, plan):
+    """Store `plan` under `key` and return it (the store is bounded: cleared when full)."""
+    if len(_PLANS) >= _LIMIT:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
 
 
 class CallPlan:
@@ -170,9 +218,7 @@ def _store(key, grad, q, k, v, seq: SeqInfo, params: AttnParams, sink) -> None:
     head = (seq.cu_seqlens_q, seq.cu_seqlens_k, seq.seqused_k)
     tail = (seq.max_seqlen_q, seq.max_seqlen_k, params.softmax_scale, mask.window_left,
             mask.window_right, params.softcap, seq.uniform, params.deterministic)
-    if len(_PLANS) >= _LIMIT:
-        _PLANS.clear()
-    _PLANS[key] = CallPlan(grad, seq, params, forward, backward, head, tail)
+    keep(key, CallPlan(grad, seq, params, forward, backward, head, tail))
 
 
 def clear() -> None:

@@ -7,7 +7,6 @@ kernel code itself.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -100,13 +99,6 @@ def unsupported_input(q):
 unsupported_backward = unsupported
 
 
-def _split_masks() -> bool:
-    """Mask only the boundary key blocks (full blocks skip the mask) in the forward and dQ
-    loops: ASYMFLASH_PORTABLE_SPLIT=1. Off by default: it was switched off while the d=40/dv=24
-    failure (since traced to the column widths, `head_blocks`) was blamed on it, and has not
-    been GPU-tested since."""
-    return os.environ.get("ASYMFLASH_PORTABLE_SPLIT", "0") == "1"
-
 
 def pow2_block(n: int) -> int:
     """The tile width for n columns: the next power of two, at least 16 (tl.dot's minimum).
@@ -159,7 +151,7 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink):
     block_d, block_dv = head_blocks(d, dv)
     meta = dict(D=d, DV=dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
                 SOFTCAP=params.softcap > 0, HAS_SINK=sink is not None,
-                HAS_USED_K=seq.seqused_k is not None, SPLIT_MASKS=_split_masks(),
+                HAS_USED_K=seq.seqused_k is not None,
                 **_mask_flags(params))
     launch(attn_fwd_kernel, "fwd",
            lambda bm, bn: (seq.batch * hq, cdiv(max(seq.max_seqlen_q, 1), bm)),
@@ -224,6 +216,6 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
            lambda bm, bn: (seq.batch * hq, cdiv(max(seq.max_seqlen_q, 1), bm)),
            (*common, dq, *seq_args, *strides, dq.stride(0), dq.stride(1), lse.stride(0), hq,
             hq // hkv, seq.max_seqlen_q, *scalars),
-           dict(meta, SPLIT_MASKS=_split_masks()), params.deterministic)
+           meta, params.deterministic)
     dsink = sink_grad(sink, lse, delta)
     return dq, dk, dvv, dsink

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from .common import (
     dot,
+    key_block_range,
     load_rows,
     log2_scores,
     query_block_range,
@@ -21,7 +22,6 @@ from .common import (
     seq_bounds,
     store_rows,
     tile_valid,
-    visited_key_blocks,
 )
 
 
@@ -176,7 +176,6 @@ def attn_bwd_dq_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_USED_K: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
-    SPLIT_MASKS: tl.constexpr,
 ):
     h, m_lo, q_start, seqlen_q, k_start, seqlen_k = query_tile(
         CU_Q, CU_K, USED_K, nheads_q, max_seqlen_q, BLOCK_M, HAS_USED_K)
@@ -192,29 +191,12 @@ def attn_bwd_dq_kernel(
     k_base = K + (h // group) * stride_kh
     v_base = V + (h // group) * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, a, b, hi = visited_key_blocks(m_lo, seqlen_q, seqlen_k, window_left, window_right,
-                                      LEFT, RIGHT, BLOCK_M, BLOCK_N)
-    if SPLIT_MASKS:  # masks on boundary blocks only; off by default (see fwd.py)
-        for start_n in range(lo, a, BLOCK_N):
-            dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, k_start, rows,
-                           start_n + offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, stride_kt,
-                           stride_vt, softmax_scale, softcap, window_left, window_right, D, DV,
-                           SOFTCAP, LEFT, RIGHT, True)
-        for start_n in range(a, b, BLOCK_N):
-            dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, k_start, rows,
-                           start_n + offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, stride_kt,
-                           stride_vt, softmax_scale, softcap, window_left, window_right, D, DV,
-                           SOFTCAP, LEFT, RIGHT, False)
-        for start_n in range(b, hi, BLOCK_N):
-            dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, k_start, rows,
-                           start_n + offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, stride_kt,
-                           stride_vt, softmax_scale, softcap, window_left, window_right, D, DV,
-                           SOFTCAP, LEFT, RIGHT, True)
-    else:
-        for start_n in range(lo, hi, BLOCK_N):
-            dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, k_start, rows,
-                           start_n + offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, stride_kt,
-                           stride_vt, softmax_scale, softcap, window_left, window_right, D, DV,
-                           SOFTCAP, LEFT, RIGHT, True)
+    lo, hi = key_block_range(m_lo, m_lo + BLOCK_M, seqlen_q, seqlen_k, window_left,
+                             window_right, LEFT, RIGHT, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, k_start, rows,
+                       start_n + offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, stride_kt,
+                       stride_vt, softmax_scale, softcap, window_left, window_right, D, DV,
+                       SOFTCAP, LEFT, RIGHT, True)
     store_rows(DQ + h * stride_dqh, q_start, rows, seqlen_q, stride_dqt, offs_d, D,
                (dq * softmax_scale).to(DQ.dtype.element_ty))

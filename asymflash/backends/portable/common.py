@@ -93,39 +93,6 @@ def query_block_range(n_lo, n_hi, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
-def full_key_blocks(m_lo, m_hi, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
-                    LEFT: tl.constexpr, RIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Split the visited key blocks [lo, hi) as [lo, a) masked, [a, b) full, [b, hi) masked.
-
-    A full block has every key present and visible to every query of rows [m_lo, m_hi), so
-    it needs no mask: most blocks of a long sequence, and the mask costs ALU and registers.
-    """
-    shift = seqlen_k - seqlen_q
-    first = 0  # the first key every row sees
-    if LEFT:
-        first = tl.maximum(m_hi - 1 + shift - window_left, 0)
-    last = seqlen_k  # one past the last key every row sees
-    if RIGHT:
-        last = tl.minimum(last, tl.maximum(m_lo + shift + window_right + 1, 0))
-    a = tl.minimum(tl.maximum(tl.cdiv(first, BLOCK_N) * BLOCK_N, lo), hi)
-    b = tl.minimum(tl.maximum((last // BLOCK_N) * BLOCK_N, a), hi)
-    return a, b
-
-
-@triton.jit
-def visited_key_blocks(m_lo, seqlen_q, seqlen_k, window_left, window_right,
-                       LEFT: tl.constexpr, RIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
-    """Key blocks queries [m_lo, m_lo + BLOCK_M) visit, as lo <= a <= b <= hi: [lo, a) and
-    [b, hi) need the mask, [a, b) are full."""
-    lo, hi = key_block_range(m_lo, m_lo + BLOCK_M, seqlen_q, seqlen_k, window_left,
-                             window_right, LEFT, RIGHT, BLOCK_N)
-    a, b = full_key_blocks(m_lo, m_lo + BLOCK_M, lo, hi, seqlen_q, seqlen_k, window_left,
-                           window_right, LEFT, RIGHT, BLOCK_N)
-    return lo, a, b, hi
-
-
-@triton.jit
 def tile_valid(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
                LEFT: tl.constexpr, RIGHT: tl.constexpr):
     """Boolean tile: query rows[i] may attend to key cols[j] (core.masks.allowed)."""

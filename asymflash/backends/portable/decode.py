@@ -22,7 +22,7 @@ choices that follow:
 
 Calling convention (`decode` below): q is packed (total_q, nheads_q, d) like `core.params`,
 or (batch, seqlen_q, nheads_q, d) when the cache has no cu_seqlens_q (then out has that
-shape too); the cache is described by `kvcache.CacheSpec`. The sink joins the denominator
+shape too); the cache is described by `core.params.CacheSpec`. The sink joins the denominator
 once: in the kernel without splits, in the merge with them.
 """
 
@@ -409,7 +409,7 @@ _DECODE = DirectLaunch(decode_kernel)
 
 def decode(q, cache, params, sink, num_splits: int = 0, config: DecodeConfig | None = None,
            need_lse: bool = True):
-    """(out, lse) for q over `cache` (a kvcache.CacheSpec); num_splits 0 = heuristic.
+    """(out, lse) for q over `cache` (a core.params.CacheSpec); num_splits 0 = heuristic.
 
     q is packed (total_q, hq, d), or (batch, seqlen_q, hq, d) when cache.cu_seqlens_q is
     None; out has q's layout with dv. With cache.k_new given, the kernel also appends it.
@@ -420,7 +420,7 @@ def decode(q, cache, params, sink, num_splits: int = 0, config: DecodeConfig | N
 
 
 def decode_runner(q, cache, params, sink, num_splits: int = 0, need_lse: bool = True):
-    """A DecodeRunner for kvcache's call plans (`kvcache._KV_PLANS`)."""
+    """A DecodeRunner for kvcache's call plans (runtime/plans.py)."""
     return DecodeRunner(q, cache, params, sink, num_splits, None, need_lse, binds=True)
 
 

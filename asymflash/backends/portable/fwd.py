@@ -13,13 +13,13 @@ import triton.language as tl
 from .common import (
     dot,
     finish_rows,
+    key_block_range,
     load_rows,
     log2_scores,
     online_softmax_step,
     query_tile,
     store_rows,
     tile_valid,
-    visited_key_blocks,
 )
 
 
@@ -50,7 +50,7 @@ def attn_fwd_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_USED_K: tl.constexpr,
-    LEFT: tl.constexpr, RIGHT: tl.constexpr, SPLIT_MASKS: tl.constexpr,
+    LEFT: tl.constexpr, RIGHT: tl.constexpr,
 ):
     h, m_lo, q_start, seqlen_q, k_start, seqlen_k = query_tile(
         CU_Q, CU_K, USED_K, nheads_q, max_seqlen_q, BLOCK_M, HAS_USED_K)
@@ -67,32 +67,14 @@ def attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    lo, a, b, hi = visited_key_blocks(m_lo, seqlen_q, seqlen_k, window_left, window_right,
-                                      LEFT, RIGHT, BLOCK_M, BLOCK_N)
+    lo, hi = key_block_range(m_lo, m_lo + BLOCK_M, seqlen_q, seqlen_k, window_left,
+                             window_right, LEFT, RIGHT, BLOCK_N)
     state = (acc, m_i, l_i)
-    if SPLIT_MASKS:
-        # Masks only on the boundary blocks (off by default: see portable._split_masks).
-        for start_n in range(lo, a, BLOCK_N):
-            state = _fwd_block(state, q, k_base, v_base, k_start, start_n + offs_n, rows,
-                               offs_d, offs_dv, seqlen_q, seqlen_k, stride_kt, stride_vt,
-                               softmax_scale, softcap, window_left, window_right, D, DV,
-                               SOFTCAP, LEFT, RIGHT, True)
-        for start_n in range(a, b, BLOCK_N):
-            state = _fwd_block(state, q, k_base, v_base, k_start, start_n + offs_n, rows,
-                               offs_d, offs_dv, seqlen_q, seqlen_k, stride_kt, stride_vt,
-                               softmax_scale, softcap, window_left, window_right, D, DV,
-                               SOFTCAP, LEFT, RIGHT, False)
-        for start_n in range(b, hi, BLOCK_N):
-            state = _fwd_block(state, q, k_base, v_base, k_start, start_n + offs_n, rows,
-                               offs_d, offs_dv, seqlen_q, seqlen_k, stride_kt, stride_vt,
-                               softmax_scale, softcap, window_left, window_right, D, DV,
-                               SOFTCAP, LEFT, RIGHT, True)
-    else:
-        for start_n in range(lo, hi, BLOCK_N):
-            state = _fwd_block(state, q, k_base, v_base, k_start, start_n + offs_n, rows,
-                               offs_d, offs_dv, seqlen_q, seqlen_k, stride_kt, stride_vt,
-                               softmax_scale, softcap, window_left, window_right, D, DV,
-                               SOFTCAP, LEFT, RIGHT, True)
+    for start_n in range(lo, hi, BLOCK_N):
+        state = _fwd_block(state, q, k_base, v_base, k_start, start_n + offs_n, rows,
+                           offs_d, offs_dv, seqlen_q, seqlen_k, stride_kt, stride_vt,
+                           softmax_scale, softcap, window_left, window_right, D, DV,
+                           SOFTCAP, LEFT, RIGHT, True)
     acc, m_i, l_i = state
 
     acc, lse = finish_rows(acc, m_i, l_i, SINK, h, HAS_SINK)
