@@ -150,8 +150,8 @@ torch.library.register_autograd("asymflash::fwd", _backward, setup_context=_setu
 def _eager_forward(ctx, inputs, plan=None):
     """The eager Functions' forward: (out, lse), with the backward's backend picked now, on
     the caller's thread. Autograd runs a CUDA backward on a device thread of its own, where
-    the same Python measured about twice as slow as on the calling thread (H200, 2026-11-29:
-    250-311 vs 116-137 us for the sm90 backward's host work). A call no backend can
+    the same Python measured about twice as slow as on the calling thread (H200: 250-311
+    vs 116-137 us for the sm90 backward's host work). A call no backend can
     differentiate still raises in the backward (NotImplementedError from the dispatcher).
     With a call plan (`plans.CallPlan`) both backends were picked when the plan was made."""
     if plan is not None:
@@ -187,7 +187,7 @@ def _eager_backward(ctx, dout, dlse):
 class _AttnFunction(torch.autograd.Function):
     """The eager path: the same implementation and autograd rules as the custom op, without
     the op layer's per-call Python cost (torch.library's autograd wrapper measured ~90 of
-    ~370 us host time per call on the CI CPU; the whole eager call now ~120 us, see NOTES)."""
+    ~370 us host time per call on the CI CPU; the whole eager call ~120 us)."""
 
     @staticmethod
     def forward(ctx, *inputs):
@@ -205,7 +205,7 @@ _rows = plans.rows
 class _DenseAttnFunction(torch.autograd.Function):
     """flash_attn_func's eager path: as _AttnFunction, but on (batch, seqlen, heads, dim)
     tensors, reshaped inside. Reshaping outside would put four ViewBackward nodes around the
-    attention node, ~14 us of host time each per backward (H200 profile, 2026-11-29), and
+    attention node, ~14 us of host time each per backward (H200 profile), and
     short backwards are host-bound. The last argument is the call's plan, or None."""
 
     @staticmethod

@@ -128,7 +128,7 @@ class Result:
     # tensor name -> (max abs error vs fp32 reference, allowed bound)
     errors: dict = field(default_factory=dict)
     # Python time to issue one call (CUDA only): close to ms * 1000, the cell measured the
-    # host, not the kernel (H200 2026-11-29: our 512-row backwards, 430-900 us per call)
+    # host, not the kernel (H200: our 512-row backwards, 430-900 us per call)
     host_us: float | None = None
 
 

@@ -1,7 +1,7 @@
 """Launch a Triton/Gluon kernel's compiled binary directly once it has been compiled.
 
 `kernel[grid](*args, **constexprs)` costs 25-90 us of host time per call on the H200
-machine (2026-11-29, `scripts/host-breakdown.py`): binding the arguments, specialising each
+machine (docs/tuning.md, host path): binding the arguments, specialising each
 one, building a cache key, then the launcher. At 512-row shapes our calls are host-bound,
 so that time is kernel time lost. `DirectLaunch` keeps the binary Triton compiled for each
 distinct call signature and launches it through its launcher (15-28 us measured).

@@ -1,7 +1,7 @@
 """Call plans: what a call's signature decides, worked out once per signature.
 
 Short attention calls are bound by host time: at 512 rows a `flash_attn_func` call spent 90 to
-150 us in Python on the H200 machines against 100 to 200 us of GPU time (NOTES, session 8).
+150 us in Python on the H200 machines against 100 to 200 us of GPU time (docs/tuning.md).
 Most of that Python re-derives facts that depend only on the call's signature: the input
 checks, the packed-row bookkeeping (SeqInfo, AttnParams), the dispatcher's choice of a
 forward and a backward backend, the backend's launch plan. So `flash_attn_func` names the

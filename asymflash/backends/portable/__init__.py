@@ -33,7 +33,7 @@ class Config:
 # is the fixed choice (used with deterministic=True, so the block order, and with it the
 # rounding, never depends on a timing); the rest join an autotuning run at the first call of
 # each (head dims, mask kind), Triton caching the winner for the process. Chosen from a sweep
-# of sm_90a builds on 2026-11-29 (block_m, block_n in 32/64/128, 4 or 8 warps; causal build;
+# of sm_90a builds (block_m, block_n in 32/64/128, 4 or 8 warps; causal build;
 # cuobjdump/nvdisasm): every first choice of fwd and dQ compiles with no local-memory spills
 # and uses wgmma; the earlier 64x64 tiles spilled 12-975 LDL/STL per kernel at d >= 128.
 _CANDIDATES = {
@@ -110,8 +110,8 @@ def head_blocks(d: int, dv: int) -> tuple[int, int]:
     """(BLOCK_D, BLOCK_DV) of the attention kernels. Up to 64 columns both get the wider
     width: on the H200 (triton 3.6) the forward with BLOCK_D = 64 and BLOCK_DV = 32 (e.g.
     d=40, dv=24) hit illegal addresses or wrong results with every 64-key tile, at 1 to 3
-    stages, while d=40/dv=40 (64/64) passed with all of them (scripts/portable-probe.py,
-    2026-11-29). Padding costs little at these widths; the masks still stop at d and dv."""
+    stages, while d=40/dv=40 (64/64) passed with all of them (docs/tuning.md). Padding costs
+    little at these widths; the masks still stop at d and dv."""
     block_d, block_dv = pow2_block(d), pow2_block(dv)
     if max(block_d, block_dv) <= 64:
         block_d = block_dv = max(block_d, block_dv)
@@ -169,7 +169,7 @@ def _delta(out, dout, dlse, zero=None, block_t=None, num_warps=4, site=None):
     site: a `launch.LaunchSite` of a call plan's runner (one specialisation class), or None."""
     total_q, hq, dv = out.shape
     delta = torch.empty(hq, total_q, dtype=torch.float32, device=out.device)
-    if block_t is None:  # H200, 16k tokens x model dim 2048 (bwd-passes-probe): 32 rows
+    if block_t is None:  # H200, 16k tokens x model dim 2048 (docs/tuning.md): 32 rows
         block_t = 16 if interpreting() else 32  # 77-81 us with dQ_acc zeroed (64 rows: 79-85)
     zero_rows = 0 if zero is None else zero.shape[0]
     blocks = cdiv(max(total_q, zero_rows), block_t)

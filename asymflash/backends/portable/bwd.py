@@ -149,7 +149,7 @@ def attn_bwd_dkdv_kernel(
     lo, hi = query_block_range(n_lo, n_lo + BLOCK_N, seqlen_q, seqlen_k, window_left,
                                window_right, LEFT, RIGHT, BLOCK_M)
     # One masked loop here (no full-block split as in the other kernels): the split form
-    # gave a wrong dK on the H200 at d=96 (GQA 16:4, causal, 1000x3001) on 2026-11-29 while
+    # gave a wrong dK on the H200 at d=96 (GQA 16:4, causal, 1000x3001) while
     # passing every interpreter test; this form passed the whole GPU suite.
     acc = (dk, dv)
     # GQA: the q heads sharing this kv head are summed here, in a fixed order.
