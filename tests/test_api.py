@@ -298,7 +298,7 @@ def test_flash_attn_2_keywords():
 def test_without_a_sink_backends_return_no_sink_gradient_and_the_op_zeros():
     """Backends return dsink None without a sink (no zeros made per backward call); the
     custom op's implementation, whose schema returns a tensor, makes the zeros."""
-    from asymflash.api import dense as interface
+    from asymflash.api import ops
     from asymflash.backends import cpu
     from asymflash.core.params import AttnParams, SeqInfo
 
@@ -309,7 +309,7 @@ def test_without_a_sink_backends_return_no_sink_gradient_and_the_op_zeros():
     out, lse = cpu.forward(q, k, v, seq, params, None)
     grads = cpu.backward(dout, q, k, v, out, lse, None, seq, params, None)
     assert grads[3] is None and grads[0].abs().max() > 0
-    op = interface._bwd_impl(dout, None, q, k, v, out, lse, seq.cu_seqlens_q,
+    op = ops._bwd_impl(dout, None, q, k, v, out, lse, seq.cu_seqlens_q,
                              seq.cu_seqlens_k, None, None, 17, 17, params.softmax_scale, -1, -1,
                              0.0, True, False)
     assert torch.equal(op[3], torch.zeros(4))

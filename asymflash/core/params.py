@@ -1,6 +1,6 @@
 """The normalised description of one attention call, shared by every backend.
 
-The public API accepts dense BSHD tensors or packed varlen tensors; `interface.py` validates
+The public API accepts dense BSHD tensors or packed varlen tensors; `api/dense.py` validates
 them and turns both into the same packed form, so each backend implements one calling
 convention:
 
