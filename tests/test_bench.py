@@ -8,6 +8,7 @@ and failing providers, the table / JSON / PNG outputs, and the CPU fallback of t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -28,7 +29,6 @@ from asymflash.bench.core import (
     Provider,
     Result,
     attention_flops,
-    checked_heads,
     chunked_attention,
     visible_pairs,
 )
@@ -75,13 +75,7 @@ def test_causal_pairs_rectangular_are_bottom_right():
 
 
 # --------------------------------------------------------------------------------------------
-# The checked slice and the chunked reference
-
-
-@pytest.mark.parametrize("heads,expected", [((16, 16), (2, 2)), ((16, 2), (8, 1)),
-                                            ((4, 1), (4, 1)), ((1, 1), (1, 1))])
-def test_checked_heads_hold_whole_gqa_groups(heads, expected):
-    assert checked_heads(*heads) == expected
+# The chunked reference
 
 
 @pytest.mark.parametrize("sq,sk,causal", [(50, 50, True), (30, 70, True), (40, 40, False)])
@@ -141,6 +135,26 @@ def _wrong_shape(q, k, v, causal):
     return lambda: attention_ref(q, k, v, causal=causal)[0][:, :-1].to(q.dtype)
 
 
+def _wrong_in_last_head_of_last_sequence(q, k, v, causal):
+    """Right everywhere but one head of one batch entry: a check of a slice would miss it."""
+    def fn():
+        out = attention_ref(q, k, v, causal=causal)[0].to(q.dtype)
+        bug = torch.zeros_like(out)
+        bug[-1, :, -1] = 1.0
+        return out + bug
+    return fn
+
+
+def _wrong_when_repeated(q, k, v, causal):
+    """Right on its first call only, as a stale call plan or a badly bound launch would be."""
+    calls = []
+
+    def fn():
+        calls.append(1)
+        return attention_ref(q, k, v, causal=causal and len(calls) == 1)[0].to(q.dtype)
+    return fn
+
+
 def _raises(q, k, v, causal):
     raise RuntimeError("kernel exploded\nsecond line of the traceback text")
 
@@ -192,6 +206,20 @@ def test_wrong_results_are_flagged_and_not_timed():
             assert r.ms is None and r.tflops is None, key
 
 
+def test_every_batch_and_head_is_checked():
+    _, cells = _run([fake("last-head-bug", _wrong_in_last_head_of_last_sequence)],
+                    modes=("fwd",))
+    assert cells[("last-head-bug", "fwd")].status == WRONG
+
+
+def test_the_repeated_call_is_checked_too():
+    """The timed calls are repeated calls: a provider right only on its first call is
+    WRONG (SMALL is causal, so the repeated call's non-causal output differs)."""
+    _, cells = _run([fake("stale-repeat", _wrong_when_repeated)], modes=("fwd",))
+    r = cells[("stale-repeat", "fwd")]
+    assert r.status == WRONG and r.reason.startswith("repeated call")
+
+
 def test_missing_and_failing_providers_are_listed_not_dropped():
     _, cells = _run([fake("missing", available=lambda: "No module named 'peer'"),
                      fake("broken-probe", available=lambda: 1 / 0),
@@ -241,6 +269,22 @@ def test_ratio_ignores_wrong_peers():
     rt = bench_report.ratio(result.results, {"asymflash-x"})
     assert rt.peer == "peer" and rt.asymflash == "asymflash-x"
     assert rt.value == pytest.approx(1.0)
+
+
+def test_ratio_reports_the_headline_provider_not_our_best_variant():
+    """An opt-in variant that beats the default must not lift the ratio: it reports what
+    flash_attn_func runs by default (the headline provider)."""
+    def timed(ms):
+        return Result(SMALL, "fwd", "", OK, ms=ms, tflops=10.0 / ms)
+    cells = [dataclasses.replace(timed(1.0), provider="peer"),
+             dataclasses.replace(timed(2.0), provider="asymflash-default"),
+             dataclasses.replace(timed(0.5), provider="asymflash-variant")]
+    ours = {"asymflash-default", "asymflash-variant"}
+    rt = bench_report.ratio(cells, ours, headline="asymflash-default")
+    assert rt.asymflash == "asymflash-default" and rt.value == pytest.approx(0.5)
+    assert bench_report.ratio(cells, ours).value == pytest.approx(2.0)  # no headline: best
+    md = bench_report.markdown_report(cells, ours, "t", headline="asymflash-default")
+    assert "0.50 vs peer" in md
 
 
 # --------------------------------------------------------------------------------------------

@@ -260,11 +260,12 @@ def write_outputs(out_dir: Path, result: Run, env: dict, extra: dict,
     """Write results.md, results.json and the charts; returns the markdown."""
     out_dir.mkdir(parents=True, exist_ok=True)
     ours = {p.name for p in result.runner.providers if p.is_asymflash}
+    headline = next((p.name for p in result.runner.providers if p.headline), None)
     title = f"{env['device']}, {result.cases[0].dtype}" if result.cases else env["device"]
-    markdown = bench_report.markdown_report(result.results, ours, title)
+    markdown = bench_report.markdown_report(result.results, ours, title, headline)
     (out_dir / "results.md").write_text(markdown)
     record = bench_report.json_record(result.results, env, list(result.runner.providers),
-                                      result.runner.unavailable, ours, extra)
+                                      result.runner.unavailable, ours, extra, headline)
     bench_report.write_json(out_dir / "results.json", record)
     if plots and result.results:
         bench_report.write_charts(out_dir, result.results, env["device"])
@@ -290,7 +291,8 @@ def merge(dirs: list, out_dir: Path | None, plots: bool = True) -> int:
         results += [_result_from_record(r) for r in record["results"]]
         for p in record["providers"]:
             providers.setdefault(p["name"], Provider(p["name"], None, is_asymflash=p["asymflash"],
-                                                     description=p["description"]))
+                                                     description=p["description"],
+                                                     headline=p.get("headline", False)))
             if p.get("unavailable"):
                 unavailable[p["name"]] = p["unavailable"]
         envs.append(record["env"])

@@ -61,6 +61,8 @@ def asymflash_providers(device: str) -> list:
         return [Provider("asymflash", make_fwd=_never, available=lambda: reason,
                          is_asymflash=True)]
     providers = [_asymflash_backend(name) for name in names]
+    if providers:  # the first backend is the one flash_attn_func picks where it can
+        providers[0].headline = True
     if "sm90" in names:  # what deterministic=True costs, next to the default backward
         providers.append(_asymflash_backend("sm90", deterministic=True))
         # FA4's forward tricks, each on by its switch (asked for by name only)

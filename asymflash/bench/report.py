@@ -43,17 +43,22 @@ def index(results: list) -> dict:
 
 @dataclasses.dataclass
 class Ratio:
-    """asymflash's best over the best peer in one cell (only checked, timed results count)."""
+    """asymflash (its headline provider) over the best peer in one cell (only checked, timed
+    results count)."""
 
     value: float | None
     asymflash: str | None
     peer: str | None
 
 
-def ratio(cell_results: list, asymflash_names: set) -> Ratio:
+def ratio(cell_results: list, asymflash_names: set, headline: str | None = None) -> Ratio:
+    """asymflash over the best peer. `headline` names the asymflash provider that counts
+    (what flash_attn_func runs by default: opt-in variants and other backends must not pick
+    the cell's best for us); without one, the best asymflash result counts."""
     ok = [r for r in cell_results if r.status == OK and r.tflops is not None]
-    ours = max((r for r in ok if r.provider in asymflash_names), key=lambda r: r.tflops,
-               default=None)
+    mine = [r for r in ok if r.provider in asymflash_names and
+            (headline is None or r.provider == headline)]
+    ours = max(mine, key=lambda r: r.tflops, default=None)
     peer = max((r for r in ok if r.provider not in asymflash_names), key=lambda r: r.tflops,
                default=None)
     value = ours.tflops / peer.tflops if ours and peer and peer.tflops > 0 else None
@@ -97,7 +102,8 @@ def _extra_columns(cases: list) -> dict:
     return extra
 
 
-def markdown_table(results: list, mode: str, asymflash_names: set) -> str:
+def markdown_table(results: list, mode: str, asymflash_names: set,
+                   headline: str | None = None) -> str:
     """One row per case, one column per provider (TFLOP/s or status), then the ratio."""
     providers = provider_order(results)
     cases = cases_in_order(results)
@@ -107,7 +113,7 @@ def markdown_table(results: list, mode: str, asymflash_names: set) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for case in cases:
         cells = [by_key.get((case, mode, p)) for p in providers]
-        rt = ratio([c for c in cells if c is not None], asymflash_names)
+        rt = ratio([c for c in cells if c is not None], asymflash_names, headline)
         row = _row_head(case, extra) + [cell_text(c) for c in cells] + [_ratio_text(rt)]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -149,12 +155,13 @@ def problem_notes(results: list) -> list:
     return notes
 
 
-def markdown_report(results: list, asymflash_names: set, title: str = "") -> str:
+def markdown_report(results: list, asymflash_names: set, title: str = "",
+                    headline: str | None = None) -> str:
     parts = [f"## {title}"] if title else []
     for mode in modes_in_order(results):
         parts.append(f"### {mode} (TFLOP/s)")
         parts.append(markdown_table([r for r in results if r.mode == mode], mode,
-                                    asymflash_names))
+                                    asymflash_names, headline))
     notes = problem_notes(results)
     if notes:
         parts.append("Cells not measured (n/a: cannot run; error: raised; "
@@ -264,7 +271,7 @@ def result_record(r: Result, flops: float) -> dict:
 
 
 def json_record(results: list, env: dict, providers: list, unavailable: dict,
-                asymflash_names: set, extra: dict) -> dict:
+                asymflash_names: set, extra: dict, headline: str | None = None) -> dict:
     from .core import attention_flops
 
     ratios = []
@@ -273,14 +280,15 @@ def json_record(results: list, env: dict, providers: list, unavailable: dict,
     for case in cases_in_order(results):
         for mode in modes_in_order(results):
             cells = [by_key[k] for k in ((case, mode, p) for p in names) if k in by_key]
-            rt = ratio(cells, asymflash_names)
+            rt = ratio(cells, asymflash_names, headline)
             ratios.append({**dataclasses.asdict(case), "mode": mode, "ratio": rt.value,
                            "asymflash": rt.asymflash, "best_peer": rt.peer})
     return {
         "env": env,
         **extra,
         "providers": [{"name": p.name, "description": p.description,
-                       "asymflash": p.is_asymflash, "unavailable": unavailable.get(p.name)}
+                       "asymflash": p.is_asymflash, "headline": p.headline,
+                       "unavailable": unavailable.get(p.name)}
                       for p in providers],
         "results": [result_record(r, attention_flops(r.case, r.mode)) for r in results],
         "ratios": ratios,
