@@ -19,12 +19,12 @@ time budget is spent the remaining cells are listed as skipped.
 Two timings per cell: eager (do_bench of the Python call: what a plain loop sees, host
 issue time included) and graph (the call captured once in a CUDA graph and replayed, as
 serving engines run decode steps: GPU time alone, plus the ~4 us launch of a one-node
-graph). Values are checked once, eagerly, before either timing (never under capture). For
-caches up to 600 MB asymflash also gets a step column: 8 calls on 8 caches in one graph, the
-time per call (a serving step captures every layer in one graph, so a call there pays no
-graph launch of its own). --host adds host issue time per call for three decode
-calls (as scripts/host-overhead.py); --sweep times tile configs and split counts of the
-portable kernel under graph replay (tuning).
+graph). Values are checked once, eagerly, before any timing (never under capture). For
+caches up to 600 MB every provider also gets a step column: 8 calls on 8 caches in one graph,
+the time per call (a serving step captures every layer in one graph, so a call there pays no
+graph launch of its own): each provider is timed the same three ways. --host adds host
+issue time per call for three decode calls (as scripts/host-overhead.py); --sweep times tile
+configs and split counts of the portable kernel under graph replay (tuning).
 
 Prints a markdown table and writes decode-bench.json to --out.
 """
@@ -117,22 +117,30 @@ STEP_CALLS = 8  # decode calls per captured "step" (one per layer in a serving e
 STEP_MAX_BYTES = 600e6  # the step column only where fixed per-call costs matter
 
 
-def step_graph_ms(case, graph, num_splits: int = 0) -> float:
-    """ms per call of STEP_CALLS asymflash decode calls on as many different caches (same
-    sizes and page table), captured in one CUDA graph: serving engines capture a whole
-    decode step (every layer) as one graph, so a call there pays no graph launch of its
-    own, unlike the one-call replay of the graph column. The extra caches are kept in
-    `case` for the next call (the sweep times many configs on one case)."""
+def step_caches(case):
+    """STEP_CALLS (k_cache, v_cache) pairs of the case's sizes, the case's own first; kept in
+    `case` for the next use (the sweep times many configs on one case)."""
     if "step_caches" not in case:
         case["step_caches"] = [(case["k_cache"], case["v_cache"])] + [
             (torch.randn_like(case["k_cache"]), torch.randn_like(case["v_cache"]))
             for _ in range(STEP_CALLS - 1)]
+    return case["step_caches"]
+
+
+def step_graph_ms(case, graph, num_splits: int = 0, calls=None) -> float:
+    """ms per call of STEP_CALLS decode calls on as many different caches (same sizes and
+    page table), captured in one CUDA graph: serving engines capture a whole decode step
+    (every layer) as one graph, so a call there pays no graph launch of its own, unlike the
+    one-call replay of the graph column. calls: the STEP_CALLS zero-argument calls (a
+    provider's, one per cache); default: asymflash with num_splits."""
+    if calls is None:
+        calls = [lambda kc=kc, vc=vc: flash_attn_with_kvcache(
+            case["q"], kc, vc, cache_seqlens=case["seqlens"], page_table=case["page_table"],
+            num_splits=num_splits, check_values=False) for kc, vc in step_caches(case)]
 
     def step():
-        for kc, vc in case["step_caches"]:
-            flash_attn_with_kvcache(case["q"], kc, vc, cache_seqlens=case["seqlens"],
-                                    page_table=case["page_table"], num_splits=num_splits,
-                                    check_values=False)
+        for call in calls:
+            call()
     return graph(step) / STEP_CALLS
 
 
@@ -158,18 +166,23 @@ def make_case(batch, seqlen, paged, device, seed=0):
                 k=k, v=v)
 
 
-def providers(case, smoke):
-    """name -> zero-argument callable returning out (batch, 1, hq, d)."""
+def providers(case, smoke, caches=None):
+    """name -> zero-argument callable returning out (batch, 1, hq, d). caches: another
+    (k_cache, v_cache) pair of the case's sizes to read instead of its own (the step graph's
+    calls each read their own cache, as a model's layers do)."""
     q, table = case["q"], case["page_table"]
+    k_cache, v_cache = caches or (case["k_cache"], case["v_cache"])
+    # The peers without a page table read the gathered copy (paged rows: values only).
+    k, v = (case["k"], case["v"]) if table is not None else (k_cache, v_cache)
 
     def asym(splits):
         def run():
             return flash_attn_with_kvcache(
-                q, case["k_cache"], case["v_cache"], cache_seqlens=case["seqlens"],
+                q, k_cache, v_cache, cache_seqlens=case["seqlens"],
                 page_table=table, num_splits=splits, check_values=False)
         return run
 
-    qb, kb, vb = (t.transpose(1, 2) for t in (q, case["k"], case["v"]))
+    qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
 
     def sdpa():
         out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True)
@@ -192,7 +205,7 @@ def providers(case, smoke):
         # PYTHONPATH reset after it) or failing: listed as failed, never fatal.
         from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
 
-        out = fa4_varlen(q, case["k_cache"], case["v_cache"], seqused_k=case["seqlens"],
+        out = fa4_varlen(q, k_cache, v_cache, seqused_k=case["seqlens"],
                          max_seqlen_q=1, max_seqlen_k=int(case["k"].shape[1]),
                          page_table=table, num_splits=1)
         return out[0] if isinstance(out, tuple) else out
@@ -205,8 +218,8 @@ def providers(case, smoke):
 def splits_chosen(case):
     """The split count num_splits=0 picks (the portable kernel's heuristic)."""
     try:
-        from asymflash.api.kvcache import CacheSpec
         from asymflash.backends.portable import decode as dec
+        from asymflash.core.params import CacheSpec
 
         q = case["q"]
         spec = CacheSpec(case["k_cache"], case["v_cache"], case["seqlens"], 0,
@@ -386,13 +399,7 @@ def table_rows(args, device, bench, graph, batches, lengths, copy_gbs, t_start):
                     row["error"] = short(e)
                     continue
                 row["splits"] = splits_chosen(case)
-                if graph is not None and kv_bytes <= STEP_MAX_BYTES:
-                    try:
-                        row["step_pct"] = pct(step_graph_ms(case, graph), kv_bytes,
-                                              copy_gbs)[1]
-                    except Exception as e:  # noqa: BLE001 - listed, never fatal
-                        row["step_pct"] = f"failed: {short(e, 40)}"
-                    torch.cuda.empty_cache()
+                with_step = graph is not None and kv_bytes <= STEP_MAX_BYTES
                 expected = None
                 for name, fn in providers(case, args.smoke).items():
                     # The peers have no page table: they read the gathered copy, the same
@@ -422,6 +429,15 @@ def table_rows(args, device, bench, graph, batches, lengths, copy_gbs, t_start):
                                             graph_pct_copy=pct(gms, kv_bytes, copy_gbs)[1])
                             except Exception as e:  # e.g. a peer that cannot be captured
                                 cell["graph"] = f"failed: {short(e, 60)}"
+                        if with_step:  # every provider timed the same way: all three columns
+                            try:
+                                calls = [providers(case, args.smoke, c)[name]
+                                         for c in step_caches(case)]
+                                cell["step_pct_copy"] = pct(
+                                    step_graph_ms(case, graph, calls=calls), kv_bytes,
+                                    copy_gbs)[1]
+                            except Exception as e:  # noqa: BLE001 - listed, never fatal
+                                cell["step"] = f"failed: {short(e, 40)}"
                         if not math.isfinite(err) or err > 5e-2:
                             cell["status"] = f"wrong? (max diff {err:.3g} vs {ref_name})"
                     except Exception as e:
@@ -434,11 +450,10 @@ def table_rows(args, device, bench, graph, batches, lengths, copy_gbs, t_start):
                     torch.cuda.empty_cache()
     names = ["asymflash", "asymflash-nosplit", "SDPA", "Flex", "FA4"]
     head = "| layout | batch | seqlen_k | K/V MB | copy of these bytes, graph / 8-call " \
-        "step graph (% copy) | " \
-        "splits | asymflash in an 8-call step graph (% copy) | " + \
-        " | ".join(f"{n} µs eager / graph (% copy)" for n in names) + " |"
+        "step graph (% copy) | splits | " + \
+        " | ".join(f"{n} µs eager / graph (% copy) / step graph % copy" for n in names) + " |"
     print(head)
-    print("|" + "---|" * (7 + len(names)))
+    print("|" + "---|" * (6 + len(names)))
     for row in rows:
         cells = []
         for n in names:
@@ -451,6 +466,10 @@ def table_rows(args, device, bench, graph, batches, lengths, copy_gbs, t_start):
                     text += f" / {c['graph_ms'] * 1e3:.1f} ({c['graph_pct_copy']:.0f}%)"
                 elif "graph" in c:
                     text += f" / graph {c['graph']}"
+                if "step_pct_copy" in c:
+                    text += f" / {c['step_pct_copy']:.0f}%"
+                elif "step" in c:
+                    text += f" / step {c['step']}"
                 cells.append(text)
             else:
                 cells.append(c["status"])
@@ -459,11 +478,8 @@ def table_rows(args, device, bench, graph, batches, lengths, copy_gbs, t_start):
         floor = f"{row['floor_pct']:.0f}%" if "floor_pct" in row else ""
         if row.get("floor_step_pct") is not None:
             floor += f" / {row['floor_step_pct']:.0f}%"
-        step = row.get("step_pct", "")
-        step = f"{step:.0f}%" if isinstance(step, float) else step
         print(f"| {row['layout']} | {row['batch']} | {row['seqlen_k']} | {row['kv_MB']} | "
-              f"{floor} | {row.get('splits', '')} | {step} | " + " | ".join(cells) + " |",
-              flush=True)
+              f"{floor} | {row.get('splits', '')} | " + " | ".join(cells) + " |", flush=True)
     return rows
 
 
