@@ -315,3 +315,11 @@ def test_without_a_sink_backends_return_no_sink_gradient_and_the_op_zeros():
     assert torch.equal(op[3], torch.zeros(4))
     for a, b in zip(op[:3], grads[:3]):
         torch.testing.assert_close(a, b)
+
+
+def test_a_device_no_backend_serves_gets_a_reason():
+    """meta tensors outside torch.compile (or any device with no backend): the error says why
+    instead of ending on an empty list of reasons."""
+    q = torch.randn(1, 8, 2, 64, device="meta", dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="no backend runs on meta tensors"):
+        flash_attn_func(q, q, q)

@@ -837,3 +837,16 @@ def test_compiled_calls_are_checked():
     with pytest.raises(Exception, match="cache_seqlens"):
         torch.compile(lambda q: flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=49),
                       fullgraph=True)(q)
+
+
+def test_an_appending_call_under_fullgraph_names_the_append():
+    """torch.compile(fullgraph=True) cannot trace an in-place append: the error says so in
+    asymflash's words (a call without new k/v compiles to one op, tested above)."""
+    q = torch.randn(2, 1, 4, 64)
+    k_cache, v_cache = torch.randn(2, 32, 2, 64), torch.randn(2, 32, 2, 64)
+    k, v = torch.randn(2, 1, 2, 64), torch.randn(2, 1, 2, 64)
+
+    def step(q, k_cache, v_cache, k, v):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=5)
+    with pytest.raises(Exception, match="flash_attn_with_kvcache with new k/v"):
+        torch.compile(step, fullgraph=True)(q, k_cache, v_cache, k, v)

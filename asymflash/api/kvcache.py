@@ -292,11 +292,17 @@ def flash_attn_with_kvcache(
         page_table = block_table
     if return_softmax_lse is not None:
         return_lse = bool(return_softmax_lse)
-    if torch.compiler.is_compiling() and k is None and v is None and rotary_cos is None and \
-            rotary_sin is None and not return_lse:
-        return _traced_attend(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, page_table,
-                              softmax_scale, causal, window_size, softcap, learnable_sink,
-                              num_splits, cache_leftpad)
+    if torch.compiler.is_compiling():
+        if k is None and v is None and rotary_cos is None and rotary_sin is None and \
+                not return_lse:
+            return _traced_attend(q, k_cache, v_cache, cache_seqlens, cache_batch_idx,
+                                  page_table, softmax_scale, causal, window_size, softcap,
+                                  learnable_sink, num_splits, cache_leftpad)
+        # What follows runs as Python (a graph break; under fullgraph=True, this error).
+        torch._dynamo.graph_break(
+            msg="asymflash: flash_attn_with_kvcache with new k/v (an in-place append), "
+                "rotary_cos/sin or return_lse runs as Python under torch.compile; only a call "
+                "without them is one custom op (write the cache first, then attend)")
     key = None
     if rotary_cos is None and rotary_sin is None:
         key = plans.kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,

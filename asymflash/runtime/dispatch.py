@@ -169,8 +169,7 @@ def _pick(q, k, v, seq, params, sink, direction: str):
             return mod
         reasons.append(f"{name}: {why}")
     raise NotImplementedError(
-        f"asymflash: no backend can run this {direction} on {q.device}: " + "; ".join(reasons)
-    )
+        f"asymflash: no backend can run this {direction} on {q.device}: " + _why(q, reasons))
 
 
 def pick_forward(q, k, v, seq, params, sink):
@@ -198,5 +197,12 @@ def pick_decode(q, cache, params, sink):
             return mod
         reasons.append(f"{name}: {why}")
     raise NotImplementedError(
-        f"asymflash: no backend can run this decode on {q.device}: " + "; ".join(reasons)
-    )
+        f"asymflash: no backend can run this decode on {q.device}: " + _why(q, reasons))
+
+
+def _why(q, reasons: list) -> str:
+    """The backends' reasons, or why there were none to ask."""
+    if reasons:
+        return "; ".join(reasons)
+    return (f"no backend runs on {q.device.type} tensors (asymflash runs on cuda and cpu; "
+            "under torch.compile, meta tensors are traced through the custom ops instead)")
