@@ -114,7 +114,7 @@ def test_a_new_signature_or_switch_makes_a_new_plan(monkeypatch):
     flash_attn_func(q, k, v)
     flash_attn_func(q[:, :17].contiguous(), k, v)  # another shape
     flash_attn_func(q, k, v, causal=True)  # another mask
-    monkeypatch.setenv("ASYMFLASH_SM90_BWD", "0")  # a backend switch
+    monkeypatch.setenv("ASYMFLASH_SM90_RESCALE", "8")  # a backend switch
     flash_attn_func(q, k, v)
     assert len(plans._PLANS) == 4
     with forced("cpu" if DEVICE == "cpu" else "portable"):  # a forced backend
@@ -193,12 +193,12 @@ def test_switches_follow_the_environment(monkeypatch):
     for name in dispatch.SWITCHES:
         monkeypatch.delenv(name, raising=False)
     assert dispatch.switches() == (None,) * len(dispatch.SWITCHES)
-    monkeypatch.setenv("ASYMFLASH_SM90_PACK_GQA", "0")
+    monkeypatch.setenv("ASYMFLASH_SM90_RESCALE", "0")
     got = dict(zip(dispatch.SWITCHES, dispatch.switches()))
-    assert got["ASYMFLASH_SM90_PACK_GQA"] in ("0", b"0")
-    assert got["ASYMFLASH_SM90_BWD"] is None
+    assert got["ASYMFLASH_SM90_RESCALE"] in ("0", b"0")
+    assert got["ASYMFLASH_SM90_EXP2_EMU"] is None
     # one switch at a time (what the backends read per launch): os.environ.get's answer
-    monkeypatch.setenv("ASYMFLASH_SM90_ARRIVE_ALL", "1")
+    monkeypatch.setenv("ASYMFLASH_SM90_EXP2_EMU", "8")
     for name in dispatch.SWITCHES + ("NOT_A_SWITCH",):
         assert dispatch.switch(name) == os.environ.get(name), name
 

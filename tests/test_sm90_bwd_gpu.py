@@ -216,13 +216,13 @@ SPLIT_CASES_D64 = [c for c in CASES if c["d"] == 64 and not c.get("softcap")]
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("variant", [dict(late_warpgroup=1), dict(late_warpgroup=-1),
                                      dict(split_warpgroups=False), dict(dv_overlap=True),
-                                     dict(arrive_all=True), dict(dq_fragment=False),
+                                     dict(dq_fragment=False),
                                      dict(dq_fragment=False, late_warpgroup=-1),
                                      dict(ws_dk_after_dq=False),
                                      dict(ws_dk_after_dq=False, late_warpgroup=-1),
                                      dict(ws_dq_warp=True),
                                      dict(ws_dq_warp=True, dq_fragment=False)],
-                         ids=["late1", "in-step", "synchronous", "dv-overlap", "arrive-all",
+                         ids=["late1", "in-step", "synchronous", "dv-overlap",
                               "dq-row-major", "dq-row-major-in-step", "dk-before-dq",
                               "dk-before-dq-in-step", "dq-warp", "dq-warp-row-major"])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c["name"])
@@ -563,15 +563,15 @@ def test_sm90_deterministic_first_stores_leave_no_stale_dq(case, skips, monkeypa
 
 # Deterministic mode on kernels and schedules the default config does not pick: at d=128
 # bwd.py's synchronous kernel (ws_deterministic=False; softcap calls take it anyway) and
-# bwd_ws.py's with dV retired before dSᵀ is formed (dv_overlap=False), with per-thread
-# slot releases (arrive_all), with row-major dQ tiles (dq_fragment=False, or with a 32-byte
-# swizzle), with dK issued behind dQ (ws_dk_after_dq), at d=64 bwd.py's synchronous kernel
+# bwd_ws.py's with dV retired before dSᵀ is formed (dv_overlap=False), with row-major dQ
+# tiles (dq_fragment=False, or with a 32-byte swizzle), with dK issued behind dQ
+# (ws_dk_after_dq), at d=64 bwd.py's synchronous kernel
 # (the default before 2026-11-30 session 19) and bwd_ws.py's with 64-row steps; at d=256
 # without the late high dQ half (BwdConfig.dq_hi_late, the default since 2026-12-01 session
 # 25) and with it where the turn is released at the main barrier or before the next take.
 DET_VARIANTS = [(c, variant) for c in DET_CASES if c["d"] in (96, 128) and not c.get("softcap")
                 for variant in (dict(ws_deterministic=False), dict(dv_overlap=False),
-                                dict(arrive_all=True), dict(dq_fragment=False, dq_swizzle=32),
+                                dict(dq_fragment=False, dq_swizzle=32),
                                 dict(dq_fragment=False), dict(ws_dk_after_dq=True))] + \
     [(c, variant) for c in DET_CASES if c["d"] == 64 and not c.get("softcap")
      for variant in (dict(split_warpgroups=False, dq_swizzle=32), dict(block_m=64))] + \

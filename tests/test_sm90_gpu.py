@@ -204,7 +204,6 @@ PACKED_GQA_CASES = [
 def test_sm90_forward_packed_gqa_matches_reference(case, monkeypatch):
     from asymflash.backends.sm90 import fwd
 
-    monkeypatch.setenv("ASYMFLASH_SM90_PACK_GQA", "1")
     batch, sq, sk, hq, hkv, d, dtype, window, softcap, varlen = case
     q, k, v, seq = make_inputs(batch, sq, sk, hq, hkv, d, d, dtype, varlen=varlen)
     params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(*window), softcap=softcap)
@@ -276,19 +275,16 @@ PERSISTENT_CASES = CASES + [
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("grid", ["plain-grid", "persistent", "plain-pingpong",
                                   "persistent-pingpong", "persistent-3wg", "persistent-2q",
-                                  "persistent-3wg-2q", "plain-grid-arrive", "persistent-arrive",
-                                  "persistent-3wg-arrive", "persistent-2q-arrive",
-                                  "persistent-3wg-pingpong"])
+                                  "persistent-3wg-2q", "persistent-3wg-pingpong"])
 @pytest.mark.parametrize("case", PERSISTENT_CASES,
                          ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
 def test_sm90_forward_grid_matches_reference(case, grid):
     # Both grids forced, each with and without ping-pong between the consumer warpgroups,
     # the persistent one also with three consumer warpgroups and/or a second Q buffer each:
     # the default (`use_persistent`, pingpong off) picks one per shape; three warpgroups
-    # take their turns round robin ("3wg-pingpong"). "arrive": K/V slots
-    # released by every thread (FwdConfig.arrive_all, arrive_all.py's PTX pass), checked also
-    # for the same bits on every repeat (a slot refilled while a warp still read it would show
-    # as a change).
+    # take their turns round robin ("3wg-pingpong"); ping-pong is checked also for the same
+    # bits on every repeat (a slot refilled while a warp still read it would show as a
+    # change).
     from dataclasses import replace
 
     d = case[5]
@@ -301,12 +297,12 @@ def test_sm90_forward_grid_matches_reference(case, grid):
     def configure(cfg):
         cfg = replace(cfg, persistent="persistent" in flags, pingpong="pingpong" in flags,
                       consumer_wgs=3 if "3wg" in flags else 2,
-                      q_buffers=2 if "2q" in flags else 1, arrive_all="arrive" in flags)
+                      q_buffers=2 if "2q" in flags else 1)
         return cfg
 
     # (races could also change bits)
     _forward_case_matches(case, configure, bitwise=bool(
-        {"arrive", "pingpong"} & set(flags)))
+        {"pingpong"} & set(flags)))
 
 
 def _forward_case_matches(case, configure, bitwise):

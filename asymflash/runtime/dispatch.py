@@ -42,7 +42,6 @@ _MODULES = {
 # and is tried in backend_names' order; a backend with no entry here is skipped.
 _DECODE_MODULES = {
     "cpu": "asymflash.api.kvcache",  # gathers the cache, then the cpu backend's forward
-    "sm90": "asymflash.backends.sm90.decode",  # TMA-fed, off unless ASYMFLASH_SM90_DECODE=1
     "portable": "asymflash.backends.portable.decode",
 }
 
@@ -53,9 +52,7 @@ SM90_TESTED_TRITON = ("3.6.",)
 # Environment switches the backends read per call (so a process may flip them: tests, the
 # benchmark). Call plans cache decisions that depend on them, so their values are part of a
 # plan's key (`switches`).
-SWITCHES = ("ASYMFLASH_SM90_BWD", "ASYMFLASH_SM90_PACK_GQA", "ASYMFLASH_PORTABLE_SPLIT",
-            "ASYMFLASH_SM90_STRIDED", "ASYMFLASH_SM90_EXP2_EMU", "ASYMFLASH_SM90_RESCALE",
-            "ASYMFLASH_SM90_DECODE", "ASYMFLASH_SM90_ARRIVE_ALL")
+SWITCHES = ("ASYMFLASH_PORTABLE_SPLIT", "ASYMFLASH_SM90_EXP2_EMU", "ASYMFLASH_SM90_RESCALE")
 _ENV_DATA = getattr(os.environ, "_data", None)  # CPython's dict behind os.environ
 _SWITCH_KEYS = tuple(os.fsencode(n) for n in SWITCHES) if os.name == "posix" else ()
 

@@ -76,14 +76,14 @@ dim, config, feature switches).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from asymflash.core.params import AttnParams, SeqInfo, cdiv
 
 from ...runtime.launch import DirectLaunch, LaunchSite, sm_count
-from . import arrive_all, bwd_wide, bwd_ws, dq_fragments
+from . import bwd_wide, bwd_ws, dq_fragments
 from . import fwd as _fwd
 from .bwd_config import (  # noqa: F401 - re-exported: tests and scripts read them here
     _DEFAULT_CONFIGS,
@@ -464,16 +464,12 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
     if split:
         consts["LATE_WG"] = cfg.late_warpgroup
         consts["RING"] = cfg.ring_slots
-        consts["ARRIVE"] = arrive_all.WARPGROUP if cfg.arrive_all else 1
-        consts["ARRIVE_PASS"] = arrive_all.VERSION if cfg.arrive_all else 0
         consts["DK_AFTER_DQ"] = cfg.ws_dk_after_dq
         consts["DQ_WARP"] = cfg.ws_dq_warp and not deterministic
         step_cols = head_dim == 64 if cfg.step_cols is None else cfg.step_cols
         consts["MASK_MODE"] = int(step_cols) | (2 if cfg.mask_scores else 0)
         consts["PERSISTENT"] = persists(cfg, uniform and not has_seqused, softcap)
         consts["KV_BUFS"] = cfg.ws_kv_buffers if consts["PERSISTENT"] else 1
-        if cfg.arrive_all:
-            arrive_all.install()  # the PTX pass that makes the marked arrives per-thread
     if split or head_dim == 256:  # bwd_ws, bwd_wide (bwd.py's kernel for d <= 128 always adds)
         # Passed even where False: a defaulted parameter left out would send every launch
         # down Triton's own launch path (DirectLaunch keeps binaries of full calls only).
@@ -683,8 +679,7 @@ def _plan_of(width, width_v, q, k, seq: SeqInfo, params: AttnParams, cfg) -> Lau
     return launch_plan(width, width_v, seq.max_seqlen_q, seq.max_seqlen_k,
                        bool(seq.uniform and not has_seqused), has_seqused, wl, wr,
                        params.softcap > 0, params.deterministic, seq.batch, k.shape[1],
-                       sm_count(q.device), cfg, cfg is None and _fwd.arrive_all_switch(),
-                       q.shape[1])
+                       sm_count(q.device), cfg, q.shape[1])
 
 
 def _run(plan: LaunchPlan, width, width_v, padded, dout, q, k, v, out, lse, dlse,
@@ -854,14 +849,11 @@ class LaunchPlan:
 def launch_plan(width: int, width_v: int, max_seqlen_q: int, max_seqlen_k: int,
                 uniform: bool, has_seqused: bool, window_left: int, window_right: int,
                 softcap: bool, deterministic: bool, batch: int, hkv: int, sms: int,
-                cfg: BwdConfig | None, arrive: bool = False, hq: int = 0) -> LaunchPlan:
-    """Config, grid and constexprs of one backward call (cfg: an override, or None; arrive:
-    ASYMFLASH_SM90_ARRIVE_ALL, `fwd.arrive_all_switch`, applied to the config; hq: query
-    heads, 0 for hkv)."""
+                cfg: BwdConfig | None, hq: int = 0) -> LaunchPlan:
+    """Config, grid and constexprs of one backward call (cfg: an override, or None; hq:
+    query heads, 0 for hkv)."""
     cfg = select_config(width, cfg, softcap, deterministic,
                         window_left >= 0 or window_right >= 0, max_seqlen_q, window_left >= 0)
-    if arrive:
-        cfg = replace(cfg, arrive_all=True)
     key_blocks = cdiv(max(max_seqlen_k, 1), cfg.block_n)
     split = _splits_warpgroups(width, cfg, deterministic, softcap)
     dense = uniform and not has_seqused

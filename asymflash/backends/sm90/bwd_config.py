@@ -100,13 +100,6 @@ class BwdConfig:
     # 174 / 310 / 394 -> 196 / 382 / 495 (default 207 / 401 / 538): +3-10 % instead of
     # +14-39 %. 50 bitwise repeats pass (test_sm90_bwd_gpu).
     ws_deterministic: bool = True
-    # bwd_ws: the compute warpgroups release a Q/dO slot and a dSᵀ buffer by an arrive from
-    # every thread instead of a warpgroup barrier and one thread's arrive (`arrive_all.py`:
-    # ncu put 5.3 of our 13.1 stall cycles per instruction on barriers, FA4's 1.6 of 10.6,
-    # most of them parked warps' as it turned out). Off: H200 2026-11-30, TFLOP/s 2k / 16k
-    # d=128 495 / 549 -> 509 / 557, d=256 322 / 348 -> 294 / 349, deterministic d=128 479 /
-    # 547 -> 479 / 539 (benchmarks/NOTES.md, session 15).
-    arrive_all: bool = False
     # Swizzle (bytes) of the fp32 dQ staging tile. With 128 (Triton's default for its 256-byte
     # rows) each warp's 64-bit stores from the wgmma accumulator take 4 shared-memory
     # wavefronts instead of 2 (ncu source counters, H200 2026-11-30, d=128 16k: 8.39 M vs

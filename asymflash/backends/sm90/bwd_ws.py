@@ -176,8 +176,8 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full, dq_empty, j, h,
                m0, q_start, softmax_scale, dq_zero, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-               BLOCK_M: gl.constexpr, DET: gl.constexpr, ARRIVE: gl.constexpr,
-               dk=None, ds_op=None, q_s=None, WITH_DK: gl.constexpr = False):
+               BLOCK_M: gl.constexpr, DET: gl.constexpr, dk=None, ds_op=None, q_s=None,
+               WITH_DK: gl.constexpr = False):
         """This warpgroup's part of dQ = dS·K for step j: wait for the other half of dSᵀ,
         MMA, stage, reduce-add (retires every MMA this warpgroup has in flight but the dK
         that WITH_DK issues behind it). With
@@ -202,7 +202,7 @@ if _GLUON_ERROR is None:
             dq = warpgroup_mma_wait(1, deps=[dq_tok])
         else:
             dq = warpgroup_mma_wait(0, deps=[dq_tok])
-        mbarrier.arrive(ds_free.index(js), count=ARRIVE)
+        mbarrier.arrive(ds_free.index(js))
         if DET:
             if j > 0:  # the dQ warp has read this warpgroup's tile of step j - 1
                 mbarrier.wait(dq_empty.index(WG), (j - 1) & 1)
@@ -270,8 +270,8 @@ if _GLUON_ERROR is None:
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                     HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DP_EARLY: gl.constexpr,
                     KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr, RING: gl.constexpr,
-                    DET: gl.constexpr, DV_OVERLAP: gl.constexpr, ARRIVE: gl.constexpr,
-                    DK_AFTER_DQ: gl.constexpr, MASK_MODE: gl.constexpr, it0=0, tile=0,
+                    DET: gl.constexpr, DV_OVERLAP: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
+                    MASK_MODE: gl.constexpr, it0=0, tile=0,
                     kv_free=None, epi_done=None, PERSISTENT: gl.constexpr = False,
                     EPI: gl.constexpr = 0, dv_stage=None, KV_BUFS: gl.constexpr = 1):
         # PERSISTENT: one tile of a persistent CTA, as in _ws_loader (steps numbered on
@@ -362,13 +362,13 @@ if _GLUON_ERROR is None:
                         dk_tok = _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free,
                                         dq_full, dq_empty, g - 1, h_prev, m0_prev, q_start,
                                         softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M, DET,
-                                        ARRIVE, dk, ds_op, q_s, True)
+                                        dk, ds_op, q_s, True)
                     else:
                         dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                 else:
                     dk_tok = _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free,
                                     dq_full, dq_empty, g, h, m0, q_start, softmax_scale,
-                                    dq_zero, WG, HEAD_DIM, BLOCK_M, DET, ARRIVE, dk, ds_op,
+                                    dq_zero, WG, HEAD_DIM, BLOCK_M, DET, dk, ds_op,
                                     q_s, True)
             else:
                 dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
@@ -376,16 +376,16 @@ if _GLUON_ERROR is None:
                     if it > 0:
                         _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full,
                                dq_empty, g - 1, h_prev, m0_prev, q_start, softmax_scale,
-                               dq_zero, WG, HEAD_DIM, BLOCK_M, DET, ARRIVE)
+                               dq_zero, WG, HEAD_DIM, BLOCK_M, DET)
                 else:
                     _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full,
                            dq_empty, g, h, m0, q_start, softmax_scale, dq_zero, WG, HEAD_DIM,
-                           BLOCK_M, DET, ARRIVE)
+                           BLOCK_M, DET)
             if DV_OVERLAP:
                 dk, dv, ds_op, p_op = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok, ds_op, p_op])
             else:
                 dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])
-            mbarrier.arrive(empty.index(slot), count=ARRIVE)
+            mbarrier.arrive(empty.index(slot))
             # `+ 0`: with a plain `h_prev = h` triton 3.6's frontend carried neither h nor
             # h_prev through the loop (its scf.for kept only dK and dV; found in the TTGIR)
             h_prev = h + 0
@@ -395,7 +395,7 @@ if _GLUON_ERROR is None:
             if n_steps > 0:
                 _ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full, dq_empty,
                        it0 + n_steps - 1, h_prev, m0_prev, q_start, softmax_scale, dq_zero, WG,
-                       HEAD_DIM, BLOCK_M, DET, ARRIVE)
+                       HEAD_DIM, BLOCK_M, DET)
         if PERSISTENT and EPI != 3:  # this warpgroup's MMAs have read K and V for the last
             # time (before the reduce's wait: the load warp's next K/V are the tile's
             # critical path; EPI 3 stages dK/dV in this K/V buffer: freed after the stores)
@@ -473,7 +473,7 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _ws_alloc(q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM: gl.constexpr,
                   HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  RING: gl.constexpr, ARRIVE: gl.constexpr, DQ_BARS: gl.constexpr,
+                  RING: gl.constexpr, DQ_BARS: gl.constexpr,
                   KV_BUFS: gl.constexpr = 1):
         """The kernel's shared memory and barriers (the module docstring's), initialised.
         DQ_BARS: the dQ warp's hand-over barriers (deterministic mode, ws_dq_warp). KV_BUFS
@@ -518,9 +518,9 @@ if _GLUON_ERROR is None:
         for st in gl.static_range(RING):
             # two arrives: the TMA bytes' expect and the statistics' stores (_ws_loader)
             mbarrier.init(ready.index(st), count=2)
-            mbarrier.init(empty.index(st), count=2 * ARRIVE)
+            mbarrier.init(empty.index(st), count=2)
         for st in gl.static_range(2):
-            mbarrier.init(ds_free.index(st), count=2 * ARRIVE)
+            mbarrier.init(ds_free.index(st), count=2)
             if DQ_BARS:
                 mbarrier.init(dq_full.index(st), count=1)
                 mbarrier.init(dq_empty.index(st), count=1)
@@ -599,8 +599,8 @@ if _GLUON_ERROR is None:
                           HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                           DP_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
                           LATE_WG: gl.constexpr, RING: gl.constexpr, DET: gl.constexpr,
-                          DV_OVERLAP: gl.constexpr, ARRIVE: gl.constexpr,
-                          DK_AFTER_DQ: gl.constexpr, HEADS_FIRST: gl.constexpr,
+                          DV_OVERLAP: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
+                          HEADS_FIRST: gl.constexpr,
                           TOP_FIRST: gl.constexpr, KV_BUFS: gl.constexpr,
                           MASK_MODE: gl.constexpr):
         """A compute warpgroup of a persistent CTA: `_ws_compute` per tile (DET: its dQ
@@ -634,7 +634,7 @@ if _GLUON_ERROR is None:
                            window_left, window_right)
             _ws_compute(tile_shared, WG, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                         HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DET,
-                        DV_OVERLAP, ARRIVE, DK_AFTER_DQ, MASK_MODE, it0, tile, kv_free,
+                        DV_OVERLAP, DK_AFTER_DQ, MASK_MODE, it0, tile, kv_free,
                         epi_done, True, EPI, dv_stage, KV_BUFS)
             it0 += n_steps
             tile += 1
@@ -722,7 +722,7 @@ if _GLUON_ERROR is None:
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                   HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
                   DP_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr,
-                  RING: gl.constexpr, ARRIVE: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
+                  RING: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
                   HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr,
                   DETERMINISTIC: gl.constexpr, KV_BUFS: gl.constexpr = 1,
                   MASK_MODE: gl.constexpr = 0, FIRST_STORES: gl.constexpr = False):
@@ -751,7 +751,7 @@ if _GLUON_ERROR is None:
         (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar,
          ready, empty, ds_ready, ds_free, dq_full, dq_empty, done) = _ws_alloc(
             q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N,
-            RING, ARRIVE, HAND_OVER, KV_BUFS)
+            RING, HAND_OVER, KV_BUFS)
         kv_free = gl.allocate_shared_memory(gl.int64, [KV_BUFS, 1], mbarrier.MBarrierLayout())
         epi_done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(KV_BUFS):
@@ -785,11 +785,11 @@ if _GLUON_ERROR is None:
         gl.warp_specialize([
             (_ws_compute_tiles, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                  HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                                 HAND_OVER, DV_OVERLAP, ARRIVE, DK_AFTER_DQ, HEADS_FIRST,
+                                 HAND_OVER, DV_OVERLAP, DK_AFTER_DQ, HEADS_FIRST,
                                  TOP_FIRST, KV_BUFS, MASK_MODE)),
             (_ws_compute_tiles, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                  HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                                 HAND_OVER, DV_OVERLAP, ARRIVE, DK_AFTER_DQ, HEADS_FIRST,
+                                 HAND_OVER, DV_OVERLAP, DK_AFTER_DQ, HEADS_FIRST,
                                  TOP_FIRST, KV_BUFS, MASK_MODE)),
             (_ws_loader_tiles, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
                                 k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
@@ -822,8 +822,7 @@ if _GLUON_ERROR is None:
                            STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
                            WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
                            DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr,
-                           LATE_WG: gl.constexpr, RING: gl.constexpr, ARRIVE: gl.constexpr,
-                           ARRIVE_PASS: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
+                           LATE_WG: gl.constexpr, RING: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
                            HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr,
                            PERSISTENT: gl.constexpr = False, KV_BUFS: gl.constexpr = 1,
                            MASK_MODE: gl.constexpr = 0, FIRST_STORES: gl.constexpr = False):
@@ -831,9 +830,7 @@ if _GLUON_ERROR is None:
         # RELEASE_AT, WAIT_EARLY and dq_ptr belong to that kernel's schedule. DV_OVERLAP:
         # dV = Pᵀ·dO stays in flight while dSᵀ is formed (BwdConfig.dv_overlap).
         # DETERMINISTIC: the dQ warp adds the tiles in bwd.py's turn order (causal masks:
-        # the grid runs from the top key block down, as there). ARRIVE: the count a compute
-        # warpgroup releases a Q/dO slot and a dSᵀ buffer with (128: `arrive_all.py`'s mark;
-        # ARRIVE_PASS, that pass's version, only keys Triton's cache). DQ_WARP: without
+        # the grid runs from the top key block down, as there). DQ_WARP: without
         # DETERMINISTIC, the dQ warp still issues the reduces (BwdConfig.ws_dq_warp).
         # PERSISTENT: BwdConfig.ws_persistent (`_ws_tiles`); KV_BUFS: its K/V buffers
         # (BwdConfig.ws_kv_buffers). MASK_MODE: how masked steps mask (bwd_parts.probabilities;
@@ -845,7 +842,7 @@ if _GLUON_ERROR is None:
                       n_kv_heads, group, num_m_blocks, qk_scale, softmax_scale, softcap_pre,
                       window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                       HAS_LEFT, HAS_RIGHT, SOFTCAP, DV_OVERLAP, DP_EARLY, KV_TMA_STORE, LATE_WG,
-                      RING, ARRIVE, DK_AFTER_DQ, HEADS_FIRST, DQ_WARP, DETERMINISTIC,
+                      RING, DK_AFTER_DQ, HEADS_FIRST, DQ_WARP, DETERMINISTIC,
                       KV_BUFS, MASK_MODE, FIRST_STORES)
         else:
             n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
@@ -869,7 +866,7 @@ if _GLUON_ERROR is None:
                 (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar,
                  ready, empty, ds_ready, ds_free, dq_full, dq_empty, done) = _ws_alloc(
                     q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
-                    BLOCK_N, RING, ARRIVE, DETERMINISTIC or DQ_WARP)
+                    BLOCK_N, RING, DETERMINISTIC or DQ_WARP)
                 fence_async_shared()
 
                 # What the two compute warpgroups share travels as one tuple of runtime values;
@@ -886,11 +883,11 @@ if _GLUON_ERROR is None:
                 gl.warp_specialize([
                     (_ws_compute, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                    HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                                   DETERMINISTIC or DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ,
+                                   DETERMINISTIC or DQ_WARP, DV_OVERLAP, DK_AFTER_DQ,
                                    MASK_MODE)),
                     (_ws_compute, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                    HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                                   DETERMINISTIC or DQ_WARP, DV_OVERLAP, ARRIVE, DK_AFTER_DQ,
+                                   DETERMINISTIC or DQ_WARP, DV_OVERLAP, DK_AFTER_DQ,
                                    MASK_MODE)),
                     (_ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
                                   k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,

@@ -49,7 +49,6 @@ from asymflash.core.params import AttnParams, MaskSpec, SeqInfo, cdiv
 from asymflash.runtime import dispatch
 
 from ...runtime.launch import DirectLaunch, descriptor_token, sm_count
-from . import arrive_all
 from .fwd_config import (  # noqa: F401 - re-exported: tests, scripts and bwd read them here
     _DEFAULT_CONFIGS,
     L2_KV_BUDGET,
@@ -151,30 +150,13 @@ def _switch_value(name: str, parse, valid, expected: str):
 NO_TRICKS = (None, None)  # what callers with an explicit FwdConfig pass to `launch_plan`
 
 
-# Per-thread slot releases (FwdConfig.arrive_all, `arrive_all.py`) for every call:
-# ASYMFLASH_SM90_ARRIVE_ALL=1 (the forward here, the backward in bwd.py). Off by default: a
-# tie on the H200 (2026-11-30, FwdConfig.arrive_all); part of dispatch.SWITCHES.
-ARRIVE_ALL_SWITCH = "ASYMFLASH_SM90_ARRIVE_ALL"
-
-
-def arrive_all_switch() -> bool:
-    """ASYMFLASH_SM90_ARRIVE_ALL: "1" on, "0" or unset off; anything else raises."""
-    text = dispatch.switch(ARRIVE_ALL_SWITCH) or "0"
-    if text not in ("0", "1"):
-        raise ValueError(f"{ARRIVE_ALL_SWITCH}={text!r}: expected 0 (off) or 1 (per-thread "
-                         "slot releases, arrive_all.py)")
-    return text == "1"
-
-
 @functools.lru_cache(maxsize=4096)
 def launch_plan(d: int, dv: int, max_seqlen_q: int, max_seqlen_k: int, uniform: bool,
                 has_seqused: bool, window_left: int, window_right: int, softcap: bool,
                 has_sink: bool, batch: int, hq: int, hkv: int, sms: int,
-                cfg: FwdConfig | None, tricks: tuple = NO_TRICKS,
-                arrive: bool = False) -> LaunchPlan:
+                cfg: FwdConfig | None, tricks: tuple = NO_TRICKS) -> LaunchPlan:
     """The config, grid and constexprs of one call (cfg: an override, or None; tricks:
-    `fa4_tricks()` and arrive: `arrive_all_switch()` (callers pass the defaults with an
-    override), applied to the config)."""
+    `fa4_tricks()`, applied to the config; callers with an override pass NO_TRICKS)."""
     plain = not softcap and not has_sink and window_left < 0
     local = window_left >= 0 or window_right >= 0
     dense = uniform and not has_seqused
@@ -185,8 +167,6 @@ def launch_plan(d: int, dv: int, max_seqlen_q: int, max_seqlen_k: int, uniform: 
         cfg = replace(cfg, exp2_emu_every=tricks[0])
     if tricks[1] is not None:
         cfg = replace(cfg, rescale_threshold=tricks[1])
-    if arrive:
-        cfg = replace(cfg, arrive_all=True)
     num_m_blocks = cdiv(max_seqlen_q, BLOCK_M_WG * max(cfg.consumer_wgs, 1))
     num_tiles = num_m_blocks * hq * batch
     cfg, grid, hb_chunk = persistent_launch(cfg, max_seqlen_q, max_seqlen_k, dense, batch,
@@ -532,11 +512,9 @@ if _GLUON_ERROR is None:
               SOFTCAP: gl.constexpr, EMU_EVERY: gl.constexpr,
               RESCALE_THRESHOLD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-              bars, q_phase, WG: gl.constexpr, PINGPONG: gl.constexpr,
-              ARRIVE: gl.constexpr):
+              bars, q_phase, WG: gl.constexpr, PINGPONG: gl.constexpr):
         """Ring position i holds key block n; P_{i-1} (p_op) still has to meet V_{i-1}.
-        With PINGPONG the two wgmmas are issued in this warpgroup's turn (`_take_turn`).
-        ARRIVE: the count each warpgroup releases a K/V slot with (`arrive_all.py`)."""
+        With PINGPONG the two wgmmas are issued in this warpgroup's turn (`_take_turn`)."""
         slot = i % STAGES
         prev = (i - 1) % STAGES
         mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
@@ -553,13 +531,13 @@ if _GLUON_ERROR is None:
             _pass_turn(bars, WG, PINGPONG)
         # wgmma groups retire in order: with one group left in flight, S_i is complete.
         s = warpgroup_mma_wait(1, deps=[s_tok])
-        mbarrier.arrive(k_empty.index(slot), count=ARRIVE)
+        mbarrier.arrive(k_empty.index(slot))
         s = _scores(s, n, rows, shift, seqlen_k, window_left, window_right, softcap_pre, MASKED,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
         p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
         # p_op is a register operand of the P·V in flight: keep it alive until that group retires.
         acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
-        mbarrier.arrive(v_empty.index(prev), count=ARRIVE)
+        mbarrier.arrive(v_empty.index(prev))
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
         if RESCALE_THRESHOLD > 0:
             # P packed first: the skip's branch ends the block, so the packs can still
@@ -579,15 +557,14 @@ if _GLUON_ERROR is None:
                        RESCALE_THRESHOLD: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
                        p_layout: gl.constexpr, bars, q_phase, WG: gl.constexpr,
-                       PINGPONG: gl.constexpr, ARRIVE: gl.constexpr):
+                       PINGPONG: gl.constexpr):
         # Ring position of key block n: n + base (base = ring position of n_lo minus n_lo).
         for n in range(lo, hi):
             acc, p_op, m_i, l_i = _step(
                 n + base, n, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p_op,
                 m_i, l_i, rows, shift, seqlen_k, window_left, window_right, qk_scale,
                 softcap_pre, MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD,
-                BLOCK_N, STAGES, s_layout, o_layout, p_layout, bars, q_phase, WG, PINGPONG,
-                ARRIVE)
+                BLOCK_N, STAGES, s_layout, o_layout, p_layout, bars, q_phase, WG, PINGPONG)
         return acc, p_op, m_i, l_i
 
     # ------------------------------------------------------------------------------------------
@@ -639,7 +616,7 @@ if _GLUON_ERROR is None:
                   HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
-                  RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr, ARRIVE: gl.constexpr):
+                  RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr):
         """From S_0 (the only wgmma group in flight) to the issue of the last P·V, over key
         blocks [n_lo, n_end) (n_end: this warpgroup's last block, `_warpgroup_end`): returns
         (O in flight, its P operand, row max, row sum, the last V slot)."""
@@ -653,7 +630,7 @@ if _GLUON_ERROR is None:
 
         # Peeled first block: no P·V to overlap with yet, and always masked.
         s = warpgroup_mma_wait(0, deps=[s_tok])
-        mbarrier.arrive(k_empty.index(it0 % STAGES), count=ARRIVE)
+        mbarrier.arrive(k_empty.index(it0 % STAGES))
         s = _scores(s, n_lo, rows, shift, seqlen_k, window_left, window_right, softcap_pre, True,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
         p, m_i, l_i, _alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
@@ -667,19 +644,19 @@ if _GLUON_ERROR is None:
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
             RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
-            WG, PINGPONG, ARRIVE)
+            WG, PINGPONG)
         acc, p_op, m_i, l_i = _consumer_loop(
             n_a, n_b, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
             RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
-            WG, PINGPONG, ARRIVE)
+            WG, PINGPONG)
         acc, p_op, m_i, l_i = _consumer_loop(
             n_b, n_end, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
             window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
             RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
-            WG, PINGPONG, ARRIVE)
+            WG, PINGPONG)
 
         if RELEASE_Q:
             # Every S wgmma of this tile has retired (each step ends with a full wait).
@@ -697,10 +674,10 @@ if _GLUON_ERROR is None:
         return o_tok, p_op, m_i, l_i, slot
 
     @gluon.jit
-    def _tile_finish(o_tok, p_op, v_empty, slot, ARRIVE: gl.constexpr):
+    def _tile_finish(o_tok, p_op, v_empty, slot):
         """Wait for the last P·V and free its V slot; returns O."""
         acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
-        mbarrier.arrive(v_empty.index(slot), count=ARRIVE)
+        mbarrier.arrive(v_empty.index(slot))
         return acc
 
     @gluon.jit
@@ -720,7 +697,7 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _release_blocks(k_ready, k_empty, v_ready, v_empty, lo, hi, base,
-                        STAGES: gl.constexpr, ARRIVE: gl.constexpr):
+                        STAGES: gl.constexpr):
         """Release key blocks [lo, hi) (ring positions lo + base, ...) without reading them:
         each slot is waited for first, so the arrival counts toward this use of the slot and
         not the one before. Called once the warpgroup's own last V slot is released (a slot
@@ -730,9 +707,9 @@ if _GLUON_ERROR is None:
             slot = pos % STAGES
             phase = (pos // STAGES) & 1
             mbarrier.wait(k_ready.index(slot), phase)
-            mbarrier.arrive(k_empty.index(slot), count=ARRIVE)
+            mbarrier.arrive(k_empty.index(slot))
             mbarrier.wait(v_ready.index(slot), phase)
-            mbarrier.arrive(v_empty.index(slot), count=ARRIVE)
+            mbarrier.arrive(v_empty.index(slot))
 
     @gluon.jit
     def _tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
@@ -807,7 +784,7 @@ if _GLUON_ERROR is None:
                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                        HAS_SINK: gl.constexpr, EMU_EVERY: gl.constexpr,
                        RESCALE_THRESHOLD: gl.constexpr, RELEASE_Q: gl.constexpr,
-                       PINGPONG: gl.constexpr, ARRIVE: gl.constexpr, TAIL_SKIP: gl.constexpr):
+                       PINGPONG: gl.constexpr, TAIL_SKIP: gl.constexpr):
         """One 64-row query tile of warpgroup WG: key blocks [n_lo, n_hi) sit at K/V ring
         positions it0, it0 + 1, ...; its Q arrives in Q buffer q_slot, on q_bar[q_slot] with
         parity q_phase (q_slot = WG, but for the persistent grid's second Q buffers). With
@@ -825,15 +802,14 @@ if _GLUON_ERROR is None:
             q, s_tok, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
             rows, seqlen_k - seqlen_q, seqlen_k, n_lo, n_a, n_b, n_end, it0, q_slot, q_phase,
             window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V, BLOCK_N, STAGES,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, RELEASE_Q, PINGPONG,
-            ARRIVE)
-        acc = _tile_finish(o_tok, p_op, v_empty, slot, ARRIVE)
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, RELEASE_Q, PINGPONG)
+        acc = _tile_finish(o_tok, p_op, v_empty, slot)
         _tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
                     q_start, m0, seqlen_q, total_q, head, n_heads, WG, HEAD_DIM_V, BLOCK_N,
                     HAS_SINK, RELEASE_Q, PINGPONG)
         if TAIL_SKIP:  # the blocks past this warpgroup's end, released once its O is out
             _release_blocks(k_ready, k_empty, v_ready, v_empty, n_end, n_hi, it0 - n_lo,
-                            STAGES, ARRIVE)
+                            STAGES)
 
     @gluon.constexpr_function
     def _stacked(n, block_shape):
@@ -981,8 +957,7 @@ if _GLUON_ERROR is None:
                                   HAS_SINK: gl.constexpr, LPT: gl.constexpr,
                                   EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
                                   PINGPONG: gl.constexpr, NUM_WG: gl.constexpr,
-                                  Q_BUFS: gl.constexpr, ARRIVE: gl.constexpr,
-                                  TAIL_SKIP: gl.constexpr):
+                                  Q_BUFS: gl.constexpr, TAIL_SKIP: gl.constexpr):
         BLOCK_M: gl.constexpr = 64 * NUM_WG
         it = 0
         tc = 0
@@ -1010,7 +985,7 @@ if _GLUON_ERROR is None:
                                head, n_heads, n_lo, n_a, n_b, n_hi, it, q_slot, q_phase,
                                window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V,
                                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK,
-                               EMU_EVERY, RESCALE_THRESHOLD, True, PINGPONG, ARRIVE,
+                               EMU_EVERY, RESCALE_THRESHOLD, True, PINGPONG,
                                TAIL_SKIP)
                 it += n_hi - n_lo
                 tc += 1
@@ -1036,7 +1011,6 @@ if _GLUON_ERROR is None:
                          RESCALE_THRESHOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                          LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
                          PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
-                         ARRIVE: gl.constexpr, ARRIVE_PASS: gl.constexpr,
                          TAIL_SKIP: gl.constexpr):
         # PINGPONG: how many consumer warpgroups take turns issuing their wgmmas (NUM_WG, or 0
         # for none). NUM_WG = 3 only with PERSISTENT; Q_BUFS = 2 (a second Q buffer
@@ -1088,8 +1062,8 @@ if _GLUON_ERROR is None:
             for st in gl.static_range(STAGES):
                 mbarrier.init(k_ready.index(st), count=1)
                 mbarrier.init(v_ready.index(st), count=1)
-                mbarrier.init(k_empty.index(st), count=NUM_WG * ARRIVE)
-                mbarrier.init(v_empty.index(st), count=NUM_WG * ARRIVE)
+                mbarrier.init(k_empty.index(st), count=NUM_WG)
+                mbarrier.init(v_empty.index(st), count=NUM_WG)
             fence_async_shared()
             if NUM_WG == 3:
                 # Written out: the role list must be literal (see the plain grid below).
@@ -1102,7 +1076,7 @@ if _GLUON_ERROR is None:
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 0,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
                         SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
-                        ARRIVE, TAIL_SKIP)),
+                        TAIL_SKIP)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
                         v_empty, sched, out_ptr, o_desc, o_smem,
@@ -1111,7 +1085,7 @@ if _GLUON_ERROR is None:
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 1,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
                         SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
-                        ARRIVE, TAIL_SKIP)),
+                        TAIL_SKIP)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
                         v_empty, sched, out_ptr, o_desc, o_smem,
@@ -1120,7 +1094,7 @@ if _GLUON_ERROR is None:
                         hb_chunk, window_left, window_right, qk_scale, softcap_pre, 2,
                         HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
                         SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
-                        ARRIVE, TAIL_SKIP)),
+                        TAIL_SKIP)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                         k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
@@ -1137,7 +1111,7 @@ if _GLUON_ERROR is None:
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 0, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS, ARRIVE,
+                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS,
                         TAIL_SKIP)),
                     (_consumer_role_persistent, (
                         q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
@@ -1146,7 +1120,7 @@ if _GLUON_ERROR is None:
                         seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
                         window_left, window_right, qk_scale, softcap_pre, 1, HEAD_DIM_V, BLOCK_N,
                         STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS, ARRIVE,
+                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS,
                         TAIL_SKIP)),
                     (_load_role_persistent, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
@@ -1172,8 +1146,8 @@ if _GLUON_ERROR is None:
                     mbarrier.init(k_ready.index(st), count=1)
                     mbarrier.init(v_ready.index(st), count=1)
                     # Both consumer warpgroups must release a slot before it is refilled.
-                    mbarrier.init(k_empty.index(st), count=2 * ARRIVE)
-                    mbarrier.init(v_empty.index(st), count=2 * ARRIVE)
+                    mbarrier.init(k_empty.index(st), count=2)
+                    mbarrier.init(v_empty.index(st), count=2)
                 fence_async_shared()
 
                 kv_head = head // group
@@ -1187,7 +1161,7 @@ if _GLUON_ERROR is None:
                                       n_hi, 0, 0, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 0, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
-                                      False, PINGPONG, ARRIVE, TAIL_SKIP)),
+                                      False, PINGPONG, TAIL_SKIP)),
                     (_consumer_tile, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
                                       v_ready, v_empty, out_ptr, o_desc, o_smem,
                                       lse_ptr, sink_ptr, q_start, m0,
@@ -1195,7 +1169,7 @@ if _GLUON_ERROR is None:
                                       n_hi, 0, 1, 0, window_left, window_right, qk_scale,
                                       softcap_pre, 1, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
-                                      False, PINGPONG, ARRIVE, TAIL_SKIP)),
+                                      False, PINGPONG, TAIL_SKIP)),
                     (_load_tile, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                                   k_ready, k_empty, v_ready, v_empty, q_start + m0, head,
                                   k_start, kv_head, n_lo, n_hi, 0, 0, 0, HEAD_DIM, HEAD_DIM_V,
@@ -1241,24 +1215,13 @@ def exp2_scales(params: AttnParams) -> tuple[float, float]:
 # Strided q, k, v (views of a fused QKV projection, transposed (batch, heads, seqlen, dim)
 # tensors): read in place through descriptors with their own strides; with the switch at 0
 # (and where TMA cannot address them) the kernels read contiguous copies (`tma_ready`).
-# H200 2026-11-30 (scripts/strided-probe.py, 2k rows, d=128, TFLOP/s forward / forward +
-# backward, copies -> in place): fused QKV views at batch 8 376 / 413 -> 570 / 501,
-# transformers' transposed tensors at batch 1 330 / 106 -> 551 / 132 (contiguous: 633 / 507
-# and 577 / 503 in the same run, the same code path both times).
-STRIDED_SWITCH = "ASYMFLASH_SM90_STRIDED"
-
-
-def strided_inputs_enabled() -> bool:
-    return (dispatch.switch(STRIDED_SWITCH) or "1") != "0"
-
-
 def tma_ready(t: torch.Tensor) -> torch.Tensor:
     """`t` where the kernels' descriptors can read it as it is, else a contiguous 16-byte
     aligned copy: a copy costs a read and a write of the tensor, the portable kernels that
     strided inputs took before cost far more on Hopper."""
     if t.is_contiguous() and t.data_ptr() % 16 == 0:
         return t
-    if strided_inputs_enabled() and tma_layout_reason(t, "") is None:
+    if tma_layout_reason(t, "") is None:  # read in place: see docs/tuning.md
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
@@ -1343,8 +1306,6 @@ def output_box_width(d: int, dv: int, full_tiles: bool = True) -> int:
 
 def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, has_left,
                 has_right, softcap, has_sink):
-    if cfg.arrive_all:
-        arrive_all.install()  # the PTX pass that makes the marked arrives per-thread
     return {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim_v, "BLOCK_N": cfg.block_n,
             "STAGES": cfg.stages, "UNIFORM": uniform, "HAS_SEQUSED": has_seqused,
             "HAS_LEFT": has_left, "HAS_RIGHT": has_right, "SOFTCAP": softcap,
@@ -1354,8 +1315,6 @@ def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, h
             "PERSISTENT": bool(cfg.persistent),
             "PINGPONG": cfg.consumer_wgs if cfg.pingpong else 0,
             "NUM_WG": cfg.consumer_wgs, "Q_BUFS": cfg.q_buffers if cfg.persistent else 1,
-            "ARRIVE": arrive_all.WARPGROUP if cfg.arrive_all else 1,
-            "ARRIVE_PASS": arrive_all.VERSION if cfg.arrive_all else 0,
             # ping-pong counts its turns per key block: there every warpgroup visits them all
             "TAIL_SKIP": bool(cfg.tail_skip and has_right and cfg.block_n == 64
                               and not cfg.pingpong)}
@@ -1504,11 +1463,8 @@ def packs_gqa(total_q: int, hq: int, hkv: int, seq: SeqInfo, params: AttnParams,
     (bottom-right aligned, it sees every key unless a left window cuts them), and no sink
     (a per-q-head logit). H200, GQA 32:4, d=128, 8k keys, batch 32 (2026-11-29, bench
     --seqlen-k): 76 -> 152 TFLOP/s at seqlen_q 16, 295 -> 521 at 64 (cuDNN 86 / 312).
-    ASYMFLASH_SM90_PACK_GQA=0 turns it off.
     """
     if hq == hkv or sink is not None or seq.max_seqlen_q > PACK_GQA_MAX_SEQLEN_Q:
-        return False
-    if dispatch.switch("ASYMFLASH_SM90_PACK_GQA") == "0":
         return False
     if total_q * (hq // hkv) >= 2**31 - 3 * BLOCK_M:  # the packed rows' int32 TMA coordinates
         return False
@@ -1587,8 +1543,7 @@ def _launch_plan_of(d, dv, q, k, seq: SeqInfo, params: AttnParams, sink, cfg) ->
                        seq.seqused_k is not None, params.mask.window_left,
                        params.mask.window_right, params.softcap > 0, sink is not None,
                        seq.batch, q.shape[1], k.shape[1], sm_count(q.device), cfg,
-                       NO_TRICKS if cfg is not None else fa4_tricks(),
-                       cfg is None and arrive_all_switch())
+                       NO_TRICKS if cfg is not None else fa4_tricks())
 
 
 def _launch(q, k, v, seq: SeqInfo, params: AttnParams, sink, plan: LaunchPlan, padded: bool,

@@ -66,13 +66,6 @@ class FwdConfig:
     # next tile's Q (and so its K/V) while this tile still runs, instead of after its last
     # S = Q·Kᵀ; costs 16 / 32 KB more shared memory at d = 64 / 128 (none left at d = 256).
     q_buffers: int = 1
-    # Consumers release K/V slots by an arrive from every thread instead of a warpgroup
-    # barrier and one thread's arrive (`arrive_all.py`: a PTX pass; ncu put ~2.4 of our
-    # ~8.4 stall cycles per instruction at d=64 on that barrier, FA4's 0.3; two thirds of
-    # those samples were warps parked at the kernel's end). Off: H200 2026-11-30, TFLOP/s
-    # 2k / 16k, d=64 460 / 509 -> 459 / 505, d=128 589 / 645 -> 581 / 619, d=256 718 / 795
-    # -> 654 / 770 (benchmarks/NOTES.md, session 15).
-    arrive_all: bool = False
     # With a right bound (causal, windows) and 64-key blocks (d=256), a warpgroup whose 64
     # rows end a whole key block before its tile's last row stops there and releases the
     # tile's remaining blocks unread (`_warpgroup_end`), instead of computing blocks masked
