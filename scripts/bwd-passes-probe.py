@@ -20,7 +20,7 @@ import torch
 from triton.testing import do_bench
 
 from asymflash.backends.portable import _delta
-from asymflash.backends.sm90 import dq_fragments
+from asymflash.backends.sm90.bwd import dq_fragments
 
 TOKENS, MODEL_DIM = 16384, 2048
 

@@ -63,7 +63,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import probe_common  # noqa: E402
 
-SRC = Path(__file__).resolve().parents[1] / "asymflash" / "backends" / "sm90" / "bwd.py"
+SRC = Path(__file__).resolve().parents[1] / "asymflash" / "backends" / "sm90" / "bwd" / "kernel.py"
 NSLOTS = 9  # stamps per step (and per CTA row)
 NCTA, NSTEP = 8, 16
 CTA_AREA = NCTA * NSTEP * NSLOTS  # per-CTA stamps start here
@@ -182,7 +182,7 @@ def patched_module(first_cta: int = 0):
 #   5 dSᵀ half stored and published   6 dK issued and this warpgroup's dQ done (waited for
 #   the other dSᵀ half, MMA, staged, reduce issued; warpgroup 0: the previous step's)
 #   7 dK retired   8 step end (slot released)
-SRC_WS = SRC.with_name("bwd_ws.py")
+SRC_WS = SRC.with_name("kernel_ws.py")
 WS_AREA = NCTA * NSTEP * NSLOTS
 WS_WORDS = 2 * WS_AREA
 
@@ -387,7 +387,7 @@ def sass_summary(kernel) -> dict:
 
 
 def compile_check(mod):
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     for d in (128, 64):
         for label, m in (("plain  ", bwd), ("stamped", mod)):
@@ -424,7 +424,7 @@ def main():
         return
     from triton.testing import do_bench
 
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     for d, seqlen, causal in ((128, 512, False), (128, 512, True), (64, 512, False),
                               (128, 2048, False), (128, 16384, False)):
@@ -446,7 +446,7 @@ def main():
 def main_ws(a):
     """--ws: the real host path (bwd.backward) launching the stamped copy of bwd_ws's kernel,
     the stamp buffer passed where the (unread) semaphore goes."""
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     ws = patched_ws_module(a.first_cta)
     if a.compile:

@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import probe_common  # noqa: E402
 
-SRC = Path(__file__).resolve().parents[1] / "asymflash" / "backends" / "sm90" / "bwd_ws.py"
+SRC = Path(__file__).resolve().parents[1] / "asymflash" / "backends" / "sm90" / "bwd" / "kernel_ws.py"
 WORDS = 16
 
 STAMPS = '''
@@ -166,7 +166,7 @@ def main():
     if a.compile and os.environ.get("TRITON_INTERPRET"):
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     ws = patched()
     if a.compile:

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import probe_common  # noqa: E402
 
-SRC = Path(__file__).resolve().parents[1] / "asymflash" / "backends" / "sm90" / "bwd_ws.py"
+SRC = Path(__file__).resolve().parents[1] / "asymflash" / "backends" / "sm90" / "bwd" / "kernel_ws.py"
 MAXT = 64
 W = 16
 
@@ -139,7 +139,7 @@ def main():
     from triton.testing import do_bench
 
     from asymflash.backends import portable
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
     from asymflash.runtime.launch import DirectLaunch
 
     ws = probe_common.patched_module(SRC, EDITS, "bwd-ws-tiles")

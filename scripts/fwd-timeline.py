@@ -38,7 +38,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import probe_common  # noqa: E402
 
-SRC = Path(__file__).resolve().parents[1] / "asymflash" / "backends" / "sm90" / "fwd.py"
+SRC = Path(__file__).resolve().parents[1] / "asymflash" / "backends" / "sm90" / "fwd" / "kernel.py"
 
 STAMP = '''
     @gluon.jit
@@ -217,7 +217,7 @@ def local_memory(kernel) -> str:
 def compile_only(mod):
     """CPU: build the patched kernel (and the package's, for comparison) for sm_90a in the
     configurations SHAPES runs, and check the stamps are in it."""
-    from asymflash.backends.sm90 import fwd
+    from asymflash.backends.sm90.fwd import host as fwd
 
     done = set()
     for d, seqlen, causal in SHAPES:
@@ -252,7 +252,7 @@ def main():
         return
     from triton.testing import do_bench
 
-    from asymflash.backends.sm90 import fwd
+    from asymflash.backends.sm90.fwd import host as fwd
     from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
 
     # 8 CTAs x 16 tiles x 8 stamps, then a scratch row per CTA

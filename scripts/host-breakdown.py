@@ -22,7 +22,8 @@ from triton.runtime import driver
 from asymflash import flash_attn_func
 from asymflash.api import dense as interface
 from asymflash.backends.portable import _delta
-from asymflash.backends.sm90 import bwd, fwd
+from asymflash.backends.sm90.bwd import host as bwd
+from asymflash.backends.sm90.fwd import host as fwd
 from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
 from asymflash.runtime import plans
 

@@ -64,7 +64,7 @@ def backward_cell(d: int, seqlen: int, causal: bool):
     2048, batch · seqlen = 16k, its forward run by the sm90 forward."""
     import torch
 
-    from asymflash.backends.sm90 import fwd
+    from asymflash.backends.sm90.fwd import host as fwd
     from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
 
     batch, heads = 16384 // seqlen, 2048 // d
@@ -85,7 +85,7 @@ def time_stamped_ws(ws_kernel, stamps, args, cfg=None) -> tuple[float, float]:
     import torch
     from triton.testing import do_bench
 
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
     from asymflash.runtime.launch import DirectLaunch
 
     launcher = DirectLaunch(ws_kernel)

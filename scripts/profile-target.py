@@ -46,7 +46,8 @@ def main():
                 torch.autograd.grad(out, leaves, dout)
         torch.cuda.synchronize()
         return
-    from asymflash.backends.sm90 import bwd, fwd
+    from asymflash.backends.sm90.bwd import host as bwd
+    from asymflash.backends.sm90.fwd import host as fwd
     from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
 
     rows = [t.view(batch * a.seqlen, heads, a.d) for t in (q, k, v, dout)]

@@ -153,7 +153,7 @@ def _bench_cell(d, causal, seqlen, warm_only):
     import triton
 
     from asymflash.backends import portable
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     res = {"d": d, "causal": causal, "seqlen": seqlen}
     q, k, v, dout, seq, params, batch, hq = _bench_inputs(d, causal, seqlen)
@@ -234,7 +234,7 @@ def _checked_variant(fields, inputs, ref):
     """The call of ours with BwdConfig fields (and `deterministic`) changed, once checked
     against the reference gradients; or a string saying why not."""
 
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     dout, q, k, v, out, lse, seq, params = inputs
     fields = dict(fields)

@@ -111,7 +111,7 @@ def sm90_build(module: str) -> str:
 import json, sys
 from dataclasses import replace
 import torch, triton
-from asymflash.backends.sm90 import {module} as mod
+from asymflash.backends.sm90.{module} import host as mod
 kw = json.loads(sys.argv[1])
 cfg_kw = kw.pop("cfg", None)
 if "dtype" in kw:

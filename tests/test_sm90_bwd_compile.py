@@ -13,9 +13,10 @@ from dataclasses import replace
 import pytest
 from sass_report import sass_report, sm90_build
 
-from asymflash.backends.sm90 import bwd, bwd_config
+from asymflash.backends.sm90.bwd import config as bwd_config
+from asymflash.backends.sm90.bwd import host as bwd
 
-pytestmark = pytest.mark.skipif(bwd._GLUON_ERROR is not None, reason=str(bwd._GLUON_ERROR))
+pytestmark = pytest.mark.skipif(bwd.GLUON_ERROR is not None, reason=str(bwd.GLUON_ERROR))
 
 _BUILD = sm90_build("bwd")
 
@@ -412,10 +413,10 @@ def test_unsupported_backward_reports_reason_on_cpu():
 def test_lengths_and_counts_are_not_specialised(kernel):
     # With seqlen_q = group = 1 specialised into constants triton 3.6 crashes lowering the
     # backward (H200, 2026-11-29); runtime lengths also keep one compile per feature set.
-    from asymflash.backends.sm90 import fwd
+    from asymflash.backends.sm90.fwd import kernel as fwd_kernel
 
-    fn = {"bwd": bwd._attn_bwd_kernel, "bwd_wide": bwd.bwd_wide.attn_bwd_wide_kernel,
-          "fwd": fwd._attn_fwd_kernel}[kernel]
+    fn = {"bwd": bwd._attn_bwd_kernel, "bwd_wide": bwd.kernel_wide.attn_bwd_wide_kernel,
+          "fwd": fwd_kernel.attn_fwd_kernel}[kernel]
     runtime_ints = {"seqlen_q", "seqlen_k", "total_q", "n_heads", "group", "window_left",
                     "window_right"}
     unspecialised = {p.name for p in fn.params if p.do_not_specialize}
@@ -450,7 +451,7 @@ def test_every_backward_kernel_skips_key_blocks_numbered_below_zero():
     from pathlib import Path
 
     sm90 = Path(bwd.__file__).parent
-    for name in ("bwd.py", "bwd_ws.py", "bwd_wide.py"):
+    for name in ("kernel.py", "kernel_ws.py", "kernel_wide.py"):
         src = (sm90 / name).read_text()
         calls = [m.end() for m in re.finditer(r"= key_block\(", src)]
         assert calls, name

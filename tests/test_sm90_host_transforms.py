@@ -20,7 +20,8 @@ import torch
 from test_sm90_bwd_gpu import make_case
 
 from asymflash.backends import cpu
-from asymflash.backends.sm90 import bwd, fwd
+from asymflash.backends.sm90.bwd import host as bwd
+from asymflash.backends.sm90.fwd import host as fwd
 from asymflash.core.params import AttnParams, MaskSpec
 
 # Dims TMA cannot address per head (not multiples of 8), so the padded-copy path.
@@ -134,7 +135,7 @@ def test_gqa_packing_only_where_every_row_sees_the_same_keys(monkeypatch):
     assert not fwd.packs_gqa(2**29, 8, 2, seq17, plain, None)  # rows past int32 coordinates
 
 
-@pytest.mark.skipif(fwd._GLUON_ERROR is not None, reason="no Gluon")
+@pytest.mark.skipif(fwd.GLUON_ERROR is not None, reason="no Gluon")
 @pytest.mark.parametrize("d,width", [(96, 128), (192, 256), (80, 128)])
 def test_heads_axis_descriptor_reads_one_head_at_full_width(d, width):
     # fwd.tma_heads: the (rows, heads, dim) tensor as it is, a box of one head that is

@@ -15,10 +15,10 @@ import torch
 from helpers import assert_fa_close, reference_pair
 
 from asymflash import flash_attn_func, flash_attn_varlen_func
-from asymflash.backends.sm90 import fwd
+from asymflash.backends.sm90.fwd import host as fwd
 from asymflash.runtime.dispatch import use_backend
 
-needs_gluon = pytest.mark.skipif(fwd._GLUON_ERROR is not None, reason=str(fwd._GLUON_ERROR))
+needs_gluon = pytest.mark.skipif(fwd.GLUON_ERROR is not None, reason=str(fwd.GLUON_ERROR))
 
 
 def fused_qkv(rows, heads, dim, dtype=torch.bfloat16, device="cpu", heads_inner=False):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .bwd import backward, backward_runner, unsupported_backward  # noqa: F401 - the backend protocol
-from .fwd import forward, forward_runner, unsupported  # noqa: F401 - the backend protocol
+from .bwd.host import backward, backward_runner, unsupported_backward  # noqa: F401 - the backend protocol
+from .fwd.host import forward, forward_runner, unsupported  # noqa: F401 - the backend protocol
 
 NAME = "sm90"

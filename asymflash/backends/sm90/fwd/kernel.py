@@ -40,36 +40,9 @@ once per (dtype, head dims, config, feature switches).
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, replace
+from ..common import GLUON_ERROR
 
-import torch
-
-from asymflash.core.params import AttnParams, MaskSpec, SeqInfo, cdiv
-from asymflash.runtime import dispatch
-
-from ...runtime.launch import DirectLaunch, descriptor_token, sm_count
-from .fwd_config import (  # noqa: F401 - re-exported: tests, scripts and bwd read them here
-    _DEFAULT_CONFIGS,
-    L2_KV_BUDGET,
-    SHORT_MASKED,
-    FwdConfig,
-    _default_config,
-    _three_warpgroups,
-    _with_persistent,
-    balanced_chunk,
-    check_config,
-    default_for_call,
-    persistent_launch,
-    schedule_imbalance,
-    select_config,
-    tile_costs,
-    use_persistent,
-    use_three_warpgroups,
-)
-
-try:  # Gluon is optional: a CPU-only or older triton must still import this module.
-    import triton
+if GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -79,111 +52,22 @@ try:  # Gluon is optional: a CPU-only or older triton must still import this mod
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    _GLUON_ERROR: str | None = None
-except Exception as exc:  # noqa: BLE001 - any import failure means: no fast path
-    _GLUON_ERROR = f"triton.experimental.gluon (Hopper) not importable: {exc!r}"
-
-# The Gluon API changes between releases; only the versions this kernel was verified on run it.
-TESTED_TRITON_VERSIONS = ("3.6.0",)
-SUPPORTED_HEAD_DIMS = (64, 128, 256)  # tensor shapes must be powers of two in Gluon 3.6
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-BLOCK_M_WG = 64  # query rows per consumer warpgroup (the wgmma M)
-BLOCK_M = 2 * BLOCK_M_WG  # query rows per CTA
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    """Everything a forward launch needs that depends on shapes and switches only, not on
-    the tensors' data: built once per distinct call (`launch_plan`), so a repeated call
-    pays for descriptors, two allocations and the launch alone (host time is what 512-row
-    calls were bound by, H200 2026-11-29)."""
-
-    cfg: FwdConfig
-    grid: int
-    hb_chunk: int
-    num_m_blocks: int
-    num_tiles: int
-    constexprs: dict
-    o_width: int  # output_box_width
-
-
-# FA4's two forward tricks as process-wide switches (both off by default: on the H200 each
-# lost, see fwd_config.py's tuning table), so that any call, and the benchmark, can run with them:
-# ASYMFLASH_SM90_EXP2_EMU=k (2, 4 or 8) puts one exponential in k on the FMA pipe,
-# ASYMFLASH_SM90_RESCALE=t (> 0, log2 units; FA4 uses 8) rescales O only when a row's max
-# grew by more than t. They apply to the config a call would otherwise run; an explicit
-# FwdConfig wins. Part of dispatch.SWITCHES, so call plans are keyed by them.
-EXP2_EMU_SWITCH = "ASYMFLASH_SM90_EXP2_EMU"
-RESCALE_SWITCH = "ASYMFLASH_SM90_RESCALE"
-EXP2_EMU_CHOICES = (0, 2, 4, 8)
-
-
-def fa4_tricks() -> tuple[int | None, float | None]:
-    """(exp2_emu_every, rescale_threshold) forced by the switches, None where a switch is
-    unset (the call's config keeps its own value; "0" turns a trick off); ValueError on a bad
-    value."""
-    emu = _switch_value(EXP2_EMU_SWITCH, int, lambda k: k in EXP2_EMU_CHOICES,
-                        "0 (off), 2, 4 or 8 (one exponential in k on the FMA pipe)")
-    thr = _switch_value(RESCALE_SWITCH, float, lambda t: 0.0 <= t < float("inf"),
-                        "0 (off) or a positive threshold in log2 units (FA4 uses 8)")
-    return emu, thr
-
-
-def _switch_value(name: str, parse, valid, expected: str):
-    """The value of switch `name` (None when unset or empty), ValueError when it does not
-    parse or is not `valid`."""
-    text = dispatch.switch(name)
-    if not text:
-        return None
-    try:
-        value = parse(text)
-    except ValueError:
-        value = None
-    if value is None or not valid(value):
-        raise ValueError(f"{name}={text!r}: expected {expected}")
-    return value
-
-
-NO_TRICKS = (None, None)  # what callers with an explicit FwdConfig pass to `launch_plan`
-
-
-@functools.lru_cache(maxsize=4096)
-def launch_plan(d: int, dv: int, max_seqlen_q: int, max_seqlen_k: int, uniform: bool,
-                has_seqused: bool, window_left: int, window_right: int, softcap: bool,
-                has_sink: bool, batch: int, hq: int, hkv: int, sms: int,
-                cfg: FwdConfig | None, tricks: tuple = NO_TRICKS) -> LaunchPlan:
-    """The config, grid and constexprs of one call (cfg: an override, or None; tricks:
-    `fa4_tricks()`, applied to the config; callers with an override pass NO_TRICKS)."""
-    plain = not softcap and not has_sink and window_left < 0
-    local = window_left >= 0 or window_right >= 0
-    dense = uniform and not has_seqused
-    o_width = output_box_width(d, dv, uniform and max_seqlen_q % 64 == 0)
-    if cfg is None:
-        cfg = default_for_call(d, local, window_right >= 0, max_seqlen_q, dense, plain)
-    if tricks[0] is not None:
-        cfg = replace(cfg, exp2_emu_every=tricks[0])
-    if tricks[1] is not None:
-        cfg = replace(cfg, rescale_threshold=tricks[1])
-    num_m_blocks = cdiv(max_seqlen_q, BLOCK_M_WG * max(cfg.consumer_wgs, 1))
-    num_tiles = num_m_blocks * hq * batch
-    cfg, grid, hb_chunk = persistent_launch(cfg, max_seqlen_q, max_seqlen_k, dense, batch,
-                                            num_tiles, hq, hkv, d, dv, sms, plain, window_right)
-    check_config(cfg, d)
-    consts = _constexprs(d, dv, cfg, uniform=dense, has_seqused=has_seqused,
-                         has_left=window_left >= 0, has_right=window_right >= 0,
-                         softcap=softcap, has_sink=has_sink)
-    consts.update(_launch_options(cfg))
-    return LaunchPlan(cfg, grid, hb_chunk, num_m_blocks, num_tiles, consts, o_width)
-
-
-# ----------------------------------------------------------------------------------------------
-# Gluon kernel
-# ----------------------------------------------------------------------------------------------
-
-if _GLUON_ERROR is None:
+    from ..bounds import key_blocks
+    from ..common import (
+        copy_rows,
+        sequence,
+        tanh,
+        tile_layout,
+        to_16bit,
+    )
+    from ..sched import (
+        persistent_tile,
+        publish_tile,
+        read_tile,
+        tile_of,
+        wave_tile,
+    )
 
     @gluon.constexpr_function
     def _emu_asm(every):
@@ -278,55 +162,6 @@ if _GLUON_ERROR is None:
                                          is_pure=True, pack=PACK)
 
     @gluon.jit
-    def _to_16bit(x, dtype: gl.constexpr):
-        """x.to(dtype) for a 16-bit dtype, two neighbouring elements per cvt with the first in
-        the low half. `x.to(dtype)` converts element by element and packs each pair high-first,
-        so every register of P (and dSᵀ) needed a PRMT half swap before it could be a wgmma A
-        operand: 32 of ~450 instructions per key block at d=64 (sm_90a SASS, 2026-11-30)."""
-        if dtype == gl.bfloat16:
-            return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x],
-                                             dtype=gl.bfloat16, is_pure=True, pack=2)
-        else:
-            return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x],
-                                             dtype=gl.float16, is_pure=True, pack=2)
-
-    @gluon.jit
-    def _tanh(x):
-        # tanh.approx has ~5e-4 relative error, i.e. 0.025 in a logit capped at 50: use the
-        # exact-ish identity tanh(x) = 1 - 2 / (2^(2x·log2 e) + 1) (ex2 + rcp, MUFU twice).
-        e = gl.exp2(x * (2.0 * 1.4426950408889634))
-        return 1.0 - 2.0 / (e + 1.0)
-
-    # ------------------------------------------------------------------------------------------
-    # load role
-    # ------------------------------------------------------------------------------------------
-    @gluon.constexpr_function
-    def _heads_axis(block_shape) -> bool:
-        """A (rows, heads, dim) descriptor (`tma_heads`) rather than (rows, heads·dim)."""
-        return len(block_shape) == 3
-
-    @gluon.constexpr_function
-    def _tile_layout(layout):
-        """The 2-D shared layout of a descriptor's tile (the same bytes as its 3-D box)."""
-        return gl.NVMMASharedLayout(layout.swizzle_byte_width, layout.element_bitwidth, 2,
-                                    layout.transposed, layout.fp4_padded)
-
-    @gluon.jit
-    def _copy_rows(desc, row, head, WIDTH: gl.constexpr, bar, dst, pred):
-        """TMA-load one tile of head `head` from rows [row, row + box) into dst [box, WIDTH].
-
-        A (rows, heads·dim) descriptor reads column head·WIDTH; a (rows, heads, dim) one reads
-        (row, head, 0), and the TMA unit zero-fills the columns from dim up to WIDTH (head
-        dims between the compiled widths, without padded copies of q, k, v).
-        """
-        if _heads_axis(desc.block_shape):
-            tma.async_copy_global_to_shared(
-                desc, [row, head, 0], bar, dst._reinterpret(desc.dtype, desc.block_shape,
-                                                            desc.layout), pred=pred)
-        else:
-            tma.async_copy_global_to_shared(desc, [row, head * WIDTH], bar, dst, pred=pred)
-
-    @gluon.jit
     def _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                    k_empty, v_ready, v_empty, q_row, q_head, kv_row, kv_head, n_lo, n_hi, it0,
                    q_slot0, q_phase, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
@@ -342,7 +177,7 @@ if _GLUON_ERROR is None:
             if WAIT_Q:
                 mbarrier.wait(q_empty.index(q_slot0 + wg), q_phase ^ 1)
             mbarrier.expect(q_bar.index(q_slot0 + wg), q_desc.block_type.nbytes)
-            _copy_rows(q_desc, q_row + wg * 64, q_head, HEAD_DIM, q_bar.index(q_slot0 + wg),
+            copy_rows(q_desc, q_row + wg * 64, q_head, HEAD_DIM, q_bar.index(q_slot0 + wg),
                        q_smem.index(q_slot0 + wg), True)
         for i in range(n_hi - n_lo):
             pos = it0 + i
@@ -353,102 +188,20 @@ if _GLUON_ERROR is None:
             row = kv_row + (n_lo + i) * BLOCK_N
             mbarrier.wait(k_empty.index(slot), phase)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            _copy_rows(k_desc, row, kv_head, HEAD_DIM, k_ready.index(slot), k_smem.index(slot),
+            copy_rows(k_desc, row, kv_head, HEAD_DIM, k_ready.index(slot), k_smem.index(slot),
                        True)
             mbarrier.wait(v_empty.index(slot), phase)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            _copy_rows(v_desc, row, kv_head, HEAD_DIM_V, v_ready.index(slot),
+            copy_rows(v_desc, row, kv_head, HEAD_DIM_V, v_ready.index(slot),
                        v_smem.index(slot), True)
 
-    # ------------------------------------------------------------------------------------------
-    # tile schedule: which (query block, head, sequence) a tile index is, and its key blocks
-    # ------------------------------------------------------------------------------------------
-    @gluon.jit
-    def _tile_of(tile, n_heads, n_batch, num_m_blocks, hb_chunk, LPT: gl.constexpr,
-                 CHUNKED: gl.constexpr):
-        """(query block, head, sequence) of a tile index.
-
-        CHUNKED (persistent grid): (sequence, head) pairs, heads of one sequence adjacent, are
-        cut into chunks of hb_chunk pairs whose K/V fit in L2 together; a chunk's tiles are
-        consecutive, query blocks outer (last block first with LPT: it sees the most keys under
-        a causal mask), pairs inner. Otherwise the one-CTA-per-tile orders of the plain grid.
-        """
-        n_hb = n_heads * n_batch
-        if CHUNKED:
-            per_chunk = hb_chunk * num_m_blocks
-            chunk = tile // per_chunk
-            hb0 = chunk * hb_chunk
-            width = gl.minimum(hb_chunk, n_hb - hb0)
-            r = tile - chunk * per_chunk
-            m_blk = r // width
-            if LPT:
-                m_blk = num_m_blocks - 1 - m_blk
-            hb = hb0 + r % width
-        elif LPT:
-            # Later query tiles see more keys under a causal/local mask: start them first and
-            # spread each wave over all heads and sequences.
-            m_blk = num_m_blocks - 1 - tile // n_hb
-            hb = tile % n_hb
-        else:
-            # Neighbouring CTAs share a head, so its K/V stays hot in L2.
-            m_blk = tile % num_m_blocks
-            hb = tile // num_m_blocks
-        return m_blk, hb % n_heads, hb // n_heads
-
-    @gluon.jit
-    def _sequence(batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr,
-                  UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr):
-        """First packed query/key row and the query/key lengths of one sequence."""
-        if UNIFORM:
-            q_start = batch * seqlen_q
-            k_start = batch * seqlen_k
-        else:
-            q_start = gl.load(cu_q_ptr + batch)
-            seqlen_q = gl.load(cu_q_ptr + batch + 1) - q_start
-            k_start = gl.load(cu_k_ptr + batch)
-            seqlen_k = gl.load(cu_k_ptr + batch + 1) - k_start
-        if HAS_SEQUSED:
-            seqlen_k = gl.load(used_k_ptr + batch)
-        return q_start, k_start, seqlen_q, seqlen_k
-
-    @gluon.jit
-    def _key_blocks(m0, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT: gl.constexpr,
-                    HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
-        """Key blocks of the query tile at row m0: visited [n_lo, n_hi), unmasked [n_a, n_b)."""
-        shift = seqlen_k - seqlen_q
-        row_last = gl.minimum(m0 + BLOCK_M - 1, seqlen_q - 1)
-        # At least one block, so that rows without keys still produce out = 0, lse = -inf
-        # through the masked peeled block.
-        n_hi = (seqlen_k + BLOCK_N - 1) // BLOCK_N
-        n_lo = 0
-        if HAS_RIGHT:
-            n_hi = gl.minimum(n_hi, (gl.maximum(row_last + shift + window_right + 1, 0)
-                                     + BLOCK_N - 1) // BLOCK_N)
-        if HAS_LEFT:
-            n_lo = gl.maximum(m0 + shift - window_left, 0) // BLOCK_N
-        n_hi = gl.maximum(n_hi, n_lo + 1)
-        # Blocks [n_a, n_b) are allowed for every row of the tile: no mask there.
-        n_a = n_lo + 1
-        if HAS_LEFT:
-            n_a = gl.maximum(n_a, (gl.maximum(row_last + shift - window_left, 0)
-                                   + BLOCK_N - 1) // BLOCK_N)
-        n_a = gl.minimum(n_a, n_hi)
-        n_b = seqlen_k // BLOCK_N
-        if HAS_RIGHT:
-            n_b = gl.minimum(n_b, gl.maximum(m0 + shift + window_right + 1, 0) // BLOCK_N)
-        n_b = gl.minimum(gl.maximum(n_b, n_a), n_hi)
-        return n_lo, n_a, n_b, n_hi
-
-    # ------------------------------------------------------------------------------------------
-    # softmax role (runs inside each consumer warpgroup)
-    # ------------------------------------------------------------------------------------------
     @gluon.jit
     def _scores(s, n, rows, shift, seqlen_k, window_left, window_right, softcap_pre,
                 MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                 SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
         """Raw Q·Kᵀ block -> logits before the (log2-folded) scale, masked keys at -inf."""
         if SOFTCAP:
-            s = _tanh(s * softcap_pre)
+            s = tanh(s * softcap_pre)
         if MASKED:
             cols = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             c2 = gl.expand_dims(cols, 0)
@@ -485,9 +238,6 @@ if _GLUON_ERROR is None:
         l_i = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_i, alpha
 
-    # ------------------------------------------------------------------------------------------
-    # mma role: one pipelined step of a consumer warpgroup
-    # ------------------------------------------------------------------------------------------
     @gluon.jit
     def _take_turn(bars, k, WG: gl.constexpr, TURNS: gl.constexpr):
         """Ping-pong among TURNS (2 or 3) warpgroups, round robin: wait until warpgroup WG
@@ -542,11 +292,11 @@ if _GLUON_ERROR is None:
         if RESCALE_THRESHOLD > 0:
             # P packed first: the skip's branch ends the block, so the packs can still
             # interleave with the exponentials
-            p_op = gl.convert_layout(_to_16bit(p, q.dtype), p_layout)
+            p_op = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
             acc = _rescale_if_moved(acc, alpha_o)
         else:
             acc = acc * gl.expand_dims(alpha_o, 1)
-            p_op = gl.convert_layout(_to_16bit(p, q.dtype), p_layout)
+            p_op = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
         return acc, p_op, m_i, l_i
 
     @gluon.jit
@@ -567,9 +317,6 @@ if _GLUON_ERROR is None:
                 BLOCK_N, STAGES, s_layout, o_layout, p_layout, bars, q_phase, WG, PINGPONG)
         return acc, p_op, m_i, l_i
 
-    # ------------------------------------------------------------------------------------------
-    # consumer warpgroup: peeled first block, three loops, last P·V, epilogue
-    # ------------------------------------------------------------------------------------------
     # Layouts of a consumer warpgroup's 64-row tile: S (64 x BLOCK_N), O (64 x HEAD_DIM_V),
     # P as the register operand of P·V, and one value per row of S.
     @gluon.constexpr_function
@@ -634,7 +381,7 @@ if _GLUON_ERROR is None:
         s = _scores(s, n_lo, rows, shift, seqlen_k, window_left, window_right, softcap_pre, True,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
         p, m_i, l_i, _alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
-        p_op = gl.convert_layout(_to_16bit(p, q.dtype), p_layout)
+        p_op = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
 
         base = it0 - n_lo
         n_a = gl.minimum(n_a, n_end)
@@ -856,60 +603,6 @@ if _GLUON_ERROR is None:
         offs = gl.expand_dims(row_off, 1) + gl.expand_dims(o_cols, 0)
         gl.store(out_ptr + offs, out, mask=gl.expand_dims(o_rows < seqlen_q, 1))
 
-    # ------------------------------------------------------------------------------------------
-    # persistent grid: each role walks the same tile sequence, ring positions carried over
-    # ------------------------------------------------------------------------------------------
-    @gluon.jit
-    def _wave_tile(wave, pid, nprog):
-        """Tile of CTA pid in a wave of nprog consecutive tiles: CTA order reversed on odd
-        waves, so that a CTA given a heavy tile (longest-first order) next gets a light one."""
-        odd = wave & 1
-        return wave * nprog + pid + odd * (nprog - 1 - 2 * pid)
-
-    @gluon.jit
-    def _persistent_tile(wave, num_tiles, n_heads, n_batch, num_m_blocks, hb_chunk, seqlen_q,
-                         seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr, LPT: gl.constexpr,
-                         UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-                         BLOCK_M: gl.constexpr):
-        """This CTA's tile in `wave`, as both roles see it: (live, first query row m0, q head,
-        packed q/k start rows, q/k lengths); live is False past the last tile or sequence."""
-        tile = _wave_tile(wave, gl.program_id(0), gl.num_programs(0))
-        m_blk, head, batch = _tile_of(gl.minimum(tile, num_tiles - 1), n_heads, n_batch,
-                                      num_m_blocks, hb_chunk, LPT, True)
-        q_start, k_start, sq, sk = _sequence(batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr,
-                                             used_k_ptr, UNIFORM, HAS_SEQUSED)
-        m0 = m_blk * BLOCK_M
-        return (tile < num_tiles) & (m0 < sq), m0, head, q_start, k_start, sq, sk
-
-    @gluon.constexpr_function
-    def _sched_layout(num_warps):
-        return gl.BlockedLayout([4], [32], [num_warps], [0])
-
-    @gluon.jit
-    def _publish_tile(sched, q_empty, tc, m0, head, q_start, NUM_WG: gl.constexpr,
-                      Q_BUFS: gl.constexpr):
-        """Loader, uniform lengths: hand this tile's (m0, head, q_start) to the consumers in
-        shared memory slot tc % 2, so they need not work out the schedule's integer divisions
-        between two tiles (~600 cycles, d=128 512 rows, scripts/fwd-timeline.py). The slot was
-        last read at the start of tile tc - 2, before its Q was released: wait until every
-        warpgroup has released tile tc - Q_BUFS's Q (tc - 1 or tc - 2). The Q barriers'
-        arrivals (after the stores, and a warp barrier) publish it."""
-        slot0 = (tc % Q_BUFS) * NUM_WG
-        for wg in gl.static_range(NUM_WG):
-            mbarrier.wait(q_empty.index(slot0 + wg), ((tc // Q_BUFS) & 1) ^ 1)
-        idx = gl.arange(0, 4, layout=_sched_layout(gl.num_warps()))
-        sched.index(tc & 1).store(gl.where(idx == 0, m0, gl.where(idx == 1, head, q_start)))
-        gl.thread_barrier()
-
-    @gluon.jit
-    def _read_tile(sched, tc):
-        """Consumer side of `_publish_tile`, once the tile's Q barrier has completed."""
-        layout: gl.constexpr = _sched_layout(gl.num_warps())
-        idx = gl.arange(0, 4, layout=layout)
-        v = sched.index(tc & 1).load(layout)
-        return (gl.sum(gl.where(idx == 0, v, 0), 0), gl.sum(gl.where(idx == 1, v, 0), 0),
-                gl.sum(gl.where(idx == 2, v, 0), 0))
-
     @gluon.jit
     def _load_role_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                               k_ready, k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr,
@@ -926,15 +619,15 @@ if _GLUON_ERROR is None:
         tc = 0  # tiles done by this CTA: tile tc's Q goes to buffer set tc % Q_BUFS
         nprog = gl.num_programs(0)
         for wave in range(0, (num_tiles + nprog - 1) // nprog):
-            live, m0, head, q_start, k_start, sq, sk = _persistent_tile(
+            live, m0, head, q_start, k_start, sq, sk = persistent_tile(
                 wave, num_tiles, n_heads, n_batch, num_m_blocks, hb_chunk, seqlen_q, seqlen_k,
                 cu_q_ptr, cu_k_ptr, used_k_ptr, LPT, UNIFORM, HAS_SEQUSED, BLOCK_M)
             if live:
-                n_lo, n_a, n_b, n_hi = _key_blocks(m0, sq, sk, window_left, window_right,
+                n_lo, n_a, n_b, n_hi = key_blocks(m0, sq, sk, window_left, window_right,
                                                    HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_M)
                 kv_head = head // group
                 if UNIFORM:
-                    _publish_tile(sched, q_empty, tc, m0, head, q_start, NUM_WG, Q_BUFS)
+                    publish_tile(sched, q_empty, tc, m0, head, q_start, NUM_WG, Q_BUFS)
                 _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                            k_ready, k_empty, v_ready, v_empty, q_start + m0, head, k_start,
                            kv_head, n_lo, n_hi, it, (tc % Q_BUFS) * NUM_WG,
@@ -963,10 +656,10 @@ if _GLUON_ERROR is None:
         tc = 0
         nprog = gl.num_programs(0)
         for wave in range(0, (num_tiles + nprog - 1) // nprog):
-            if UNIFORM:  # the tile's coordinates come from the loader (`_publish_tile`)
-                live = _wave_tile(wave, gl.program_id(0), nprog) < num_tiles
+            if UNIFORM:  # the tile's coordinates come from the loader (`publish_tile`)
+                live = wave_tile(wave, gl.program_id(0), nprog) < num_tiles
             else:
-                live, m0, head, q_start, k_start, sq, sk = _persistent_tile(
+                live, m0, head, q_start, k_start, sq, sk = persistent_tile(
                     wave, num_tiles, n_heads, n_batch, num_m_blocks, hb_chunk, seqlen_q,
                     seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr, LPT, UNIFORM, HAS_SEQUSED, BLOCK_M)
             if live:
@@ -974,10 +667,10 @@ if _GLUON_ERROR is None:
                 q_phase = (tc // Q_BUFS) & 1
                 if UNIFORM:
                     mbarrier.wait(q_bar.index(q_slot), q_phase)
-                    m0, head, q_start = _read_tile(sched, tc)
+                    m0, head, q_start = read_tile(sched, tc)
                     sq = seqlen_q
                     sk = seqlen_k
-                n_lo, n_a, n_b, n_hi = _key_blocks(m0, sq, sk, window_left, window_right,
+                n_lo, n_a, n_b, n_hi = key_blocks(m0, sq, sk, window_left, window_right,
                                                    HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_M)
                 _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
                                v_empty, out_ptr, o_desc, o_smem,
@@ -991,15 +684,12 @@ if _GLUON_ERROR is None:
                 tc += 1
         tma.store_wait(0)  # the last tile's O store reads o_smem
 
-    # ------------------------------------------------------------------------------------------
-    # kernel: tile schedule, block ranges, shared memory, role launch
-    # ------------------------------------------------------------------------------------------
     # Lengths, counts and windows stay runtime values: one compile serves every shape
     # (Triton would specialise on the value 1 and on divisibility by 16 otherwise).
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_batch",
                                   "num_m_blocks", "group", "window_left", "window_right",
                                   "num_tiles", "hb_chunk"])
-    def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+    def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
                          used_k_ptr, sink_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_batch,
                          num_m_blocks, group, qk_scale, softcap_pre, window_left, window_right,
                          num_tiles, hb_chunk,
@@ -1018,11 +708,11 @@ if _GLUON_ERROR is None:
         # PERSISTENT, without PINGPONG and at d <= 128, so never with O_STAGING 2 (both
         # checked on the host).
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFS * NUM_WG, 64, HEAD_DIM],
-                                           _tile_layout(q_desc.layout))
+                                           tile_layout(q_desc.layout))
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
-                                           _tile_layout(k_desc.layout))
+                                           tile_layout(k_desc.layout))
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM_V],
-                                           _tile_layout(v_desc.layout))
+                                           tile_layout(v_desc.layout))
         # O staging for the TMA-store epilogue, one tile per consumer warpgroup (a 32-column
         # stand-in, optimised away, when the host left it off: `output_box_width`).
         O_STAGING: gl.constexpr = _o_staging(o_desc.block_shape, HEAD_DIM_V, PERSISTENT)
@@ -1030,11 +720,11 @@ if _GLUON_ERROR is None:
             o_smem = q_smem
         elif O_STAGING == 2:
             o_smem = gl.allocate_shared_memory(o_desc.dtype, _stacked(1, o_desc.block_shape),
-                                               _tile_layout(o_desc.layout))
+                                               tile_layout(o_desc.layout))
         else:
             o_smem = gl.allocate_shared_memory(o_desc.dtype,
                                                _stacked(NUM_WG, o_desc.block_shape),
-                                               _tile_layout(o_desc.layout))
+                                               tile_layout(o_desc.layout))
         # Q barriers of the consumer warpgroups, then (ping-pong only) their turn barriers,
         # then (O_STAGING 2) the staging tile's turn barrier.
         q_bar = gl.allocate_shared_memory(
@@ -1046,7 +736,7 @@ if _GLUON_ERROR is None:
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        # The persistent loader's tile coordinates for the consumers (`_publish_tile`).
+        # The persistent loader's tile coordinates for the consumers (`publish_tile`).
         sched = gl.allocate_shared_memory(gl.int32, [2, 4],
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
         if PERSISTENT:
@@ -1130,14 +820,14 @@ if _GLUON_ERROR is None:
                         HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, LPT, 2, Q_BUFS)),
                 ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
         else:
-            m_blk, head, batch = _tile_of(gl.program_id(0), n_heads, n_batch, num_m_blocks,
+            m_blk, head, batch = tile_of(gl.program_id(0), n_heads, n_batch, num_m_blocks,
                                           hb_chunk, LPT, False)
-            q_start, k_start, seqlen_q, seqlen_k = _sequence(batch, seqlen_q, seqlen_k,
+            q_start, k_start, seqlen_q, seqlen_k = sequence(batch, seqlen_q, seqlen_k,
                                                              cu_q_ptr, cu_k_ptr, used_k_ptr,
                                                              UNIFORM, HAS_SEQUSED)
             m0 = m_blk * 128
             if m0 < seqlen_q:
-                n_lo, n_a, n_b, n_hi = _key_blocks(m0, seqlen_q, seqlen_k, window_left,
+                n_lo, n_a, n_b, n_hi = key_blocks(m0, seqlen_q, seqlen_k, window_left,
                                                    window_right, HAS_LEFT, HAS_RIGHT, BLOCK_N,
                                                    128)
                 for wg in gl.static_range(4 if PINGPONG else 2):
@@ -1175,439 +865,3 @@ if _GLUON_ERROR is None:
                                   k_start, kv_head, n_lo, n_hi, 0, 0, 0, HEAD_DIM, HEAD_DIM_V,
                                   BLOCK_N, STAGES, False, 2)),
                 ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
-
-
-# ----------------------------------------------------------------------------------------------
-# host side
-# ----------------------------------------------------------------------------------------------
-_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_SIG_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-@functools.lru_cache(maxsize=None)
-def _smem_layout_cached(block: tuple, dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, _GL_DTYPES[dtype]))
-
-
-def _smem_layout(block, dtype):
-    """The TMA/wgmma shared-memory layout of a tile; cached: building one costs ~30 us of
-    host time, three per call (measured on the CI CPU), as much as a short kernel."""
-    return _smem_layout_cached(tuple(block), dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _layout_and_token(block: tuple, dtype):
-    """(shared layout, launch.descriptor_token) of a default descriptor: one cache lookup on
-    a (tuple, dtype) key per descriptor (hashing the layout itself costs more)."""
-    layout = _smem_layout_cached(block, dtype)
-    return layout, descriptor_token(dtype, block, layout)
-
-
-def exp2_scales(params: AttnParams) -> tuple[float, float]:
-    """(qk_scale, softcap_pre) of the Gluon kernels: exp2 takes s·qk_scale, s = q·k, or with
-    softcap s = tanh(q·k·softcap_pre) (so S = c·tanh(q·k·scale/c) in log2 units, and the
-    backward's chain-rule factor is 1 - tanh²)."""
-    if params.softcap > 0:
-        return params.softcap * LOG2E, params.softmax_scale / params.softcap
-    return params.softmax_scale * LOG2E, 1.0
-
-
-# Strided q, k, v (views of a fused QKV projection, transposed (batch, heads, seqlen, dim)
-# tensors): read in place through descriptors with their own strides; with the switch at 0
-# (and where TMA cannot address them) the kernels read contiguous copies (`tma_ready`).
-def tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """`t` where the kernels' descriptors can read it as it is, else a contiguous 16-byte
-    aligned copy: a copy costs a read and a write of the tensor, the portable kernels that
-    strided inputs took before cost far more on Hopper."""
-    if t.is_contiguous() and t.data_ptr() % 16 == 0:
-        return t
-    if tma_layout_reason(t, "") is None:  # read in place: see docs/tuning.md
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-def row_head_strides(t: torch.Tensor) -> tuple[int, int]:
-    """(row stride, head stride) of a (rows, heads, dim) tensor, in elements, as a TMA
-    descriptor walks it; a dimension of size 1 takes its dense stride (torch leaves any
-    value there)."""
-    rows, heads, dim = t.shape
-    head_stride = t.stride(1) if heads > 1 else dim
-    return (t.stride(0) if rows > 1 else heads * head_stride), head_stride
-
-
-def rows_dense(t: torch.Tensor) -> bool:
-    """Whether the heads of a row lie side by side (head stride = dim), so the tensor reads
-    as a (rows, heads·dim) matrix with its own row stride (`tma_rows`)."""
-    return row_head_strides(t)[1] == t.shape[2]
-
-
-def tma_layout_reason(t: torch.Tensor, name: str) -> str | None:
-    """Why a (rows, heads, dim) tensor cannot be read in place by TMA, or None: the base and
-    the row and head strides must be 16-byte multiples, the dim contiguous."""
-    rows, heads, dim = t.shape
-    size = t.element_size()
-    row_stride, head_stride = row_head_strides(t)
-    if dim > 1 and t.stride(2) != 1:
-        return f"{name}'s head dim is not contiguous"
-    if t.data_ptr() % 16:
-        return f"{name} is not 16-byte aligned (TMA)"
-    if row_stride <= 0 or head_stride <= 0 or (row_stride * size) % 16 or \
-            (head_stride * size) % 16:
-        return (f"{name}'s strides ({row_stride}, {head_stride}) are not positive 16-byte "
-                "multiples (TMA)")
-    return None
-
-
-def tma_rows(t: torch.Tensor, block, layout=None) -> "TensorDescriptor":
-    """TMA descriptor of a packed (rows, heads, dim) tensor seen as (rows, heads * dim), so
-    a head is a column offset and one descriptor serves all heads and sequences. The heads of
-    a row must lie side by side (`rows_dense`); the rows may be strided (a fused QKV view).
-
-    Built without TensorDescriptor's own checks (~10 us each, several per call): what they
-    verify, a 16-byte aligned non-empty tensor with 16-byte aligned rows, is already
-    guaranteed by `hopper_input_reason` (heads * dim is a multiple of 64 here).
-    """
-    desc = object.__new__(TensorDescriptor)
-    cols = t.shape[1] * t.shape[2]
-    row_stride = t.stride(0) if t.shape[0] > 1 else cols
-    desc.base, desc.shape, desc.strides = t, [t.shape[0], cols], [row_stride, 1]
-    desc.block_shape, desc.padding = list(block), "zero"
-    if layout is None:  # the layout and its launch.specialization_key token, cached
-        desc.layout, desc.asym_token = _layout_and_token(tuple(block), t.dtype)
-    else:
-        desc.layout = layout
-        desc.asym_token = descriptor_token(t.dtype, tuple(block), layout)
-    return desc
-
-
-def tma_heads(t: torch.Tensor, rows: int, width: int) -> "TensorDescriptor":
-    """TMA descriptor of a packed (rows, heads, dim) tensor as it is, with a box of `rows`
-    rows of one head, `width` >= dim wide: the TMA unit fills the columns past dim with
-    zeros, so head dims between the compiled widths need no zero-padded copy. Needs 16-byte
-    row strides (dim a multiple of 8 at 16 bits). Any row and head strides TMA can address
-    (`tma_layout_reason`): a transposed (batch, heads, seqlen, dim) tensor is read in place."""
-    desc = object.__new__(TensorDescriptor)
-    desc.base, desc.shape = t, list(t.shape)
-    desc.strides = [*row_head_strides(t), 1]
-    desc.block_shape, desc.padding = [rows, 1, width], "zero"
-    desc.layout, desc.asym_token = _layout_and_token((rows, 1, width), t.dtype)
-    return desc
-
-
-def output_box_width(d: int, dv: int, full_tiles: bool = True) -> int:
-    """Columns of the output descriptor's box: the whole row (the kernel's TMA-store
-    epilogue) where every sequence fills whole 64-row tiles (`full_tiles`: uniform lengths, a
-    multiple of 64, so no tile holds rows of two sequences) and the staging tiles fit in
-    shared memory: dv <= 128 (+16 / +32 KB next to 148-192 KB of rings), or dv = d (O is
-    staged in the warpgroup's Q buffer, `_o_in_q`); else 32, never a whole row: a box the
-    kernel only takes the layout of (masked per-thread stores)."""
-    return dv if full_tiles and (dv <= 128 or dv == d) else 32
-
-
-def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, has_left,
-                has_right, softcap, has_sink):
-    return {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim_v, "BLOCK_N": cfg.block_n,
-            "STAGES": cfg.stages, "UNIFORM": uniform, "HAS_SEQUSED": has_seqused,
-            "HAS_LEFT": has_left, "HAS_RIGHT": has_right, "SOFTCAP": softcap,
-            "HAS_SINK": has_sink, "LPT": cfg.lpt, "EMU_EVERY": cfg.exp2_emu_every,
-            "RESCALE_THRESHOLD": float(cfg.rescale_threshold),
-            "CONSUMER_REGS": _consumer_regs(cfg), "LOADER_REGS": cfg.loader_regs,
-            "PERSISTENT": bool(cfg.persistent),
-            "PINGPONG": cfg.consumer_wgs if cfg.pingpong else 0,
-            "NUM_WG": cfg.consumer_wgs, "Q_BUFS": cfg.q_buffers if cfg.persistent else 1,
-            # ping-pong counts its turns per key block: there every warpgroup visits them all
-            "TAIL_SKIP": bool(cfg.tail_skip and has_right and cfg.block_n == 64
-                              and not cfg.pingpong)}
-
-
-def _consumer_regs(cfg: FwdConfig) -> int:
-    # Three consumer warpgroups + the loader's: 512 threads share 64K registers.
-    return cfg.consumer_regs if cfg.consumer_wgs == 2 else min(cfg.consumer_regs, 160)
-
-
-def _launch_options(cfg: FwdConfig):
-    # 4 warps per consumer warpgroup (the default partition is one of them); the loader is
-    # padded to a warpgroup. maxnreg sets the register pool from which the default partition
-    # gets what the workers leave: 168 * 384 threads = 64512 <= 64K registers (two consumer
-    # warpgroups), 128 * 512 with three.
-    return {"num_warps": 4, "maxnreg": 168 if cfg.consumer_wgs == 2 else 128}
-
-
-def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
-                       cfg: FwdConfig | None = None, arch=90, heads_axis=False,
-                       tma_store=True, **features):
-    """Compile the kernel without a GPU (CI check); returns triton's CompiledKernel.
-    heads_axis: with the (rows, heads, dim) descriptors of head dims between the widths;
-    tma_store: the TMA-store epilogue (where `output_box_width` allows it)."""
-    if _GLUON_ERROR is not None:
-        raise RuntimeError(_GLUON_ERROR)
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    cfg = cfg or _DEFAULT_CONFIGS[head_dim]
-    check_config(cfg, head_dim)
-    feats = {"uniform": True, "has_seqused": False, "has_left": False, "has_right": False,
-                 "softcap": False, "has_sink": False}
-    feats.update(features)
-    ty = _SIG_DTYPES[dtype]
-
-    def desc(block):
-        if heads_axis:
-            block = [block[0], 1, block[1]]
-        dims = ", ".join(map(str, block))
-        return f"tensordesc<{ty}[{dims}],{_smem_layout(block, dtype)!r}>"
-
-    o_width = output_box_width(head_dim, head_dim_v) if tma_store else 32
-    signature = {
-        "q_desc": desc([64, head_dim]), "k_desc": desc([cfg.block_n, head_dim]),
-        "v_desc": desc([cfg.block_n, head_dim_v]),
-        "o_desc": f"tensordesc<{ty}[64, {o_width}],{_smem_layout((64, o_width), dtype)!r}>",
-        "out_ptr": f"*{ty}", "lse_ptr": "*fp32",
-        "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "used_k_ptr": "*i32", "sink_ptr": "*fp32",
-        "seqlen_q": "i32", "seqlen_k": "i32", "total_q": "i32", "n_heads": "i32", "n_batch": "i32",
-        "num_m_blocks": "i32", "group": "i32", "qk_scale": "fp32", "softcap_pre": "fp32",
-        "window_left": "i32", "window_right": "i32", "num_tiles": "i32", "hb_chunk": "i32"}
-    constexprs = _constexprs(head_dim, head_dim_v, cfg, **feats)
-    for name in constexprs:
-        signature[name] = "constexpr"
-    src = GluonASTSource(_attn_fwd_kernel, signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=_launch_options(cfg))
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple:
-    return torch.cuda.get_device_capability(device)
-
-
-def hopper_input_reason(q, k, v, sink, head_dims, direction: str) -> str | None:
-    """What every sm90 Gluon kernel needs of its inputs (None = all there), or why not.
-
-    direction ("forward" / "backward") only words the message; head_dims is what the
-    kernel's tiles were built for.
-    """
-    if _GLUON_ERROR is not None:
-        return _GLUON_ERROR
-    if triton.__version__ not in TESTED_TRITON_VERSIONS:
-        return (f"sm90 Gluon {direction} tested on triton {TESTED_TRITON_VERSIONS}, "
-                f"found {triton.__version__}")
-    if not (q.is_cuda and k.is_cuda and v.is_cuda):
-        return f"sm90 {direction} needs CUDA tensors"
-    if _capability(q.device) != (9, 0):
-        return f"sm90 {direction} needs an sm_90 (Hopper) GPU"
-    if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return (f"sm90 {direction} supports bf16/fp16 q, k, v of one dtype, "
-                f"got {q.dtype}/{k.dtype}/{v.dtype}")
-    d, dv = q.shape[-1], v.shape[-1]
-    if head_dims is not None and (d not in head_dims or dv != d):
-        return (f"sm90 {direction} supports head_dim == head_dim_v in {head_dims}, "
-                f"got {d}/{dv}")
-    # Any layout with a contiguous head dim: what TMA cannot read in place is copied first
-    # (tma_ready).
-    if any(t.shape[-1] > 1 and t.stride(-1) != 1 for t in (q, k, v)):
-        return f"sm90 {direction} needs q, k, v with a contiguous head dim"
-    hq, hkv = q.shape[1], k.shape[1]
-    if hq % hkv != 0:
-        return f"nheads_q {hq} is not a multiple of nheads_kv {hkv}"
-    if q.shape[0] == 0 or k.shape[0] == 0:
-        return "empty q or k"
-    if sink is not None and (sink.dtype != torch.float32 or sink.numel() != hq):
-        return "sink must be fp32 of shape (nheads_q,)"
-    return None
-
-
-def kernel_head_dim(d: int, dv: int) -> int | None:
-    """Head dim of the compiled kernel that computes head dims (d, dv), or None.
-
-    64, 128 and 256 (with dv == d) run as they are. Other widths from 72 to 256 (e.g. 96,
-    192/128) run zero-padded to the next of 128/256 on both sides: the padded columns add 0 to
-    q·k and produce output columns that are dropped. That wastes MMA work ((128 - 96) / 128 at
-    d=96; 192/128 runs the 256/256 kernel) but beats the portable kernel by far on Hopper.
-    Widths up to 64 other than 64 itself stay on the portable kernel."""
-    if d == dv and d in SUPPORTED_HEAD_DIMS:
-        return d
-    width = max(d, dv)
-    if width <= 64 or width > 256:
-        return None
-    return 128 if width <= 128 else 256
-
-
-def forward_widths(d: int, dv: int) -> tuple[int, int] | None:
-    """(head dim, head dim of V) of the forward kernel that computes (d, dv), or None.
-
-    kernel_head_dim's width on both sides, except that a V of at most 128 next to a wider
-    q·k (DeepSeek's 192/128) runs the 256/128 kernel: padding V to 256 would double the P·V
-    work for nothing."""
-    width = kernel_head_dim(d, dv)
-    if width == 256 and dv <= 128 and d != dv:
-        return 256, 128
-    return None if width is None else (width, width)
-
-
-def pad_head_dim(t: torch.Tensor, width: int) -> torch.Tensor:
-    return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
-
-
-# Short query blocks of a GQA group share their K/V: with seqlen_q <= this, the group's q heads
-# are packed into the query rows of one kv head (below).
-PACK_GQA_MAX_SEQLEN_Q = 64
-
-
-def packs_gqa(total_q: int, hq: int, hkv: int, seq: SeqInfo, params: AttnParams,
-              sink) -> bool:
-    """Whether `forward` runs the q heads of each kv head as extra query rows (FA3's
-    pack_gqa): a 128-row tile then holds seqlen_q x group useful rows instead of seqlen_q,
-    and each K/V tile is read once per kv head instead of once per q head.
-
-    Exact only where every row of a sequence sees the same keys: no mask, or one query row
-    (bottom-right aligned, it sees every key unless a left window cuts them), and no sink
-    (a per-q-head logit). H200, GQA 32:4, d=128, 8k keys, batch 32 (2026-11-29, bench
-    --seqlen-k): 76 -> 152 TFLOP/s at seqlen_q 16, 295 -> 521 at 64 (cuDNN 86 / 312).
-    """
-    if hq == hkv or sink is not None or seq.max_seqlen_q > PACK_GQA_MAX_SEQLEN_Q:
-        return False
-    if total_q * (hq // hkv) >= 2**31 - 3 * BLOCK_M:  # the packed rows' int32 TMA coordinates
-        return False
-    mask = params.mask
-    return mask.window_left < 0 and (mask.window_right < 0 or seq.max_seqlen_q == 1)
-
-
-def _forward_packed_gqa(q, k, v, seq: SeqInfo, params: AttnParams, cfg):
-    """`forward` with q head hk·g + j of row i moved to row i·g + j of kv head hk."""
-    total_q, hq, d = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    q_rows = q.view(total_q, hkv, g, d).transpose(1, 2).reshape(total_q * g, hkv, d)
-    seq_rows = SeqInfo(seq.cu_seqlens_q * g, seq.cu_seqlens_k, seq.max_seqlen_q * g,
-                       seq.max_seqlen_k, seq.seqused_k, seq.uniform)
-    # Every row sees every key (packs_gqa), so no mask is needed: with more rows, the
-    # bottom-right alignment of a causal mask would cut keys it does not cut now.
-    out, lse = forward(q_rows, k, v, seq_rows, replace(params, mask=MaskSpec()), None, cfg)
-    dv = out.shape[-1]
-    out = out.view(total_q, g, hkv, dv).transpose(1, 2).reshape(total_q, hq, dv)
-    lse = lse.view(hkv, total_q, g).transpose(1, 2).reshape(hq, total_q)
-    return out, lse
-
-
-def unsupported(q, k, v, seq: SeqInfo, params: AttnParams, sink) -> str | None:
-    """None when this kernel computes the call exactly, else why not (for the dispatcher)."""
-    d, dv = q.shape[-1], v.shape[-1]
-    if kernel_head_dim(d, dv) is None:
-        return (f"sm90 forward supports head dims 64/64, 128/128, 256/256 and (zero-padded) "
-                f"any d, dv with 64 < max(d, dv) <= 256; got {d}/{dv}")
-    why = hopper_input_reason(q, k, v, sink, None, "forward")
-    if why is not None:
-        return why
-    if seq.max_seqlen_q == 0:
-        return "no query rows"
-    if max(q.shape[0], k.shape[0]) >= 2**31 - 3 * BLOCK_M:
-        return "sequence rows exceed int32 TMA coordinates"
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def _launcher() -> DirectLaunch:
-    """The forward kernel, launched without Triton's per-call binding once compiled."""
-    return DirectLaunch(_attn_fwd_kernel)
-
-
-def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink, cfg: FwdConfig | None = None):
-    """out (total_q, Hq, Dv) in q.dtype and lse (Hq, total_q) fp32 (natural log)."""
-    d, dv = q.shape[-1], v.shape[-1]
-    dv_out = dv
-    widths = forward_widths(d, dv)
-    # Head dims between the compiled widths (see forward_widths) run the next widths' kernel:
-    # read through (rows, heads, dim) descriptors that zero-fill the missing columns, or,
-    # where TMA cannot address the rows (dim not a multiple of 8), from zero-padded copies.
-    # softmax_scale already holds d's default.
-    padded = (d, dv) != widths
-    if padded and (d % 8 or dv % 8):
-        out, lse = forward(pad_head_dim(q, widths[0]), pad_head_dim(k, widths[0]),
-                           pad_head_dim(v, widths[1]), seq, params, sink, cfg)
-        return out[..., :dv].contiguous(), lse
-    total_q, hq, _ = q.shape
-    total_k, hkv, _ = k.shape
-    if packs_gqa(total_q, hq, hkv, seq, params, sink):
-        return _forward_packed_gqa(q, k, v, seq, params, cfg)
-    d, dv = widths
-    plan = _launch_plan_of(d, dv, q, k, seq, params, sink, cfg)
-    out, lse, _ = _launch(q, k, v, seq, params, sink, plan, padded)
-    if dv_out != dv:
-        return out[..., :dv_out].contiguous(), lse
-    return out, lse
-
-
-def _launch_plan_of(d, dv, q, k, seq: SeqInfo, params: AttnParams, sink, cfg) -> LaunchPlan:
-    """launch_plan for kernel widths (d, dv) and this call."""
-    return launch_plan(d, dv, seq.max_seqlen_q, seq.max_seqlen_k, bool(seq.uniform),
-                       seq.seqused_k is not None, params.mask.window_left,
-                       params.mask.window_right, params.softcap > 0, sink is not None,
-                       seq.batch, q.shape[1], k.shape[1], sm_count(q.device), cfg,
-                       NO_TRICKS if cfg is not None else fa4_tricks())
-
-
-def _launch(q, k, v, seq: SeqInfo, params: AttnParams, sink, plan: LaunchPlan, padded: bool,
-            bound=None):
-    """(out, lse, kernel arguments) of one launch: allocate out and lse, build the
-    descriptors, launch (through `bound`, a `launch.BoundLaunch`, where given and valid)."""
-    q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
-    total_q, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
-    d, dv = plan.constexprs["HEAD_DIM"], plan.constexprs["HEAD_DIM_V"]
-    # The kernel writes all `width` columns: padded dims get a wider output, cut by forward.
-    out = torch.empty((total_q, hq, dv), dtype=q.dtype, device=q.device)
-    lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
-    # 2-D views (rows, heads*dim): a head is a column offset, so one descriptor serves all
-    # heads and sequences; rows past a sequence end are masked (keys) or not stored (queries).
-    # Padded head dims, and inputs whose heads do not lie side by side in a row, take
-    # (rows, heads, dim) boxes instead.
-    block_n = plan.cfg.block_n
-    if padded or not (rows_dense(q) and rows_dense(k) and rows_dense(v)):
-        q_desc = tma_heads(q, 64, d)
-        k_desc = tma_heads(k, block_n, d)
-        v_desc = tma_heads(v, block_n, dv)
-    else:
-        q_desc = tma_rows(q, (64, d))
-        k_desc = tma_rows(k, (block_n, d))
-        v_desc = tma_rows(v, (block_n, dv))
-    o_desc = tma_rows(out, (64, plan.o_width))
-    qk_scale, softcap_pre = exp2_scales(params)
-    has_seqused = seq.seqused_k is not None
-    args = (q_desc, k_desc, v_desc, o_desc, out, lse, seq.cu_seqlens_q, seq.cu_seqlens_k,
-            seq.seqused_k if has_seqused else seq.cu_seqlens_q,
-            sink if sink is not None else lse, seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq,
-            seq.batch, plan.num_m_blocks, hq // hkv, qk_scale, softcap_pre,
-            params.mask.window_left, params.mask.window_right, plan.num_tiles, plan.hb_chunk)
-    if bound is None or not bound((plan.grid,), args):
-        _launcher()[(plan.grid, )](*args, **plan.constexprs)
-    return out, lse, args
-
-
-class ForwardRunner:
-    """`forward` for one call signature with its decisions made once: the dispatcher's call
-    plans (`asymflash.runtime.plans`) keep one per (shapes, strides, dtypes, device, params, sink
-    class) and call it with that signature's tensors only. The first call launches through
-    Triton's path and binds the compiled binary; later calls allocate, build descriptors and
-    launch (`launch.BoundLaunch`)."""
-
-    def __init__(self, q, k, v, seq: SeqInfo, params: AttnParams, sink):
-        self.seq, self.params = seq, params
-        self.plan = _launch_plan_of(q.shape[-1], v.shape[-1], q, k, seq, params, sink, None)
-        self.bound = None
-
-    def __call__(self, q, k, v, sink):
-        bound = self.bound
-        out, lse, args = _launch(q, k, v, self.seq, self.params, sink, self.plan, False, bound)
-        if bound is None:  # None again where it cannot bind (a profiler's hook): retried
-            self.bound = _launcher().bind(args, self.plan.constexprs)
-        return out, lse
-
-
-def forward_runner(q, k, v, seq: SeqInfo, params: AttnParams, sink):
-    """A ForwardRunner for calls with this signature, or None where `forward` does more than
-    one plain launch (padded head dims, packed GQA heads): those keep calling `forward`."""
-    d, dv = q.shape[-1], v.shape[-1]
-    if forward_widths(d, dv) != (d, dv):
-        return None
-    if packs_gqa(q.shape[0], q.shape[1], k.shape[1], seq, params, sink):
-        return None
-    return ForwardRunner(q, k, v, seq, params, sink)

@@ -41,9 +41,9 @@ lse/delta staging, the deterministic turns) is bwd.py's, through bwd_parts.
 
 from __future__ import annotations
 
-from .fwd import _GLUON_ERROR
+from ..common import GLUON_ERROR
 
-if _GLUON_ERROR is None:
+if GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -54,28 +54,32 @@ if _GLUON_ERROR is None:
         warpgroup_mma_wait,
     )
 
-    from .bwd_parts import (
+    from ..bounds import (
+        mask_edges,
+        query_range,
+        step_needs_mask,
+    )
+    from ..common import tile_layout
+    from ..sched import (
+        key_block,
+        next_step,
+        walk_start,
+    )
+    from .parts import (
         add_dq,
         add_dq_tile,
         after_dq_reduce,
         fragment_block,
         in_fragments,
-        key_block,
         load_kv,
         load_rows,
-        mask_edges,
-        next_step,
         probabilities,
-        query_range,
         release_dq_turn_after_tma,
         stage_dq,
         stage_stats,
-        step_needs_mask,
         store_key_grads,
         take_dq_turn,
-        walk_start,
     )
-    from .fwd import _tile_layout
 
     @gluon.jit
     def _dq_tile_in(buf, dq_desc):
@@ -134,18 +138,18 @@ if _GLUON_ERROR is None:
                                                         window_right, BLOCK_M, BLOCK_N)
 
             k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM],
-                                               _tile_layout(k_desc.layout))
+                                               tile_layout(k_desc.layout))
             v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V],
-                                               _tile_layout(v_desc.layout))
+                                               tile_layout(v_desc.layout))
             q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM],
-                                               _tile_layout(q_desc.layout))
+                                               tile_layout(q_desc.layout))
             # Without DQ_IN_OPS dO has one buffer: its readers (dPᵀ, dV) are retired by
             # barrier 2, so the next step's dO lands while dK and dQ run, and the 32 KB saved
             # hold the dQ staging tile. With it (BwdConfig.dq_in_operands) two dO buffers and
             # no staging tile: each step stages its dQ halves in its own dO buffer and Q slot.
             DO_BUFS: gl.constexpr = 2 if DQ_IN_OPS else 1
             do_smem = gl.allocate_shared_memory(dtype, [DO_BUFS, BLOCK_M, HEAD_DIM_V],
-                                                _tile_layout(do_desc.layout))
+                                                tile_layout(do_desc.layout))
             pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                            dtype)
             pt_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pt_layout)

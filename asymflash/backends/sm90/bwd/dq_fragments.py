@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import constexpr_function
 
-from ...core.params import cdiv
-from ...runtime.launch import DirectLaunch
+from ....core.params import cdiv
+from ....runtime.launch import DirectLaunch
 
 ROWS = 64  # rows of one warpgroup's dQ tile (a wgmma M)
 
@@ -84,7 +84,7 @@ def fragment_buffer(total_q: int, batch: int, heads: int, width: int,
 
 
 def tiles_view(acc: torch.Tensor) -> torch.Tensor:
-    """`fragment_buffer` as (rows, heads, 32): fwd.tma_rows makes it a [rows, heads·32]
+    """`fragment_buffer` as (rows, heads, 32): common.tma_rows makes it a [rows, heads·32]
     descriptor with a [64·C/32, 32] box (C the tile's columns)."""
     return acc.view(-1, acc.shape[1], 32)
 

@@ -70,9 +70,9 @@ deterministic turns per warpgroup (a counter per dQ half): 253 / 358 / 406 -> 27
 
 from __future__ import annotations
 
-from .fwd import _GLUON_ERROR
+from ..common import GLUON_ERROR
 
-if _GLUON_ERROR is None:
+if GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -83,28 +83,32 @@ if _GLUON_ERROR is None:
         warpgroup_mma_wait,
     )
 
-    from .bwd_parts import (
+    from ..bounds import (
+        mask_edges,
+        query_range,
+        step_needs_mask,
+    )
+    from ..common import tile_layout
+    from ..sched import (
+        key_block,
+        next_step,
+        walk_start,
+    )
+    from .parts import (
         add_dq_tile,
         fragment_block,
         in_fragments,
-        key_block,
         load_kv,
         load_qdo,
-        mask_edges,
-        next_step,
         probabilities,
-        query_range,
         release_dq_turn_after_tma,
         stage_dq,
         stage_stats,
-        step_needs_mask,
         store_key_rows,
         store_key_tiles,
         tma_reduce_add,
         wait_dq_turn,
-        walk_start,
     )
-    from .fwd import _tile_layout
 
     # setmaxnreg per compute warpgroup and for the load warp (padded to a warpgroup):
     # 240 * 256 + 24 * 128 = 64512 <= 64K registers.
@@ -482,18 +486,18 @@ if _GLUON_ERROR is None:
         dtype: gl.constexpr = q_desc.dtype
         if KV_BUFS == 1:
             k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM],
-                                               _tile_layout(k_desc.layout))
+                                               tile_layout(k_desc.layout))
             v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V],
-                                               _tile_layout(v_desc.layout))
+                                               tile_layout(v_desc.layout))
         else:
             k_smem = gl.allocate_shared_memory(dtype, [KV_BUFS, BLOCK_N, HEAD_DIM],
-                                               _tile_layout(k_desc.layout))
+                                               tile_layout(k_desc.layout))
             v_smem = gl.allocate_shared_memory(dtype, [KV_BUFS, BLOCK_N, HEAD_DIM_V],
-                                               _tile_layout(v_desc.layout))
+                                               tile_layout(v_desc.layout))
         q_smem = gl.allocate_shared_memory(dtype, [RING, BLOCK_M, HEAD_DIM],
-                                           _tile_layout(q_desc.layout))
+                                           tile_layout(q_desc.layout))
         do_smem = gl.allocate_shared_memory(dtype, [RING, BLOCK_M, HEAD_DIM_V],
-                                            _tile_layout(do_desc.layout))
+                                            tile_layout(do_desc.layout))
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                        dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
