@@ -40,7 +40,13 @@ once per (dtype, head dims, config, feature switches).
 
 from __future__ import annotations
 
+from ....core.exp2 import FLOOR_MAGIC, POLY_COEFFS, X_MIN, ptx_f32
 from ..common import GLUON_ERROR
+
+# The polynomial exp2's PTX literals, from core/exp2.py (the model of the sequence in
+# `_emu_asm`): c3, c2, c1, c0, the clamp and the floor constant. A global of plain strings,
+# so Triton's cache key sees them.
+_EMU_LITERALS = tuple(ptx_f32(c) for c in (*POLY_COEFFS[::-1], X_MIN, FLOOR_MAGIC))
 
 if GLUON_ERROR is None:
     from triton.experimental import gluon
@@ -73,32 +79,29 @@ if GLUON_ERROR is None:
     def _emu_asm(every):
         """PTX for `every` packed elements: the first every-1 on MUFU, the last on FMA.
 
-        Cubic for 2^f on [0, 1) with p(0)=1 and p(1)=2 pinned (continuous across integer
-        steps); max relative error 1.03e-4, far below the bf16/fp16 rounding P receives
-        before P·V. Coefficients of f, f^2, f^3: 0.6954244, 0.22630768, 0.07826797.
-
-        floor(x) comes from adding 1.5 * 2^23 rounding down: the sum's ulp is 1, so it is
-        floor(x) + 1.5 * 2^23 exactly, with floor(x) in its low mantissa bits; shifted left by
-        23 those bits are floor(x) << 23, what the exponent field needs (the constant's own
-        bits shift out). A cvt to an integer (F2I) and a round to an integral float (FRND)
-        did the same, but both run on the same quarter-rate unit as MUFU.EX2 (16 per clock
-        per SM on sm_90), so each emulated element cost two of those slots instead of one.
-        The result is bit-identical (`core/exp2.py` models it).
+        The cubic of `core/exp2.py` (coefficients, pins, error bound, and the CPU model that
+        evaluates this very sequence bit for bit). floor(x) comes from adding 1.5 * 2^23
+        rounding down: the sum's ulp is 1, so it is floor(x) + 1.5 * 2^23 exactly, floor(x)
+        in its low mantissa bits; shifted left by 23 those bits are floor(x) << 23, what the
+        exponent field needs (the constant's own bits shift out). A cvt to an integer (F2I)
+        or a round to an integral float (FRND) would do the same on the quarter-rate unit
+        MUFU.EX2 runs on, so each emulated element would cost two of those slots, not one.
         """
         every = int(every)
+        c3, c2, c1, c0, x_min, magic = _EMU_LITERALS
         lines = ["{", ".reg .f32 ef, ej, et, ep;", ".reg .b32 ei, eb;"]
         for i in range(every - 1):
             lines.append(f"ex2.approx.ftz.f32 ${i}, ${every + i};")
         x, y = f"${2 * every - 1}", f"${every - 1}"
         lines += [
             # Clamp so that 2^floor(x) stays a normal number; -inf becomes exactly 0 below.
-            f"max.ftz.f32 ef, {x}, 0fC2FE0000;",
-            "add.rm.ftz.f32 et, ef, 0f4B400000;",
-            "sub.ftz.f32 ej, et, 0f4B400000;",
+            f"max.ftz.f32 ef, {x}, {x_min};",
+            f"add.rm.ftz.f32 et, ef, {magic};",
+            f"sub.ftz.f32 ej, et, {magic};",
             "sub.ftz.f32 ef, ef, ej;",
-            "fma.rn.ftz.f32 ep, ef, 0f3DA04AF5, 0f3E67BD33;",
-            "fma.rn.ftz.f32 ep, ep, ef, 0f3F320755;",
-            "fma.rn.ftz.f32 ep, ep, ef, 0f3F800000;",
+            f"fma.rn.ftz.f32 ep, ef, {c3}, {c2};",
+            f"fma.rn.ftz.f32 ep, ep, ef, {c1};",
+            f"fma.rn.ftz.f32 ep, ep, ef, {c0};",
             "mov.b32 ei, et;",
             "shl.b32 ei, ei, 23;",
             "mov.b32 eb, ep;",
