@@ -19,7 +19,7 @@ import argparse
 import torch
 from triton.testing import do_bench
 
-from asymflash.backends.portable import _delta
+from asymflash.backends.portable import row_delta
 from asymflash.backends.sm90.bwd import dq_fragments
 
 TOKENS, MODEL_DIM = 16384, 2048
@@ -50,15 +50,15 @@ def main():
         view = dq_fragments.tiles_view(acc)
         post = timed(lambda: dq_fragments.dq_from_fragments(view, cu, TOKENS // b, TOKENS, hq,
                                                             d, d, cols, bf))
-        ref = _delta(out, dout, None, None)
+        ref = row_delta(out, dout, None, None)
         print(f"d={d:3d} b={b}: postprocess {post:6.1f} us "
               f"({post_bytes / post / 1e6:4.2f} TB/s)", flush=True)
         for block_t, warps in ((None, 4), (64, 4), (128, 8)):
             acc.normal_()
-            assert torch.equal(_delta(out, dout, None, acc, block_t, warps), ref)
+            assert torch.equal(row_delta(out, dout, None, acc, block_t, warps), ref)
             assert not acc.any(), "dQ_acc zeroed"
-            pre = timed(lambda: _delta(out, dout, None, acc, block_t, warps))
-            read = timed(lambda: _delta(out, dout, None, None, block_t, warps))
+            pre = timed(lambda: row_delta(out, dout, None, acc, block_t, warps))
+            read = timed(lambda: row_delta(out, dout, None, None, block_t, warps))
             rows = block_t or "default"
             print(f"d={d:3d} b={b} {rows} rows, {warps} warps: preprocess+zero {pre:6.1f} us "
                   f"({(io + zero_bytes) / pre / 1e6:4.2f} TB/s), preprocess {read:6.1f} us "

@@ -144,7 +144,7 @@ def main():
 
     ws = probe_common.patched_module(SRC, EDITS, "bwd-ws-tiles")
     launcher = DirectLaunch(ws.attn_bwd_ws_kernel)
-    real_launcher, real_delta = bwd._launcher_for, portable._delta
+    real_launcher, real_delta = bwd._launcher_for, portable.row_delta
     cells = sys.argv[1] if len(sys.argv) > 1 else "64:0:512,128:0:512,128:1:512,128:0:2048"
     for cell in cells.split(","):
         d, causal, seqlen = (int(x) for x in cell.split(":"))
@@ -163,13 +163,13 @@ def main():
             return real_delta(*a, zero=zero, **k)
         bwd.PERSISTENT_ROWS = -(-(32 + 132 * MAXT * W) // (h * d)) + 1  # as `rows` below
         bwd._launcher_for = lambda w, split=False: launcher if split else real_launcher(w, split)
-        portable._delta = delta
+        portable.row_delta = delta
         try:
             t = do_bench(lambda: bwd.backward(*args, cfg=c), warmup=10, rep=40)
             g = bwd.backward(*args, cfg=c)
             torch.cuda.synchronize()
         finally:
-            bwd._launcher_for, portable._delta = real_launcher, real_delta
+            bwd._launcher_for, portable.row_delta = real_launcher, real_delta
             bwd.PERSISTENT_ROWS = 1
         err = max(float((x.float() - y.float()).abs().max()) for x, y in zip(g[:3], ref[:3]))
         buf = cap["buf"]

@@ -21,7 +21,7 @@ from triton.runtime import driver
 
 from asymflash import flash_attn_func
 from asymflash.api import dense as interface
-from asymflash.backends.portable import _delta
+from asymflash.backends.portable import row_delta
 from asymflash.backends.sm90.bwd import host as bwd
 from asymflash.backends.sm90.fwd import host as fwd
 from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
@@ -180,7 +180,7 @@ def main():
     do2 = dout.view(b * s, h, d)
     add("bwd: sm90 bwd.backward",
         lambda: bwd.backward(do2, q2, k2, v2, o2, lse, None, seq, params, None))
-    add("bwd: _delta", lambda: _delta(o2, do2, None))
+    add("bwd: row_delta", lambda: row_delta(o2, do2, None))
     add("bwd: torch.zeros dq_acc",
         lambda: torch.zeros((b * s, h, d), dtype=torch.float32, device=dev))
     acc = torch.zeros((b * s, h, d), dtype=torch.float32, device=dev)
@@ -196,7 +196,7 @@ def main():
     launcher = portable._PREPROCESS
     rec = Recorder(launcher.jit)
     portable._PREPROCESS = rec
-    _delta(o2, do2, None, zero=acc)
+    row_delta(o2, do2, None, zero=acc)
     portable._PREPROCESS = launcher
     jit_call, direct, bare = launch_pieces(rec.jit, launcher, *rec.calls[0])
     add("bwd: preprocess JIT launch", jit_call)

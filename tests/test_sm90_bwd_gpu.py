@@ -537,13 +537,13 @@ def test_sm90_deterministic_first_stores_leave_no_stale_dq(case, skips, monkeypa
     from asymflash.backends.sm90.bwd import host as bwd
 
     zeroed = []
-    delta = portable._delta
+    delta = portable.row_delta
 
     def recording_delta(out, dout, dlse, zero=None, **kw):
         zeroed.append(zero is not None)
         return delta(out, dout, dlse, zero=zero, **kw)
 
-    monkeypatch.setattr(portable, "_delta", recording_delta)
+    monkeypatch.setattr(portable, "row_delta", recording_delta)
     q, k, v, dout, seq, params, sink = make_case(case)
     out, lse = portable.forward(q, k, v, seq, params, sink)
     width = bwd_width(case)

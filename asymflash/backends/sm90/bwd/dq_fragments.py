@@ -77,7 +77,7 @@ def num_blocks(total_q: int, batch: int) -> int:
 def fragment_buffer(total_q: int, batch: int, heads: int, width: int,
                     device: torch.device, extra_rows: int = 0) -> torch.Tensor:
     """The fp32 buffer of whole fragment-order tiles, uninitialised, as (64·blocks, heads,
-    width): the shape the backward preprocess zeroes (`portable._delta(zero=)`). The kernel
+    width): the shape the backward preprocess zeroes (`portable.row_delta(zero=)`). The kernel
     sees it through `tiles_view`. extra_rows: rows after the tiles', for the caller."""
     return torch.empty((num_blocks(total_q, batch) * ROWS + extra_rows, heads, width),
                        dtype=torch.float32, device=device)

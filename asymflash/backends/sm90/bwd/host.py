@@ -383,8 +383,8 @@ def _run(plan: LaunchPlan, width, width_v, padded, dout, q, k, v, out, lse, dlse
     runner's bound launches, where given). dk and dv are `width` (width_v) wide: `backward`
     cuts padded ones. q, k, v: `tma_ready`; dout and lse as the caller has them."""
     # The portable preprocess and the sink gradient are shared with the portable backend.
-    from ...cpu import sink_grad
-    from ...portable import _delta
+    from ....core.softmax import sink_grad
+    from ...portable import row_delta
 
     d, dvd = q.shape[-1], v.shape[-1]
     total_q, hq, _ = q.shape
@@ -412,7 +412,7 @@ def _run(plan: LaunchPlan, width, width_v, padded, dout, q, k, v, out, lse, dlse
         dq_acc = torch.empty((total_q + extra, hq, width), dtype=torch.float32,
                              device=q.device)
     # Deterministic mode's first turns may store instead (`first_stores`): no zeroing then.
-    delta = _delta(out, dout, dlse,
+    delta = row_delta(out, dout, dlse,
                    zero=None if plan.constexprs.get("FIRST_STORES") else dq_acc,
                    site=None if sites is None else sites.of_dlse(dlse))
     if extra:  # its tile counter: zeroed rows past dQ_acc's (bwd_ws._ws_tiles)
