@@ -85,12 +85,8 @@ if GLUON_ERROR is None:
         through (asm of m0), so they are formed inside the masked step from one base
         register instead of living through the loop in ~32 registers per thread, which
         ptxas spilled around every masked step (sm_90a, step-loop local-memory instructions,
-        causal: d=64 100 -> 27, d=128 36 -> 17). A diagnostic with no step masked had read
-        d=64 causal 2k +7 %, d=128 +4 %. H200 2026-12-01 session 24 (sm90-bwd-probe, causal
-        TFLOP/s, with / without / with): d=64 1k / 2k 279 / 266 / 280, 366 / 360 / 368, 512
-        and 16k a tie; d=128 2k / 16k 420 / 442 / 411, 548 / 576 / 523 (slower: on at d=64
-        only). bwd.py's kernel spilled more with it (four of its compile checks over their
-        budgets)."""
+        causal: d=64 100 -> 27, d=128 36 -> 17). Faster at d=64 only (see docs/tuning.md);
+        bwd/kernel.py's kernel spilled more with it."""
         if STEP_COLS:
             zero = gl.inline_asm_elementwise("sub.s32 $0, $1, $1;", "=r,r", [m0],
                                              dtype=gl.int32, is_pure=True, pack=1)

@@ -224,7 +224,7 @@ if GLUON_ERROR is None:
         """x.to(dtype) for a 16-bit dtype, two neighbouring elements per cvt with the first in
         the low half. `x.to(dtype)` converts element by element and packs each pair high-first,
         so every register of P (and dSᵀ) needed a PRMT half swap before it could be a wgmma A
-        operand: 32 of ~450 instructions per key block at d=64 (sm_90a SASS, 2026-11-30)."""
+        operand: 32 of ~450 instructions per key block at d=64 (sm_90a SASS)."""
         if dtype == gl.bfloat16:
             return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x],
                                              dtype=gl.bfloat16, is_pure=True, pack=2)

@@ -2,8 +2,8 @@
 
 This module's kernel runs d=64 with softcap, a sliding window, or a causal mask below 2k
 rows, and d=128 with softcap (or with ws_deterministic=False, deterministic=True); other
-d=64 and d=128 calls run `bwd_ws.py`'s warp-specialised version of the same plan
-(warpgroups out of phase, BwdConfig.split_warpgroups), d=256 `bwd_wide.py`. The host
+d=64 and d=128 calls run `kernel_ws.py`'s warp-specialised version of the same plan
+(warpgroups out of phase, BwdConfig.split_warpgroups), d=256 `kernel_wide.py`. The host
 side here serves all three.
 
 One CTA owns BLOCK_N keys of one (sequence, kv head) and keeps K, V (shared memory) and the
@@ -42,8 +42,8 @@ past the sequence end need no mask (their lse reads as +inf, so P = 0 there).
 dQ partials of all key blocks meet in dQ_acc. Per-thread fp32 atomics (`dq_tma=False`) cost
 +40 % at d=128 16k in L2 reduction traffic (measured with them predicated off); one TMA
 reduce-add per step (cp.reduce.async.bulk.tensor, issued from the staged tile by one thread
-per warp of the first warpgroup, one 32-column box each) moves the same bytes as whole lines:
-d=128 16k 391 -> 501 TFLOP/s. Rows past the sequence add exact zeros (P = 0), so the box needs
+per warp of the first warpgroup, one 32-column box each) moves the same bytes as whole lines
+(much faster: see docs/tuning.md). Rows past the sequence add exact zeros (P = 0), so the box needs
 no mask; the staging tile is rewritten after `tma.store_wait` and the step's main barrier.
 Either way the summation order is whatever order the CTAs arrive in.
 
@@ -55,17 +55,17 @@ mask), so "my turn" is counter == j - n_first (ascending order), or n_last - j f
 masks (descending: there the top key block reaches each query block first, so ascending turns
 would serialise the CTAs into a wavefront; measured +110-130 % vs +20-35 % for non-causal).
 The grid runs in turn order (x), so every CTA waited on has started earlier: no deadlock.
-Masks without a window walk staggered instead (BwdConfig.stagger, bwd_parts.walk_start): key
+Masks without a window walk staggered instead (BwdConfig.stagger, sched.walk_start): key
 block j starts at step j·(steps // key blocks), and a query block's turns follow the order in
 which that schedule visits it, so CTAs running at the same pace never wait; a CTA then may
 wait for one launched after it, so this needs every key block of a sequence resident at once
 (key blocks <= SMs; else ascending turns). With TMA reduces a turn passes on only once the
-reduce has written (bwd_parts.release_dq_turn_after_tma), in the same step or one step later
+reduce has written (parts.release_dq_turn_after_tma), in the same step or one step later
 (BwdConfig.turn_release), and a CTA waits for its turn while its last MMAs run. fp32 sums in
-a fixed order make dQ bitwise reproducible; dK and dV are written once anyway. Cost, H200
-2026-11-29: +28-46 % at d=64/128, +60-80 % at d=256 (the semaphore round trips and barriers
-sit on every step's critical path: taking them off needs a warp of its own for the dQ
-reduce, which the 255-register budget of d=128/256 does not leave room for).
+a fixed order make dQ bitwise reproducible; dK and dV are written once anyway. It costs
+most at d=256 (see docs/tuning.md): the semaphore round trips and barriers sit on every
+step's critical path: taking them off needs a warp of its own for the dQ
+reduce, which the 255-register budget of d=128/256 does not leave room for.
 
 The postprocess (dQ_acc -> q.dtype; the softmax scale is applied before the reduction) and the
 preprocess (delta = rowsum(dO∘O) − dlse, the portable tl kernel) are separate small launches.
@@ -164,7 +164,7 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
         consts["MASK_MODE"] = int(step_cols) | (2 if cfg.mask_scores else 0)
         consts["PERSISTENT"] = persists(cfg, uniform and not has_seqused, softcap)
         consts["KV_BUFS"] = cfg.ws_kv_buffers if consts["PERSISTENT"] else 1
-    if split or head_dim == 256:  # bwd_ws, bwd_wide (bwd.py's kernel for d <= 128 always adds)
+    if split or head_dim == 256:  # bwd_ws, bwd_wide (kernel.py's kernel for d <= 128 always adds)
         # Passed even where False: a defaulted parameter left out would send every launch
         # down Triton's own launch path (DirectLaunch keeps binaries of full calls only).
         consts["FIRST_STORES"] = first_stores and deterministic
@@ -201,12 +201,9 @@ def first_stores(cfg: BwdConfig, deterministic: bool, dense: bool, seqlen_q: int
         return False
     # What it saves is fixed per token (the zeroing's 134 MB at model dim 2048); what it
     # costs grows with the keys each query block meets: the unwanted store or add per tile
-    # (aimed past the buffer) still takes the TMA unit ~3 % of the kernel. H200 2026-12-02
-    # session 26 (sm90-bwd-probe, deterministic TFLOP/s, three interleaved rounds, zeroing ->
-    # first stores): d=64 512 / 2k / 16k 263 / 422 / 493 -> 287 / 423 / 480, causal 173 /
-    # 348 / 475 -> 202 / 364 / 484; d=128 302 / 459 / 516 -> 335 / 446 / 501, causal 195 /
-    # 391 / 532 -> 217 / 407 / 519. So only while a query block meets at most
-    # FIRST_STORES_MAX_KEYS keys (causal: half of seqlen_k on average).
+    # (aimed past the buffer) still takes the TMA unit ~3 % of the kernel. So only while a
+    # query block meets at most FIRST_STORES_MAX_KEYS keys (causal: half of seqlen_k on
+    # average; see docs/tuning.md).
     keys = seqlen_k // 2 if window_right >= 0 else seqlen_k
     if keys > FIRST_STORES_MAX_KEYS:
         return False
@@ -241,7 +238,7 @@ def _dq_block(head_dim: int, cfg: BwdConfig, split: bool = False) -> tuple[int, 
 
 def _fragments(cfg: BwdConfig, split: bool, head_dim: int) -> bool:
     """Whether dQ leaves in fragment order (`dq_fragments.py`): TMA reduces of bwd_ws's
-    tiles, of bwd.py's 128-row ones (two warpgroups of 64 rows; d=64), or of bwd_wide's
+    tiles, of kernel.py's 128-row ones (two warpgroups of 64 rows; d=64), or of bwd_wide's
     128-column halves (the warpgroups' 64 columns each; d=256)."""
     return cfg.dq_fragment and cfg.dq_tma and (split or cfg.block_m == 128 or head_dim == 256)
 
@@ -261,7 +258,7 @@ def _key_rows(cfg: BwdConfig, split: bool) -> int:
 @functools.lru_cache(maxsize=None)
 def _dq_layout(block: tuple, swizzle: int = 128):
     """Shared layout of the fp32 dQ staging tile (`BwdConfig.dq_swizzle`); cached (building
-    one cost ~30 us of host time per backward call, H200 profile 2026-11-29)."""
+    one cost ~30 us of host time per backward call)."""
     if swizzle == 128:
         return gl.NVMMASharedLayout.get_default_for(list(block), gl.float32)
     return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=2)
@@ -554,7 +551,7 @@ def launch_plan(width: int, width_v: int, max_seqlen_q: int, max_seqlen_k: int,
     chunk = head_chunk(cfg, window_right >= 0 and window_left < 0, dense, deterministic,
                        split and persists(cfg, dense, softcap), hq or hkv, hkv, batch,
                        max_seqlen_q, max_seqlen_k, window_right, width, width_v, sms)
-    # the kernels' HEADS_FIRST (bwd_parts.key_block): 0 one head after another, 1 all heads
+    # the kernels' HEADS_FIRST (sched.key_block): 0 one head after another, 1 all heads
     # first, c >= 2 chunks of c kv heads
     first = 1 if chunk == hkv else chunk
     grid = ((chunk, hkv // chunk * key_blocks, batch) if chunk

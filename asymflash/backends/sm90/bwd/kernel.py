@@ -59,7 +59,7 @@ if GLUON_ERROR is None:
     # Lengths, head counts and windows stay runtime values: Triton would otherwise compile a
     # variant per value 1 (and per divisibility by 16), and with seqlen_q = group = 1 folded
     # to constants the step loop collapses into a form triton 3.6's LLVM lowering crashes on
-    # (found on the H200, 2026-11-29; tests/test_sm90_bwd_compile.py).
+    # (tests/test_sm90_bwd_compile.py).
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
                                   "group", "window_left", "window_right", "num_m_blocks"])
     def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
@@ -90,8 +90,8 @@ if GLUON_ERROR is None:
                                                          k_width=2)
         dsq_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout,
                                                           k_width=2)
-        # Deterministic mode, how the dQ turn is polled (bwd_parts.wait_dq_turn): by every
-        # warp at d=128 (local-memory instructions, ptxas 2026-11-29: causal 47 -> 6,
+        # Deterministic mode, how the dQ turn is polled (parts.wait_dq_turn): by every
+        # warp at d=128 (local-memory instructions, ptxas: causal 47 -> 6,
         # non-causal 18 -> 0), by thread 0 at d=64 (there the windowed build went 22 -> 30).
         WARP_SPIN: gl.constexpr = HEAD_DIM == 128
         key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)

@@ -1,6 +1,6 @@
 """FlashAttention backward for Hopper at head dim 256, in Gluon.
 
-The d <= 128 kernel (bwd.py) gives each warpgroup its own 64 keys and keeps that warpgroup's
+The d <= 128 kernel (kernel.py) gives each warpgroup its own 64 keys and keeps that warpgroup's
 dK and dV rows in registers. At d = 256 one warpgroup's 64 × 256 dK and dV would take 256
 fp32 registers per thread, so here the two warpgroups share one block of 64 keys and split the
 head dim instead (FA3's hdim-256 shape):
@@ -36,7 +36,7 @@ out; barrier 1 waits for both reads before those buffers load again. With
 first MMAs: issued right behind the low one, its command waited in the TMA unit's queue.
 
 Everything else (the step walk over the GQA group's query blocks, masks only on edge blocks,
-lse/delta staging, the deterministic turns) is bwd.py's, through bwd_parts.
+lse/delta staging, the deterministic turns) is kernel.py's, through parts.py.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ if GLUON_ERROR is None:
                              STATS_LATE: gl.constexpr, HEADS_FIRST: gl.constexpr,
                              DQ_IN_OPS: gl.constexpr = False, HI_LATE: gl.constexpr = False,
                              FIRST_STORES: gl.constexpr = False):
-        # dPᵀ is always issued with Sᵀ here (DP_EARLY is bwd.py's register trade-off), and dV
+        # dPᵀ is always issued with Sᵀ here (DP_EARLY is kernel.py's register trade-off), and dV
         # is always retired before dSᵀ is published (barrier 2 relies on it); DV_OVERLAP keeps
         # it in flight while dSᵀ is formed. DQ_TMA: dQ leaves by TMA reduce-add in two
         # 128-column halves (dq_desc's box) through one staging tile.
@@ -239,7 +239,7 @@ if GLUON_ERROR is None:
                 if DQ_TMA:
                     if DETERMINISTIC:
                         if RELEASE_AT == 1:
-                            if it > 0:  # the previous step's turn (bwd.py)
+                            if it > 0:  # the previous step's turn (kernel.py)
                                 release_dq_turn_after_tma(held, m0)
                     # the previous step's dQ reduces have read their staging (dq_smem, or
                     # with DQ_IN_OPS that step's dO buffer and Q slot, loaded next)
@@ -283,7 +283,7 @@ if GLUON_ERROR is None:
                         stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
                                     m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
                 if DETERMINISTIC:
-                    if WAIT_EARLY:  # the semaphore's round trip under the MMAs (bwd.py)
+                    if WAIT_EARLY:  # the semaphore's round trip under the MMAs (kernel.py)
                         sem, first = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
                                                   num_m_blocks, m0, n_blk, n_seq, shift,
                                                   window_left, window_right, h_first, m_lo,
@@ -292,7 +292,7 @@ if GLUON_ERROR is None:
                 # Groups retire in order: the low dQ half is added while the high one runs.
                 dk, dq_lo = warpgroup_mma_wait(1, deps=[dk_tok, dq_lo_tok])
                 if DQ_TMA:
-                    # One staging tile for both halves (bwd.py: rows past the sequence add
+                    # One staging tile for both halves (kernel.py: rows past the sequence add
                     # exact zeros): three more barriers, but no per-thread atomics.
                     # FRAG: the halves as tiles in the accumulator's order (dq_fragments.py:
                     # parts 0 and 1 of the 64-row block `fragment_block`)

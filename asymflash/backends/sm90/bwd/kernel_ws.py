@@ -1,7 +1,7 @@
 """Warp-specialised sm90 backward: the two key warpgroups out of phase (d = 128; d = 64
 unmasked, causal from 1k rows, and deterministic), as a plain or a persistent grid.
 
-`bwd.py`'s kernel runs both warpgroups through every step together: a CTA-wide barrier
+`kernel.py`'s kernel runs both warpgroups through every step together: a CTA-wide barrier
 publishes dSᵀ for dQ = dS·K, another stages dQ for its TMA reduce, and Triton adds its own
 around shared-memory reuse. Both warpgroups then form Pᵀ and dSᵀ at the same moments while
 the tensor cores wait, and wait for the tensor cores at the same moments (H200 timeline,
@@ -14,7 +14,7 @@ Here the roles are `gl.warp_specialize` partitions that only meet through mbarri
   (`BwdConfig.ring_slots`, two by default; the dSᵀ buffers stay two). The statistics' load
   latency is off the compute warps' path.
 * two compute warpgroups, warpgroup w owning keys [64·w, 64·w + 64) of the block: Sᵀ, dPᵀ,
-  Pᵀ, dV, dSᵀ and dK as in `bwd.py`, and dQ[:, 64·w : 64·w + 64] = dS·K[:, cols], which needs
+  Pᵀ, dV, dSᵀ and dK as in `kernel.py`, and dQ[:, 64·w : 64·w + 64] = dS·K[:, cols], which needs
   both halves of dSᵀ. Warpgroup 1 computes it for the current step (warpgroup 0's half is
   a half step old by then); warpgroup 0 computes it one step late, for the previous step
   (so it never waits for warpgroup 1's current half). Each warpgroup stages its own dQ
@@ -37,35 +37,28 @@ roles through shared memory (tile_full / tile_empty); every ring and dSᵀ phase
 across tiles by a step count. A tile boundary: the load warp loads the next K/V once both
 warpgroups are past their last MMA reading them (kv_free), and the next Q/dO at once, dK/dV
 staging outside the ring (the dSᵀ halves at d=64, the dQ tile and a dV buffer at d=128;
-`_epilogue_buffers`). H200 2026-12-01 session 21: d=128 512 / 2k / 16k 340 / 492 / 555 ->
-357 / 519 / 576 TFLOP/s in the benchmark; stamped tiles (`scripts/bwd-ws-tiles.py`) put a
-tile's step 0 ~1900 (d=64) / ~2500 (d=128) cycles after the previous tile's stores, its K/V
-(issued behind the late warpgroup's last dQ, ~4000-6000 cycles in flight) the critical path.
+`_epilogue_buffers`). Stamped tiles (`scripts/bwd-ws-tiles.py`) put a tile's step 0
+~1900 (d=64) / ~2500 (d=128) cycles after the previous tile's stores, its K/V (issued behind
+the late warpgroup's last dQ, ~4000-6000 cycles in flight) the critical path.
 
 Deterministic mode (`BwdConfig.ws_deterministic`) adds a dQ warp in
 the load warp's padded warpgroup: the warpgroups stage their dQ tiles and hand them over
 (dq_full[w]); the dQ warp waits for the CTA's turn on the step's query block (the synchronous
-kernel's order, `bwd_parts.wait_dq_turn`), adds both tiles, hands them back once read
+kernel's order, `parts.wait_dq_turn`), adds both tiles, hands them back once read
 (dq_empty[w]) and passes the turn on once the adds have landed. The turn's round trips stay
-off the compute warpgroups; in `bwd.py`'s kernel they sit on every step's critical path.
+off the compute warpgroups; in `kernel.py`'s kernel they sit on every step's critical path.
 
-Covers what `bwd.py` covers except softcap and per-thread dQ atomics (and deterministic mode
-unless asked for): `bwd._splits_warpgroups` keeps those on the synchronous kernel.
+Covers what `kernel.py` covers except softcap and per-thread dQ atomics (and deterministic mode
+unless asked for): `config._splits_warpgroups` keeps those on the synchronous kernel.
 
-H200 2026-11-30 (scripts/sm90-bwd-probe.py, same process), d=128 TFLOP/s 512 / 2k / 16k:
-synchronous kernel 310-317 / 444-474 / 492-534, this one 337-338 / 513-516 / 536-554;
-causal 207-208 / 376-392 / 493-520 -> 209-210 / 395-405 / 529-582. At d=64 (128-row steps:
+Faster than the synchronous kernel at d=128 (see docs/tuning.md). At d=64 (128-row steps:
 dQ split by rows) a partition's 240 registers spilled (46-95 local-memory instructions) while
 each warpgroup issued its own reduce, and it lost at 512 rows and causal. With the dQ warp
 issuing both warpgroups' reduces (deterministic mode's hand-over: BwdConfig.ws_dq_warp, and
-the turns in deterministic mode) it spills 6 unmasked and wins: deterministic +20-35 % at
-2k-16k rows over `bwd.py`'s kernel (session 19), default +6-22 % from 1k rows, causal +4-9 %
-from 2k (session 20), +3 % at 1k as a persistent grid (session 21;
-`bwd_config.select_config`). d=64 with 64-row steps (dQ split by columns, as d=128) compiles
-without spills, with two or three ring slots, and is slower than 128-row steps
-(deterministic 2k / 16k 317 / 356 vs 430 / 503). Tried and dropped:
-deterministic turns per warpgroup (a counter per dQ half): 253 / 358 / 406 -> 272 / 373 /
-401 against the synchronous kernel's deterministic mode, not worth a second turn scheme.
+the turns in deterministic mode) it spills 6 unmasked and wins where `config.select_config`
+takes it. d=64 with 64-row steps (dQ split by columns, as d=128) compiles without spills,
+with two or three ring slots, and is slower than 128-row steps. Deterministic turns per
+warpgroup (a counter per dQ half) were not worth a second turn scheme.
 """
 
 from __future__ import annotations
@@ -143,9 +136,7 @@ if GLUON_ERROR is None:
             if g >= RING:  # both warpgroups are done with step g - RING
                 mbarrier.wait(empty.index(slot), ((g - RING) // RING) & 1)
             # Q and dO first, so that their TMA latency overlaps the statistics' loads (a
-            # CTA's first step waits for both: H200 2026-11-30 session 20, sm90-bwd-probe,
-            # TFLOP/s at 512 rows, statistics first -> last: d=64 283-284 -> 296-297, d=128
-            # 335-337 -> 339-342, causal 213 -> 214; 2k-16k a tie). `ready` takes a second
+            # CTA's first step waits for both; faster for short calls). `ready` takes a second
             # arrive, behind the statistics' stores (release semantics, behind a barrier of
             # this warp).
             load_qdo(q_desc, do_desc, q_smem, do_smem, ready, slot, h, q_start + m0, HEAD_DIM,
@@ -235,7 +226,7 @@ if GLUON_ERROR is None:
                      FIRST_STORES: gl.constexpr = False):
         """The dQ warp (DET: the compute warpgroups hand it their staged dQ tiles): per step,
         with TURNS (deterministic mode) wait for this CTA's dQ turn on the step's query block
-        (bwd_parts.wait_dq_turn, the synchronous kernel's order), then for both warpgroups'
+        (parts.wait_dq_turn, the synchronous kernel's order), then for both warpgroups'
         tiles, reduce-add them, hand the tiles back once read, and (TURNS) pass the turn on
         once the adds have landed. The turn's round trips and the wait for the writes stay
         off the compute warpgroups, which only wait for their tile's hand-back (a step
@@ -448,9 +439,8 @@ if GLUON_ERROR is None:
         """Where warpgroup WG stages its dK and dV tiles (`_epilogue_mode` EPI), once both
         warpgroups have retired their last MMA. Outside the ring (EPI 1, 2: buffers only
         this warpgroup writes), the load warp fills the ring with the next tile's first
-        Q/dO while the stores go out (H200 2026-12-01 session 21, stamped persistent CTAs at
-        d=64 512: step 0 of a tile began 3171 -> 1901 cycles after the previous tile's
-        stores; 297 -> 315 TFLOP/s)."""
+        Q/dO while the stores go out (a tile's step 0 then begins ~1900 instead of ~3200
+        cycles after the previous tile's stores at d=64)."""
         dtype: gl.constexpr = q_smem.dtype
         KEYS: gl.constexpr = dk_desc.block_type.shape[0]
         HEAD_DIM: gl.constexpr = dk_desc.block_type.shape[1]
@@ -833,11 +823,11 @@ if GLUON_ERROR is None:
         # Same arguments as bwd._attn_bwd_kernel (one host path); DK_LATE, STATS_LATE,
         # RELEASE_AT, WAIT_EARLY and dq_ptr belong to that kernel's schedule. DV_OVERLAP:
         # dV = Pᵀ·dO stays in flight while dSᵀ is formed (BwdConfig.dv_overlap).
-        # DETERMINISTIC: the dQ warp adds the tiles in bwd.py's turn order (causal masks:
+        # DETERMINISTIC: the dQ warp adds the tiles in kernel.py's turn order (causal masks:
         # the grid runs from the top key block down, as there). DQ_WARP: without
         # DETERMINISTIC, the dQ warp still issues the reduces (BwdConfig.ws_dq_warp).
         # PERSISTENT: BwdConfig.ws_persistent (`_ws_tiles`); KV_BUFS: its K/V buffers
-        # (BwdConfig.ws_kv_buffers). MASK_MODE: how masked steps mask (bwd_parts.probabilities;
+        # (BwdConfig.ws_kv_buffers). MASK_MODE: how masked steps mask (parts.probabilities;
         # BwdConfig.step_cols, mask_scores). FIRST_STORES: deterministic mode's first dQ turn
         # of each query block stores instead of adding (bwd.first_stores).
         if PERSISTENT:

@@ -1,8 +1,8 @@
-"""Gluon pieces shared by the two sm90 backward kernels (`bwd.py` for d <= 128, `bwd_wide.py`
+"""Gluon pieces shared by the two sm90 backward kernels (`kernel.py` for d <= 128, `kernel_wide.py`
 for d = 256): loads, row statistics, the query range of a key block, the masks, the dQ
 reduction with its deterministic turn, and the dK/dV stores.
 
-Both kernels follow the same plan (see bwd.py's docstring): one CTA per key block, a walk over
+Both kernels follow the same plan (see host.py's docstring): one CTA per key block, a walk over
 (q head of the group, query block) steps, transposed products so the key dimension is the
 wgmma M axis. They differ in how the two warpgroups share a step.
 """
@@ -71,7 +71,7 @@ if GLUON_ERROR is None:
     @gluon.jit
     def add_dq_tile(desc, row, col, src, FIRST_STORES: gl.constexpr, first):
         """dQ_acc[box at (row, col)] += the staged tile `src` (TMA reduce-add). FIRST_STORES
-        (deterministic mode, `bwd.first_stores`: dQ_acc is not zeroed): where `first` (1 on
+        (deterministic mode, `host.first_stores`: dQ_acc is not zeroed): where `first` (1 on
         a query block's first turn, else 0) the tile is stored instead. Branch-free: both a
         store and an add are issued, the one not wanted aimed FAR_ROW rows away, where the
         TMA unit writes nothing (a branch around them made ptxas spill in bwd_ws's compute
@@ -207,7 +207,7 @@ if GLUON_ERROR is None:
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                      HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr, WARP_SPIN: gl.constexpr):
         """Deterministic mode: spin until key block n_blk may add its dQ partial of query
-        block m0 of head h (`dq_turn`, bwd.py's docstring); return that block's turn counter
+        block m0 of head h (`dq_turn`, host.py's docstring); return that block's turn counter
         and whether this is its first turn (1 or 0: `add_dq_tile`). WARP_SPIN: every warp
         polls (`spin_until_equal`), else thread 0 polls and broadcasts.
         """
@@ -231,7 +231,7 @@ if GLUON_ERROR is None:
         obvious form, `while gl.atomic_add(ptr, 0, sem="acquire") != value`, has one thread
         poll and broadcast through shared memory; ptxas cannot prove that loop warp-uniform
         and, inside a step loop, then keeps the loop-invariant wgmma descriptors in vector
-        registers: at d=256 they spilled (ptxas, 2026-11-29: 103 / 134 local-memory
+        registers: at d=256 they spilled (ptxas: 103 / 134 local-memory
         instructions non-causal / causal, 35 / 54 between the MMAs; 0 with this loop). One
         thread or one warp polling behind a branch on the thread index, or thread 0 with a
         predicated load, still spilled 60-77 in the non-causal build.
@@ -343,9 +343,8 @@ if GLUON_ERROR is None:
             dv_buf.store(gl.convert_layout(dv.to(dv_desc.dtype), rows_layout))
         else:
             # Straight from the wgmma layout: one shared-memory pass instead of three (the
-            # conversion writes and reads a scratch tile first). H200 2026-11-30, d=128
-            # TFLOP/s 512 / 2k rows: 309 / 469 -> 315 / 473, causal 198 / 374 -> 203 / 380
-            # (d=256 +1-2 %, but its deterministic causal build spills in the loop).
+            # conversion writes and reads a scratch tile first; see docs/tuning.md). Not at
+            # d=256: its deterministic causal build spills in the loop.
             dk_buf.store(dk.to(dk_desc.dtype))
             dv_buf.store(dv.to(dv_desc.dtype))
         fence_async_shared()

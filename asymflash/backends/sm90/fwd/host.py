@@ -62,8 +62,8 @@ BLOCK_M = 2 * BLOCK_M_WG  # query rows per CTA
 class LaunchPlan:
     """Everything a forward launch needs that depends on shapes and switches only, not on
     the tensors' data: built once per distinct call (`launch_plan`), so a repeated call
-    pays for descriptors, two allocations and the launch alone (host time is what 512-row
-    calls were bound by, H200 2026-11-29)."""
+    pays for descriptors, two allocations and the launch alone (host time bounds short
+    calls)."""
 
     cfg: FwdConfig
     grid: int
@@ -74,8 +74,8 @@ class LaunchPlan:
     o_width: int  # output_box_width
 
 
-# FA4's two forward tricks as process-wide switches (both off by default: on the H200 each
-# lost, see fwd_config.py's tuning table), so that any call, and the benchmark, can run with them:
+# FA4's two forward tricks as process-wide switches (the defaults: config.py's tuning
+# table), so that any call, and the benchmark, can run with them:
 # ASYMFLASH_SM90_EXP2_EMU=k (2, 4 or 8) puts one exponential in k on the FMA pipe,
 # ASYMFLASH_SM90_RESCALE=t (> 0, log2 units; FA4 uses 8) rescales O only when a row's max
 # grew by more than t. They apply to the config a call would otherwise run; an explicit
@@ -237,8 +237,7 @@ def packs_gqa(total_q: int, hq: int, hkv: int, seq: SeqInfo, params: AttnParams,
 
     Exact only where every row of a sequence sees the same keys: no mask, or one query row
     (bottom-right aligned, it sees every key unless a left window cuts them), and no sink
-    (a per-q-head logit). H200, GQA 32:4, d=128, 8k keys, batch 32 (2026-11-29, bench
-    --seqlen-k): 76 -> 152 TFLOP/s at seqlen_q 16, 295 -> 521 at 64 (cuDNN 86 / 312).
+    (a per-q-head logit). A large gain for short GQA queries (see docs/tuning.md).
     """
     if hq == hkv or sink is not None or seq.max_seqlen_q > PACK_GQA_MAX_SEQLEN_Q:
         return False

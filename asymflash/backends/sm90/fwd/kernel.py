@@ -25,7 +25,7 @@ into a peeled first block (always masked, which also covers empty rows and empty
 sequences), a masked prefix (sliding-window left edge), an unmasked middle and a masked
 suffix (causal diagonal / right window / ragged end), so the common blocks pay no mask.
 
-FA4 tricks, chosen per call through `FwdConfig` (the defaults: `fwd_config.py`) or, for every
+FA4 tricks, chosen per call through `FwdConfig` (the defaults: `config.py`) or, for every
 call, by the switches ASYMFLASH_SM90_EXP2_EMU=k and ASYMFLASH_SM90_RESCALE=t (`fa4_tricks`):
 * `exp2_emu_every = k`: every k-th exponential runs as a cubic polynomial on the FMA pipe
   instead of MUFU (2^x = 2^floor(x) · p(frac(x)), the integer part added to the exponent
@@ -579,8 +579,8 @@ if GLUON_ERROR is None:
         dv = d, `output_box_width`) 1: in the warpgroup's Q buffer on the plain grid, where
         Q is dead after the last S; 2: on the persistent grid, in one 32 KB tile the
         warpgroups take turns at (there the next tile's Q lands during the epilogue; staged
-        in the Q buffer it had to wait for the store: d=256 causal 512 rows 216 -> 111
-        TFLOP/s, H200 2026-11-29)."""
+        in the Q buffer it had to wait for the store, at half the speed for short causal
+        calls)."""
         if block_shape[1] != width or width <= 128:
             return 0
         return 2 if persistent else 1
