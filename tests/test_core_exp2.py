@@ -110,16 +110,16 @@ def test_fma_model_is_correctly_rounded():
 
 
 def test_kernel_ptx_uses_these_coefficients():
-    """The PTX the sm90 forward emits (`_emu_asm`) carries exactly core.exp2's constants."""
+    """The PTX the sm90 forward emits (`emu_asm`) carries exactly core.exp2's constants."""
     import re
 
-    kernel = pytest.importorskip("asymflash.backends.sm90.fwd.kernel")
+    kernel = pytest.importorskip("asymflash.backends.sm90.fwd.softmax")
     if kernel.GLUON_ERROR is not None:
         pytest.skip(kernel.GLUON_ERROR)
     from asymflash.core.exp2 import FLOOR_MAGIC, X_MIN, ptx_f32
 
     for every in (1, 2, 4, 8):
-        asm = kernel._emu_asm(every)  # the PTX the Gluon kernel places
+        asm = kernel.emu_asm(every)  # the PTX the Gluon kernel places
         fmas = re.findall(r"fma\.rn\.ftz\.f32 ep, (\w+), (\w+), (\w+);", asm)
         assert fmas == [("ef", ptx_f32(POLY_COEFFS[3]), ptx_f32(POLY_COEFFS[2])),
                         ("ep", "ef", ptx_f32(POLY_COEFFS[1])),
@@ -141,7 +141,7 @@ def test_kernel_sequence_matches_the_model_bitwise_on_gpu():
     import triton
     import triton.language as tl
 
-    kernel = pytest.importorskip("asymflash.backends.sm90.fwd.kernel")
+    kernel = pytest.importorskip("asymflash.backends.sm90.fwd.softmax")
 
     @triton.jit
     def _apply(x_ptr, y_ptr, n, ASM: tl.constexpr, BLOCK: tl.constexpr):
@@ -159,7 +159,7 @@ def test_kernel_sequence_matches_the_model_bitwise_on_gpu():
                                  1e-10, 1e-40, -1e-40, 8.0])]).float()
     y = torch.empty_like(x, device="cuda")
     n = x.numel()
-    _apply[(triton.cdiv(n, 1024),)](x.cuda(), y, n, ASM=kernel._emu_asm(1), BLOCK=1024)
+    _apply[(triton.cdiv(n, 1024),)](x.cuda(), y, n, ASM=kernel.emu_asm(1), BLOCK=1024)
     want = exp2_poly_numpy(x.numpy())
     got = y.cpu().numpy()
     bad = np.flatnonzero(got.view(np.int32) != want.view(np.int32))

@@ -44,7 +44,7 @@ from ....core.exp2 import FLOOR_MAGIC, POLY_COEFFS, X_MIN, ptx_f32
 from ..common import GLUON_ERROR
 
 # The polynomial exp2's PTX literals, from core/exp2.py (the model of the sequence in
-# `_emu_asm`): c3, c2, c1, c0, the clamp and the floor constant. A global of plain strings,
+# `emu_asm`): c3, c2, c1, c0, the clamp and the floor constant. A global of plain strings,
 # so Triton's cache key sees them.
 _EMU_LITERALS = tuple(ptx_f32(c) for c in (*POLY_COEFFS[::-1], X_MIN, FLOOR_MAGIC))
 
@@ -63,7 +63,6 @@ if GLUON_ERROR is None:
     from ..common import (
         copy_rows,
         sequence,
-        tanh,
         tile_layout,
         to_16bit,
     )
@@ -74,95 +73,22 @@ if GLUON_ERROR is None:
         tile_of,
         wave_tile,
     )
-
-    @gluon.constexpr_function
-    def _emu_asm(every):
-        """PTX for `every` packed elements: the first every-1 on MUFU, the last on FMA.
-
-        The cubic of `core/exp2.py` (coefficients, pins, error bound, and the CPU model that
-        evaluates this very sequence bit for bit). floor(x) comes from adding 1.5 * 2^23
-        rounding down: the sum's ulp is 1, so it is floor(x) + 1.5 * 2^23 exactly, floor(x)
-        in its low mantissa bits; shifted left by 23 those bits are floor(x) << 23, what the
-        exponent field needs (the constant's own bits shift out). A cvt to an integer (F2I)
-        or a round to an integral float (FRND) would do the same on the quarter-rate unit
-        MUFU.EX2 runs on, so each emulated element would cost two of those slots, not one.
-        """
-        every = int(every)
-        c3, c2, c1, c0, x_min, magic = _EMU_LITERALS
-        lines = ["{", ".reg .f32 ef, ej, et, ep;", ".reg .b32 ei, eb;"]
-        for i in range(every - 1):
-            lines.append(f"ex2.approx.ftz.f32 ${i}, ${every + i};")
-        x, y = f"${2 * every - 1}", f"${every - 1}"
-        lines += [
-            # Clamp so that 2^floor(x) stays a normal number; -inf becomes exactly 0 below.
-            f"max.ftz.f32 ef, {x}, {x_min};",
-            f"add.rm.ftz.f32 et, ef, {magic};",
-            f"sub.ftz.f32 ej, et, {magic};",
-            "sub.ftz.f32 ef, ef, ej;",
-            f"fma.rn.ftz.f32 ep, ef, {c3}, {c2};",
-            f"fma.rn.ftz.f32 ep, ep, ef, {c1};",
-            f"fma.rn.ftz.f32 ep, ep, ef, {c0};",
-            "mov.b32 ei, et;",
-            "shl.b32 ei, ei, 23;",
-            "mov.b32 eb, ep;",
-            "add.s32 eb, eb, ei;",
-            f"mov.b32 {y}, eb;",
-            "}",
-        ]
-        return "\n".join(lines)
-
-    @gluon.constexpr_function
-    def _emu_constraints(every):
-        return ",".join(["=r"] * every + ["r"] * every)
-
-    @gluon.jit
-    def _exp2(x, EMU_EVERY: gl.constexpr):
-        """2^x; with EMU_EVERY=k one element in k is computed on the FMA pipe."""
-        if EMU_EVERY == 0:
-            return gl.exp2(x)
-        else:
-            return gl.inline_asm_elementwise(_emu_asm(EMU_EVERY), _emu_constraints(EMU_EVERY),
-                                             [x], dtype=gl.float32, is_pure=True,
-                                             pack=EMU_EVERY)
-
-    @gluon.constexpr_function
-    def _rescale_asm(pack):
-        """PTX for `pack` elements of O, each multiplied in place by its row's alpha, unless the
-        warp's flag (the same in every element: operand 3 pack is the first) is 0. The branch
-        is warp-uniform, so the skipped multiplies are not issued at all."""
-        pack = int(pack)
-        lines = ["{", ".reg .pred %rs_q;", f"setp.eq.u32 %rs_q, ${3 * pack}, 0;",
-                 "@%rs_q bra.uni RS_SKIP_${:uid};"]
-        lines += [f"mul.f32 ${i}, ${i}, ${2 * pack + i};" for i in range(pack)]
-        lines += ["RS_SKIP_${:uid}:", "}"]
-        return "\n".join(lines)
-
-    @gluon.constexpr_function
-    def _rescale_constraints(pack):
-        # Each output tied to its own input element: O is updated in place, with no second
-        # copy live (a second copy spilled at d=64 with three warpgroups).
-        pack = int(pack)
-        return ",".join(["=r"] * pack + [str(i) for i in range(pack)] + ["r"] * (2 * pack))
-
-    @gluon.jit
-    def _rescale_if_moved(acc, alpha_o):
-        """FA4's conditional rescale (`FwdConfig.rescale_threshold`), decided per warp: O is
-        multiplied by alpha only in warps where some row moved its max (alpha < 1); alpha is
-        exactly 1 in the other rows. A warp vote decides it: the reduction over the
-        warpgroup the first version used went through shared memory and a barrier every key
-        block, and lost. alpha_o holds a thread's two rows."""
-        moved = gl.inline_asm_elementwise(
-            "{ .reg .pred %mv_p, %mv_q; setp.lt.f32 %mv_p, $2, 0f3F800000;"
-            " setp.lt.or.f32 %mv_p, $3, 0f3F800000, %mv_p;"
-            " vote.sync.any.pred %mv_q, %mv_p, 0xffffffff;"
-            " selp.u32 $0, 1, 0, %mv_q; selp.u32 $1, 1, 0, %mv_q; }",
-            "=r,=r,r,r", [alpha_o], dtype=gl.int32, is_pure=True, pack=2)
-        alpha_b, moved_b = gl.broadcast(gl.expand_dims(alpha_o, 1), gl.expand_dims(moved, 1))
-        # 32 elements per asm block: a thread holds 32, 64 or 128 of O (dv = 64 / 128 / 256)
-        PACK: gl.constexpr = 32
-        return gl.inline_asm_elementwise(_rescale_asm(PACK), _rescale_constraints(PACK),
-                                         [acc, alpha_b, moved_b], dtype=gl.float32,
-                                         is_pure=True, pack=PACK)
+    from .epilogue import (
+        make_o_layout,
+        make_p_layout,
+        make_row_layout,
+        make_s_layout,
+        o_staging,
+        o_turn_index,
+        q_bar_count,
+        stacked,
+        tile_store,
+    )
+    from .softmax import (
+        online_softmax,
+        rescale_if_moved,
+        scores,
+    )
 
     @gluon.jit
     def _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
@@ -197,49 +123,6 @@ if GLUON_ERROR is None:
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
             copy_rows(v_desc, row, kv_head, HEAD_DIM_V, v_ready.index(slot),
                        v_smem.index(slot), True)
-
-    @gluon.jit
-    def _scores(s, n, rows, shift, seqlen_k, window_left, window_right, softcap_pre,
-                MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-        """Raw Q·Kᵀ block -> logits before the (log2-folded) scale, masked keys at -inf."""
-        if SOFTCAP:
-            s = tanh(s * softcap_pre)
-        if MASKED:
-            cols = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            c2 = gl.expand_dims(cols, 0)
-            r2 = gl.expand_dims(rows, 1)
-            ok = c2 < seqlen_k
-            if HAS_RIGHT:
-                ok = ok & (c2 <= r2 + shift + window_right)
-            if HAS_LEFT:
-                ok = ok & (c2 >= r2 + shift - window_left)
-            s = gl.where(ok, s, -float("inf"))
-        return s
-
-    @gluon.jit
-    def _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY: gl.constexpr,
-                        RESCALE_THRESHOLD: gl.constexpr):
-        """One block of the online softmax in log2 units.
-
-        Returns P (fp32, unnormalised), the new running max/sum and the factor O must be
-        multiplied by. m_i is in scaled log2 units; -inf while a row has seen no key.
-        """
-        m_blk = gl.max(s, 1) * qk_scale
-        m_cand = gl.maximum(m_i, m_blk)
-        if RESCALE_THRESHOLD > 0:
-            # Stale max: P may reach 2^threshold, harmless in fp32 and in bf16/fp16 P.
-            m_new = gl.where(m_cand > m_i + RESCALE_THRESHOLD, m_cand, m_i)
-        else:
-            m_new = m_cand
-        # Rows without any allowed key so far keep m = -inf; subtract 0 there instead of
-        # -inf so that exp2(-inf - -inf) never produces NaN (p and alpha come out 0 / 1).
-        m_sub = gl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_sub)
-        # s * qk_scale - m folds into one FFMA per element before the exponential.
-        p = _exp2(s * qk_scale - gl.expand_dims(m_sub, 1), EMU_EVERY)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        return p, m_new, l_i, alpha
 
     @gluon.jit
     def _take_turn(bars, k, WG: gl.constexpr, TURNS: gl.constexpr):
@@ -285,9 +168,9 @@ if GLUON_ERROR is None:
         # wgmma groups retire in order: with one group left in flight, S_i is complete.
         s = warpgroup_mma_wait(1, deps=[s_tok])
         mbarrier.arrive(k_empty.index(slot))
-        s = _scores(s, n, rows, shift, seqlen_k, window_left, window_right, softcap_pre, MASKED,
+        s = scores(s, n, rows, shift, seqlen_k, window_left, window_right, softcap_pre, MASKED,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
-        p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
+        p, m_i, l_i, alpha = online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
         # p_op is a register operand of the P·V in flight: keep it alive until that group retires.
         acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
         mbarrier.arrive(v_empty.index(prev))
@@ -296,7 +179,7 @@ if GLUON_ERROR is None:
             # P packed first: the skip's branch ends the block, so the packs can still
             # interleave with the exponentials
             p_op = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
-            acc = _rescale_if_moved(acc, alpha_o)
+            acc = rescale_if_moved(acc, alpha_o)
         else:
             acc = acc * gl.expand_dims(alpha_o, 1)
             p_op = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
@@ -320,32 +203,12 @@ if GLUON_ERROR is None:
                 BLOCK_N, STAGES, s_layout, o_layout, p_layout, bars, q_phase, WG, PINGPONG)
         return acc, p_op, m_i, l_i
 
-    # Layouts of a consumer warpgroup's 64-row tile: S (64 x BLOCK_N), O (64 x HEAD_DIM_V),
-    # P as the register operand of P·V, and one value per row of S.
-    @gluon.constexpr_function
-    def _s_layout(block_n):
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                         instr_shape=[16, int(block_n), 16])
-
-    @gluon.constexpr_function
-    def _o_layout(head_dim_v):
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                         instr_shape=[16, int(head_dim_v), 16])
-
-    @gluon.constexpr_function
-    def _p_layout(head_dim_v):
-        return gl.DotOperandLayout(operand_index=0, parent=_o_layout(head_dim_v), k_width=2)
-
-    @gluon.constexpr_function
-    def _row_layout(block_n):
-        return gl.SliceLayout(1, _s_layout(block_n))
-
     @gluon.jit
     def _tile_begin(q_smem, k_smem, q_bar, k_ready, it0, q_slot, q_phase, WG: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
         """Wait for the tile's Q (buffer q_slot, parity q_phase) and its first key block (ring
         position it0), then issue S_0 = Q·K_0ᵀ without waiting: (Q, S_0 in flight)."""
-        s_layout: gl.constexpr = _s_layout(BLOCK_N)
+        s_layout: gl.constexpr = make_s_layout(BLOCK_N)
         mbarrier.wait(q_bar.index(q_slot), q_phase)
         q = q_smem.index(q_slot)
         slot0 = it0 % STAGES
@@ -370,10 +233,10 @@ if GLUON_ERROR is None:
         """From S_0 (the only wgmma group in flight) to the issue of the last P·V, over key
         blocks [n_lo, n_end) (n_end: this warpgroup's last block, `_warpgroup_end`): returns
         (O in flight, its P operand, row max, row sum, the last V slot)."""
-        s_layout: gl.constexpr = _s_layout(BLOCK_N)
-        o_layout: gl.constexpr = _o_layout(HEAD_DIM_V)
-        p_layout: gl.constexpr = _p_layout(HEAD_DIM_V)
-        row_layout: gl.constexpr = _row_layout(BLOCK_N)
+        s_layout: gl.constexpr = make_s_layout(BLOCK_N)
+        o_layout: gl.constexpr = make_o_layout(HEAD_DIM_V)
+        p_layout: gl.constexpr = make_p_layout(HEAD_DIM_V)
+        row_layout: gl.constexpr = make_row_layout(BLOCK_N)
         m_i = gl.full([64], -float("inf"), gl.float32, row_layout)
         l_i = gl.zeros([64], gl.float32, row_layout)
         acc = gl.zeros([64, HEAD_DIM_V], gl.float32, o_layout)
@@ -381,9 +244,9 @@ if GLUON_ERROR is None:
         # Peeled first block: no P·V to overlap with yet, and always masked.
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(it0 % STAGES))
-        s = _scores(s, n_lo, rows, shift, seqlen_k, window_left, window_right, softcap_pre, True,
+        s = scores(s, n_lo, rows, shift, seqlen_k, window_left, window_right, softcap_pre, True,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
-        p, m_i, l_i, _alpha = _online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
+        p, m_i, l_i, _alpha = online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
         p_op = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
 
         base = it0 - n_lo
@@ -462,69 +325,6 @@ if GLUON_ERROR is None:
             mbarrier.arrive(v_empty.index(slot))
 
     @gluon.jit
-    def _tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
-                    q_start, m0, seqlen_q, total_q, head, n_heads, WG: gl.constexpr,
-                    HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr,
-                    RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr):
-        """Epilogue: normalise O, write lse and O of `rows` (m0 + 64·WG + 0 ... 63; rows at or
-        past seqlen_q are not written). The sink is one more logit in the denominator with no
-        value row."""
-        o_layout: gl.constexpr = _o_layout(HEAD_DIM_V)
-        row_layout: gl.constexpr = _row_layout(BLOCK_N)
-        if HAS_SINK:
-            sink = gl.load(sink_ptr + head) * 1.4426950408889634
-            m_fin = gl.maximum(m_i, sink)
-            m_sub = gl.where(m_fin == -float("inf"), 0.0, m_fin)
-            o_scale = gl.exp2(m_i - m_sub)
-            l_i = l_i * o_scale + gl.exp2(sink - m_sub)
-            m_i = m_fin
-        else:
-            o_scale = gl.full([64], 1.0, gl.float32, row_layout)
-        has_mass = l_i > 0.0
-        inv_l = gl.where(has_mass, o_scale / gl.where(has_mass, l_i, 1.0), 0.0)
-        lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))) * 0.6931471805599453,
-                       -float("inf"))
-        valid = rows < seqlen_q
-        lse_off = head.to(gl.int64) * total_q + q_start + rows
-        gl.store(lse_ptr + lse_off, lse, mask=valid)
-
-        out = (acc * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1))
-        out = out.to(out_ptr.dtype.element_ty)
-        if _full_width(o_desc.block_shape, HEAD_DIM_V):
-            # Every sequence's rows fill whole 64-row tiles (the host checked): O leaves
-            # through shared memory and one TMA store. Issuing the masked per-thread stores
-            # below took ~2300 of a ~16600-cycle tile at d=128, 512 rows
-            # (scripts/fwd-timeline.py, H200). A warpgroup whose rows all lie past the
-            # sequence (192-row tiles) stores nothing.
-            # Wide rows on the persistent grid: one staging tile, the warpgroups take turns
-            # (`_o_staging`); the turn barrier sits after the Q (and ping-pong) barriers.
-            SHARED: gl.constexpr = _o_staging(o_desc.block_shape, HEAD_DIM_V, RELEASE_Q) == 2
-            o_tile = o_smem.index(0 if SHARED else WG)
-            if SHARED:
-                # Warpgroup w's k-th turn follows 2k + w arrivals: parity 1 - w every time.
-                # The turn barrier is q_bar's last (`_q_bar_count`), whatever the number of
-                # Q buffers (a fixed index once fell on a second Q buffer's barrier).
-                o_turn = q_bar.index(q_bar.shape[0] - 1)
-                mbarrier.wait(o_turn, 1 - WG)
-            if m0 + WG * 64 < seqlen_q:
-                tma.store_wait(0)  # this warpgroup's previous store has read o_smem
-                gl.thread_barrier()
-                o_tile.store(out)
-                fence_async_shared()
-                gl.thread_barrier()
-                tma.async_copy_shared_to_global(
-                    o_desc, [q_start + m0 + WG * 64, head * HEAD_DIM_V], o_tile)
-            if not RELEASE_Q:  # a one-tile CTA: the store must finish before it exits
-                tma.store_wait(0)
-            elif SHARED:  # the other warpgroup's turn once the store has read the tile
-                tma.store_wait(0)
-                gl.thread_barrier()
-                mbarrier.arrive(o_turn, count=1)
-        else:
-            _store_rows(out_ptr, out, rows, q_start, seqlen_q, head, n_heads, HEAD_DIM_V,
-                        o_layout)
-
-    @gluon.jit
     def _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
                        v_empty, out_ptr, o_desc, o_smem,
                        lse_ptr, sink_ptr, q_start, m0, seqlen_q, seqlen_k,
@@ -542,7 +342,7 @@ if GLUON_ERROR is None:
         has retired, so the loader can bring a later tile's Q during the last P·V and the store.
         Ping-pong (one Q buffer per warpgroup only) counts its turns from q_phase.
         """
-        row_layout: gl.constexpr = _row_layout(BLOCK_N)
+        row_layout: gl.constexpr = make_row_layout(BLOCK_N)
         rows = m0 + WG * 64 + gl.arange(0, 64, layout=row_layout)
         q, s_tok = _tile_begin(q_smem, k_smem, q_bar, k_ready, it0, q_slot, q_phase, WG,
                                BLOCK_N, STAGES, PINGPONG)
@@ -554,57 +354,12 @@ if GLUON_ERROR is None:
             window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V, BLOCK_N, STAGES,
             HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, RELEASE_Q, PINGPONG)
         acc = _tile_finish(o_tok, p_op, v_empty, slot)
-        _tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
+        tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
                     q_start, m0, seqlen_q, total_q, head, n_heads, WG, HEAD_DIM_V, BLOCK_N,
                     HAS_SINK, RELEASE_Q, PINGPONG)
         if TAIL_SKIP:  # the blocks past this warpgroup's end, released once its O is out
             _release_blocks(k_ready, k_empty, v_ready, v_empty, n_end, n_hi, it0 - n_lo,
                             STAGES)
-
-    @gluon.constexpr_function
-    def _stacked(n, block_shape):
-        return [n] + [int(x) for x in block_shape]
-
-    @gluon.constexpr_function
-    def _full_width(block_shape, width):
-        """Whether the output descriptor's box spans a whole row of O (TMA-store epilogue);
-        a narrower box only carries the layout of an unused buffer (see `forward`)."""
-        return block_shape[1] == width
-
-    @gluon.constexpr_function
-    def _o_staging(block_shape, width, persistent):
-        """Where the TMA-store epilogue stages O: 0, one tile per warpgroup of its own
-        (dv <= 128, or no TMA store at all); wide rows (d = dv = 256: a tile each does not
-        fit next to the 192 KB of Q and the K/V rings; the host gives such a box only where
-        dv = d, `output_box_width`) 1: in the warpgroup's Q buffer on the plain grid, where
-        Q is dead after the last S; 2: on the persistent grid, in one 32 KB tile the
-        warpgroups take turns at (there the next tile's Q lands during the epilogue; staged
-        in the Q buffer it had to wait for the store, at half the speed for short causal
-        calls)."""
-        if block_shape[1] != width or width <= 128:
-            return 0
-        return 2 if persistent else 1
-
-    @gluon.constexpr_function
-    def _o_turn_index(pingpong, num_wg, q_bufs):
-        """Index in q_bar of the staging turn barrier (`_o_staging` 2: two warpgroups, one Q
-        buffer each): after the Q barriers and the ping-pong turn barriers (`pingpong`: the
-        number of warpgroups taking turns, 0 without)."""
-        return num_wg * q_bufs + int(pingpong)
-
-    @gluon.constexpr_function
-    def _q_bar_count(num_wg, pingpong, o_staging, q_bufs):
-        return _o_turn_index(pingpong, num_wg, q_bufs) + (1 if o_staging == 2 else 0)
-
-    @gluon.jit
-    def _store_rows(out_ptr, out, rows, q_start, seqlen_q, head, n_heads,
-                    HEAD_DIM_V: gl.constexpr, o_layout: gl.constexpr):
-        """O rows of a tile, rows at or past seqlen_q masked off (per-thread stores)."""
-        o_rows = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
-        o_cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
-        row_off = ((q_start + o_rows).to(gl.int64) * n_heads + head) * HEAD_DIM_V
-        offs = gl.expand_dims(row_off, 1) + gl.expand_dims(o_cols, 0)
-        gl.store(out_ptr + offs, out, mask=gl.expand_dims(o_rows < seqlen_q, 1))
 
     @gluon.jit
     def _load_role_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
@@ -718,20 +473,20 @@ if GLUON_ERROR is None:
                                            tile_layout(v_desc.layout))
         # O staging for the TMA-store epilogue, one tile per consumer warpgroup (a 32-column
         # stand-in, optimised away, when the host left it off: `output_box_width`).
-        O_STAGING: gl.constexpr = _o_staging(o_desc.block_shape, HEAD_DIM_V, PERSISTENT)
+        O_STAGING: gl.constexpr = o_staging(o_desc.block_shape, HEAD_DIM_V, PERSISTENT)
         if O_STAGING == 1:
             o_smem = q_smem
         elif O_STAGING == 2:
-            o_smem = gl.allocate_shared_memory(o_desc.dtype, _stacked(1, o_desc.block_shape),
+            o_smem = gl.allocate_shared_memory(o_desc.dtype, stacked(1, o_desc.block_shape),
                                                tile_layout(o_desc.layout))
         else:
             o_smem = gl.allocate_shared_memory(o_desc.dtype,
-                                               _stacked(NUM_WG, o_desc.block_shape),
+                                               stacked(NUM_WG, o_desc.block_shape),
                                                tile_layout(o_desc.layout))
         # Q barriers of the consumer warpgroups, then (ping-pong only) their turn barriers,
         # then (O_STAGING 2) the staging tile's turn barrier.
         q_bar = gl.allocate_shared_memory(
-            gl.int64, [_q_bar_count(NUM_WG, PINGPONG, O_STAGING, Q_BUFS), 1],
+            gl.int64, [q_bar_count(NUM_WG, PINGPONG, O_STAGING, Q_BUFS), 1],
             mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS * NUM_WG, 1],
                                             mbarrier.MBarrierLayout())
@@ -746,10 +501,10 @@ if GLUON_ERROR is None:
             # grid = min(#SMs, #tiles); every role walks tiles pid, pid + grid, ... and keeps
             # its own ring position, so the loader runs ahead into the next tile (its Q once
             # the consumers released the current one, its K/V as ring slots free up).
-            for wg in gl.static_range(_o_turn_index(PINGPONG, NUM_WG, Q_BUFS)):
+            for wg in gl.static_range(o_turn_index(PINGPONG, NUM_WG, Q_BUFS)):
                 mbarrier.init(q_bar.index(wg), count=1)
             if O_STAGING == 2:
-                mbarrier.init(q_bar.index(_o_turn_index(PINGPONG, NUM_WG, Q_BUFS)), count=1)
+                mbarrier.init(q_bar.index(o_turn_index(PINGPONG, NUM_WG, Q_BUFS)), count=1)
             for wg in gl.static_range(Q_BUFS * NUM_WG):
                 mbarrier.init(q_empty.index(wg), count=1)
             for st in gl.static_range(STAGES):
