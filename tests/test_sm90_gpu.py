@@ -123,8 +123,8 @@ CASES = [
     (1, 700, 300, 4, 4, 64, torch.bfloat16, (-1, 0), 0.0, False, False),
     (2, 777, 777, 2, 2, 256, torch.bfloat16, (-1, -1), 0.0, False, False),
     (2, 512, 512, 2, 2, 256, torch.float16, (-1, 0), 0.0, False, False),
-    # whole 64-row tiles at d=256: O leaves by TMA through the Q buffer (fwd.kernel._o_in_q); 64
-    # rows leave the second warpgroup without rows
+    # whole 64-row tiles at d=256: O leaves by TMA through the Q buffer (epilogue.o_staging);
+    # 64 rows leave the second warpgroup without rows
     (3, 384, 384, 2, 2, 256, torch.bfloat16, (-1, -1), 0.0, False, False),
     (4, 64, 64, 2, 1, 256, torch.bfloat16, (-1, 0), 0.0, False, False),
     (2, 640, 900, 4, 2, 128, torch.bfloat16, (100, 50), 0.0, False, False),
