@@ -32,7 +32,7 @@ def ensure_pytest() -> None:
 
 
 def patched_module(src, edits, tag: str):
-    """Import a copy of the kernel module `src` (a Path in asymflash/backends/sm90) with
+    """Import a copy of the kernel module `src` (a Path under asymflash/backends/sm90) with
     `edits` applied: (old, new, count) exact text replacements, each of which must match
     `count` times (the diagnostic exits naming the first that does not, e.g. after a
     refactor). The copy sits next to `src` so its relative imports resolve, under a name
@@ -49,7 +49,8 @@ def patched_module(src, edits, tag: str):
     path = src.with_name(f"_{tag.replace('-', '_')}_{os.getpid()}.py")
     path.write_text(text)
     try:
-        name = f"asymflash.backends.sm90.{path.stem}"
+        package = ".".join(path.parent.parts[path.parent.parts.index("asymflash"):])
+        name = f"{package}.{path.stem}"
         spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod
