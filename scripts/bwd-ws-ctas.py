@@ -188,7 +188,7 @@ def main():
         args, b, h = probe_common.backward_cell(d, seqlen, bool(causal))
         plan = bwd.launch_plan(d, d, seqlen, seqlen, True, False, -1, 0 if causal else -1,
                                False, False, b, h, torch.cuda.get_device_properties(0)
-                               .multi_processor_count, plain_grid(bwd, d, causal), False, h)
+                               .multi_processor_count, plain_grid(bwd, d, causal), h)
         if not plan.split:
             print(f"== d={d} causal={causal} seqlen={seqlen}: not on bwd_ws by default, skipped")
             continue

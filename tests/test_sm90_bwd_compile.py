@@ -468,7 +468,7 @@ def test_heads_first_grid_where_all_heads_fit_l2():
     def plan(d=128, seqlen=2048, batch=8, hq=16, hkv=16, wl=-1, wr=0, uniform=True,
              det=False, cfg=None):
         return bwd.launch_plan(d, d, seqlen, seqlen, uniform, not uniform, wl, wr, False,
-                               det, batch, hkv, 132, cfg, False, hq)
+                               det, batch, hkv, 132, cfg, hq)
 
     def blocks(seqlen, d=128):
         return -(-seqlen // (64 if d == 256 else 128))
@@ -505,7 +505,7 @@ def test_heads_first_in_chunks_where_all_heads_overflow_l2():
     # replayed hand-out of one head after another is more than CHUNK_GAIN less balanced.
     def plan(d=128, seqlen=4096, hq=16, hkv=16, cfg=None, wr=0):
         return bwd.launch_plan(d, d, seqlen, seqlen, True, False, -1, wr, False, False,
-                               16384 // seqlen, hkv, 132, cfg, False, hq)
+                               16384 // seqlen, hkv, 132, cfg, hq)
 
     def blocks(seqlen, d=128):
         return -(-seqlen // (64 if d == 256 else 128))
@@ -547,7 +547,7 @@ def test_persistent_grid_only_where_it_was_verified():
     def plan(d=128, seqlen=2048, batch=8, h=16, wr=-1, uniform=True, det=False,
              softcap=False, cfg=None):
         return bwd.launch_plan(d, d, seqlen, seqlen, uniform, False, -1, wr, softcap, det,
-                               batch, h, 132, cfg, False, h)
+                               batch, h, 132, cfg, h)
 
     p = plan()
     assert p.persistent and p.grid == (132,), p.grid

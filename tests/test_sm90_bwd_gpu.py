@@ -434,7 +434,7 @@ def test_sm90_backward_heads_in_chunks_match_reference(case):
     width, width_v = bwd.common.forward_widths(case["d"], case.get("dv", case["d"]))
     plan = bwd.launch_plan(width, width_v, seq.max_seqlen_q, seq.max_seqlen_k, seq.uniform,
                            False, -1, 0, bool(case.get("softcap")), False, seq.batch, 4, 132,
-                           cfg, False, case["hq"])
+                           cfg, case["hq"])
     assert plan.constexprs["HEADS_FIRST"] == 2 and plan.grid[0] == 2, plan.grid
     for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
         assert_fa_close(name, g, r32, rlow, atol=atol)
