@@ -331,7 +331,7 @@ def main():
     ap.add_argument("--budget", type=float, default=55.0)
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="time ours with this BwdConfig field changed (true/false or an integer), "
-                         "e.g. --set reverse_causal=true")
+                         "e.g. --set dv_overlap=true")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
                     help="an extra column: ours with these BwdConfig fields (or deterministic) "
                          "changed, e.g. det:deterministic=true,stagger=false")

@@ -21,12 +21,9 @@ class BwdConfig:
     # default mode, a small gain in deterministic mode (on there, `select_config`).
     dv_overlap: bool = True
     dp_early: bool = True  # issue dPᵀ = V·dOᵀ with Sᵀ, overlapping the exponentials (more regs)
-    # Causal masks: launch key blocks top-down, as deterministic mode must (not yet measured
-    # for the default: scripts/sm90-bwd-probe.py --set reverse_causal=true).
-    reverse_causal: bool = False
     # dQ partials leave through one TMA reduce-add per step (cp.reduce.async.bulk.tensor)
     # instead of per-thread fp32 atomics (deterministic mode: the turn passes on once the
-    # reduce has completed).
+    # reduce has completed, and a CTA waits for its turn while the step's last MMAs run).
     dq_tma: bool = True
     # Masks without a window: key block j starts its walk over the query blocks at step
     # j·(steps // key blocks) instead of 0 (sched.walk_start), so the CTAs of a sequence
@@ -42,9 +39,6 @@ class BwdConfig:
     # (`release_dq_turn_after_tma`'s FROM_WARP): the fence a release implies (a MEMBAR) then
     # waits under the dV and dPᵀ MMAs instead of holding every warp at the barrier.
     turn_release: int = 1
-    # Deterministic mode: wait for the dQ turn while the step's last MMAs run (the semaphore's
-    # round trip overlaps them) instead of after they retire.
-    turn_wait_early: bool = True
     # Deterministic mode on bwd_ws and bwd_wide: each query block's first dQ turn stores its
     # tiles, so the preprocess does not zero dQ_acc, where every query block has a first turn
     # and meets at most 1k keys (`host.first_stores`).

@@ -140,9 +140,9 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
             "HAS_SEQUSED": has_seqused, "HAS_LEFT": has_left, "HAS_RIGHT": has_right,
             "SOFTCAP": softcap, "DV_OVERLAP": cfg.dv_overlap,
             "DP_EARLY": cfg.dp_early, "DETERMINISTIC": deterministic,
-            "REVERSE_N": cfg.reverse_causal, "DQ_TMA": cfg.dq_tma,
+            "DQ_TMA": cfg.dq_tma,
             "STAGGER": stagger, "RELEASE_AT": cfg.turn_release if cfg.dq_tma else 0,
-            "WAIT_EARLY": cfg.turn_wait_early and cfg.dq_tma, "KV_TMA_STORE": kv_tma_store,
+            "KV_TMA_STORE": kv_tma_store,
             "HEADS_FIRST": heads_first_grid}
     if head_dim != 256:  # bwd_wide splits dK/dQ by columns: its schedule has no such choice
         consts["DK_LATE"] = cfg.dk_late

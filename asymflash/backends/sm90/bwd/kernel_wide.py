@@ -101,9 +101,9 @@ if GLUON_ERROR is None:
                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                              SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
                              DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                             REVERSE_N: gl.constexpr, DQ_TMA: gl.constexpr,
+                             DQ_TMA: gl.constexpr,
                              STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
-                             WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
+                             KV_TMA_STORE: gl.constexpr,
                              STATS_LATE: gl.constexpr, HEADS_FIRST: gl.constexpr,
                              DQ_IN_OPS: gl.constexpr = False, HI_LATE: gl.constexpr = False,
                              FIRST_STORES: gl.constexpr = False):
@@ -127,7 +127,7 @@ if GLUON_ERROR is None:
 
         n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
             cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
-            HAS_RIGHT and (DETERMINISTIC or REVERSE_N), HEADS_FIRST)
+            HAS_RIGHT and DETERMINISTIC, HEADS_FIRST)
         n0 = n_blk * BLOCK_N
         if (n0 >= 0) & (n0 < seqlen_k):
             shift = seqlen_k - seqlen_q
@@ -283,7 +283,7 @@ if GLUON_ERROR is None:
                         stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
                                     m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
                 if DETERMINISTIC:
-                    if WAIT_EARLY:  # the semaphore's round trip under the MMAs (kernel.py)
+                    if DQ_TMA:  # the semaphore's round trip under the MMAs (kernel.py)
                         sem, first = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
                                                   num_m_blocks, m0, n_blk, n_seq, shift,
                                                   window_left, window_right, h_first, m_lo,
@@ -316,7 +316,7 @@ if GLUON_ERROR is None:
                     stage_dq(lo_buf, dq_lo * softmax_scale, FRAG, BLOCK_M, DQ_COLS)
                     fence_async_shared()
                     if DETERMINISTIC:
-                        if not WAIT_EARLY:
+                        if not DQ_TMA:
                             sem, first = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
                                                       num_m_blocks, m0, n_blk, n_seq, shift,
                                                       window_left, window_right, h_first, m_lo,
@@ -381,5 +381,5 @@ if GLUON_ERROR is None:
             mbarrier.invalidate(kv_bar.index(0))
             store_key_grads(dk_desc, dv_desc, dk_ptr, dv_ptr, dk * softmax_scale, dv, q_smem,
                             do_smem, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM, HEAD_DIM_V,
-                            BLOCK_N, KV_TMA_STORE, HAS_RIGHT and (DETERMINISTIC or REVERSE_N),
+                            BLOCK_N, KV_TMA_STORE, HAS_RIGHT and DETERMINISTIC,
                             dk_layout, dv_layout, HEADS_FIRST)

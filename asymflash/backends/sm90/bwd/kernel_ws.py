@@ -375,16 +375,16 @@ if GLUON_ERROR is None:
                            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                            SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
                            DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                           REVERSE_N: gl.constexpr, DQ_TMA: gl.constexpr,
+                           DQ_TMA: gl.constexpr,
                            STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
-                           WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
+                           KV_TMA_STORE: gl.constexpr,
                            DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr,
                            LATE_WG: gl.constexpr, RING: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
                            HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr,
                            PERSISTENT: gl.constexpr = False, KV_BUFS: gl.constexpr = 1,
                            MASK_MODE: gl.constexpr = 0, FIRST_STORES: gl.constexpr = False):
-        # Same arguments as bwd._attn_bwd_kernel (one host path); DK_LATE, STATS_LATE,
-        # RELEASE_AT, WAIT_EARLY and dq_ptr belong to that kernel's schedule. DV_OVERLAP:
+        # Same arguments as kernel._attn_bwd_kernel (one host path); DK_LATE, STATS_LATE,
+        # RELEASE_AT and dq_ptr belong to that kernel's schedule. DV_OVERLAP:
         # dV = Pᵀ·dO stays in flight while dSᵀ is formed (BwdConfig.dv_overlap).
         # DETERMINISTIC: the dQ warp adds the tiles in kernel.py's turn order (causal masks:
         # the grid runs from the top key block down, as there). DQ_WARP: without
