@@ -35,7 +35,7 @@ run_tests() {
       tests/test_sm90_gpu.py@4/5 \
       tests/test_sm90_bwd_gpu.py \
       tests/test_portable_tiles_gpu.py tests/test_hf.py tests/test_sm90_strided.py \
-      tests/test_packed.py tests/test_sm90_decode.py})
+      tests/test_packed.py})
   pids=()
   logs=()
   for entry in "${files[@]}"; do

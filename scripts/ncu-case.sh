@@ -1,5 +1,5 @@
 # Sourced by scripts/ncu-compare.sh and scripts/ncu-source.sh: one profiling case
-# "impl:mode:d:causal:seqlen" (impl ours, ours-aa or fa4; mode fwd or bwd) read into
+# "impl:mode:d:causal:seqlen" (impl ours or fa4; mode fwd or bwd) read into
 # impl, mode, d, causal, seqlen, plus the kernel to profile: ncu's name pattern (pat) and
 # how many matching launches to skip (skip: the third repetition's main kernel of
 # scripts/profile-target.py; FA4's backward is preprocess, main, postprocess).

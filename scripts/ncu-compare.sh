@@ -3,7 +3,7 @@
 # go in our kernels and in FA4's, same shapes (scripts/profile-target.py). Run after
 # `source .peers/fa4-b/activate.sh`; logs under $OUT, a short table last.
 #   CASES="ours:fwd:64:0:16384 ..." bash scripts/ncu-compare.sh   (impl:mode:d:causal:seqlen)
-#   impl: ours, ours-aa (arrive_all on) or fa4
+#   impl: ours or fa4
 #   STALLS=1: per-reason stall cycles and pipe utilisation (raw metrics) instead of sections
 set -uo pipefail
 out=${OUT:-out}

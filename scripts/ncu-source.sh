@@ -2,8 +2,8 @@
 # Nsight Compute warp-state sampling per SASS instruction (H200 diagnostics): which
 # instructions our kernels' warps stall at, and why. One report per case, printed as the
 # source page (SASS, CSV, gzipped) under $OUT; scripts/ncu-source-top.py reads them here.
-#   CASES="ours:fwd:64:0:16384 ours-aa:bwd:128:0:16384" bash scripts/ncu-source.sh
-#   (impl:mode:d:causal:seqlen as scripts/ncu-compare.sh; impl ours, ours-aa or fa4)
+#   CASES="ours:fwd:64:0:16384 ours:bwd:128:0:16384" bash scripts/ncu-source.sh
+#   (impl:mode:d:causal:seqlen as scripts/ncu-compare.sh; impl ours or fa4)
 set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"

@@ -32,7 +32,7 @@ def ensure_pytest() -> None:
 
 
 def patched_module(src, edits, tag: str):
-    """Import a copy of the kernel module `src` (a Path in asymflash/backends/sm90) with
+    """Import a copy of the kernel module `src` (a Path under asymflash/backends/sm90) with
     `edits` applied: (old, new, count) exact text replacements, each of which must match
     `count` times (the diagnostic exits naming the first that does not, e.g. after a
     refactor). The copy sits next to `src` so its relative imports resolve, under a name
@@ -49,7 +49,8 @@ def patched_module(src, edits, tag: str):
     path = src.with_name(f"_{tag.replace('-', '_')}_{os.getpid()}.py")
     path.write_text(text)
     try:
-        name = f"asymflash.backends.sm90.{path.stem}"
+        package = ".".join(path.parent.parts[path.parent.parts.index("asymflash"):])
+        name = f"{package}.{path.stem}"
         spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod
@@ -64,7 +65,7 @@ def backward_cell(d: int, seqlen: int, causal: bool):
     2048, batch · seqlen = 16k, its forward run by the sm90 forward."""
     import torch
 
-    from asymflash.backends.sm90 import fwd
+    from asymflash.backends.sm90.fwd import host as fwd
     from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
 
     batch, heads = 16384 // seqlen, 2048 // d
@@ -85,7 +86,7 @@ def time_stamped_ws(ws_kernel, stamps, args, cfg=None) -> tuple[float, float]:
     import torch
     from triton.testing import do_bench
 
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
     from asymflash.runtime.launch import DirectLaunch
 
     launcher = DirectLaunch(ws_kernel)

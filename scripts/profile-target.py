@@ -2,8 +2,7 @@
 
     PYTHONPATH=. python3 scripts/profile-target.py IMPL MODE D CAUSAL SEQLEN [--reps N]
 
-IMPL: ours (the sm90 backend's forward / backward called directly), ours-aa (the same with
-per-thread slot releases, ASYMFLASH_SM90_ARRIVE_ALL=1) or fa4
+IMPL: ours (the sm90 backend's forward / backward called directly) or fa4
 (flash_attn.cute, the peer; `source .peers/fa4-b/activate.sh` first). MODE: fwd or bwd.
 Shapes as the benchmark's grid: bf16, model dim 2048 (nheads = 2048 / D), batch =
 16384 / SEQLEN. Each repetition runs the whole call (bwd: forward once, then the backward),
@@ -24,7 +23,7 @@ import torch
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("impl", choices=("ours", "ours-aa", "fa4"))
+    ap.add_argument("impl", choices=("ours", "fa4"))
     ap.add_argument("mode", choices=("fwd", "bwd"))
     ap.add_argument("d", type=int)
     ap.add_argument("causal", type=int)
@@ -47,11 +46,8 @@ def main():
                 torch.autograd.grad(out, leaves, dout)
         torch.cuda.synchronize()
         return
-    if a.impl == "ours-aa":
-        import os
-
-        os.environ["ASYMFLASH_SM90_ARRIVE_ALL"] = "1"
-    from asymflash.backends.sm90 import bwd, fwd
+    from asymflash.backends.sm90.bwd import host as bwd
+    from asymflash.backends.sm90.fwd import host as fwd
     from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
 
     rows = [t.view(batch * a.seqlen, heads, a.d) for t in (q, k, v, dout)]

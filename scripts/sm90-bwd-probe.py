@@ -153,7 +153,7 @@ def _bench_cell(d, causal, seqlen, warm_only):
     import triton
 
     from asymflash.backends import portable
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     res = {"d": d, "causal": causal, "seqlen": seqlen}
     q, k, v, dout, seq, params, batch, hq = _bench_inputs(d, causal, seqlen)
@@ -234,7 +234,7 @@ def _checked_variant(fields, inputs, ref):
     """The call of ours with BwdConfig fields (and `deterministic`) changed, once checked
     against the reference gradients; or a string saying why not."""
 
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     dout, q, k, v, out, lse, seq, params = inputs
     fields = dict(fields)
@@ -331,7 +331,7 @@ def main():
     ap.add_argument("--budget", type=float, default=55.0)
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="time ours with this BwdConfig field changed (true/false or an integer), "
-                         "e.g. --set reverse_causal=true")
+                         "e.g. --set dv_overlap=true")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
                     help="an extra column: ours with these BwdConfig fields (or deterministic) "
                          "changed, e.g. det:deterministic=true,stagger=false")

@@ -30,7 +30,7 @@ from probe_common import ensure_pytest  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
-from asymflash.backends.sm90 import fwd
+from asymflash.backends.sm90.fwd import host as fwd
 from asymflash.core.params import AttnParams, MaskSpec
 
 

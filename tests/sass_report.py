@@ -89,9 +89,6 @@ print(_json.dumps(dict(
     syncs=len(_re.findall(r"\bSYNCS\.(?:PHASECHK|ARRIVE)", _sass)),
     bars=_sass.count("BAR.SYNC"),
     vote_any=_sass.count("VOTE.ANY"),
-    # arrives the PTX pass of arrive_all.py made per-thread (0 where it did not run)
-    arrives_per_thread=getattr(kernel.metadata, "asym_arrives_per_thread", 0),
-    barriers_dropped=getattr(kernel.metadata, "asym_barriers_dropped", 0),
     sts128=len(_re.findall(r"\bSTS\.128\b", _sass)),
     ldg128=len(_re.findall(r"\bLDG\.E\.128\b", _sass)),
     ldg32=len(_re.findall(r"\bLDG\.E\s", _sass)),
@@ -114,7 +111,7 @@ def sm90_build(module: str) -> str:
 import json, sys
 from dataclasses import replace
 import torch, triton
-from asymflash.backends.sm90 import {module} as mod
+from asymflash.backends.sm90.{module} import host as mod
 kw = json.loads(sys.argv[1])
 cfg_kw = kw.pop("cfg", None)
 if "dtype" in kw:

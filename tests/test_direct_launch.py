@@ -46,9 +46,9 @@ def test_scalars_match_triton():
 
 
 def test_descriptor_classes_match_triton():
-    fwd = pytest.importorskip("asymflash.backends.sm90.fwd")
-    if fwd._GLUON_ERROR is not None:
-        pytest.skip(fwd._GLUON_ERROR)
+    fwd = pytest.importorskip("asymflash.backends.sm90.fwd.host")
+    if fwd.GLUON_ERROR is not None:
+        pytest.skip(fwd.GLUON_ERROR)
     t = torch.randn(64, 4, 128).to(torch.bfloat16)
     h = torch.randn(64, 4, 128).to(torch.float16)
     descs = [fwd.tma_rows(t, (64, 128)), fwd.tma_rows(t[1:], (64, 128)),
@@ -257,7 +257,7 @@ def test_preprocess_zeroes_the_dq_accumulator(total_q, width, acc_rows):
     """The backward preprocess writes delta = rowsum(dO * O) - dlse and, for the sm90
     backward, zeroes its fp32 dQ accumulator in the same launch: total_q rows, or more (the
     fragment-order buffer, sm90/dq_fragments.py)."""
-    from asymflash.backends.portable import _delta
+    from asymflash.backends.portable import row_delta
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hq, dv = 3, 72
@@ -265,7 +265,7 @@ def test_preprocess_zeroes_the_dq_accumulator(total_q, width, acc_rows):
     dout = torch.randn(total_q, hq, dv, device=device).to(torch.bfloat16)
     dlse = torch.randn(hq, total_q, device=device)
     acc = torch.full((acc_rows, hq, width), float("nan"), device=device)
-    delta = _delta(out, dout, dlse, zero=acc)
+    delta = row_delta(out, dout, dlse, zero=acc)
     want = (out.float() * dout.float()).sum(-1).transpose(0, 1) - dlse
     torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-4)
     assert torch.equal(acc, torch.zeros_like(acc))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asymflash.backends.sm90 import dq_fragments as frag
+from asymflash.backends.sm90.bwd import dq_fragments as frag
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

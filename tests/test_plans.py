@@ -134,7 +134,7 @@ def test_inputs_are_not_modified_by_planned_calls():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the sm90 runner launches on an H100/H200")
 def test_sm90_runner_binds_and_launches_directly():
-    from asymflash.backends.sm90 import fwd
+    from asymflash.backends.sm90.fwd import host as fwd
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs sm_90")
@@ -154,7 +154,7 @@ def test_sm90_backward_runner_matches_the_reference(d, causal, deterministic):
     """Planned backwards go through bwd.BackwardRunner: its launches bind at its first call
     and go through the bound binaries after. Calls alternate between a loss without and with
     the lse term (dlse None or a tensor: two preprocess binaries), fresh inputs each time."""
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs sm_90")

@@ -113,7 +113,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from asymflash.backends.sm90.dq_fragments import _dq_from_fragments_kernel as fn
+from asymflash.backends.sm90.bwd.dq_fragments import _dq_from_fragments_kernel as fn
 
 width, cols = int(sys.argv[1]), int(sys.argv[2])
 sig = {"acc_ptr": "*fp32", "dq_ptr": "*bf16", "cu_q_ptr": "*i32", "stride_row": "i32",

@@ -13,9 +13,10 @@ from dataclasses import replace
 import pytest
 from sass_report import sass_report, sm90_build
 
-from asymflash.backends.sm90 import bwd, bwd_config
+from asymflash.backends.sm90.bwd import config as bwd_config
+from asymflash.backends.sm90.bwd import host as bwd
 
-pytestmark = pytest.mark.skipif(bwd._GLUON_ERROR is not None, reason=str(bwd._GLUON_ERROR))
+pytestmark = pytest.mark.skipif(bwd.GLUON_ERROR is not None, reason=str(bwd.GLUON_ERROR))
 
 _BUILD = sm90_build("bwd")
 
@@ -412,10 +413,10 @@ def test_unsupported_backward_reports_reason_on_cpu():
 def test_lengths_and_counts_are_not_specialised(kernel):
     # With seqlen_q = group = 1 specialised into constants triton 3.6 crashes lowering the
     # backward (H200, 2026-11-29); runtime lengths also keep one compile per feature set.
-    from asymflash.backends.sm90 import fwd
+    from asymflash.backends.sm90.fwd import kernel as fwd_kernel
 
-    fn = {"bwd": bwd._attn_bwd_kernel, "bwd_wide": bwd.bwd_wide.attn_bwd_wide_kernel,
-          "fwd": fwd._attn_fwd_kernel}[kernel]
+    fn = {"bwd": bwd._attn_bwd_kernel, "bwd_wide": bwd.kernel_wide.attn_bwd_wide_kernel,
+          "fwd": fwd_kernel.attn_fwd_kernel}[kernel]
     runtime_ints = {"seqlen_q", "seqlen_k", "total_q", "n_heads", "group", "window_left",
                     "window_right"}
     unspecialised = {p.name for p in fn.params if p.do_not_specialize}
@@ -450,7 +451,7 @@ def test_every_backward_kernel_skips_key_blocks_numbered_below_zero():
     from pathlib import Path
 
     sm90 = Path(bwd.__file__).parent
-    for name in ("bwd.py", "bwd_ws.py", "bwd_wide.py"):
+    for name in ("kernel.py", "kernel_ws.py", "kernel_wide.py"):
         src = (sm90 / name).read_text()
         calls = [m.end() for m in re.finditer(r"= key_block\(", src)]
         assert calls, name
@@ -467,7 +468,7 @@ def test_heads_first_grid_where_all_heads_fit_l2():
     def plan(d=128, seqlen=2048, batch=8, hq=16, hkv=16, wl=-1, wr=0, uniform=True,
              det=False, cfg=None):
         return bwd.launch_plan(d, d, seqlen, seqlen, uniform, not uniform, wl, wr, False,
-                               det, batch, hkv, 132, cfg, False, hq)
+                               det, batch, hkv, 132, cfg, hq)
 
     def blocks(seqlen, d=128):
         return -(-seqlen // (64 if d == 256 else 128))
@@ -504,7 +505,7 @@ def test_heads_first_in_chunks_where_all_heads_overflow_l2():
     # replayed hand-out of one head after another is more than CHUNK_GAIN less balanced.
     def plan(d=128, seqlen=4096, hq=16, hkv=16, cfg=None, wr=0):
         return bwd.launch_plan(d, d, seqlen, seqlen, True, False, -1, wr, False, False,
-                               16384 // seqlen, hkv, 132, cfg, False, hq)
+                               16384 // seqlen, hkv, 132, cfg, hq)
 
     def blocks(seqlen, d=128):
         return -(-seqlen // (64 if d == 256 else 128))
@@ -546,7 +547,7 @@ def test_persistent_grid_only_where_it_was_verified():
     def plan(d=128, seqlen=2048, batch=8, h=16, wr=-1, uniform=True, det=False,
              softcap=False, cfg=None):
         return bwd.launch_plan(d, d, seqlen, seqlen, uniform, False, -1, wr, softcap, det,
-                               batch, h, 132, cfg, False, h)
+                               batch, h, 132, cfg, h)
 
     p = plan()
     assert p.persistent and p.grid == (132,), p.grid

@@ -144,7 +144,7 @@ def run_case(c, device="cuda", fwd_mod=None, bwd_mod=None, cfg=None):
     if fwd_mod is None:
         from asymflash.backends import portable as fwd_mod
     if bwd_mod is None:
-        from asymflash.backends.sm90 import bwd as bwd_mod
+        from asymflash.backends.sm90.bwd import host as bwd_mod
     bwd = bwd_mod
 
     q, k, v, dout, seq, params, sink = make_case(c, device)
@@ -172,16 +172,16 @@ def run_case(c, device="cuda", fwd_mod=None, bwd_mod=None, cfg=None):
 
 def bwd_width(case) -> int:
     """The compiled head dim the sm90 backward runs `case` at (96 -> 128, 192 -> 256)."""
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
-    return bwd._fwd.forward_widths(case["d"], case.get("dv", case["d"]))[0]
+    return bwd.common.forward_widths(case["d"], case.get("dv", case["d"]))[0]
 
 
 def assert_repeats_bitwise(case, repeats, cfg=None):
     """The sm90 backward of `case` (config `cfg`, or the default) gives bitwise the same
     dQ, dK and dV `repeats` more times (deterministic mode)."""
     from asymflash.backends import portable
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     q, k, v, dout, seq, params, sink = make_case(case)
     assert params.deterministic and bwd.unsupported_backward(q, k, v, seq, params, sink) is None
@@ -216,20 +216,20 @@ SPLIT_CASES_D64 = [c for c in CASES if c["d"] == 64 and not c.get("softcap")]
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("variant", [dict(late_warpgroup=1), dict(late_warpgroup=-1),
                                      dict(split_warpgroups=False), dict(dv_overlap=True),
-                                     dict(arrive_all=True), dict(dq_fragment=False),
+                                     dict(dq_fragment=False),
                                      dict(dq_fragment=False, late_warpgroup=-1),
                                      dict(ws_dk_after_dq=False),
                                      dict(ws_dk_after_dq=False, late_warpgroup=-1),
                                      dict(ws_dq_warp=True),
                                      dict(ws_dq_warp=True, dq_fragment=False)],
-                         ids=["late1", "in-step", "synchronous", "dv-overlap", "arrive-all",
+                         ids=["late1", "in-step", "synchronous", "dv-overlap",
                               "dq-row-major", "dq-row-major-in-step", "dk-before-dq",
                               "dk-before-dq-in-step", "dq-warp", "dq-warp-row-major"])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c["name"])
 def test_sm90_backward_d128_schedules_match_reference(case, variant):
     from dataclasses import replace
 
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     cfg = replace(bwd.select_config(128), **variant)
     for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
@@ -253,7 +253,7 @@ def test_sm90_backward_d128_schedules_match_reference(case, variant):
 def test_sm90_backward_d64_split_warpgroups_match_reference(case, variant):
     from dataclasses import replace
 
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     # the unmasked default's switches, on every case (masked ones too)
     base = bwd.select_config(64, max_seqlen_q=max(case["lens_q"]))
@@ -284,7 +284,7 @@ MASK_CASES = SPLIT_CASES + SPLIT_CASES_D64
 def test_sm90_backward_mask_modes_match_reference(case, variant):
     from dataclasses import replace
 
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     width = bwd_width(case)
     window = case.get("window", (-1, -1))
@@ -323,7 +323,7 @@ PERSISTENT_CASES = [c for c in CASES if bwd_width(c) in (64, 128) and not c.get(
 def test_sm90_backward_persistent_matches_reference(case):
     from dataclasses import replace
 
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     width = bwd_width(case)
     window = case.get("window", (-1, -1))
@@ -352,7 +352,7 @@ KV2_CASES = [c for c in PERSISTENT_CASES if bwd_width(c) == 64]
 def test_sm90_backward_two_kv_buffers_match_reference(case, det):
     from dataclasses import replace
 
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     window = case.get("window", (-1, -1))
     cfg = replace(bwd.select_config(64, masked=window != (-1, -1), deterministic=det,
@@ -379,7 +379,7 @@ PERSISTENT_DET_CASES = [dict(c, deterministic=True) for c in PERSISTENT_CASES]
 def test_sm90_deterministic_persistent_backward_is_bitwise_reproducible(case):
     from dataclasses import replace
 
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     window = case.get("window", (-1, -1))
     cfg = replace(bwd.select_config(bwd_width(case), deterministic=True,
@@ -405,7 +405,7 @@ ORDER_CASES = [c for c in CASES if c.get("window") == (-1, 0) and not c.get("seq
 def test_sm90_backward_grid_orders_match_reference(case, first):
     from dataclasses import replace
 
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     cfg = replace(bwd.select_config(bwd_width(case), softcap=bool(case.get("softcap")),
                                     masked=True), heads_first=first)
@@ -425,16 +425,16 @@ CHUNK_CASES = [dict(c, name=c["name"] + "-4kv", hq=c["hq"] * 4 // c["hkv"], hkv=
 def test_sm90_backward_heads_in_chunks_match_reference(case):
     from dataclasses import replace
 
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     cfg = replace(bwd.select_config(bwd_width(case), softcap=bool(case.get("softcap")),
                                     masked=True, max_seqlen_q=max(case["lens_q"])),
                   heads_chunk=2, ws_persistent=False)
     seq = make_case(case, "cuda")[4]
-    width, width_v = bwd._fwd.forward_widths(case["d"], case.get("dv", case["d"]))
+    width, width_v = bwd.common.forward_widths(case["d"], case.get("dv", case["d"]))
     plan = bwd.launch_plan(width, width_v, seq.max_seqlen_q, seq.max_seqlen_k, seq.uniform,
                            False, -1, 0, bool(case.get("softcap")), False, seq.batch, 4, 132,
-                           cfg, False, case["hq"])
+                           cfg, case["hq"])
     assert plan.constexprs["HEADS_FIRST"] == 2 and plan.grid[0] == 2, plan.grid
     for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
         assert_fa_close(name, g, r32, rlow, atol=atol)
@@ -449,9 +449,9 @@ def test_sm90_backward_heads_in_chunks_match_reference(case):
 def test_sm90_backward_dq_swizzle32_matches_reference(case):
     from dataclasses import replace
 
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
-    width = bwd._fwd.forward_widths(case["d"], case.get("dv", case["d"]))[0]
+    width = bwd.common.forward_widths(case["d"], case.get("dv", case["d"]))[0]
     default = bwd.select_config(width, softcap=bool(case.get("softcap")),
                                 deterministic=bool(case.get("deterministic")))
     cfg = replace(default, dq_swizzle=32, dq_fragment=False)  # row-major tiles at d=128 too
@@ -485,7 +485,7 @@ FRAGMENT_CASES = [c for c in CASES + DET_CASES
 def test_sm90_backward_dq_fragment_variants_match_reference(case):
     from dataclasses import replace
 
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     default = bwd.select_config(bwd_width(case), softcap=bool(case.get("softcap")),
                                 deterministic=bool(case.get("deterministic")),
@@ -522,7 +522,7 @@ FIRST_STORE_CASES = [(dict(c, deterministic=True), skips) for c in CASES for nam
 
 
 def _poison_allocator(total_q, batch, hq, width):
-    from asymflash.backends.sm90 import dq_fragments
+    from asymflash.backends.sm90.bwd import dq_fragments
 
     for rows in (total_q, dq_fragments.num_blocks(total_q, batch) * 64):
         for _ in range(2):
@@ -534,16 +534,16 @@ def _poison_allocator(total_q, batch, hq, width):
                          if isinstance(x, dict) else str(x))
 def test_sm90_deterministic_first_stores_leave_no_stale_dq(case, skips, monkeypatch):
     from asymflash.backends import portable
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     zeroed = []
-    delta = portable._delta
+    delta = portable.row_delta
 
     def recording_delta(out, dout, dlse, zero=None, **kw):
         zeroed.append(zero is not None)
         return delta(out, dout, dlse, zero=zero, **kw)
 
-    monkeypatch.setattr(portable, "_delta", recording_delta)
+    monkeypatch.setattr(portable, "row_delta", recording_delta)
     q, k, v, dout, seq, params, sink = make_case(case)
     out, lse = portable.forward(q, k, v, seq, params, sink)
     width = bwd_width(case)
@@ -563,15 +563,15 @@ def test_sm90_deterministic_first_stores_leave_no_stale_dq(case, skips, monkeypa
 
 # Deterministic mode on kernels and schedules the default config does not pick: at d=128
 # bwd.py's synchronous kernel (ws_deterministic=False; softcap calls take it anyway) and
-# bwd_ws.py's with dV retired before dSᵀ is formed (dv_overlap=False), with per-thread
-# slot releases (arrive_all), with row-major dQ tiles (dq_fragment=False, or with a 32-byte
-# swizzle), with dK issued behind dQ (ws_dk_after_dq), at d=64 bwd.py's synchronous kernel
+# bwd_ws.py's with dV retired before dSᵀ is formed (dv_overlap=False), with row-major dQ
+# tiles (dq_fragment=False, or with a 32-byte swizzle), with dK issued behind dQ
+# (ws_dk_after_dq), at d=64 bwd.py's synchronous kernel
 # (the default before 2026-11-30 session 19) and bwd_ws.py's with 64-row steps; at d=256
 # without the late high dQ half (BwdConfig.dq_hi_late, the default since 2026-12-01 session
 # 25) and with it where the turn is released at the main barrier or before the next take.
 DET_VARIANTS = [(c, variant) for c in DET_CASES if c["d"] in (96, 128) and not c.get("softcap")
                 for variant in (dict(ws_deterministic=False), dict(dv_overlap=False),
-                                dict(arrive_all=True), dict(dq_fragment=False, dq_swizzle=32),
+                                dict(dq_fragment=False, dq_swizzle=32),
                                 dict(dq_fragment=False), dict(ws_dk_after_dq=True))] + \
     [(c, variant) for c in DET_CASES if c["d"] == 64 and not c.get("softcap")
      for variant in (dict(split_warpgroups=False, dq_swizzle=32), dict(block_m=64))] + \
@@ -585,9 +585,9 @@ DET_VARIANTS = [(c, variant) for c in DET_CASES if c["d"] in (96, 128) and not c
 def test_sm90_other_deterministic_kernel_is_bitwise_reproducible(case, variant):
     from dataclasses import replace
 
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
-    width = bwd._fwd.forward_widths(case["d"], case.get("dv", case["d"]))[0]
+    width = bwd.common.forward_widths(case["d"], case.get("dv", case["d"]))[0]
     default = bwd.select_config(width, deterministic=True)
     cfg = replace(default, **variant)
     assert cfg != default, "the default kernel"
@@ -600,7 +600,7 @@ def test_sm90_other_deterministic_kernel_is_bitwise_reproducible(case, variant):
 def test_sm90_backward_dq_atomics_repeatable_within_tolerance():
     """Two runs differ only by the dQ summation order: far below the FA tolerance."""
     from asymflash.backends import portable
-    from asymflash.backends.sm90 import bwd
+    from asymflash.backends.sm90.bwd import host as bwd
 
     q, k, v, dout, seq, params, sink = make_case(CASES[4])
     out, lse = portable.forward(q, k, v, seq, params, sink)

@@ -13,9 +13,10 @@ from dataclasses import replace
 import pytest
 from sass_report import sass_report, sm90_build
 
-from asymflash.backends.sm90 import fwd, fwd_config
+from asymflash.backends.sm90.fwd import config as fwd_config
+from asymflash.backends.sm90.fwd import host as fwd
 
-pytestmark = pytest.mark.skipif(fwd._GLUON_ERROR is not None, reason=str(fwd._GLUON_ERROR))
+pytestmark = pytest.mark.skipif(fwd.GLUON_ERROR is not None, reason=str(fwd.GLUON_ERROR))
 
 _BUILD = sm90_build("fwd")
 
@@ -196,7 +197,7 @@ def test_output_leaves_through_a_tma_store(kw):
 
 
 def test_forward_widths_keep_a_narrow_v_narrow():
-    from asymflash.backends.sm90.fwd import forward_widths
+    from asymflash.backends.sm90.common import forward_widths
 
     assert forward_widths(192, 128) == (256, 128)  # DeepSeek: V not padded to 256
     assert forward_widths(256, 128) == (256, 128) and forward_widths(160, 96) == (256, 128)
@@ -206,7 +207,7 @@ def test_forward_widths_keep_a_narrow_v_narrow():
 
 
 def test_kernel_head_dim_pads_to_the_next_compiled_width():
-    from asymflash.backends.sm90.fwd import kernel_head_dim
+    from asymflash.backends.sm90.common import kernel_head_dim
 
     assert [kernel_head_dim(d, d) for d in (64, 128, 256)] == [64, 128, 256]
     assert kernel_head_dim(96, 96) == 128 and kernel_head_dim(72, 72) == 128
@@ -218,7 +219,7 @@ def test_kernel_head_dim_pads_to_the_next_compiled_width():
 
 
 def test_three_consumer_warpgroups_default_only_where_measured_faster():
-    from asymflash.backends.sm90.fwd import use_three_warpgroups
+    from asymflash.backends.sm90.fwd.config import use_three_warpgroups
 
     assert use_three_warpgroups(64, False, 2048, True, True)
     assert use_three_warpgroups(64, False, 16384, True, True)
@@ -232,7 +233,7 @@ def test_three_consumer_warpgroups_default_only_where_measured_faster():
 
 
 def test_short_masked_calls_stop_each_warpgroup_at_its_last_block():
-    from asymflash.backends.sm90.fwd import _DEFAULT_CONFIGS, default_for_call
+    from asymflash.backends.sm90.fwd.config import _DEFAULT_CONFIGS, default_for_call
 
     def cfg(d, rows, masked=True, dense=True, plain=True):
         return default_for_call(d, masked, masked, rows, dense, plain)
@@ -270,7 +271,7 @@ def test_tail_skip_compiles(kw, max_local):
 def test_three_consumer_warpgroups_refused_where_not_built():
     from dataclasses import replace
 
-    from asymflash.backends.sm90 import fwd
+    from asymflash.backends.sm90.fwd import host as fwd
 
     base = fwd._DEFAULT_CONFIGS[64]
     for cfg, d in ((replace(base, consumer_wgs=3, persistent=False), 64),
@@ -330,8 +331,8 @@ def test_fa4_switches_apply_to_every_call_unless_a_config_is_given(monkeypatch):
         with pytest.raises(ValueError, match=name):
             fwd.fa4_tricks()
         monkeypatch.setenv(name, "8")
-    from asymflash.runtime import dispatch
-    assert {fwd.EXP2_EMU_SWITCH, fwd.RESCALE_SWITCH} <= set(dispatch.SWITCHES)
+    from asymflash.runtime import env
+    assert {fwd.EXP2_EMU_SWITCH, fwd.RESCALE_SWITCH} <= set(env.PER_CALL)
 
 
 def test_conditional_rescale_skips_by_warp_vote():

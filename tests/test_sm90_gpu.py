@@ -123,13 +123,13 @@ CASES = [
     (1, 700, 300, 4, 4, 64, torch.bfloat16, (-1, 0), 0.0, False, False),
     (2, 777, 777, 2, 2, 256, torch.bfloat16, (-1, -1), 0.0, False, False),
     (2, 512, 512, 2, 2, 256, torch.float16, (-1, 0), 0.0, False, False),
-    # whole 64-row tiles at d=256: O leaves by TMA through the Q buffer (fwd._o_in_q); 64
-    # rows leave the second warpgroup without rows
+    # whole 64-row tiles at d=256: O leaves by TMA through the Q buffer (epilogue.o_staging);
+    # 64 rows leave the second warpgroup without rows
     (3, 384, 384, 2, 2, 256, torch.bfloat16, (-1, -1), 0.0, False, False),
     (4, 64, 64, 2, 1, 256, torch.bfloat16, (-1, 0), 0.0, False, False),
     (2, 640, 900, 4, 2, 128, torch.bfloat16, (100, 50), 0.0, False, False),
     # d=256 with a right bound: 64-key blocks, so a warpgroup whose rows end a block before
-    # its tile's last row skips the tile's last blocks (fwd._warpgroup_end); more query rows
+    # its tile's last row skips the tile's last blocks (fwd.kernel._warpgroup_end); more query rows
     # than keys leave rows without keys; window and varlen shift where each warpgroup ends
     (2, 640, 900, 4, 2, 256, torch.bfloat16, (100, 50), 0.0, False, False),
     (3, 203, 113, 2, 1, 256, torch.float16, (-1, 0), 0.0, False, False),
@@ -173,7 +173,7 @@ PADDED_CASES = [
 @pytest.mark.parametrize("case", PADDED_CASES,
                          ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
 def test_sm90_forward_padded_head_dims_match_reference(case):
-    from asymflash.backends.sm90 import fwd
+    from asymflash.backends.sm90.fwd import host as fwd
 
     batch, sq, sk, hq, hkv, d, dv, dtype, window, softcap, use_sink, varlen = case
     q, k, v, seq = make_inputs(batch, sq, sk, hq, hkv, d, dv, dtype, varlen=varlen)
@@ -202,9 +202,8 @@ PACKED_GQA_CASES = [
 @pytest.mark.parametrize("case", PACKED_GQA_CASES,
                          ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
 def test_sm90_forward_packed_gqa_matches_reference(case, monkeypatch):
-    from asymflash.backends.sm90 import fwd
+    from asymflash.backends.sm90.fwd import host as fwd
 
-    monkeypatch.setenv("ASYMFLASH_SM90_PACK_GQA", "1")
     batch, sq, sk, hq, hkv, d, dtype, window, softcap, varlen = case
     q, k, v, seq = make_inputs(batch, sq, sk, hq, hkv, d, d, dtype, varlen=varlen)
     params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(*window), softcap=softcap)
@@ -221,7 +220,7 @@ def test_sm90_forward_packed_gqa_matches_reference(case, monkeypatch):
 def test_sm90_forward_fa4_switches(emu, thr):
     from dataclasses import replace
 
-    from asymflash.backends.sm90 import fwd
+    from asymflash.backends.sm90.fwd import host as fwd
 
     q, k, v, seq = make_inputs(2, 1024, 1024, 4, 4, 64, 64, torch.bfloat16)
     params = AttnParams(softmax_scale=0.125, mask=MaskSpec(-1, 0))
@@ -242,7 +241,7 @@ def test_sm90_fa4_switches_through_the_api(monkeypatch, d, causal, batch, seqlen
     from helpers import assert_fa_close, reference_pair
 
     from asymflash import flash_attn_func
-    from asymflash.backends.sm90 import fwd
+    from asymflash.backends.sm90.fwd import host as fwd
     from asymflash.runtime.dispatch import use_backend
 
     torch.manual_seed(d + seqlen)
@@ -276,19 +275,16 @@ PERSISTENT_CASES = CASES + [
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("grid", ["plain-grid", "persistent", "plain-pingpong",
                                   "persistent-pingpong", "persistent-3wg", "persistent-2q",
-                                  "persistent-3wg-2q", "plain-grid-arrive", "persistent-arrive",
-                                  "persistent-3wg-arrive", "persistent-2q-arrive",
-                                  "persistent-3wg-pingpong"])
+                                  "persistent-3wg-2q", "persistent-3wg-pingpong"])
 @pytest.mark.parametrize("case", PERSISTENT_CASES,
                          ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
 def test_sm90_forward_grid_matches_reference(case, grid):
     # Both grids forced, each with and without ping-pong between the consumer warpgroups,
     # the persistent one also with three consumer warpgroups and/or a second Q buffer each:
     # the default (`use_persistent`, pingpong off) picks one per shape; three warpgroups
-    # take their turns round robin ("3wg-pingpong"). "arrive": K/V slots
-    # released by every thread (FwdConfig.arrive_all, arrive_all.py's PTX pass), checked also
-    # for the same bits on every repeat (a slot refilled while a warp still read it would show
-    # as a change).
+    # take their turns round robin ("3wg-pingpong"); ping-pong is checked also for the same
+    # bits on every repeat (a slot refilled while a warp still read it would show as a
+    # change).
     from dataclasses import replace
 
     d = case[5]
@@ -301,18 +297,18 @@ def test_sm90_forward_grid_matches_reference(case, grid):
     def configure(cfg):
         cfg = replace(cfg, persistent="persistent" in flags, pingpong="pingpong" in flags,
                       consumer_wgs=3 if "3wg" in flags else 2,
-                      q_buffers=2 if "2q" in flags else 1, arrive_all="arrive" in flags)
+                      q_buffers=2 if "2q" in flags else 1)
         return cfg
 
     # (races could also change bits)
     _forward_case_matches(case, configure, bitwise=bool(
-        {"arrive", "pingpong"} & set(flags)))
+        {"pingpong"} & set(flags)))
 
 
 def _forward_case_matches(case, configure, bitwise):
     """The forward of one case (`CASES` tuple) with `configure(select_config(...))`
     against the reference; bitwise: 10 repeats must give the same bits."""
-    from asymflash.backends.sm90 import fwd
+    from asymflash.backends.sm90.fwd import host as fwd
 
     batch, sq, sk, hq, hkv, d, dtype, window, softcap, use_sink, varlen = case
     q, k, v, seq = make_inputs(batch, sq, sk, hq, hkv, d, d, dtype, varlen=varlen)
@@ -344,7 +340,7 @@ TAIL_SKIP_CASES = [c for c in PERSISTENT_CASES if c[7][1] >= 0]
 def test_sm90_forward_tail_skip_matches_reference(case, persistent):
     from dataclasses import replace
 
-    from asymflash.backends.sm90 import fwd
+    from asymflash.backends.sm90.fwd import host as fwd
 
     d = case[5]
     _forward_case_matches(

@@ -20,7 +20,8 @@ import torch
 from test_sm90_bwd_gpu import make_case
 
 from asymflash.backends import cpu
-from asymflash.backends.sm90 import bwd, fwd
+from asymflash.backends.sm90.bwd import host as bwd
+from asymflash.backends.sm90.fwd import host as fwd
 from asymflash.core.params import AttnParams, MaskSpec
 
 # Dims TMA cannot address per head (not multiples of 8), so the padded-copy path.
@@ -106,7 +107,6 @@ def _stand_in_forward(expect_heads):
 
 @pytest.mark.parametrize("case", PACK_CASES, ids=lambda c: c["name"])
 def test_packed_gqa_forward_equals_unpacked(case, monkeypatch):
-    monkeypatch.setenv("ASYMFLASH_SM90_PACK_GQA", "1")
     q, k, v, _, seq, params, sink = _case(case)
     assert fwd.packs_gqa(q.shape[0], q.shape[1], k.shape[1], seq, params, sink)
     real_forward = fwd.forward
@@ -126,7 +126,6 @@ def test_gqa_packing_only_where_every_row_sees_the_same_keys(monkeypatch):
     plain, causal = AttnParams(0.1), AttnParams(0.1, MaskSpec(-1, 0))
     left = AttnParams(0.1, MaskSpec(30, 0))
     sink = torch.zeros(8)
-    monkeypatch.setenv("ASYMFLASH_SM90_PACK_GQA", "1")
     assert fwd.packs_gqa(100, 8, 2, seq17, plain, None)
     assert fwd.packs_gqa(100, 8, 2, seq1, causal, None)
     assert not fwd.packs_gqa(100, 8, 2, seq17, causal, None)  # rows see different keys
@@ -134,13 +133,9 @@ def test_gqa_packing_only_where_every_row_sees_the_same_keys(monkeypatch):
     assert not fwd.packs_gqa(100, 8, 2, seq17, plain, sink)  # a per-q-head logit
     assert not fwd.packs_gqa(100, 8, 8, seq17, plain, None)  # no group
     assert not fwd.packs_gqa(2**29, 8, 2, seq17, plain, None)  # rows past int32 coordinates
-    monkeypatch.setenv("ASYMFLASH_SM90_PACK_GQA", "0")
-    assert not fwd.packs_gqa(100, 8, 2, seq17, plain, None)
-    monkeypatch.delenv("ASYMFLASH_SM90_PACK_GQA")  # on by default (timed on the H200)
-    assert fwd.packs_gqa(100, 8, 2, seq17, plain, None)
 
 
-@pytest.mark.skipif(fwd._GLUON_ERROR is not None, reason="no Gluon")
+@pytest.mark.skipif(fwd.GLUON_ERROR is not None, reason="no Gluon")
 @pytest.mark.parametrize("d,width", [(96, 128), (192, 256), (80, 128)])
 def test_heads_axis_descriptor_reads_one_head_at_full_width(d, width):
     # fwd.tma_heads: the (rows, heads, dim) tensor as it is, a box of one head that is

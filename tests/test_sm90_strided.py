@@ -1,6 +1,6 @@
 """Strided q, k, v on the sm90 path: read in place through TMA descriptors with the tensors'
-own strides (the default), or as contiguous copies (`ASYMFLASH_SM90_STRIDED=0`), instead of
-going to the portable kernels.
+own strides, or as contiguous copies where TMA cannot read them, instead of going to the
+portable kernels.
 
 The layouts users hand us: views of a fused QKV projection ((batch, seqlen, 3, heads, dim) or
 (batch, seqlen, heads, 3, dim)), and Hugging Face's (batch, heads, seqlen, dim) tensors
@@ -15,10 +15,10 @@ import torch
 from helpers import assert_fa_close, reference_pair
 
 from asymflash import flash_attn_func, flash_attn_varlen_func
-from asymflash.backends.sm90 import fwd
+from asymflash.backends.sm90.fwd import host as fwd
 from asymflash.runtime.dispatch import use_backend
 
-needs_gluon = pytest.mark.skipif(fwd._GLUON_ERROR is not None, reason=str(fwd._GLUON_ERROR))
+needs_gluon = pytest.mark.skipif(fwd.GLUON_ERROR is not None, reason=str(fwd.GLUON_ERROR))
 
 
 def fused_qkv(rows, heads, dim, dtype=torch.bfloat16, device="cpu", heads_inner=False):
@@ -75,19 +75,14 @@ def test_layouts_tma_cannot_read_are_reported():
     assert "aligned" in fwd.tma_layout_reason(base, "q")
 
 
-def test_tma_ready_copies_only_what_cannot_be_read_in_place(monkeypatch):
+def test_tma_ready_copies_only_what_cannot_be_read_in_place():
     dense = torch.randn(9, 2, 64, dtype=torch.bfloat16)
     q, _, _ = fused_qkv(9, 2, 64)
     odd = torch.randn(9, 68, dtype=torch.bfloat16)[:, :64].unsqueeze(1)
-    for switch in ("0", "1"):
-        monkeypatch.setenv(fwd.STRIDED_SWITCH, switch)
-        assert fwd.tma_ready(dense) is dense
-        got = fwd.tma_ready(q)
-        assert (got is q) == (switch == "1") and torch.equal(got, q)
-        copy = fwd.tma_ready(odd)  # rows 136 bytes apart: copied either way
-        assert copy is not odd and copy.is_contiguous() and torch.equal(copy, odd)
-    monkeypatch.delenv(fwd.STRIDED_SWITCH)
-    assert fwd.tma_ready(q) is q  # in place by default
+    assert fwd.tma_ready(dense) is dense
+    assert fwd.tma_ready(q) is q  # read in place
+    copy = fwd.tma_ready(odd)  # rows 136 bytes apart: copied
+    assert copy is not odd and copy.is_contiguous() and torch.equal(copy, odd)
 
 
 @needs_gluon
@@ -119,15 +114,12 @@ def _check(got, grads, ref32, reflow):
         assert_fa_close(name, g, r32, rlow, atol=2e-3)
 
 
-@pytest.mark.parametrize("in_place", ["1", "0"], ids=["in-place", "copies"])
 @pytest.mark.parametrize("layout", ["fused", "fused-heads-inner", "transposed"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
-def test_strided_dense_inputs_on_sm90_match_reference(monkeypatch, layout, d, causal,
-                                                      in_place):
-    monkeypatch.setenv(fwd.STRIDED_SWITCH, in_place)
+def test_strided_dense_inputs_on_sm90_match_reference(layout, d, causal):
     batch, seqlen, heads = 1, 203, 4  # batch 1: (b, s, h, d) -> rows stays a view
     if layout == "transposed":
         q, k, v = (transposed(seqlen, heads, d, device="cuda").unsqueeze(0) for _ in range(3))
@@ -143,13 +135,11 @@ def test_strided_dense_inputs_on_sm90_match_reference(monkeypatch, layout, d, ca
     _check(out, grads, *reference_pair(q, k, v, dout, causal=causal))
 
 
-@pytest.mark.parametrize("in_place", ["1", "0"], ids=["in-place", "copies"])
 @pytest.mark.parametrize("kv_layout", ["transposed", "fused"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
-def test_strided_varlen_gqa_on_sm90_matches_reference(monkeypatch, kv_layout, in_place):
+def test_strided_varlen_gqa_on_sm90_matches_reference(kv_layout):
     """Packed sequences (17, 113 rows) with a contiguous q and strided k, v (GQA 4:2)."""
-    monkeypatch.setenv(fwd.STRIDED_SWITCH, in_place)
     lens, d, hq, hkv = [17, 113], 128, 4, 2
     total = sum(lens)
     cu = torch.tensor([0, lens[0], total], dtype=torch.int32, device="cuda")

@@ -13,6 +13,7 @@ import torch
 
 from ..core.masks import allowed, key_range, tile_is_full
 from ..core.params import AttnParams, CacheSpec, SeqInfo
+from ..core.softmax import sink_grad
 
 NAME = "cpu"
 BLOCK_Q = 256
@@ -108,16 +109,6 @@ def row_terms(dout, out, dlse):
     """
     d = (dout.float() * out.float()).sum(-1).transpose(0, 1)
     return d if dlse is None else d - dlse.float()
-
-
-def sink_grad(sink, lse, d_rows):
-    """d loss / d sink[h] = -sum over rows of P_sink * D (the sink carries no value); None
-    without a sink (no zeros made per backward call: the eager path drops it, the custom op,
-    which must return a tensor, makes the zeros itself)."""
-    if sink is None:
-        return None
-    p_sink = torch.exp(sink.float().unsqueeze(1) - lse)
-    return -(p_sink * d_rows).sum(1)
 
 
 def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, sink):

@@ -73,9 +73,6 @@ def asymflash_providers(device: str) -> list:
         # the conditional rescale is the default at d=256: its off column there
         providers.append(_sm90_switched("rescale0", "ASYMFLASH_SM90_RESCALE", "0",
                                         "O rescaled after every key block"))
-        providers.append(_sm90_switched("arriveall", "ASYMFLASH_SM90_ARRIVE_ALL", "1",
-                                        "slots released per thread (arrive_all.py)",
-                                        modes=("fwd", "bwd")))
     return providers
 
 

@@ -152,3 +152,13 @@ def online_softmax_attention(
         p_dtype=p_dtype,
     )
     return (out, lse, stats) if return_stats else (out, lse)
+
+
+def sink_grad(sink, lse, d_rows):
+    """d loss / d sink[h] = -sum over rows of P_sink * D (the sink carries no value); None
+    without a sink (no zeros made per backward call: the eager path drops it, the custom op,
+    which must return a tensor, makes the zeros itself)."""
+    if sink is None:
+        return None
+    p_sink = torch.exp(sink.float().unsqueeze(1) - lse)
+    return -(p_sink * d_rows).sum(1)

@@ -28,8 +28,6 @@ import warnings
 
 import torch
 
-from . import env
-
 # name -> module path; imported lazily so a CPU box never imports GPU-only code paths.
 _MODULES = {
     "cpu": "asymflash.backends.cpu",
@@ -51,11 +49,6 @@ _DECODE_MODULES = {
 # The Gluon fast paths are enabled only on the Triton versions they were tested on: Gluon's
 # API moves between releases and a silent miscompile is worse than the portable kernel.
 SM90_TESTED_TRITON = ("3.6.",)
-
-def switch(name: str) -> str | None:
-    """An environment switch's value (the registry: runtime/env.py)."""
-    return env.get(name) if name in env.SWITCHES else os.environ.get(name)
-
 
 _forced: contextvars.ContextVar = contextvars.ContextVar("asymflash_backend", default=None)
 _warned: set = set()

@@ -162,7 +162,7 @@ def forward(q, k, v, seq: SeqInfo, params: AttnParams, sink):
 _PREPROCESS = DirectLaunch(bwd_preprocess_kernel)
 
 
-def _delta(out, dout, dlse, zero=None, block_t=None, num_warps=4, site=None):
+def row_delta(out, dout, dlse, zero=None, block_t=None, num_warps=4, site=None):
     """delta (hq, total_q) fp32 = rowsum(dO * O) - dlse; also zeroes `zero`, a contiguous
     fp32 (rows, hq, width) tensor with a power-of-two width (rows >= 1, any count), when
     given. block_t (rows per program) and num_warps: the default tiling, or a probe's.
@@ -188,13 +188,13 @@ def _delta(out, dout, dlse, zero=None, block_t=None, num_warps=4, site=None):
 
 
 def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, sink):
-    from ..cpu import sink_grad
+    from ...core.softmax import sink_grad
 
     total_q, hq, d = q.shape
     hkv, dv = k.shape[1], v.shape[2]
     if dlse is not None:
         dlse = dlse.contiguous()
-    delta = _delta(out, dout, dlse)
+    delta = row_delta(out, dout, dlse)
     alloc = _alloc(seq)
     dq, dk, dvv = alloc(q.shape, q), alloc(k.shape, k), alloc(v.shape, v)
     block_d, block_dv = head_blocks(d, dv)

@@ -1,7 +1,7 @@
 """The sm90 backward's configuration: what one compiled kernel is (`BwdConfig`), the defaults
 per head dim, and the per-call choices where the H200 measured a gain (`select_config`,
-`_splits_warpgroups`). Pure Python, no Gluon: the kernels and their
-launch are in `bwd.py`, `bwd_ws.py` and `bwd_wide.py`; `bwd.py` re-exports these names."""
+`_splits_warpgroups`; the measurements: docs/tuning.md). Pure Python, no Gluon: the kernels
+are in `kernel.py`, `kernel_ws.py` and `kernel_wide.py`, their launch in `host.py`."""
 
 from __future__ import annotations
 
@@ -17,247 +17,141 @@ class BwdConfig:
     block_m: int = 64  # query rows per step (the N of the Sᵀ/dPᵀ MMAs, the M of dQ)
     block_n: int = 128  # keys per CTA: two warpgroups of 64 (d <= 128), or shared (d = 256)
     num_warps: int = 8  # two warpgroups; the MMA layouts below assume exactly 8
-    # Keep dV = Pᵀ·dO in flight while dSᵀ is formed (more registers). bwd_ws (d=128; sm_90a
-    # 2 / 44 local-memory instructions non-causal / causal vs 2 / 38 without), H200
-    # 2026-11-30 (sm90-bwd-probe), TFLOP/s 512 / 2k / 16k: default 340 / 507 / 561 -> 339 /
-    # 506 / 557, causal 209 / 402 / 574 -> 212 / 414 / 550 (a tie: stays off); deterministic
-    # +0-5 % (on there, `select_config`).
+    # Keep dV = Pᵀ·dO in flight while dSᵀ is formed (more registers). A tie in bwd_ws's
+    # default mode, a small gain in deterministic mode (on there, `select_config`).
     dv_overlap: bool = True
     dp_early: bool = True  # issue dPᵀ = V·dOᵀ with Sᵀ, overlapping the exponentials (more regs)
-    # Causal masks: launch key blocks top-down, as deterministic mode must. In bench run 2
-    # (H200) deterministic mode beat the default at d=128 causal 512 (146 vs 80 TFLOP/s):
-    # to measure for the default too (scripts/sm90-bwd-probe.py --set reverse_causal=true).
-    reverse_causal: bool = False
     # dQ partials leave through one TMA reduce-add per step (cp.reduce.async.bulk.tensor)
     # instead of per-thread fp32 atomics (deterministic mode: the turn passes on once the
-    # reduce has completed).
+    # reduce has completed, and a CTA waits for its turn while the step's last MMAs run).
     dq_tma: bool = True
     # Masks without a window: key block j starts its walk over the query blocks at step
-    # j·(steps // key blocks) instead of 0 (bwd_parts.walk_start), so the CTAs of a sequence
+    # j·(steps // key blocks) instead of 0 (sched.walk_start), so the CTAs of a sequence
     # do not all reduce into the same dQ rows at once, and deterministic turns follow that
     # schedule instead of queueing every CTA behind the one before it.
     stagger: bool = True
     # Deterministic mode, when a CTA passes a dQ turn on (its TMA reduce must have landed):
     # 0 in the step that issued it (waiting for the reduce there), 1 at the next step's main
     # barrier, 2 at the next step's reduce point (the reduce has had a whole step to land, but
-    # the turn is held that much longer). H200, deterministic TFLOP/s at 2k / 16k non-causal
-    # (2026-11-29, sm90-bwd-probe --variant): d=128 0: 308 / 343, 1: 341 / 391, 2: 340 / 385;
-    # d=256 0: 192 / 207, 1: 180 / 184, 2: 176 / 181 (64-key blocks: a query block's next
-    # visitor arrives one step later, so a late release makes it wait); d=64 within 2 %.
-    # d=256 again with its dQ halves staged in the step's dO buffer and Q slot
-    # (dq_in_operands; H200 2026-12-01 session 23, deterministic TFLOP/s 512 / 2k / 16k,
-    # 0 / 1 / 2): 204 / 265 / 305, 213 / 288 / 321, 207 / 283 / 317; causal 147 / 232 / 263,
-    # 155 / 257 / 316, 153 / 254 / 316: 1 there too now.
+    # the turn is held that much longer). 1 is fastest at d=128, and at d=256 with its dQ
+    # halves staged in the operand buffers (dq_in_operands); see docs/tuning.md.
     # 3 (bwd_wide, d=256 only): 1's step, but after that barrier and by warp 0 alone
-    # (`release_dq_turn_after_tma`'s FROM_WARP): the fence a release implies (a MEMBAR; a
-    # relaxed atomic instead, a diagnostic, read 3-9 % faster) then waits under the dV and
-    # dPᵀ MMAs instead of holding every warp at the barrier.
+    # (`release_dq_turn_after_tma`'s FROM_WARP): the fence a release implies (a MEMBAR) then
+    # waits under the dV and dPᵀ MMAs instead of holding every warp at the barrier.
     turn_release: int = 1
-    # Deterministic mode: wait for the dQ turn while the step's last MMAs run (the semaphore's
-    # round trip overlaps them) instead of after they retire.
-    turn_wait_early: bool = True
     # Deterministic mode on bwd_ws and bwd_wide: each query block's first dQ turn stores its
     # tiles, so the preprocess does not zero dQ_acc, where every query block has a first turn
-    # and meets at most 1k keys (`bwd.first_stores`, with the H200's numbers).
+    # and meets at most 1k keys (`host.first_stores`).
     first_stores: bool = True
     # dK and dV leave through shared memory and TMA stores where no key block straddles two
     # sequences (`kv_tma_store`), instead of masked per-thread stores.
     kv_tma_store: bool = True
     # Issue dK += dSᵀ·Q after dQ = dS·K (not before it) and retire it only at the end of the
-    # step: the tensor cores run dK while dQ is staged and reduced (a step's timeline, H200
-    # scripts/bwd-timeline.py, d=128 16k: idle there for ~640 of ~4800 cycles). It moves the
-    # gap rather than filling it: dK no longer covers forming dSᵀ. H200 2026-11-30, TFLOP/s
-    # at 512 / 2k / 16k: d=128 non-causal 303 / 451 / 509 -> 306 / 467 / 506, causal 199 /
-    # 380 / 510 -> 198 / 377 / 517; d=64 1-4 % slower (ptxas spills 0 -> 8; d=128 4 -> 0).
+    # step: the tensor cores run dK while dQ is staged and reduced (scripts/bwd-timeline.py
+    # showed them idle there). It moves the gap rather than filling it: dK no longer covers
+    # forming dSᵀ. On at d=128; d=64 spilled with it and was slower (see docs/tuning.md).
     dk_late: bool = False
     # Load and stage the next step's lse/delta while the dQ MMA runs, instead of between the
     # Sᵀ issue and its wait. There, the shared-memory store of one stats buffer followed by
     # the read of the other made Triton's barrier pass put a CTA-wide bar.sync right after the
     # Sᵀ wait (the slot index is a runtime value: it cannot prove the two disjoint), and that
-    # barrier waited for the stores, i.e. for the loads' latency. H200 2026-11-30, TFLOP/s
-    # (scripts/sm90-bwd-probe.py, two runs): d=128 2k 457 -> 474, causal 2k / 16k 380 / 493-505
-    # -> 389 / 546-550, 512 rows +1-2 %; d=64 +0-5 %; d=256 (bwd_wide) 0-2 % slower, causal
-    # 16k up to 7 %; deterministic d=128 causal 16k 409 -> 389 (the turn's wait sits right
-    # behind the loads). Loading into registers at the step's start and storing before the dQ
-    # reduce's barrier (the loads' latency spread over the whole step): d=128 2k 456, causal
-    # 16k 497, d=64 within 2 %.
+    # barrier waited for the stores, i.e. for the loads' latency. Faster at d <= 128; at d=256
+    # and in deterministic causal mode slower (see docs/tuning.md).
     stats_late: bool = True
-    # The warp-specialised kernel (`bwd_ws.py`): a load warp, and the two warpgroups out of
+    # The warp-specialised kernel (`kernel_ws.py`): a load warp, and the two warpgroups out of
     # phase, meeting only through mbarriers (dQ by column halves, one reduce each). On at
-    # d=128; d=64 (128-row steps) can take it but spills and loses. Not for softcap or dQ
-    # atomics, nor for deterministic mode without `ws_deterministic` (`_splits_warpgroups`:
-    # those keep this module's kernel).
-    # H200 2026-11-30 (sm90-bwd-probe), TFLOP/s 512 / 2k / 16k: non-causal 317 / 474 / 534
-    # -> 338 / 516 / 554, causal 207 / 392 / 520 -> 209 / 395 / 533.
+    # d=128; at d=64 with `ws_dq_warp` (`select_config`). Not for softcap or dQ atomics, nor
+    # for deterministic mode without `ws_deterministic` (`_splits_warpgroups`: those keep
+    # kernel.py's kernel).
     split_warpgroups: bool = False
     late_warpgroup: int = 0  # bwd_ws: the warpgroup that computes dQ one step late (-1: none)
     ring_slots: int = 2  # bwd_ws: steps of Q/dO (and their statistics) its load warp keeps
     # Deterministic mode on bwd_ws's kernel: a dQ warp of its own waits for the turns and
     # adds both warpgroups' tiles, so the turns' round trips leave the compute warpgroups'
-    # path (bwd.py's kernel has no registers for such a warp). H200 2026-11-30
-    # (sm90-bwd-probe, d=128, deterministic TFLOP/s at 512 / 2k / 16k, default beside):
-    # non-causal 251 / 354 / 397 -> 303 / 476 / 534 (default 336 / 513 / 551), causal
-    # 174 / 310 / 394 -> 196 / 382 / 495 (default 207 / 401 / 538): +3-10 % instead of
-    # +14-39 %. 50 bitwise repeats pass (test_sm90_bwd_gpu).
+    # path (kernel.py's kernel has no registers for such a warp): deterministic mode then
+    # costs a few percent instead of tens (see docs/tuning.md).
     ws_deterministic: bool = True
-    # bwd_ws: the compute warpgroups release a Q/dO slot and a dSᵀ buffer by an arrive from
-    # every thread instead of a warpgroup barrier and one thread's arrive (`arrive_all.py`:
-    # ncu put 5.3 of our 13.1 stall cycles per instruction on barriers, FA4's 1.6 of 10.6,
-    # most of them parked warps' as it turned out). Off: H200 2026-11-30, TFLOP/s 2k / 16k
-    # d=128 495 / 549 -> 509 / 557, d=256 322 / 348 -> 294 / 349, deterministic d=128 479 /
-    # 547 -> 479 / 539 (benchmarks/NOTES.md, session 15).
-    arrive_all: bool = False
     # Swizzle (bytes) of the fp32 dQ staging tile. With 128 (Triton's default for its 256-byte
     # rows) each warp's 64-bit stores from the wgmma accumulator take 4 shared-memory
-    # wavefronts instead of 2 (ncu source counters, H200 2026-11-30, d=128 16k: 8.39 M vs
-    # 4.19 M ideal per store instruction, 9 % of all the kernel's wavefronts): a half-warp
-    # writes rows 0-3 of a 32-byte column pair, and XOR-ing the 16-byte chunk with the row
-    # maps the pair's chunks onto each other. With 32 the four rows land in distinct banks;
-    # the TMA reduce then moves the tile as 8-column boxes (32-byte rows), which costs more
-    # than the conflicts where the reduce is on the path. H200 2026-11-30 (sm90-bwd-probe,
-    # TFLOP/s 2k / 16k, causal 2k / 16k, 128 -> 32): d=64 (128-row tiles) 420 / 459 -> 437 /
-    # 466, 336 / 447 -> 346 / 451, deterministic 315 / 360 -> 329 / 375, 280 / 368 -> 280 /
-    # 382 (so on at d=64); d=128 518 / 548 -> 519 / 557, causal 402 / 577 -> 423 / 559 (a
-    # tie), deterministic 477 / 541 -> 390 / 439 (its one dQ warp issues all the boxes);
-    # d=256 320 / 355 -> 287 / 309.
+    # wavefronts instead of 2 (ncu source counters: 9 % of all the kernel's wavefronts at
+    # d=128): a half-warp writes rows 0-3 of a 32-byte column pair, and XOR-ing the 16-byte
+    # chunk with the row maps the pair's chunks onto each other. With 32 the four rows land in
+    # distinct banks; the TMA reduce then moves the tile as 8-column boxes (32-byte rows),
+    # which costs more than the conflicts where the reduce is on the path. 32 at d=64 only
+    # (see docs/tuning.md).
     dq_swizzle: int = 128
-    # bwd_ws: each warpgroup stores its dQ tile in the wgmma accumulator's own order (128-bit
-    # stores, 512 contiguous bytes per warp: no bank conflicts) and reduces it as one box into
-    # a buffer of such tiles, which a portable kernel puts back in row order
-    # (`dq_fragments.py`, after FA4's sm90 backward). Replaces dq_swizzle there. On at d=128:
-    # H200 2026-11-30 (sm90-bwd-probe, same process, two runs), TFLOP/s 2k / 16k row-major
-    # -> fragments (every measurement of each): 501-515 / 542-562 -> 515-528 / 577-580, causal
-    # 400-406 / 544-578 -> 405-410 / 551-560 (a tie there), 512 rows a tie; deterministic
-    # 472-476 / 514-540 -> 491-498 / 528-554, causal 16k 525-528 -> 540-544. It costs ptxas
-    # ~10 local-memory instructions in the loop (scalars around the dQ MMA; 2 -> 17 in all,
-    # causal 40 -> 52). bwd.py's kernel takes it with 128-row steps (d=64: both warpgroups'
-    # tiles, one box) and bwd_wide (d=256: each 128-column half). H200 2026-11-30 session 16
-    # (sm90-bwd-probe, TFLOP/s 2k / 16k, causal 2k / 16k, row-major -> fragments): d=256
-    # 319 / 351 -> 328 / 378, 276 / 353 -> 275 / 375, deterministic 245 / 277 -> 250 / 292,
-    # causal 16k 257 -> 275, but 512 rows 241 / 172 -> 223 / 152 (causal): on at d=256 from
-    # 2k rows. d=64 427-434 / 462-467 -> 423-433 / 479, shorter a tie, causal a tie (sm_90a:
-    # 4 -> 46 local-memory instructions in its loop, at the 255-register limit),
-    # deterministic 16k 375 -> 364. On in the defaults of d=128 and d=256 (every length: the
-    # conversion reads d=256's tiles in memory order since commit f574cd4; session 17, d=256
-    # 512 / 1k / 2k 240 / 290 / 322 -> 249 / 305 / 342, causal 173 / 230 / 275 -> 176 / 239 /
-    # 291; d=128 335 / 421 / 481 -> 338 / 441 / 486, causal 212 / 309 / 383 -> 212 / 317 /
-    # 402), and in d=64's bwd_ws builds (`select_config`, timed that way).
+    # Each warpgroup stores its dQ tile in the wgmma accumulator's own order (128-bit stores,
+    # 512 contiguous bytes per warp: no bank conflicts) and reduces it as one box into a
+    # buffer of such tiles, which a portable kernel puts back in row order (`dq_fragments.py`,
+    # after FA4's sm90 backward). Replaces dq_swizzle there. kernel.py's kernel takes it with
+    # 128-row steps (d=64: both warpgroups' tiles, one box), bwd_wide each 128-column half.
+    # On in the defaults of d=128 and d=256 and in d=64's bwd_ws builds (`select_config`;
+    # see docs/tuning.md).
     dq_fragment: bool = False
     # bwd_ws: issue dK += dSᵀ·Q right after dQ = dS·K and wait for dQ alone, so dK runs while
     # dQ is staged and reduced (FA4's order), instead of issuing dK first, which made the wait
-    # for dQ a wait for both (ncu source counters, H200 2026-11-30, d=128 16k: ~9 % of a
-    # compute warp's samples on that wait). dK then waits for the other warpgroup's dSᵀ half
-    # too. sm_90a local memory 17 -> 2 (non-causal), 52 -> 40 causal. H200 2026-11-30
-    # session 16 (sm90-bwd-probe, d=128, TFLOP/s 2k / 16k, two runs each): 499-536 / 560-562
-    # -> 501-532 / 560-569 (a tie), causal 393-405 / 536-555 -> 415-425 / 571-576: on;
-    # deterministic 16k 559 -> 477, causal 525 -> 496: off there (`select_config`).
+    # for dQ a wait for both (ncu: ~9 % of a compute warp's samples on that wait). dK then
+    # waits for the other warpgroup's dSᵀ half too. On; off in deterministic mode, where it
+    # was slower (`select_config`).
     ws_dk_after_dq: bool = False
     # The grid as (kv heads, key blocks, sequences) instead of (key blocks, kv heads,
-    # sequences), with a causal mask (`bwd_parts.key_block`): the hardware then hands out
-    # key block 0 (the most query blocks) of every head of a sequence first. Replaying its
-    # in-order hand-out on the host, one head after another gave the busiest SM of d=128 /
-    # d=256 causal 2k 1.07x the mean work, heads first 1.02 / 1.00x. H200 2026-11-30 session
-    # 19 (sm90-bwd-probe, causal TFLOP/s, key blocks first -> heads first, two or three runs):
-    # d=128 1k / 2k 316-317 / 400-414 -> 319-328 / 420-436, d=256 1k / 2k 240 / 292-293 ->
-    # 248 / 302-304, 512 rows +1 %, d=64 a tie. (All heads at once over 16k rows lost L2
-    # sharing: -7 % at d=128, session 10.) None: per call (`heads_first`: where all heads'
+    # sequences), with a causal mask (`sched.key_block`): the hardware then hands out key
+    # block 0 (the most query blocks) of every head of a sequence first, which balances the
+    # SMs' work (the host's replay of the hand-out: `dispatch_imbalance`). All heads at once
+    # over long sequences lose L2 sharing. None: per call (`heads_first`: where all heads'
     # Q and dO fit HEADS_FIRST_L2_BYTES; where they do not, in chunks of heads: heads_chunk).
     heads_first: bool | None = None
     # Heads first in chunks of this many kv heads (a divisor of the call's; the grid is
     # (chunk's heads, chunks x key blocks, sequences): chunk by chunk, key block 0 of each of
     # its heads first). Where all heads' Q and dO overflow L2, one head after another ends
-    # each head with its shortest blocks: the host's replay of the hardware's hand-out
-    # (`dispatch_imbalance`) gives the busiest SM of d=128 causal 4k / 8k 1.068 / 1.056x the
-    # mean work, chunks of 8 / 4 heads 1.002 / 1.000x. H200 2026-12-01 session 25
-    # (sm90-bwd-probe, causal TFLOP/s): one head after another -> all heads first, d=128 4k /
-    # 8k 479 / 530 -> 488 / 503, d=64 449 / 473 -> 433 / 446, d=256 356 / 392 -> 362 / 376
-    # (L2 lost at 8k); one head after another -> chunks (three interleaved rounds), d=64 4k /
-    # 8k 425 / 472 -> 432 / 482 (16 / 8 heads), d=128 472 / 525 -> 490 / 535 (8 / 4),
-    # d=256 4k 353 -> 366 (4). None: per call (`head_chunk`); plain grids only (a persistent
-    # grid takes tiles in the order of one head after another, or of all heads first).
+    # each head with its shortest blocks; chunks keep the balance and the L2 sharing. None:
+    # per call (`head_chunk`); plain grids only (a persistent grid takes tiles in the order
+    # of one head after another, or of all heads first).
     heads_chunk: int | None = None
     # bwd_ws without deterministic mode: the compute warpgroups hand their staged dQ tiles to
     # the dQ warp, which issues both reduces (deterministic mode's hand-over, without the
-    # turns), instead of each issuing its own. H200 2026-11-30 session 20 (sm90-bwd-probe,
-    # TFLOP/s 512 / 2k / 16k, bwd.py's kernel -> bwd_ws with 128-row steps and this): d=64
-    # 285 / 438 / 490 -> 286 / 479 / 527, 1k / 4k / 16k again 371 / 433 / 460 -> 393-394 /
-    # 489-530 / 508-512; causal 175 / 345 / 486 -> 160 / 342 / 497, 4k / 16k 409 / 452 ->
-    # 413 / 470; causal with fragment-order dQ tiles, 1k / 2k / 4k / 8k / 16k, two
-    # columns each: 260-261 / 339-344 / 403-413 / 440-447 / 458-459 -> 259 / 356-357 /
-    # 422-440 / 469-474 / 497-506: on for d=64 unmasked, and causal from 2k rows (from 1k
-    # as a persistent grid since session 21; `select_config`). d=128 (already on bwd_ws) 339 /
-    # 532 / 560 -> 333 / 509 / 575, causal 213 / 442 / 595 -> 209 / 416 / 621, again 4k /
-    # 16k 527-582 / 545-553 -> 546 / 554, causal 443-507 / 541-546 -> 480 / 518: off.
+    # turns), instead of each issuing its own. On for d=64 unmasked, and causal from 2k rows
+    # (1k as a persistent grid); off at d=128 (`select_config`; see docs/tuning.md).
     ws_dq_warp: bool = False
-    # bwd_ws's masked steps (bwd_parts.probabilities' MASK_MODE). step_cols: the Pᵀ tile's
-    # column indices formed inside the masked step (`allowed`'s STEP_COLS; None: at d=64,
-    # where it measured faster; at d=128 it moved spills onto every step). mask_scores:
+    # bwd_ws's masked steps (parts.probabilities' MASK_MODE). step_cols: the Pᵀ tile's
+    # column indices formed inside the masked step (`bounds.allowed`'s STEP_COLS; None: at
+    # d=64, where it measured faster; at d=128 it moved spills onto every step). mask_scores:
     # without softcap, Sᵀ masked to -inf before the exponentials instead of Pᵀ after them
     # (sm_90a: no local memory left around d=128's masked steps). On for masked d=64 calls
     # (`select_config`; unmasked ones mask only a ragged last key block, and their build
-    # spilled more with it: 11 local-memory instructions, 6 without). H200 2026-12-01
-    # session 25 (sm90-bwd-probe, causal TFLOP/s, three interleaved rounds, without ->
-    # with): d=64 512 / 1k / 2k / 16k 193 / 282 / 365 / 495 -> 196 / 283 / 368 /
-    # 506 (two earlier processes at 2k / 16k: +1-2 %, +2-5 %); d=128 219 / 324 / 439 / 560 ->
-    # 225 / 325 / 416 / 553, and in two earlier processes 2k +1 / +4 %, 16k +9 / -7 %: within
-    # the spread of d=128's cells there, so off.
+    # spilled more with it); at d=128 within the spread, so off.
     step_cols: bool | None = None
     mask_scores: bool = False
     # bwd_ws as a persistent grid, one CTA per SM taking the plain grid's tiles in its order
     # from a counter, the next tile's K/V and first Q/dO loading while the current one
-    # finishes dQ and stores dK/dV (`bwd.persists`: dense lengths, not deterministic).
-    # H200 2026-11-30 session 20 (scripts/bwd-ws-ctas.py): a plain CTA's fixed cost is
-    # 1.9-3.4 steps (the K/V wait, the epilogue, the gap to the next CTA). Session 21
-    # (sm90-bwd-probe, plain -> persistent, same process): d=128 512 / 2k / 16k 340 / 491 /
-    # 560 -> 358 / 528 / 578-581; d=64 512 / 2k / 16k 297 / 463 / 527 -> 315 / 467 / 514-519
-    # (its late warpgroup spills in the persistent loop); causal (d=128 512 / 2k / 16k 216
-    # / 417 / 570 -> 210 / 418-442 / 543-578, d=64 512 / 2k / 4k 165 / 360-363 / 438-439 ->
-    # 173 / 357-361 / 409-428, bwd.py's kernel 175 at 512): not taken, but d=64 causal 1k
-    # 262 (bwd.py's kernel and the plain grid alike) -> 270. On for unmasked calls without
-    # softcap at d=128, at d=64 up to 1k rows, and for causal calls below 2k rows (d=128
-    # since session 22, with the next tile taken late: plain / persistent, two columns each,
-    # 512 215.0-214.7 / 218.0-217.9, 1k 326-314 / 332-318, 2k 412-416 / 413-425, 16k
-    # 543-545 / 527-536).
-    # Deterministic mode (session 22; turns in the order tiles are taken: ascending, causal
-    # top-first, no stagger, `bwd_ws._ws_tiles`), with the next tile taken once the current
-    # one's loads are out rather than when it starts (taken at the start, a tile could wait
-    # a whole tile for the CTA holding its predecessor: d=128 causal 2k 63 TFLOP/s). H200
-    # (sm90-bwd-probe, deterministic TFLOP/s plain -> persistent, 512 / 2k / 16k): d=64
-    # causal 155 / 332 / 465 -> 165 / 337 / 473, unmasked 263 / 417 / 491 -> 252 / 342 /
-    # 459 (the unstaggered turns queue); d=128 causal 190 / 386 / 535 -> 194 / 388 / 536,
-    # unmasked 303 / 453 / 518 -> 288 / 395 / 535. Taken for d=64 causal below 2k rows.
-    # The late take costs the default mode nothing (d=128, early -> late, two columns each:
-    # 512 357 / 352 -> 356 / 355, 16k 581 / 549 -> 578 / 556; causal 512 211 -> 221).
+    # finishes dQ and stores dK/dV (`host.persists`). A plain CTA's fixed cost is 1.9-3.4
+    # steps (the K/V wait, the epilogue, the gap to the next CTA: scripts/bwd-ws-ctas.py).
+    # On for unmasked calls without softcap at d=128, at d=64 up to 1k rows, and for causal
+    # calls below 2k rows, the next tile taken once the current one's loads are out.
+    # Deterministic mode (turns in the order tiles are taken: ascending, causal top-first,
+    # no stagger, `kernel_ws._ws_tiles`): for d=64 causal below 2k rows (taken at a tile's
+    # start, a tile could wait a whole tile for the CTA holding its predecessor). See
+    # docs/tuning.md.
     ws_persistent: bool = False
     # K/V buffers of a persistent bwd_ws: with two, the load warp issues the next tile's K/V
     # as soon as it has taken the tile (its buffer's previous tile long done), instead of
-    # once this tile's last MMAs have read K/V (session 21's stamps: that load, 4000-6000
-    # cycles in flight, was every tile boundary's critical path), and dK/dV stage in the
-    # tile's own K/V buffer. Shared memory allows it only with 64-row steps at d=64 (182 KB).
-    # H200 2026-12-01 session 22 (sm90-bwd-probe, that build, one -> two buffers, TFLOP/s at
-    # 256 / 512 / 1k / 2k rows, two columns each): causal 108 / 187 / 278-279 / 353-357 ->
-    # 117 / 194-195 / 278-279 / 348-350; unmasked 186 / 279-280 / 345-351 / 407 -> 214 /
-    # 297-300 / 358-365 / 405-407 (the 128-row default stays ahead there: 317 / 392 / 475).
-    # On for d=64 causal calls below 1k rows (`select_config`).
+    # once this tile's last MMAs have read K/V (that load, 4000-6000 cycles in flight, was
+    # every tile boundary's critical path), and dK/dV stage in the tile's own K/V buffer.
+    # Shared memory allows it only with 64-row steps at d=64 (182 KB). On for d=64 causal
+    # calls below 1k rows (`select_config`).
     ws_kv_buffers: int = 1
     # bwd_wide (d = 256): no dQ staging tile; each step stages its dQ halves for their TMA
     # reduces in its own dO buffer and Q slot (32 KB each, free once dV/dPᵀ and dK have
     # retired), and the 32 KB go to a second dO buffer, so the next dO loads at barrier 1,
     # half a step earlier, and the high half no longer waits for the TMA unit to read the low
-    # one out of the shared tile. H200 2026-12-01 session 23 (sm90-bwd-probe, d=256, TFLOP/s
-    # 2k / 16k): diagnostics (results wrong by design): the default 340 / 380, the high half's
-    # reduce left out 342 / 380, no reduce 422 / 480; the high half by per-thread
-    # red.global.add.v4.f32 from the registers (fragment order, correct) 321 / 357; the high
-    # half staged in the Q slot alone: 512 / 2k / 16k 245 / 342 / 379 -> 249 / 346 / 381,
-    # causal 176 / 304 / 379 -> 179 / 310 / 387, deterministic 198 / 257 / 292 -> 203 / 267 /
-    # 304, causal 140 / 226 / 257 -> 145 / 228 / 267.
+    # one out of the shared tile.
     dq_in_operands: bool = False
     # With dq_in_operands: the high dQ half's reduce is issued in the next step, once its
     # first MMAs are out, from the Q slot it was staged in (deterministic mode: where the
     # turn is released in the next step, turn_release 1-3, after that issue). Issued right after
     # the low half's, its UTMAREDG waited in the MIO queue for the TMA unit to read the low
-    # half out, and the loop's back branch behind it (Nsight Compute, H200 2026-12-01 session
-    # 23, d=256 16k: 15 % of the kernel's warp samples on those three instructions).
+    # half out, and the loop's back branch behind it (Nsight Compute: 15 % of the kernel's
+    # warp samples on those three instructions at d=256).
     dq_hi_late: bool = False
 
 
@@ -266,8 +160,7 @@ class BwdConfig:
 # 252 registers unmasked, 2-14 spill instructions on the masked path only, vs 254 and 10-22
 # with the overlap); 128 query rows per step would need 256 accumulator registers. d=64 takes
 # 128 query rows per step (half the steps, so half the per-step barriers, waits and dQ
-# reduces; 255 registers): H200 2026-11-29, TFLOP/s non-causal 1k / 2k / 16k 288 / 332 / 377
-# -> 339 / 401 / 465, causal 2k / 16k 280 / 385 -> 329 / 471 (cuDNN 426 / 455 non-causal).
+# reduces; 255 registers), faster (see docs/tuning.md).
 _DEFAULT_CONFIGS = {
     64: BwdConfig(block_m=128, block_n=128, dq_swizzle=32),
     128: BwdConfig(block_m=64, block_n=128, dv_overlap=False, dk_late=True,
@@ -341,7 +234,7 @@ def key_block_steps(cfg: BwdConfig, seqlen_q: int, seqlen_k: int, window_right: 
 
 
 # A CTA's cost beyond its steps, in steps (bwd_ws: K/V wait, epilogue, the gap to the next
-# CTA, 1.9-3.4 steps, H200 2026-11-30 session 20: `BwdConfig.ws_persistent`).
+# CTA, 1.9-3.4 steps: `BwdConfig.ws_persistent`).
 CTA_FIXED_STEPS = 2.0
 
 
@@ -387,31 +280,23 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
             # see BwdConfig.stats_late and BwdConfig.ws_dk_after_dq
             cfg = replace(cfg, stats_late=False, ws_dk_after_dq=False)
             if head_dim == 128 and not softcap:
-                # bwd_ws's deterministic kernel keeps dV in flight (BwdConfig.dv_overlap):
-                # H200 2026-11-30, TFLOP/s 512 / 2k / 16k, non-causal 303 / 460 / 536 ->
-                # 304 / 466 / 545, causal 196 / 375 / 492 -> 194 / 393 / 519.
+                # bwd_ws's deterministic kernel keeps dV in flight (BwdConfig.dv_overlap)
                 cfg = replace(cfg, dv_overlap=True)
             if head_dim == 256:
                 # BwdConfig.turn_release has the numbers; the late high dQ half (dq_hi_late,
-                # the non-deterministic default) is released with the turn in the next step.
-                # H200 2026-12-01 session 25 (sm90-bwd-probe, deterministic TFLOP/s, three
-                # interleaved rounds, without -> with it): 512 / 2k / 16k 216 / 297 / 324 ->
-                # 219 / 301 / 340, causal 159 / 264 / 327 -> 161 / 270 / 332; with
-                # turn_release 1 instead of 3: 213 / 284 / 325, causal 151 / 250 / 302.
+                # the non-deterministic default) is released with the turn in the next step,
+                # from warp 0 (turn_release 3): faster than without it, and than 1.
                 cfg = replace(cfg, turn_release=3)
             if head_dim == 64 and not softcap:
                 # bwd_ws's kernel with 128-row steps, its dQ warp taking the turns and the
                 # reduces off the compute warpgroups (which spill: sm_90a 37 local-memory
                 # instructions, 162 causal), row-major dQ tiles swizzled by 128 as at d=128;
-                # 64-row steps spill nothing and were slower (2k / 16k 317 / 356).
-                # H200 2026-11-30 session 19
-                # (sm90-bwd-probe, deterministic TFLOP/s, bwd.py's kernel -> this, the
-                # non-deterministic default beside): 2k / 16k 329 / 373 -> 430 / 503 (431 /
-                # 483), causal 273 / 374 -> 329 / 472 (317 / 492).
+                # 64-row steps spill nothing and were slower. Faster than kernel.py's
+                # deterministic mode (see docs/tuning.md).
                 cfg = replace(cfg, split_warpgroups=True, dq_swizzle=128)
                 if masked and not window and max_seqlen_q is not None and max_seqlen_q < 1024:
                     # short causal calls as the default mode runs them (below), turns in
-                    # tile order: session 22, 512 rows 165 (128-row steps) -> 174 TFLOP/s
+                    # tile order
                     cfg = replace(cfg, block_m=64, ring_slots=3, dq_fragment=True,
                                   ws_persistent=True, ws_kv_buffers=2)
         elif head_dim == 64 and not softcap and max_seqlen_q is not None and (
@@ -420,10 +305,8 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
             # Short calls (causal below 1k rows, unmasked up to 256): bwd_ws with 64-row
             # steps (for causal calls a finer diagonal; for all twice the
             # steps over a tile's fixed cost; no spills in its step loops), three ring slots,
-            # fragment-order dQ tiles, as a persistent grid. H200 2026-12-01 session 22
-            # (sm90-bwd-probe, TFLOP/s at 512 / 1k rows, bwd.py's kernel / this): 175 / 267
-            # -> 184-186 / 265-278; two ring slots 183; row-major dQ 184; the dQ warp issuing
-            # the reduces 183; as a plain grid 175. From 1k rows the 128-row build (above).
+            # fragment-order dQ tiles, as a persistent grid (the fastest of the variants
+            # tried; see docs/tuning.md). From 1k rows the 128-row build (above).
             # With two K/V buffers (BwdConfig.ws_kv_buffers; 256 / 512 / 1k / 2k rows, two
             # columns each): 108 / 187 / 278-279 / 353-357 -> 117 / 194-195 / 278-279 /
             # 348-350. Unmasked calls up to 256 rows too: 128 / 256 / 384 rows 116-117 /
@@ -448,9 +331,7 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
             cfg = replace(cfg, ws_persistent=True)  # causal below 2k rows (ditto)
         elif (head_dim in (64, 128) and masked and not window and deterministic
               and not softcap and max_seqlen_q is not None and max_seqlen_q < 2048):
-            # deterministic causal below 2k rows (BwdConfig.ws_persistent); d=128: H200
-            # sm90-bwd-probe, deterministic TFLOP/s plain -> persistent, 2026-12-01 session
-            # 22 512 rows 190 -> 194 (2k 386 -> 388), session 24 512 / 1k 192 / 292 -> 196 / 295
+            # deterministic causal below 2k rows (BwdConfig.ws_persistent)
             cfg = replace(cfg, ws_persistent=True)
         if head_dim == 64 and masked and not softcap:
             cfg = replace(cfg, mask_scores=True)  # BwdConfig.mask_scores has the numbers

@@ -1,25 +1,27 @@
-"""Gluon pieces shared by the two sm90 backward kernels (`bwd.py` for d <= 128, `bwd_wide.py`
+"""Gluon pieces shared by the two sm90 backward kernels (`kernel.py` for d <= 128, `kernel_wide.py`
 for d = 256): loads, row statistics, the query range of a key block, the masks, the dQ
 reduction with its deterministic turn, and the dK/dV stores.
 
-Both kernels follow the same plan (see bwd.py's docstring): one CTA per key block, a walk over
+Both kernels follow the same plan (see host.py's docstring): one CTA per key block, a walk over
 (q head of the group, query block) steps, transposed products so the key dimension is the
 wgmma M axis. They differ in how the two warpgroups share a step.
 """
 
 from __future__ import annotations
 
-from .fwd import _GLUON_ERROR
+from ..common import GLUON_ERROR
 
-if _GLUON_ERROR is None:
+if GLUON_ERROR is None:
     from triton._C.libtriton import ir
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+    from ..bounds import allowed
+    from ..common import copy_rows, tanh
+    from ..sched import key_block_origin
     from .dq_fragments import fragment_bases
-    from .fwd import _copy_rows, _sequence, _tanh
 
     @gluon.constexpr_function
     def fragment_layout(rows, cols):
@@ -69,7 +71,7 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def add_dq_tile(desc, row, col, src, FIRST_STORES: gl.constexpr, first):
         """dQ_acc[box at (row, col)] += the staged tile `src` (TMA reduce-add). FIRST_STORES
-        (deterministic mode, `bwd.first_stores`: dQ_acc is not zeroed): where `first` (1 on
+        (deterministic mode, `host.first_stores`: dQ_acc is not zeroed): where `first` (1 on
         a query block's first turn, else 0) the tile is stored instead. Branch-free: both a
         store and an add are issued, the one not wanted aimed FAR_ROW rows away, where the
         TMA unit writes nothing (a branch around them made ptxas spill in bwd_ws's compute
@@ -81,53 +83,13 @@ if _GLUON_ERROR is None:
             tma_reduce_add(desc, [row, col], src)
 
     @gluon.jit
-    def key_block(cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr,
-                  UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr, TOP_FIRST: gl.constexpr,
-                  HEADS_FIRST: gl.constexpr = 0):
-        """This CTA's key block, kv head and sequence: (n_blk, n_seq, hk, batch, q_start,
-        k_start, seqlen_q, seqlen_k); n_seq key blocks in the sequence.
-
-        TOP_FIRST (causal masks, in deterministic mode): each CTA walks its query blocks
-        upward from its diagonal, so the highest key block reaches a query block first. It
-        takes the first turn there, and the grid runs from the top key block down, so a CTA
-        only ever waits for CTAs launched before it.
-
-        HEADS_FIRST (BwdConfig.heads_first): 1, the grid is (kv heads, key blocks,
-        sequences), so the hardware hands out key block 0 of every head of a sequence, then
-        block 1, ...: longest first under a causal mask, where the (key blocks, ...) order
-        ends each head with its shortest blocks and the call with a wave of long and short
-        CTAs mixed. c >= 2 (BwdConfig.heads_chunk, dense lengths): the same in chunks of c kv
-        heads, the grid (c, chunks x key blocks, sequences).
-        """
-        n_blk = gl.program_id(1 if HEADS_FIRST else 0)
-        hk = gl.program_id(0 if HEADS_FIRST else 1)
-        batch = gl.program_id(2)
-        q_start, k_start, seqlen_q, seqlen_k = _sequence(
-            batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr, UNIFORM, HAS_SEQUSED)
-        n_seq = (seqlen_k + BLOCK_N - 1) // BLOCK_N
-        n_blk, hk = _head_chunk_split(n_blk, hk, n_seq, HEADS_FIRST)
-        if TOP_FIRST:
-            n_blk = n_seq - 1 - n_blk
-        return n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k
-
-    @gluon.jit
-    def _head_chunk_split(y, x, n_seq, HEADS_FIRST: gl.constexpr):
-        """(key block, kv head) from the grid's (y, x) = (key block, kv head) where the grid
-        is not chunked, or (chunk x key blocks + key block, head in the chunk) where
-        HEADS_FIRST = c >= 2 kv heads per chunk (BwdConfig.heads_chunk)."""
-        if HEADS_FIRST > 1:
-            x += y // n_seq * HEADS_FIRST
-            y = y % n_seq
-        return y, x
-
-    @gluon.jit
     def load_kv(k_desc, v_desc, k_smem, v_smem, bar, row, hk, HEAD_DIM: gl.constexpr,
                 HEAD_DIM_V: gl.constexpr):
         """TMA-load the CTA's K and V rows [row, row + BLOCK_N) of kv head hk (any of
-        fwd._copy_rows's descriptors)."""
+        common.copy_rows's descriptors)."""
         mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        _copy_rows(k_desc, row, hk, HEAD_DIM, bar, k_smem, True)
-        _copy_rows(v_desc, row, hk, HEAD_DIM_V, bar, v_smem, True)
+        copy_rows(k_desc, row, hk, HEAD_DIM, bar, k_smem, True)
+        copy_rows(v_desc, row, hk, HEAD_DIM_V, bar, v_smem, True)
 
     @gluon.jit
     def load_qdo(q_desc, do_desc, q_smem, do_smem, ready, slot, h, row,
@@ -135,14 +97,14 @@ if _GLUON_ERROR is None:
         """TMA-load the Q and dO rows [row, row + BLOCK_M) of q head h into ring slot `slot`."""
         mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes,
                         pred=pred)
-        _copy_rows(q_desc, row, h, HEAD_DIM, ready.index(slot), q_smem.index(slot), pred)
-        _copy_rows(do_desc, row, h, HEAD_DIM_V, ready.index(slot), do_smem.index(slot), pred)
+        copy_rows(q_desc, row, h, HEAD_DIM, ready.index(slot), q_smem.index(slot), pred)
+        copy_rows(do_desc, row, h, HEAD_DIM_V, ready.index(slot), do_smem.index(slot), pred)
 
     @gluon.jit
     def load_rows(desc, dst, bar, row, head, WIDTH: gl.constexpr, pred):
         """TMA-load the rows [row, row + box) of head `head` into `dst`, arriving on `bar`."""
         mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
-        _copy_rows(desc, row, head, WIDTH, bar, dst, pred)
+        copy_rows(desc, row, head, WIDTH, bar, dst, pred)
 
     @gluon.jit
     def stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, buf, h, m0, q_start, seqlen_q,
@@ -171,107 +133,6 @@ if _GLUON_ERROR is None:
         delta_smem.index(buf).store(delta)
 
     @gluon.jit
-    def query_range(n0, seqlen_q, shift, window_left, window_right, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-        """(m_lo, blocks): query rows [m_lo, m_lo + blocks·BLOCK_M) hold every row that can
-        see a key of [n0, n0 + BLOCK_N) (core.masks.query_range), m_lo a block start."""
-        m_lo = 0
-        m_hi = seqlen_q
-        if HAS_RIGHT:
-            m_lo = (gl.maximum(n0 - shift - window_right, 0) // BLOCK_M) * BLOCK_M
-        if HAS_LEFT:
-            m_hi = gl.minimum(n0 + BLOCK_N - shift + window_left, seqlen_q)
-        return m_lo, (gl.maximum(m_hi - m_lo, 0) + BLOCK_M - 1) // BLOCK_M
-
-    @gluon.jit
-    def next_step(h, m0, m_lo, m_end, h_first, h_end, BLOCK_M: gl.constexpr):
-        """The (q head, query block start) after (h, m0): blocks first, then heads, wrapping
-        from the last head to the first (a staggered walk starts mid-way)."""
-        h_next = h
-        m0_next = m0 + BLOCK_M
-        if m0_next >= m_end:
-            h_next = h + 1
-            m0_next = m_lo
-            if h_next >= h_end:
-                h_next = h_first
-        return h_next, m0_next
-
-    @gluon.jit
-    def walk_start(n_blk, n_seq, n_steps, group_blocks, h_first, m_lo, STAGGER: gl.constexpr,
-                   BLOCK_M: gl.constexpr):
-        """(h, m0, stride): the first step of this key block's walk, and the stagger stride.
-
-        STAGGER (masks without a window: every key block walks the same n_steps steps): key
-        block j starts at step j·stride, stride = n_steps // n_seq, so at any time the CTAs of
-        one sequence work on different query blocks. Without it they all start at block 0 and
-        (deterministic mode) queue for its dQ turn one after the other; with it each query
-        block's visits are `stride` steps apart in the ideal schedule, and the turn order
-        (`wait_dq_turn`) follows that schedule. stride = 0: no stagger (n_steps < n_seq).
-        """
-        stride = 0
-        h = h_first
-        m0 = m_lo
-        if STAGGER:
-            stride = n_steps // n_seq
-            e0 = stride * n_blk
-            blocks = gl.maximum(group_blocks, 1)  # 0 for an empty query sequence
-            h = h_first + e0 // blocks
-            m0 = m_lo + (e0 % blocks) * BLOCK_M
-        return h, m0, stride
-
-    @gluon.jit
-    def mask_edges(n0, seqlen_k, shift, window_left, window_right, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr):
-        """(keys_oob, m_full_lo, m_full_hi) of key block n0, for step_needs_mask: the block
-        runs past the keys; the first query block start that sees every key of the block
-        (right edge) and the last (left edge)."""
-        keys_oob = n0 + BLOCK_N > seqlen_k
-        m_full_lo = n0 + BLOCK_N - 1 - shift - window_right
-        m_full_hi = n0 - shift + window_left - BLOCK_M + 1
-        return keys_oob, m_full_lo, m_full_hi
-
-    @gluon.jit
-    def step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, HAS_LEFT: gl.constexpr,
-                        HAS_RIGHT: gl.constexpr):
-        """False when every (row, key) pair of the block is allowed: all keys exist, the first
-        row sees the last key (right edge), the last row the first key (left edge). Rows past
-        seqlen_q are harmless (P = 0 through lse = +inf)."""
-        need = keys_oob
-        if HAS_RIGHT:
-            need = need | (m0 < m_full_lo)
-        if HAS_LEFT:
-            need = need | (m0 > m_full_hi)
-        return need
-
-    @gluon.jit
-    def allowed(kloc, cols, n_valid, m0, diag_right, diag_left, HAS_LEFT: gl.constexpr,
-                HAS_RIGHT: gl.constexpr, STEP_COLS: gl.constexpr = False):
-        """[keys, rows] mask of a Pᵀ tile. In block-local indices (key - n0, row - m0) every
-        edge is one scalar: fewer live registers than absolute row/key tiles.
-
-        STEP_COLS (bwd_ws at d=64): the column indices plus a zero the compiler cannot see
-        through (asm of m0), so they are formed inside the masked step from one base
-        register instead of living through the loop in ~32 registers per thread, which
-        ptxas spilled around every masked step (sm_90a, step-loop local-memory instructions,
-        causal: d=64 100 -> 27, d=128 36 -> 17). A diagnostic with no step masked had read
-        d=64 causal 2k +7 %, d=128 +4 %. H200 2026-12-01 session 24 (sm90-bwd-probe, causal
-        TFLOP/s, with / without / with): d=64 1k / 2k 279 / 266 / 280, 366 / 360 / 368, 512
-        and 16k a tie; d=128 2k / 16k 420 / 442 / 411, 548 / 576 / 523 (slower: on at d=64
-        only). bwd.py's kernel spilled more with it (four of its compile checks over their
-        budgets)."""
-        if STEP_COLS:
-            zero = gl.inline_asm_elementwise("sub.s32 $0, $1, $1;", "=r,r", [m0],
-                                             dtype=gl.int32, is_pure=True, pack=1)
-            cols = cols + zero
-        c2 = gl.expand_dims(cols, 0)
-        ok = gl.expand_dims(kloc < n_valid, 1)
-        if HAS_RIGHT:
-            ok = ok & (gl.expand_dims(kloc - (m0 + diag_right), 1) <= c2)
-        if HAS_LEFT:
-            ok = ok & (gl.expand_dims(kloc - (m0 + diag_left), 1) >= c2)
-        return ok
-
-    @gluon.jit
     def probabilities(s, lse2, qk_scale, softcap_pre, needs_mask, kloc, cols, n_valid, m0,
                       diag_right, diag_left, SOFTCAP: gl.constexpr, HAS_LEFT: gl.constexpr,
                       HAS_RIGHT: gl.constexpr, MASK_MODE: gl.constexpr = 0):
@@ -293,7 +154,7 @@ if _GLUON_ERROR is None:
                              HAS_RIGHT, STEP_COLS)
                 s = gl.where(ok, s, float("-inf"))
         if SOFTCAP:
-            t = _tanh(s * softcap_pre)
+            t = tanh(s * softcap_pre)
             p = gl.exp2(t * qk_scale - gl.expand_dims(lse2, 0))
             p_ds = p * (1.0 - t * t)
         else:
@@ -346,7 +207,7 @@ if _GLUON_ERROR is None:
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                      HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr, WARP_SPIN: gl.constexpr):
         """Deterministic mode: spin until key block n_blk may add its dQ partial of query
-        block m0 of head h (`dq_turn`, bwd.py's docstring); return that block's turn counter
+        block m0 of head h (`dq_turn`, host.py's docstring); return that block's turn counter
         and whether this is its first turn (1 or 0: `add_dq_tile`). WARP_SPIN: every warp
         polls (`spin_until_equal`), else thread 0 polls and broadcasts.
         """
@@ -370,7 +231,7 @@ if _GLUON_ERROR is None:
         obvious form, `while gl.atomic_add(ptr, 0, sem="acquire") != value`, has one thread
         poll and broadcast through shared memory; ptxas cannot prove that loop warp-uniform
         and, inside a step loop, then keeps the loop-invariant wgmma descriptors in vector
-        registers: at d=256 they spilled (ptxas, 2026-11-29: 103 / 134 local-memory
+        registers: at d=256 they spilled (ptxas: 103 / 134 local-memory
         instructions non-causal / causal, 35 / 54 between the MMAs; 0 with this loop). One
         thread or one warp polling behind a branch on the thread index, or thread 0 with a
         predicated load, still spilled 60-77 in the non-causal build.
@@ -461,35 +322,6 @@ if _GLUON_ERROR is None:
         gl.store(ptr + gl.expand_dims(off, 1) + gl.expand_dims(cols, 0),
                  tile.to(ptr.dtype.element_ty), mask=gl.expand_dims(keys < seqlen_k, 1))
 
-    @gluon.constexpr_function
-    def _ctaid_asm(axis):
-        return f"mov.u32 $0, %ctaid.{'xyz'[axis]};"
-
-    @gluon.jit
-    def _ctaid_again(x, AXIS: gl.constexpr):
-        """program_id(AXIS) read anew (x: any int32 operand, unused). The compiler cannot
-        merge this read with the prologue's, so nothing derived from it is kept in a register
-        through the main loop."""
-        return gl.inline_asm_elementwise(_ctaid_asm(AXIS), "=r,r", [x], dtype=gl.int32,
-                                         is_pure=False, pack=1)
-
-    @gluon.jit
-    def key_block_origin(seqlen_k, BLOCK_N: gl.constexpr, TOP_FIRST: gl.constexpr,
-                         HEADS_FIRST: gl.constexpr = 0):
-        """(first packed key row, kv head) of this CTA's key block in a uniform call,
-        recomputed for the epilogue (`key_block`'s values, derived again). Reusing the
-        prologue's would keep them live through the loop: at d <= 128 the kernels run at
-        the 255-register limit and ptxas spilled inside the loop (sm_90a, up to 40 local
-        instructions)."""
-        n_blk = _ctaid_again(seqlen_k, 1 if HEADS_FIRST else 0)
-        hk = _ctaid_again(seqlen_k, 0 if HEADS_FIRST else 1)
-        batch = _ctaid_again(seqlen_k, 2)
-        n_seq = (seqlen_k + BLOCK_N - 1) // BLOCK_N
-        n_blk, hk = _head_chunk_split(n_blk, hk, n_seq, HEADS_FIRST)
-        if TOP_FIRST:
-            n_blk = n_seq - 1 - n_blk
-        return batch * seqlen_k + n_blk * BLOCK_N, hk
-
     @gluon.jit
     def store_key_tiles(dk_desc, dv_desc, dk, dv, dk_buf, dv_buf, row, hk,
                         HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr):
@@ -511,9 +343,8 @@ if _GLUON_ERROR is None:
             dv_buf.store(gl.convert_layout(dv.to(dv_desc.dtype), rows_layout))
         else:
             # Straight from the wgmma layout: one shared-memory pass instead of three (the
-            # conversion writes and reads a scratch tile first). H200 2026-11-30, d=128
-            # TFLOP/s 512 / 2k rows: 309 / 469 -> 315 / 473, causal 198 / 374 -> 203 / 380
-            # (d=256 +1-2 %, but its deterministic causal build spills in the loop).
+            # conversion writes and reads a scratch tile first; see docs/tuning.md). Not at
+            # d=256: its deterministic causal build spills in the loop.
             dk_buf.store(dk.to(dk_desc.dtype))
             dv_buf.store(dv.to(dv_desc.dtype))
         fence_async_shared()

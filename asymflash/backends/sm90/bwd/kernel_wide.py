@@ -1,6 +1,6 @@
 """FlashAttention backward for Hopper at head dim 256, in Gluon.
 
-The d <= 128 kernel (bwd.py) gives each warpgroup its own 64 keys and keeps that warpgroup's
+The d <= 128 kernel (kernel.py) gives each warpgroup its own 64 keys and keeps that warpgroup's
 dK and dV rows in registers. At d = 256 one warpgroup's 64 × 256 dK and dV would take 256
 fp32 registers per thread, so here the two warpgroups share one block of 64 keys and split the
 head dim instead (FA3's hdim-256 shape):
@@ -36,14 +36,14 @@ out; barrier 1 waits for both reads before those buffers load again. With
 first MMAs: issued right behind the low one, its command waited in the TMA unit's queue.
 
 Everything else (the step walk over the GQA group's query blocks, masks only on edge blocks,
-lse/delta staging, the deterministic turns) is bwd.py's, through bwd_parts.
+lse/delta staging, the deterministic turns) is kernel.py's, through parts.py.
 """
 
 from __future__ import annotations
 
-from .fwd import _GLUON_ERROR
+from ..common import GLUON_ERROR
 
-if _GLUON_ERROR is None:
+if GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -54,28 +54,32 @@ if _GLUON_ERROR is None:
         warpgroup_mma_wait,
     )
 
-    from .bwd_parts import (
+    from ..bounds import (
+        mask_edges,
+        query_range,
+        step_needs_mask,
+    )
+    from ..common import tile_layout
+    from ..sched import (
+        key_block,
+        next_step,
+        walk_start,
+    )
+    from .parts import (
         add_dq,
         add_dq_tile,
         after_dq_reduce,
         fragment_block,
         in_fragments,
-        key_block,
         load_kv,
         load_rows,
-        mask_edges,
-        next_step,
         probabilities,
-        query_range,
         release_dq_turn_after_tma,
         stage_dq,
         stage_stats,
-        step_needs_mask,
         store_key_grads,
         take_dq_turn,
-        walk_start,
     )
-    from .fwd import _tile_layout
 
     @gluon.jit
     def _dq_tile_in(buf, dq_desc):
@@ -97,13 +101,13 @@ if _GLUON_ERROR is None:
                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                              SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
                              DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                             REVERSE_N: gl.constexpr, DQ_TMA: gl.constexpr,
+                             DQ_TMA: gl.constexpr,
                              STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
-                             WAIT_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
+                             KV_TMA_STORE: gl.constexpr,
                              STATS_LATE: gl.constexpr, HEADS_FIRST: gl.constexpr,
                              DQ_IN_OPS: gl.constexpr = False, HI_LATE: gl.constexpr = False,
                              FIRST_STORES: gl.constexpr = False):
-        # dPᵀ is always issued with Sᵀ here (DP_EARLY is bwd.py's register trade-off), and dV
+        # dPᵀ is always issued with Sᵀ here (DP_EARLY is kernel.py's register trade-off), and dV
         # is always retired before dSᵀ is published (barrier 2 relies on it); DV_OVERLAP keeps
         # it in flight while dSᵀ is formed. DQ_TMA: dQ leaves by TMA reduce-add in two
         # 128-column halves (dq_desc's box) through one staging tile.
@@ -123,7 +127,7 @@ if _GLUON_ERROR is None:
 
         n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
             cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
-            HAS_RIGHT and (DETERMINISTIC or REVERSE_N), HEADS_FIRST)
+            HAS_RIGHT and DETERMINISTIC, HEADS_FIRST)
         n0 = n_blk * BLOCK_N
         if (n0 >= 0) & (n0 < seqlen_k):
             shift = seqlen_k - seqlen_q
@@ -134,18 +138,18 @@ if _GLUON_ERROR is None:
                                                         window_right, BLOCK_M, BLOCK_N)
 
             k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM],
-                                               _tile_layout(k_desc.layout))
+                                               tile_layout(k_desc.layout))
             v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V],
-                                               _tile_layout(v_desc.layout))
+                                               tile_layout(v_desc.layout))
             q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM],
-                                               _tile_layout(q_desc.layout))
+                                               tile_layout(q_desc.layout))
             # Without DQ_IN_OPS dO has one buffer: its readers (dPᵀ, dV) are retired by
             # barrier 2, so the next step's dO lands while dK and dQ run, and the 32 KB saved
             # hold the dQ staging tile. With it (BwdConfig.dq_in_operands) two dO buffers and
             # no staging tile: each step stages its dQ halves in its own dO buffer and Q slot.
             DO_BUFS: gl.constexpr = 2 if DQ_IN_OPS else 1
             do_smem = gl.allocate_shared_memory(dtype, [DO_BUFS, BLOCK_M, HEAD_DIM_V],
-                                                _tile_layout(do_desc.layout))
+                                                tile_layout(do_desc.layout))
             pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                            dtype)
             pt_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pt_layout)
@@ -235,7 +239,7 @@ if _GLUON_ERROR is None:
                 if DQ_TMA:
                     if DETERMINISTIC:
                         if RELEASE_AT == 1:
-                            if it > 0:  # the previous step's turn (bwd.py)
+                            if it > 0:  # the previous step's turn (kernel.py)
                                 release_dq_turn_after_tma(held, m0)
                     # the previous step's dQ reduces have read their staging (dq_smem, or
                     # with DQ_IN_OPS that step's dO buffer and Q slot, loaded next)
@@ -279,7 +283,7 @@ if _GLUON_ERROR is None:
                         stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
                                     m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
                 if DETERMINISTIC:
-                    if WAIT_EARLY:  # the semaphore's round trip under the MMAs (bwd.py)
+                    if DQ_TMA:  # the semaphore's round trip under the MMAs (kernel.py)
                         sem, first = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
                                                   num_m_blocks, m0, n_blk, n_seq, shift,
                                                   window_left, window_right, h_first, m_lo,
@@ -288,7 +292,7 @@ if _GLUON_ERROR is None:
                 # Groups retire in order: the low dQ half is added while the high one runs.
                 dk, dq_lo = warpgroup_mma_wait(1, deps=[dk_tok, dq_lo_tok])
                 if DQ_TMA:
-                    # One staging tile for both halves (bwd.py: rows past the sequence add
+                    # One staging tile for both halves (kernel.py: rows past the sequence add
                     # exact zeros): three more barriers, but no per-thread atomics.
                     # FRAG: the halves as tiles in the accumulator's order (dq_fragments.py:
                     # parts 0 and 1 of the 64-row block `fragment_block`)
@@ -312,7 +316,7 @@ if _GLUON_ERROR is None:
                     stage_dq(lo_buf, dq_lo * softmax_scale, FRAG, BLOCK_M, DQ_COLS)
                     fence_async_shared()
                     if DETERMINISTIC:
-                        if not WAIT_EARLY:
+                        if not DQ_TMA:
                             sem, first = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
                                                       num_m_blocks, m0, n_blk, n_seq, shift,
                                                       window_left, window_right, h_first, m_lo,
@@ -377,5 +381,5 @@ if _GLUON_ERROR is None:
             mbarrier.invalidate(kv_bar.index(0))
             store_key_grads(dk_desc, dv_desc, dk_ptr, dv_ptr, dk * softmax_scale, dv, q_smem,
                             do_smem, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM, HEAD_DIM_V,
-                            BLOCK_N, KV_TMA_STORE, HAS_RIGHT and (DETERMINISTIC or REVERSE_N),
+                            BLOCK_N, KV_TMA_STORE, HAS_RIGHT and DETERMINISTIC,
                             dk_layout, dv_layout, HEADS_FIRST)

@@ -3,8 +3,8 @@
 The backward's compute warpgroups each hold a 64 x C fp32 tile of dQ = dS·K in registers
 (the wgmma accumulator layout) and add it to global memory through shared memory and a TMA
 reduce. Stored into a row-major 128-byte-swizzled tile, every 64-bit store of a warp takes
-4 shared-memory wavefronts instead of 2 (ncu source counters, H200 2026-11-30, d=128 16k: 9 %
-of the kernel's wavefronts), and the fence and barrier after the stores wait for them.
+4 shared-memory wavefronts instead of 2 (ncu source counters, d=128 16k: 9 % of the
+kernel's wavefronts), and the fence and barrier after the stores wait for them.
 
 Here the tile is stored in *fragment order* instead: offset bit k of the shared tile holds
 the (row, column) step `fragment_bases(C)[k]`, chosen so that thread t's registers 4i..4i+3
@@ -16,7 +16,7 @@ puts the rows back in place, casting to the input dtype, where the row-major pat
 Triton permute the values into rows through shared memory. (Its first version gathered
 element by element: 32-bit loads, half of each row used, and 137 spilled values at d=256;
 with a tile per 16k tokens the conversion costs the same at every sequence length, so it
-weighed most on short ones: d=256 at 512 rows lost 8-12 % with fragments, session 16.)
+weighed most on short ones.)
 
 Tile numbering: the 64-row query block r of sequence b (rows q_start + 64·r ...) is global
 block `q_start // 64 + 2b + r`. Sequences never share a block, so no tile holds two
@@ -39,13 +39,13 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import constexpr_function
 
-from ...core.params import cdiv
-from ...runtime.launch import DirectLaunch
+from ....core.params import cdiv
+from ....runtime.launch import DirectLaunch
 
 ROWS = 64  # rows of one warpgroup's dQ tile (a wgmma M)
 
 
-@constexpr_function  # also called inside Gluon kernels (bwd_parts.fragment_layout)
+@constexpr_function  # also called inside Gluon kernels (parts.fragment_layout)
 def fragment_bases(cols: int, rows: int = 64) -> list[list[int]]:
     """(row, column) step of each offset bit of a rows x cols fragment-order tile (rows 64:
     one warpgroup's accumulator; 128: two warpgroups stacked, each one such 64-row tile).
@@ -77,14 +77,14 @@ def num_blocks(total_q: int, batch: int) -> int:
 def fragment_buffer(total_q: int, batch: int, heads: int, width: int,
                     device: torch.device, extra_rows: int = 0) -> torch.Tensor:
     """The fp32 buffer of whole fragment-order tiles, uninitialised, as (64·blocks, heads,
-    width): the shape the backward preprocess zeroes (`portable._delta(zero=)`). The kernel
+    width): the shape the backward preprocess zeroes (`portable.row_delta(zero=)`). The kernel
     sees it through `tiles_view`. extra_rows: rows after the tiles', for the caller."""
     return torch.empty((num_blocks(total_q, batch) * ROWS + extra_rows, heads, width),
                        dtype=torch.float32, device=device)
 
 
 def tiles_view(acc: torch.Tensor) -> torch.Tensor:
-    """`fragment_buffer` as (rows, heads, 32): fwd.tma_rows makes it a [rows, heads·32]
+    """`fragment_buffer` as (rows, heads, 32): common.tma_rows makes it a [rows, heads·32]
     descriptor with a [64·C/32, 32] box (C the tile's columns)."""
     return acc.view(-1, acc.shape[1], 32)
 

@@ -1,8 +1,8 @@
 """The sm90 forward's configuration: what one compiled kernel is (`FwdConfig`), the tuning
 table per head dim, and the per-call choices made from a call's shape where the H200
 measured a gain (`default_for_call`, `use_persistent`, `use_three_warpgroups`,
-`SHORT_MASKED`, `persistent_launch`). Pure Python, no Gluon: the kernel and its launch are in
-`fwd.py`, which re-exports these names."""
+`SHORT_MASKED`, `persistent_launch`; the measurements: docs/tuning.md). Pure Python, no
+Gluon: the kernel is in `kernel.py`, its launch in `host.py`."""
 
 from __future__ import annotations
 
@@ -20,18 +20,14 @@ class FwdConfig:
     stages: int = 2  # depth of each of the K and V rings
     consumer_regs: int = 240  # setmaxnreg for each consumer warpgroup
     loader_regs: int = 24  # setmaxnreg for the TMA warp (padded to a warpgroup)
-    # 0: every exp2 on MUFU; k in (2, 4, 8): 1 in k on the FMA pipe. Slower wherever
-    # measured, even since the emulation no longer takes MUFU's quarter-rate unit for its
-    # floor (H200 2026-11-30 session 18, graph replay, TFLOP/s, off / 1 in 8 / 1 in 4: d=64
-    # three warpgroups 16k 519 / 498 / 477, causal 16k 455 / 432 / 421, 2k 447 / 432 / 412;
-    # two warpgroups 16k 464 / 462; d=128 16k 645 / 621 / 610): on Hopper the key loop is
-    # bound by the latency of each warpgroup's S -> max -> exp -> P·V chain, not by MUFU's
-    # throughput (nor by issue: 19 % fewer instructions also lost, benchmarks/NOTES.md).
+    # 0: every exp2 on MUFU; k in (2, 4, 8): 1 in k on the FMA pipe. Off: slower wherever
+    # measured on Hopper, whose key loop is bound by the latency of each warpgroup's
+    # S -> max -> exp -> P·V chain, not by MUFU's throughput (see docs/tuning.md).
     exp2_emu_every: int = 0
     # 0: rescale O every block; t > 0: FA4's conditional rescale (the max used for P moves
     # only when a row's max grows by more than t, log2 units; O is multiplied only in warps
     # where a row moved, `_rescale_if_moved`). On at d=256, where O's multiply is 130 of the
-    # key loop's 416 instructions; the table below has the measurements.
+    # key loop's 416 instructions (see docs/tuning.md).
     rescale_threshold: float = 0.0
     lpt: bool = False  # longest-first tile order (causal/local: later query tiles work more)
     # Persistent grid (one CTA per SM looping over tiles, next tile's loads overlapping this
@@ -41,22 +37,15 @@ class FwdConfig:
     # pairs worked on together spans at least this many waves of the grid (a static schedule
     # needs many tiles per CTA per chunk to even out the work); 0: chunks sized by L2 alone
     # (always so without LPT: every tile then does the same work). Smaller chunks keep more
-    # K/V in L2 once `balanced_chunks` evens out the work: H200 2026-11-30 session 19
-    # (sm90-probe --graph, causal, two probes, TFLOP/s, chunk_waves 6 -> 3): d=128 512 / 1k /
-    # 2k 282-285 / 377 / 456-457 -> 290-291 / 386-390 / 472-478, d=256 512 / 2k 287-290 /
-    # 508-510 -> 310-313 / 533, d=128 4k / 8k 528-530 / 551-557 -> 546-548 / 575-577, d=256
-    # 1k / 4k a tie; d=64 the same chunks (L2 or balance bound them); 10: 2-8 % below 6.
+    # K/V in L2 once `balanced_chunks` evens out the work (see docs/tuning.md).
     chunk_waves: int = 3
     # With LPT, grow the chunk from there until the static schedule's busiest CTA has at
-    # most `BALANCE_TOLERANCE` times the mean work (`balanced_chunk`). Off: the smallest chunk
-    # (the rule before 2026-11-30 session 19, then with chunk_waves 8).
+    # most `BALANCE_TOLERANCE` times the mean work (`balanced_chunk`). Off: the smallest chunk.
     balanced_chunks: bool = True
     # FA3's ping-pong: the consumer warpgroups take turns issuing their wgmmas (one mbarrier
-    # each, passed round robin), so one's softmax overlaps another's matrix work. Two
-    # warpgroups measured neutral on the H200 (2026-11-29, benchmarks/NOTES.md): off there.
-    # Three (consumer_wgs=3, as FA4 runs d=64) gained: on wherever d=64 takes three
-    # (`_three_warpgroups`; H200 2026-11-30 session 16, same process, TFLOP/s 2k / 16k:
-    # three warpgroups 425 / 492 -> taking turns 445 / 509).
+    # each, passed round robin), so one's softmax overlaps another's matrix work. Neutral
+    # with two warpgroups: off there. A gain with three (consumer_wgs=3, as FA4 runs d=64):
+    # on wherever d=64 takes three (`_three_warpgroups`; see docs/tuning.md).
     pingpong: bool = False
     # Consumer warpgroups per CTA, 64 query rows each: 2 (128-row tiles) or 3 (FA3's 192-row
     # tile for d=64: a third instruction stream per SM sub-partition to hide MUFU and wgmma
@@ -66,45 +55,21 @@ class FwdConfig:
     # next tile's Q (and so its K/V) while this tile still runs, instead of after its last
     # S = Q·Kᵀ; costs 16 / 32 KB more shared memory at d = 64 / 128 (none left at d = 256).
     q_buffers: int = 1
-    # Consumers release K/V slots by an arrive from every thread instead of a warpgroup
-    # barrier and one thread's arrive (`arrive_all.py`: a PTX pass; ncu put ~2.4 of our
-    # ~8.4 stall cycles per instruction at d=64 on that barrier, FA4's 0.3; two thirds of
-    # those samples were warps parked at the kernel's end). Off: H200 2026-11-30, TFLOP/s
-    # 2k / 16k, d=64 460 / 509 -> 459 / 505, d=128 589 / 645 -> 581 / 619, d=256 718 / 795
-    # -> 654 / 770 (benchmarks/NOTES.md, session 15).
-    arrive_all: bool = False
     # With a right bound (causal, windows) and 64-key blocks (d=256), a warpgroup whose 64
     # rows end a whole key block before its tile's last row stops there and releases the
     # tile's remaining blocks unread (`_warpgroup_end`), instead of computing blocks masked
     # out for all its rows: under a causal mask one in 2 (i + 1) blocks of the i-th 128-row
-    # tile. H200 2026-11-30 session 17 (sm90-probe --graph, causal, TFLOP/s, without -> with):
-    # d=256 512 / 1k / 2k / 16k 284 / 375 / 490 / 664 -> 292 / 380 / 485 / 636 (the 16k loss
-    # is unexplained: a few more scalars spill outside the key loop); d=128 on 64-key blocks,
-    # 3 stages, 512 / 2k 286 / 433 -> 292 / 443 (its 128-key default: 282 / 461). Again
-    # (64-key blocks without -> with, 128-key default): d=64 512 / 1k 222 / 283 -> 229 / 290
-    # (216 / 292), d=128 512 / 1k 274 / 350 -> 279 / 348 (269 / 355), d=256 512 276 -> 284.
+    # tile. A gain for short masked calls only (see docs/tuning.md).
     # On for short masked calls only (`default_for_call`, `SHORT_MASKED`).
     tail_skip: bool = False
 
 
-# Tuning table. Measured on the H200 (2026-11-29, bf16, model dim 2048, batch 16384/seqlen,
-# TFLOP/s fwd, torch SDPA cuDNN 9.19 in the same process; scripts/sm90-probe.py):
-#   d=64:  BN=128, 4 stages (148 KB smem): 438 vs 426 with 3 stages, 386 with BN=64 (cuDNN 459)
-#   d=128: BN=128, 2 stages (160 KB; 3 do not fit): 640 non-causal / 589 causal at 16k (cuDNN
-#          618 / 574)
-#   d=256: BN=64 keeps S at 32 registers next to a 128-register O; 2 stages + Q = 192 KB:
-#          682 / 660 at 16k (cuDNN 694 / 608)
-#   FA4 switches, 16k non-causal, all slower here then (2026-11-29): d=64 emu8 396-391, emu4
-#   401-394, rescale8 401-402 (base 426-436); d=128 emu8 597, emu4 557, rescale8 619 (640).
-#   A second Q buffer per warpgroup (persistent grid, graph replay, 2026-11-29 23:12, one vs
-#   two): d=64 causal 512 / 2k / 16k 200 / 338 / 420 -> 207 / 340 / 428, non-causal 512 / 2k
-#   319 / 397 -> 349 / 416 (3 warpgroups at 2k / 16k: 415 / 482 -> 429 / 479); d=128 causal
-#   512 / 2k 248 / 422 -> 268 / 445, non-causal 512 419 -> 437.
-#   Conditional rescale at threshold 8 (per-warp skip, 2026-11-30 session 18, graph replay,
-#   two probes): d=256 512 / 2k / 16k 473 / 626 / 690 -> 485 / 646 / 737, causal 285 / 487 /
-#   653 -> 287 / 505 / 684 (first probe 16k 709 -> 736, causal 668 -> 655): on at d=256;
-#   d=128 2k / 16k 559 / 638 -> 552 / 627 and d=64 2k 431 -> 405 (two warpgroups), 16k three
-#   warpgroups 509 -> 512, causal 449 -> 442: off there.
+# Tuning table (the H200 measurements behind each entry: docs/tuning.md).
+#   d=64:  BN=128, 4 stages (148 KB smem).
+#   d=128: BN=128, 2 stages (160 KB; 3 do not fit).
+#   d=256: BN=64 keeps S at 32 registers next to a 128-register O; 2 stages + Q = 192 KB;
+#          the conditional rescale (threshold 8) on, a loss at d=64 and d=128.
+#   A second Q buffer per warpgroup on the persistent grid (d <= 128): a gain.
 _DEFAULT_CONFIGS = {
     64: FwdConfig(block_n=128, stages=4, q_buffers=2),
     128: FwdConfig(block_n=128, stages=2, q_buffers=2),
@@ -128,8 +93,7 @@ def _default_config(head_dim: int, local: bool) -> FwdConfig:
 @functools.lru_cache(maxsize=None)
 def _three_warpgroups(cfg: FwdConfig) -> FwdConfig:
     # Taking turns (FwdConfig.pingpong), with one Q buffer each: the turns count from its
-    # barrier's parity (`check_config`). Before the turns, a second Q buffer had gained 0-3 %
-    # here where O left by TMA store (2026-11-29); the turns gained 4-11 % over that.
+    # barrier's parity (`check_config`); the turns gain more than a second Q buffer did.
     return replace(cfg, consumer_wgs=3, persistent=True, q_buffers=1, pingpong=True)
 
 
@@ -147,27 +111,9 @@ def use_persistent(head_dim: int, lpt: bool, max_seqlen_q: int, uniform: bool,
                    plain: bool) -> bool:
     """Default of FwdConfig.persistent for one call: only where the H200 measured a gain.
 
-    Persistent grid vs one CTA per tile, H200, bf16, model dim 2048, batch 16384/seqlen,
-    CUDA-graph replay, TFLOP/s (scripts/sm90-probe.py --persistent --graph, 2026-11-29):
-      causal (LPT, chunk_waves 8), seqlen 512 / 1k / 2k / 16k:
-        d=64   189 / 268 / 332 / 425  vs 138 / 210 / 272 / 398
-        d=128  235 / 322 / 412 / 551  vs 209 / 294 / 366 / 560
-        d=256  231 / 329 / 443 / 637  vs 225 / 314 / 430 / 626
-      non-causal (chunks by L2 alone):
-        d=64   312 / 365 / 400 / 444  vs 254 / 328 / 377 / 438
-        d=128  372 / 453 / 518 / 599  vs 349 / 447 / 518 / 602
-        d=256  381 / 486 / 563 / 658  vs 397 / 500 / 568 / 651
-      (chunks of >= 8 waves without LPT lost 3-9 % at d=128 / d=256 non-causal; L2-only
-      chunks with LPT lost 7 % / 26 % at d=128 / d=256 causal 16k: load imbalance.)
-    Again with the TMA-store epilogues (2026-11-29 21:41, plain vs persistent): d=256
-      non-causal 512 / 2k / 16k 480 / 626 / 672 vs 458 / 614 / 700; d=128 non-causal 2k / 16k
-      561 / 633 vs 558 / 631; d=128 causal 2k / 16k 382 / 593 vs 442 / 586; 512 rows d=64
-      268 / 153 vs 331 / 175 (non-causal / causal), d=128 non-causal 395 vs 431.
-    With a second Q buffer per warpgroup on the persistent grid (2026-11-29 23:17, plain vs
-      persistent): d=128 causal 8k / 16k 541 / 579 vs 565 / 567; non-causal 1k / 2k / 4k / 16k
-      492 / 549 / 587 / 612 vs 505 / 548 / 572 / 599.
-    Not measured, so on the plain grid: varlen / seqused_k, softcap, sink, sliding windows
-    (those persistent builds also keep a few values in local memory around the tile loop).
+    Measured per head dim, mask and length (see docs/tuning.md). Not measured, so on the
+    plain grid: varlen / seqused_k, softcap, sink, sliding windows (those persistent builds
+    also keep a few values in local memory around the tile loop).
     """
     if not (uniform and plain):
         return False
@@ -184,16 +130,9 @@ def use_three_warpgroups(head_dim: int, masked: bool, max_seqlen_q: int, uniform
                          plain: bool) -> bool:
     """Default of FwdConfig.consumer_wgs: 3 (192-row tiles) only where the H200 measured a gain.
 
-    d=64, persistent grid, CUDA-graph replay, TFLOP/s, 2 vs 3 consumer warpgroups
-    (scripts/sm90-probe.py --graph --variant 64:wg3:consumer_wgs=3,persistent=true,
-    2026-11-29 13:28): non-causal 16k 451 -> 479, 2k 400 -> 414, 512 308 -> 285; causal 16k
-    420 -> 414, 2k 328 -> 284, 512 185 -> 148 (a 192-row tile wastes more of the diagonal).
-    Taking turns (FwdConfig.pingpong, 2026-11-30 session 16, two probes): non-causal 2k / 16k
-    428 / 452-457 -> 445-447 / 502-509; causal 16k 428-430 -> 441-442 (so from 16k rows
-    there), 2k 349-357 -> 330-334, 512 215 -> 161; non-causal 1k 402 -> 371.
-    With balanced chunks (FwdConfig.balanced_chunks, 2026-11-30 session 19, two probes):
-    causal 8k 412-418 -> 443-446 (so from 8k rows), 4k 400-401 -> 393-398; non-causal 1k
-    401-403 -> 370-373.
+    d=64 on the persistent grid, taking turns, with balanced chunks: a gain non-causal from
+    2k rows and causal from 8k rows, a loss below (a 192-row tile wastes more of the
+    diagonal); see docs/tuning.md.
     """
     if head_dim != 64 or not (uniform and plain):
         return False
@@ -299,9 +238,8 @@ def schedule_imbalance(costs: tuple[float, ...], n_hb: int, grid: int, hb_chunk:
 def balanced_chunk(costs: tuple[float, ...], n_hb: int, grid: int, smallest: int) -> int:
     """The smallest chunk from `smallest` (L2: smaller is better) whose static schedule is
     balanced within BALANCE_TOLERANCE, else the most balanced (24 candidates at most).
-    The imbalance jumps with the chunk: d=64 causal 16k (three warpgroups, 86 tiles per
-    head, 32 heads) 1.127 at 13 pairs (the rule before), 1.022 at 10; H200 2026-11-30 session
-    19 (sm90-probe --graph, TFLOP/s): 13 pairs 445-452, 10 pairs 476-479, 16 pairs 465-469."""
+    The imbalance jumps with the chunk (d=64 causal 16k, three warpgroups, 86 tiles per
+    head, 32 heads: 1.127 at 13 pairs, 1.022 at 10), and the time with it."""
     best = (float("inf"), smallest)
     # (at most 24 candidates: each is a pass over every tile)
     for hb in range(smallest, min(n_hb, smallest + 23) + 1):
@@ -317,7 +255,7 @@ def check_config(cfg: FwdConfig, head_dim: int) -> None:
     decided (the plain grid ignores q_buffers)."""
     if cfg.q_buffers not in (1, 2):
         raise ValueError(f"FwdConfig.q_buffers must be 1 or 2, got {cfg.q_buffers}")
-    # (d=256 with one K/V stage fits two Q buffers but lost 19-32 %: H200 2026-11-30 session 18)
+    # (d=256 with one K/V stage fits two Q buffers but was slower: see docs/tuning.md)
     if cfg.q_buffers == 2 and cfg.persistent and (cfg.pingpong or head_dim > 128):
         raise ValueError("FwdConfig.q_buffers=2 on the persistent grid needs head_dim <= 128 "
                          "and no ping-pong: set q_buffers=1")

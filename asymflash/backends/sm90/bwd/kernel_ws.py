@@ -1,0 +1,460 @@
+"""Warp-specialised sm90 backward: the two key warpgroups out of phase (d = 128; d = 64
+unmasked, causal from 1k rows, and deterministic), as a plain or a persistent grid.
+
+`kernel.py`'s kernel runs both warpgroups through every step together: a CTA-wide barrier
+publishes dSᵀ for dQ = dS·K, another stages dQ for its TMA reduce, and Triton adds its own
+around shared-memory reuse. Both warpgroups then form Pᵀ and dSᵀ at the same moments while
+the tensor cores wait, and wait for the tensor cores at the same moments (H200 timeline,
+d=128 16k: ~4700 cycles per step against ~2560 of MMA work).
+
+Here the roles are `gl.warp_specialize` partitions that only meet through mbarriers:
+
+* a load warp: K and V once; then per step the row statistics (lse in log2 units, delta) by
+  ordinary loads into shared memory, and Q and dO by TMA, into a ring of RING slots
+  (`BwdConfig.ring_slots`, two by default; the dSᵀ buffers stay two). The statistics' load
+  latency is off the compute warps' path.
+* two compute warpgroups, warpgroup w owning keys [64·w, 64·w + 64) of the block: Sᵀ, dPᵀ,
+  Pᵀ, dV, dSᵀ and dK as in `kernel.py`, and dQ[:, 64·w : 64·w + 64] = dS·K[:, cols], which needs
+  both halves of dSᵀ. Warpgroup 1 computes it for the current step (warpgroup 0's half is
+  a half step old by then); warpgroup 0 computes it one step late, for the previous step
+  (so it never waits for warpgroup 1's current half). Each warpgroup stages its own dQ
+  columns and issues its own TMA reduce-add (same bytes as one reduce of the whole tile).
+
+Barriers (all mbarriers, phases counted per use of a slot):
+ready[s]  Q/dO (TMA bytes) and the statistics of the step in slot s have landed;
+empty[s]  both warpgroups have retired the MMAs that read Q/dO of slot s (count 2);
+ds_ready[2s + w]  warpgroup w's half of dSᵀ for the step in slot s is in shared memory;
+ds_free[s]  both warpgroups' dQ MMAs have read dSᵀ slot s (count 2);
+dq_full[w], dq_empty[w]  (deterministic mode) warpgroup w's dQ tile staged / read by the
+           dQ warp;
+done  both warpgroups are past their last MMA: the epilogue may reuse the Q/dO ring.
+
+A persistent grid (`BwdConfig.ws_persistent`, dense lengths; deterministic turns in tile
+order: `_ws_tiles`)
+runs one CTA per SM over the plain grid's tiles: the load warp takes them in the grid's
+order from a counter (a zeroed word after dQ_acc) and hands each tile's number to the other
+roles through shared memory (tile_full / tile_empty); every ring and dSᵀ phase runs on
+across tiles by a step count. A tile boundary: the load warp loads the next K/V once both
+warpgroups are past their last MMA reading them (kv_free), and the next Q/dO at once, dK/dV
+staging outside the ring (the dSᵀ halves at d=64, the dQ tile and a dV buffer at d=128;
+`epilogue_buffers`). Stamped tiles (`scripts/bwd-ws-tiles.py`) put a tile's step 0
+~1900 (d=64) / ~2500 (d=128) cycles after the previous tile's stores, its K/V (issued behind
+the late warpgroup's last dQ, ~4000-6000 cycles in flight) the critical path.
+
+Deterministic mode (`BwdConfig.ws_deterministic`) adds a dQ warp in
+the load warp's padded warpgroup: the warpgroups stage their dQ tiles and hand them over
+(dq_full[w]); the dQ warp waits for the CTA's turn on the step's query block (the synchronous
+kernel's order, `parts.wait_dq_turn`), adds both tiles, hands them back once read
+(dq_empty[w]) and passes the turn on once the adds have landed. The turn's round trips stay
+off the compute warpgroups; in `kernel.py`'s kernel they sit on every step's critical path.
+
+Covers what `kernel.py` covers except softcap and per-thread dQ atomics (and deterministic mode
+unless asked for): `config._splits_warpgroups` keeps those on the synchronous kernel.
+
+Faster than the synchronous kernel at d=128 (see docs/tuning.md). At d=64 (128-row steps:
+dQ split by rows) a partition's 240 registers spilled (46-95 local-memory instructions) while
+each warpgroup issued its own reduce, and it lost at 512 rows and causal. With the dQ warp
+issuing both warpgroups' reduces (deterministic mode's hand-over: BwdConfig.ws_dq_warp, and
+the turns in deterministic mode) it spills 6 unmasked and wins where `config.select_config`
+takes it. d=64 with 64-row steps (dQ split by columns, as d=128) compiles without spills,
+with two or three ring slots, and is slower than 128-row steps. Deterministic turns per
+warpgroup (a counter per dQ half) were not worth a second turn scheme.
+"""
+
+from __future__ import annotations
+
+from ..common import GLUON_ERROR
+
+if GLUON_ERROR is None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+    )
+
+    from ..bounds import (
+        mask_edges,
+        query_range,
+    )
+    from ..sched import (
+        key_block,
+        walk_start,
+    )
+    from .parts import (
+        in_fragments,
+    )
+    from .ws_roles import (
+        COMPUTE_REGS,
+        LOADER_REGS,
+        epilogue_mode,
+        kv_buffer,
+        ws_alloc,
+        ws_compute,
+        ws_dq_turns,
+        ws_loader,
+    )
+
+    @gluon.jit
+    def _give_tile(tile_smem, tile_full, tile_empty, i, t):
+        """The load warp hands its CTA's i-th tile number t to the other roles (-1: none
+        left, so that they need not hold the tile count). Two slots: the slot of tile i - 2
+        is free once every role has read it, which each does as it begins tile i - 2 (the
+        load warp hands out tile i once it has issued tile i - 1's loads: by then the compute
+        warpgroups are at least in tile i - 2, and the dQ warp follows them)."""
+        slot = i % 2
+        if i >= 2:
+            mbarrier.wait(tile_empty.index(slot), ((i - 2) // 2) & 1)
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        tile_smem.index(slot).store(gl.zeros([1], gl.int32, layout) + t)
+        mbarrier.arrive(tile_full.index(slot), count=1)
+
+    @gluon.jit
+    def _take_tile(tile_smem, tile_full, tile_empty, i, WARPS: gl.constexpr):
+        """A role's i-th tile number, from the load warp (`_give_tile`)."""
+        slot = i % 2
+        mbarrier.wait(tile_full.index(slot), (i // 2) & 1)
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        t = gl.max(tile_smem.index(slot).load(layout), axis=0)
+        mbarrier.arrive(tile_empty.index(slot), count=1)
+        return t
+
+    @gluon.jit
+    def _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left, window_right,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                 HAS_RIGHT: gl.constexpr, HEADS_FIRST: gl.constexpr,
+                 TOP_FIRST: gl.constexpr = False):
+        """Tile t of a persistent CTA's walk (dense lengths): the key block, kv head and
+        sequence the grid's CTA number t would take (`key_block`'s order; TOP_FIRST: a
+        sequence's key blocks from the last down, as deterministic causal grids run), and its
+        steps: (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start, n_blk,
+        batch, group_blocks). dq_start is what the dQ reduces take for q_start: with
+        fragment-order tiles, q_start + 128 · sequence, since `fragment_block` reads the
+        sequence from the grid's third index, which a persistent grid does not have (its
+        2 · sequence is 2 · 0 there)."""
+        gl.static_assert(HEADS_FIRST <= 1, "chunked head order: plain grids only")
+        if HEADS_FIRST:
+            hk = t % n_kv_heads
+            n_blk = (t // n_kv_heads) % n_blocks
+        else:
+            n_blk = t % n_blocks
+            hk = (t // n_blocks) % n_kv_heads
+        if TOP_FIRST:
+            n_blk = n_blocks - 1 - n_blk
+        batch = t // (n_blocks * n_kv_heads)
+        n0 = n_blk * BLOCK_N
+        m_lo, group_blocks = query_range(n0, seqlen_q, seqlen_k - seqlen_q, window_left,
+                                         window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        return (n0, hk, batch * seqlen_q, batch * seqlen_k, group_blocks * group, hk * group,
+                m_lo, m_lo + group_blocks * BLOCK_M, batch * (seqlen_q + 128), n_blk, batch,
+                group_blocks)
+
+    @gluon.jit
+    def _ws_compute_tiles(shared, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                          HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
+                          BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                          HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                          DP_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
+                          LATE_WG: gl.constexpr, RING: gl.constexpr, DET: gl.constexpr,
+                          DV_OVERLAP: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
+                          HEADS_FIRST: gl.constexpr,
+                          TOP_FIRST: gl.constexpr, KV_BUFS: gl.constexpr,
+                          MASK_MODE: gl.constexpr):
+        """A compute warpgroup of a persistent CTA: `ws_compute` per tile (DET: its dQ
+        tiles go to the dQ warp)."""
+        (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
+         empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr,
+         dv_ptr, seqlen_q, seqlen_k, n_kv_heads, group, qk_scale, softmax_scale, softcap_pre,
+         window_left, window_right, n_blocks, kv_free, epi_done, tile_smem, tile_full,
+         tile_empty, dv_stage) = shared
+        EPI: gl.constexpr = epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, DET, KV_BUFS)
+        it0 = 0
+        tile = 0
+        t = _take_tile(tile_smem, tile_full, tile_empty, 0, 4)
+        while t >= 0:
+            (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start, _n_blk, _batch,
+             _group_blocks) = _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group,
+                                       window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                       HAS_RIGHT, HEADS_FIRST, TOP_FIRST)
+            if not in_fragments(dq_desc.layout):  # row-major dQ: the rows themselves
+                dq_start = q_start
+            keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, seqlen_k - seqlen_q,
+                                                        window_left, window_right, BLOCK_M,
+                                                        BLOCK_N)
+            tile_shared = (q_smem, kv_buffer(k_smem, tile, KV_BUFS),
+                           kv_buffer(v_smem, tile, KV_BUFS), do_smem, ds_smem, dq_smem,
+                           lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, ds_free,
+                           done, dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr,
+                           dv_ptr, dq_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
+                           n_steps, h_first, m_lo, m_lo, m_end, h_first, group, keys_oob,
+                           m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
+                           window_left, window_right)
+            ws_compute(tile_shared, WG, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
+                        HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DET,
+                        DV_OVERLAP, DK_AFTER_DQ, MASK_MODE, it0, tile, kv_free,
+                        epi_done, True, EPI, dv_stage, KV_BUFS)
+            it0 += n_steps
+            tile += 1
+            t = _take_tile(tile_smem, tile_full, tile_empty, tile, 4)
+
+    @gluon.jit
+    def _ws_loader_tiles(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem, k_smem,
+                         v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_free,
+                         epi_done, tile_smem, tile_full, tile_empty, counter_ptr, seqlen_q,
+                         seqlen_k, total_q, n_kv_heads, group, window_left,
+                         window_right, n_blocks, n_tiles, HEAD_DIM: gl.constexpr,
+                         HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                         HAS_RIGHT: gl.constexpr, RING: gl.constexpr,
+                         HEADS_FIRST: gl.constexpr, HAND_OVER: gl.constexpr,
+                         TOP_FIRST: gl.constexpr, KV_BUFS: gl.constexpr):
+        """The load warp of a persistent CTA: `ws_loader` per tile. Tiles after the first
+        (the program's number) come from a counter (zeroed by the preprocess) in the grid's
+        order, as the hardware hands out a plain grid's CTAs: uneven causal tiles balance
+        themselves, and the CTAs at work at one time share heads (Q, dO and dQ in L2)."""
+        it0 = 0
+        tile = 0
+        t = gl.program_id(0)
+        _give_tile(tile_smem, tile_full, tile_empty, 0, gl.where(t < n_tiles, t, -1))
+        while t < n_tiles:
+            (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start, _n_blk, _batch,
+             _group_blocks) = _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group,
+                                       window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                       HAS_RIGHT, HEADS_FIRST, TOP_FIRST)
+            ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
+                       kv_buffer(k_smem, tile, KV_BUFS), kv_buffer(v_smem, tile, KV_BUFS),
+                       do_smem, lse_smem, delta_smem, kv_bar, ready, empty, k_start + n0,
+                       hk, q_start, seqlen_q, total_q, n_steps, h_first, m_lo, m_lo, m_end,
+                       h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M, RING, it0, tile, kv_free,
+                       epi_done, True,
+                       epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, HAND_OVER, KV_BUFS),
+                       KV_BUFS)
+            # The next tile is taken once this one's loads are issued, not when it starts:
+            # the tile a CTA holds but has not begun then waits only the ring's steps and
+            # this tile's end (deterministic turns wait on tiles in the order taken).
+            t_next = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1, sem="relaxed")
+            it0 += n_steps
+            tile += 1
+            _give_tile(tile_smem, tile_full, tile_empty, tile,
+                       gl.where(t_next < n_tiles, t_next, -1))
+            t = t_next
+
+    @gluon.jit
+    def _ws_dq_tiles(dq_smem, dq_desc, dq_full, dq_empty, tile_smem, tile_full, tile_empty,
+                     sem_ptr, seqlen_q, seqlen_k, n_heads, n_kv_heads, group, num_m_blocks,
+                     window_left, window_right, n_blocks, HEAD_DIM: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                     HAS_RIGHT: gl.constexpr, DQ_WARP: gl.constexpr, HEADS_FIRST: gl.constexpr,
+                     DETERMINISTIC: gl.constexpr, TOP_FIRST: gl.constexpr,
+                     FIRST_STORES: gl.constexpr):
+        """The dQ warp of a persistent CTA per tile: the reduces (ws_dq_warp), or in
+        deterministic mode the reduces in turn (`ws_dq_turns`, unstaggered: `_ws_tiles`)."""
+        if DQ_WARP or DETERMINISTIC:
+            it0 = 0
+            tile = 0
+            t = _take_tile(tile_smem, tile_full, tile_empty, 0, 1)
+            while t >= 0:
+                (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start, n_blk,
+                 batch, group_blocks) = _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k,
+                                                 group, window_left, window_right, BLOCK_M,
+                                                 BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST,
+                                                 TOP_FIRST)
+                if not in_fragments(dq_desc.layout):  # row-major dQ: the rows themselves
+                    dq_start = q_start
+                ws_dq_turns(dq_smem, dq_desc, dq_full, dq_empty, sem_ptr, dq_start, n_steps,
+                             h_first, m_lo, m_lo, m_end, h_first, group, batch, n_heads,
+                             num_m_blocks, n_blk, n_blocks, seqlen_k - seqlen_q, window_left,
+                             window_right, group_blocks, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
+                             HAS_LEFT, HAS_RIGHT, False, True, DETERMINISTIC, it0,
+                             FIRST_STORES)
+                it0 += n_steps
+                tile += 1
+                t = _take_tile(tile_smem, tile_full, tile_empty, tile, 1)
+
+    @gluon.jit
+    def _ws_tiles(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
+                  delta_ptr, dk_ptr, dv_ptr, sem_ptr, seqlen_q, seqlen_k, total_q, n_heads,
+                  n_kv_heads, group, num_m_blocks, qk_scale, softmax_scale, softcap_pre,
+                  window_left, window_right, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                  HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
+                  DP_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr,
+                  RING: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
+                  HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr,
+                  DETERMINISTIC: gl.constexpr, KV_BUFS: gl.constexpr = 1,
+                  MASK_MODE: gl.constexpr = 0, FIRST_STORES: gl.constexpr = False):
+        """A persistent CTA (BwdConfig.ws_persistent; dense lengths): the
+        grid's (key block, kv head, sequence) tiles, the program's own number first and then
+        the next of a counter's (`_ws_loader_tiles`, which hands each to the other roles),
+        each as a CTA of the plain grid runs it, the roles looping over them. What a tile
+        boundary adds: the load warp loads the next tile's K/V once both warpgroups are past
+        their last MMA reading K/V (kv_free), while they finish dQ and store dK/dV, and the
+        next tile's first Q/dO at once, or, where dK/dV stage through the ring
+        (`epilogue_mode` 0: with the dQ warp), once those stores have read it (epi_done);
+        every other barrier's phase runs on by step (ring, dSᵀ, dQ hand-over) or by tile
+        (kv_bar, done).
+
+        DETERMINISTIC: the dQ warp adds in turn (`ws_dq_turns`), and the turns must follow
+        the order in which tiles are taken: each tile then waits only for tiles taken before
+        it, so the lowest unfinished tile is always some CTA's current tile with every turn
+        it needs passed, and no wait closes a cycle (a CTA holds its next tile before it ends
+        its current one, so a turn order against the tile order could make a tile wait for
+        one queued behind it on its own CTA). Hence no stagger (ascending turns, as the
+        tiles number key blocks), and causal tiles numbered top-first (descending turns).
+        The semaphores and the tile counter share one zeroed buffer: the counter is the word
+        after the (sequence, q head, query block) semaphores."""
+        HAND_OVER: gl.constexpr = DQ_WARP or DETERMINISTIC  # the dQ warp issues the reduces
+        TOP_FIRST: gl.constexpr = HAS_RIGHT and DETERMINISTIC
+        (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar,
+         ready, empty, ds_ready, ds_free, dq_full, dq_empty, done) = ws_alloc(
+            q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N,
+            RING, HAND_OVER, KV_BUFS)
+        kv_free = gl.allocate_shared_memory(gl.int64, [KV_BUFS, 1], mbarrier.MBarrierLayout())
+        epi_done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(KV_BUFS):
+            mbarrier.init(kv_free.index(st), count=2)
+        mbarrier.init(epi_done.index(0), count=2)
+        # the tile numbers the load warp hands out (_give_tile): two slots
+        tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(
+            1, 1, 1, [0]))
+        tile_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(2):
+            mbarrier.init(tile_full.index(st), count=1)
+            mbarrier.init(tile_empty.index(st), count=3 if HAND_OVER else 2)
+        if epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, HAND_OVER, KV_BUFS) == 2:
+            dv_stage = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N // 2, HEAD_DIM_V],
+                                                 dv_desc.layout)
+        else:
+            dv_stage = dq_smem  # not read
+        fence_async_shared()
+        n_blocks = (seqlen_k + BLOCK_N - 1) // BLOCK_N
+        n_seqs = total_q // gl.maximum(seqlen_q, 1)
+        n_tiles = n_blocks * n_kv_heads * n_seqs
+        counter_ptr = sem_ptr
+        if DETERMINISTIC:
+            counter_ptr = sem_ptr + n_seqs * n_heads * num_m_blocks
+        shared = (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+                  kv_bar, ready, empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc,
+                  dk_desc, dv_desc, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_kv_heads, group,
+                  qk_scale, softmax_scale, softcap_pre, window_left, window_right, n_blocks,
+                  kv_free, epi_done, tile_smem, tile_full, tile_empty, dv_stage)
+        gl.warp_specialize([
+            (_ws_compute_tiles, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                 HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
+                                 HAND_OVER, DV_OVERLAP, DK_AFTER_DQ, HEADS_FIRST,
+                                 TOP_FIRST, KV_BUFS, MASK_MODE)),
+            (_ws_compute_tiles, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                 HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
+                                 HAND_OVER, DV_OVERLAP, DK_AFTER_DQ, HEADS_FIRST,
+                                 TOP_FIRST, KV_BUFS, MASK_MODE)),
+            (_ws_loader_tiles, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
+                                k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
+                                empty, kv_free, epi_done, tile_smem, tile_full, tile_empty,
+                                counter_ptr, seqlen_q, seqlen_k, total_q,
+                                n_kv_heads, group, window_left, window_right, n_blocks,
+                                n_tiles, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                HAS_RIGHT, RING, HEADS_FIRST, HAND_OVER, TOP_FIRST,
+                                KV_BUFS)),
+            (_ws_dq_tiles, (dq_smem, dq_desc, dq_full, dq_empty, tile_smem, tile_full,
+                            tile_empty, sem_ptr, seqlen_q, seqlen_k, n_heads, n_kv_heads,
+                            group, num_m_blocks, window_left, window_right, n_blocks, HEAD_DIM,
+                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DQ_WARP, HEADS_FIRST,
+                            DETERMINISTIC, TOP_FIRST, FIRST_STORES)),
+        ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])
+
+    @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
+                                  "group", "window_left", "window_right", "num_m_blocks"])
+    def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
+                           delta_ptr, dq_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
+                           sem_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_kv_heads, group,
+                           num_m_blocks, qk_scale, softmax_scale, softcap_pre, window_left,
+                           window_right, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+                           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                           SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
+                           DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                           DQ_TMA: gl.constexpr,
+                           STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
+                           KV_TMA_STORE: gl.constexpr,
+                           DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr,
+                           LATE_WG: gl.constexpr, RING: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
+                           HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr,
+                           PERSISTENT: gl.constexpr = False, KV_BUFS: gl.constexpr = 1,
+                           MASK_MODE: gl.constexpr = 0, FIRST_STORES: gl.constexpr = False):
+        # Same arguments as kernel._attn_bwd_kernel (one host path); DK_LATE, STATS_LATE,
+        # RELEASE_AT and dq_ptr belong to that kernel's schedule. DV_OVERLAP:
+        # dV = Pᵀ·dO stays in flight while dSᵀ is formed (BwdConfig.dv_overlap).
+        # DETERMINISTIC: the dQ warp adds the tiles in kernel.py's turn order (causal masks:
+        # the grid runs from the top key block down, as there). DQ_WARP: without
+        # DETERMINISTIC, the dQ warp still issues the reduces (BwdConfig.ws_dq_warp).
+        # PERSISTENT: BwdConfig.ws_persistent (`_ws_tiles`); KV_BUFS: its K/V buffers
+        # (BwdConfig.ws_kv_buffers). MASK_MODE: how masked steps mask (parts.probabilities;
+        # BwdConfig.step_cols, mask_scores). FIRST_STORES: deterministic mode's first dQ turn
+        # of each query block stores instead of adding (bwd.first_stores).
+        if PERSISTENT:
+            _ws_tiles(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
+                      delta_ptr, dk_ptr, dv_ptr, sem_ptr, seqlen_q, seqlen_k, total_q, n_heads,
+                      n_kv_heads, group, num_m_blocks, qk_scale, softmax_scale, softcap_pre,
+                      window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N,
+                      HAS_LEFT, HAS_RIGHT, SOFTCAP, DV_OVERLAP, DP_EARLY, KV_TMA_STORE, LATE_WG,
+                      RING, DK_AFTER_DQ, HEADS_FIRST, DQ_WARP, DETERMINISTIC,
+                      KV_BUFS, MASK_MODE, FIRST_STORES)
+        else:
+            n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
+                cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
+                HAS_RIGHT and DETERMINISTIC, HEADS_FIRST)
+            n0 = n_blk * BLOCK_N
+            # Top-first order (deterministic causal) numbers the key blocks down from the
+            # sequence's own count: grid columns beyond a shorter varlen sequence get n0 < 0.
+            if (n0 >= 0) & (n0 < seqlen_k):
+                shift = seqlen_k - seqlen_q
+                m_lo, group_blocks = query_range(n0, seqlen_q, shift, window_left, window_right,
+                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                n_steps = group_blocks * group
+                keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, shift, window_left,
+                                                            window_right, BLOCK_M, BLOCK_N)
+                h_first = hk * group
+                h, m0, stride = walk_start(n_blk, n_seq, n_steps, group_blocks, h_first, m_lo,
+                                           STAGGER, BLOCK_M)
+                m_end = m_lo + group_blocks * BLOCK_M
+
+                (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar,
+                 ready, empty, ds_ready, ds_free, dq_full, dq_empty, done) = ws_alloc(
+                    q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
+                    BLOCK_N, RING, DETERMINISTIC or DQ_WARP)
+                fence_async_shared()
+
+                # What the two compute warpgroups share travels as one tuple of runtime values;
+                # the constexprs are written out in each role (held in a variable, Gluon would
+                # turn them into runtime values). The dQ warp (deterministic mode) shares the
+                # load warp's padded warpgroup and register count; without DETERMINISTIC it
+                # returns at once.
+                shared = (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+                          kv_bar, ready, empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc,
+                          dk_desc, dv_desc, dk_ptr, dv_ptr, q_start, k_start, seqlen_q, seqlen_k,
+                          n_kv_heads, hk, n0, n_steps, h, m0, m_lo, m_end, h_first, group,
+                          keys_oob, m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
+                          window_left, window_right)
+                gl.warp_specialize([
+                    (ws_compute, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                   HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
+                                   DETERMINISTIC or DQ_WARP, DV_OVERLAP, DK_AFTER_DQ,
+                                   MASK_MODE)),
+                    (ws_compute, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                   HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
+                                   DETERMINISTIC or DQ_WARP, DV_OVERLAP, DK_AFTER_DQ,
+                                   MASK_MODE)),
+                    (ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
+                                  k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
+                                  empty, k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
+                                  m0, m_lo, m_end, h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
+                                  RING)),
+                    (ws_dq_turns, (dq_smem, dq_desc, dq_full, dq_empty, sem_ptr, q_start,
+                                    n_steps, h, m0, m_lo, m_end, h_first, group, batch, n_heads,
+                                    num_m_blocks, n_blk, n_seq, shift, window_left, window_right,
+                                    group_blocks, stride, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                    HAS_RIGHT, STAGGER, DETERMINISTIC or DQ_WARP, DETERMINISTIC,
+                                    0, FIRST_STORES)),
+                ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])

@@ -1,0 +1,470 @@
+"""The warp-specialised backward's roles (`kernel_ws.py`): the load warp, the compute
+warpgroups' step, the dQ warp (hand-over, deterministic turns), the shared-memory plan and
+the epilogue's staging buffers."""
+
+from __future__ import annotations
+
+from ..common import GLUON_ERROR
+
+if GLUON_ERROR is None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from ..bounds import (
+        step_needs_mask,
+    )
+    from ..common import tile_layout
+    from ..sched import (
+        next_step,
+    )
+    from .parts import (
+        add_dq_tile,
+        fragment_block,
+        in_fragments,
+        load_kv,
+        load_qdo,
+        probabilities,
+        release_dq_turn_after_tma,
+        stage_dq,
+        stage_stats,
+        store_key_rows,
+        store_key_tiles,
+        tma_reduce_add,
+        wait_dq_turn,
+    )
+
+    # setmaxnreg per compute warpgroup and for the load warp (padded to a warpgroup):
+    # 240 * 256 + 24 * 128 = 64512 <= 64K registers.
+    COMPUTE_REGS = gl.constexpr(240)
+    LOADER_REGS = gl.constexpr(24)
+
+    @gluon.jit
+    def ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem, k_smem,
+                   v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, k_row, hk,
+                   q_start, seqlen_q, total_q, n_steps, h, m0, m_lo, m_end, h_first, group,
+                   HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
+                   RING: gl.constexpr, it0=0, tile=0, kv_free=None, epi_done=None,
+                   PERSISTENT: gl.constexpr = False, EPI: gl.constexpr = 0,
+                   KV_BUFS: gl.constexpr = 1):
+        """K and V, then per step the statistics and Q/dO into the ring. PERSISTENT: one
+        tile of a persistent CTA (`_ws_tiles`), its steps numbered on from it0 (the ring's
+        phases run on across tiles), the tile-th of this CTA, its K/V in buffer
+        tile % KV_BUFS (k_smem, v_smem: that buffer)."""
+        kv = tile % KV_BUFS
+        if PERSISTENT:
+            if tile >= KV_BUFS:  # both warpgroups are done with this buffer's last tile
+                mbarrier.wait(kv_free.index(kv), ((tile - KV_BUFS) // KV_BUFS) & 1)
+        load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(kv), k_row, hk, HEAD_DIM,
+                HEAD_DIM_V)
+        if PERSISTENT and EPI == 0:  # `epilogue_buffers`
+            if tile > 0:  # ... and past its dK/dV stores, staged through ring slots
+                mbarrier.wait(epi_done.index(0), (tile - 1) & 1)
+        stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+        for it in range(n_steps):
+            g = it0 + it  # the step's number in the CTA (all its tiles)
+            slot = g % RING
+            if g >= RING:  # both warpgroups are done with step g - RING
+                mbarrier.wait(empty.index(slot), ((g - RING) // RING) & 1)
+            # Q and dO first, so that their TMA latency overlaps the statistics' loads (a
+            # CTA's first step waits for both; faster for short calls). `ready` takes a second
+            # arrive, behind the statistics' stores (release semantics, behind a barrier of
+            # this warp).
+            load_qdo(q_desc, do_desc, q_smem, do_smem, ready, slot, h, q_start + m0, HEAD_DIM,
+                     HEAD_DIM_V, True)
+            stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, slot, h, m0, q_start,
+                        seqlen_q, total_q, BLOCK_M, stat_layout, True)
+            mbarrier.arrive(ready.index(slot), count=1)
+            h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
+
+    @gluon.jit
+    def dq_box(WG: gl.constexpr, h, m0, q_start, HEAD_DIM: gl.constexpr,
+                BLOCK_M: gl.constexpr):
+        """(row, column) of warpgroup WG's dQ box for the step at (h, m0): its half of the
+        columns (64-row steps) or of the rows (128-row steps)."""
+        if BLOCK_M == 64:
+            return q_start + m0, h * HEAD_DIM + WG * (HEAD_DIM // 2)
+        return q_start + m0 + WG * (BLOCK_M // 2), h * HEAD_DIM
+
+    @gluon.jit
+    def dq_coord(WG: gl.constexpr, h, m0, q_start, FRAG: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, TILE_ROWS: gl.constexpr):
+        """(row, column) of warpgroup WG's dQ reduce for the step at (h, m0): its box in dQ's
+        rows (`dq_box`), or its tile in the fragment buffer (FRAG: rows of block
+        `fragment_block` (its column part), columns of head h; `dq_fragments.py`)."""
+        if FRAG:
+            block = fragment_block(q_start, m0)
+            if BLOCK_M == 64:  # the warpgroups split dQ's columns: two tiles per block
+                return (block * 2 + WG) * TILE_ROWS, h * 32
+            return (block + WG) * TILE_ROWS, h * 32  # ... or its rows
+        return dq_box(WG, h, m0, q_start, HEAD_DIM, BLOCK_M)
+
+    @gluon.jit
+    def ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full, dq_empty, j, h,
+               m0, q_start, softmax_scale, dq_zero, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+               BLOCK_M: gl.constexpr, DET: gl.constexpr, dk=None, ds_op=None, q_s=None,
+               WITH_DK: gl.constexpr = False):
+        """This warpgroup's part of dQ = dS·K for step j: wait for the other half of dSᵀ,
+        MMA, stage, reduce-add (retires every MMA this warpgroup has in flight but the dK
+        that WITH_DK issues behind it). With
+        64-row steps (d=128) the warpgroups split dQ's columns, with 128-row steps (d=64)
+        its rows: one wgmma M either way. DET (deterministic mode): the staged tile goes to
+        the dQ warp (`ws_dq_turns`), which adds it in turn. WITH_DK
+        (`BwdConfig.ws_dk_after_dq`): dK += dSᵀ·Q is issued right after the dQ MMA and left
+        in flight while dQ is staged (FA4's order); returns its token."""
+        js = j % 2
+        mbarrier.wait(ds_ready.index(2 * js + 1 - WG), (j // 2) & 1)
+        if BLOCK_M == 64:
+            COLS: gl.constexpr = HEAD_DIM // 2
+            dq_tok = warpgroup_mma(ds_smem.index(js).permute((1, 0)),
+                                   k_smem.slice(WG * COLS, COLS, 1), dq_zero, use_acc=False,
+                                   is_async=True)
+        else:
+            ROWS: gl.constexpr = BLOCK_M // 2
+            dq_tok = warpgroup_mma(ds_smem.index(js).slice(WG * ROWS, ROWS, 1).permute((1, 0)),
+                                   k_smem, dq_zero, use_acc=False, is_async=True)
+        if WITH_DK:  # wgmma groups retire in order: waiting for dQ leaves dK running
+            dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+            dq = warpgroup_mma_wait(1, deps=[dq_tok])
+        else:
+            dq = warpgroup_mma_wait(0, deps=[dq_tok])
+        mbarrier.arrive(ds_free.index(js))
+        if DET:
+            if j > 0:  # the dQ warp has read this warpgroup's tile of step j - 1
+                mbarrier.wait(dq_empty.index(WG), (j - 1) & 1)
+        else:
+            tma.store_wait(0)  # this warpgroup's previous reduce has read dq_buf
+        FRAG: gl.constexpr = in_fragments(dq_desc.layout)
+        stage_dq(dq_buf, dq * softmax_scale, FRAG, 64, dq_zero.shape[1])
+        fence_async_shared()
+        gl.thread_barrier()
+        if DET:
+            mbarrier.arrive(dq_full.index(WG), count=1)
+        else:
+            row, col = dq_coord(WG, h, m0, q_start, FRAG, HEAD_DIM, BLOCK_M,
+                                 dq_desc.block_type.shape[0])
+            tma_reduce_add(dq_desc, [row, col], dq_buf)
+        if WITH_DK:
+            return dk
+
+    @gluon.jit
+    def ws_dq_turns(dq_smem, dq_desc, dq_full, dq_empty, sem_ptr, q_start, n_steps, h, m0,
+                     m_lo, m_end, h_first, group, batch, n_heads, num_m_blocks, n_blk, n_seq,
+                     shift, window_left, window_right, group_blocks, stride,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr,
+                     DET: gl.constexpr, TURNS: gl.constexpr, it0=0,
+                     FIRST_STORES: gl.constexpr = False):
+        """The dQ warp (DET: the compute warpgroups hand it their staged dQ tiles): per step,
+        with TURNS (deterministic mode) wait for this CTA's dQ turn on the step's query block
+        (parts.wait_dq_turn, the synchronous kernel's order), then for both warpgroups'
+        tiles, reduce-add them, hand the tiles back once read, and (TURNS) pass the turn on
+        once the adds have landed. The turn's round trips and the wait for the writes stay
+        off the compute warpgroups, which only wait for their tile's hand-back (a step
+        later). Without TURNS (BwdConfig.ws_dq_warp) it only takes the reduces off them.
+        FIRST_STORES (with TURNS): turn 0 stores its tiles instead of adding them, the
+        buffer being left unzeroed (`first_stores`)."""
+        if not DET:
+            return
+        for j in range(n_steps):
+            first = 0
+            if TURNS:
+                sem, first = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
+                                          n_seq, shift, window_left, window_right, h_first,
+                                          m_lo, group_blocks, stride, BLOCK_M, BLOCK_N,
+                                          HAS_LEFT, HAS_RIGHT, STAGGER, True)
+            mbarrier.wait(dq_full.index(0), (it0 + j) & 1)
+            mbarrier.wait(dq_full.index(1), (it0 + j) & 1)
+            FRAG: gl.constexpr = in_fragments(dq_desc.layout)
+            TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
+            row, col = dq_coord(0, h, m0, q_start, FRAG, HEAD_DIM, BLOCK_M,
+                                 TILE_ROWS)
+            add_dq_tile(dq_desc, row, col, dq_smem.index(0), FIRST_STORES, first)
+            row, col = dq_coord(1, h, m0, q_start, FRAG, HEAD_DIM, BLOCK_M,
+                                 TILE_ROWS)
+            add_dq_tile(dq_desc, row, col, dq_smem.index(1), FIRST_STORES, first)
+            tma.store_wait(0)  # both reduces have read their tiles
+            gl.thread_barrier()
+            mbarrier.arrive(dq_empty.index(0), count=1)
+            mbarrier.arrive(dq_empty.index(1), count=1)
+            if TURNS:
+                release_dq_turn_after_tma(sem, m0)
+            h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
+
+    @gluon.jit
+    def ws_compute(shared, WG: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DP_EARLY: gl.constexpr,
+                    KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr, RING: gl.constexpr,
+                    DET: gl.constexpr, DV_OVERLAP: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
+                    MASK_MODE: gl.constexpr, it0=0, tile=0,
+                    kv_free=None, epi_done=None, PERSISTENT: gl.constexpr = False,
+                    EPI: gl.constexpr = 0, dv_stage=None, KV_BUFS: gl.constexpr = 1):
+        # PERSISTENT: one tile of a persistent CTA, as in ws_loader (steps numbered on
+        # from it0; the late warpgroup's previous step is always one of this tile's; K/V in
+        # buffer tile % KV_BUFS, which `shared` holds).
+        (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
+         empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr,
+         dv_ptr, q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h, m0, m_lo,
+         m_end, h_first, group, keys_oob, m_full_lo, m_full_hi, qk_scale, softmax_scale,
+         softcap_pre, window_left, window_right) = shared
+        KEYS: gl.constexpr = BLOCK_N // 2
+        DQ_ROWS: gl.constexpr = 64  # dQ = dS·K by halves of its columns or rows (ws_dq)
+        DQ_COLS: gl.constexpr = HEAD_DIM // 2 if BLOCK_M == 64 else HEAD_DIM
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD_DIM, 16])
+        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD_DIM_V, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_COLS, 16])
+        pv_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout,
+                                                         k_width=2)
+        dsq_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout,
+                                                          k_width=2)
+        key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        dtype: gl.constexpr = k_smem.dtype
+
+        k_mine = k_smem.slice(WG * KEYS, KEYS)
+        v_mine = v_smem.slice(WG * KEYS, KEYS)
+        dq_buf = dq_smem.index(WG)
+        kloc = WG * KEYS + gl.arange(0, KEYS, layout=key_layout)
+        cols = gl.arange(0, BLOCK_M, layout=col_layout)
+        shift = seqlen_k - seqlen_q
+        n_valid = seqlen_k - n0
+        diag_right = shift + window_right - n0
+        diag_left = shift - window_left - n0
+        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, dk_layout)
+        dv = gl.zeros([KEYS, HEAD_DIM_V], gl.float32, dv_layout)
+        s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
+        dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, dq_layout)
+        h_prev = h
+        m0_prev = m0
+        kv = tile % KV_BUFS
+        mbarrier.wait(kv_bar.index(kv), (tile // KV_BUFS) & 1)
+        for it in range(n_steps):
+            g = it0 + it  # the step's number in the CTA (all its tiles)
+            slot = g % RING  # the Q/dO ring
+            ds_slot = g % 2  # the dSᵀ buffers (ws_dq)
+            mbarrier.wait(ready.index(slot), (g // RING) & 1)
+            q_s = q_smem.index(slot)
+            do_s = do_smem.index(slot)
+            s_tok = warpgroup_mma(k_mine, q_s.permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+            if DP_EARLY:
+                dp_tok = warpgroup_mma(v_mine, do_s.permute((1, 0)), s_zero, use_acc=False,
+                                       is_async=True)
+                s = warpgroup_mma_wait(1, deps=[s_tok])
+            else:
+                s = warpgroup_mma_wait(0, deps=[s_tok])
+            lse2 = lse_smem.index(slot).load(col_layout)
+            p, p_ds = probabilities(
+                s, lse2, qk_scale, softcap_pre,
+                step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, HAS_LEFT, HAS_RIGHT),
+                kloc, cols, n_valid, m0, diag_right, diag_left, SOFTCAP, HAS_LEFT, HAS_RIGHT,
+                MASK_MODE)
+            if not DP_EARLY:
+                dp_tok = warpgroup_mma(v_mine, do_s.permute((1, 0)), s_zero, use_acc=False,
+                                       is_async=True)
+            p_op = gl.convert_layout(p.to(dtype), pv_op_layout)
+            dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
+            if DV_OVERLAP:  # dSᵀ is formed while dV = Pᵀ·dO runs (retired with dK below)
+                dp = warpgroup_mma_wait(1, deps=[dp_tok])
+            else:
+                dp, dv, p_op = warpgroup_mma_wait(0, deps=[dp_tok, dv_tok, p_op])
+            delta = delta_smem.index(slot).load(col_layout)
+            ds16 = (p_ds * (dp - gl.expand_dims(delta, 0))).to(dtype)
+            if g >= 2:  # both dQ MMAs of step g - 2 have read this dSᵀ slot
+                mbarrier.wait(ds_free.index(ds_slot), ((g - 2) // 2) & 1)
+            ds_smem.index(ds_slot).slice(WG * KEYS, KEYS).store(ds16)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(2 * ds_slot + WG), count=1)
+            ds_op = gl.convert_layout(ds16, dsq_op_layout)
+            if DK_AFTER_DQ:  # dK issued inside ws_dq, behind the dQ MMA
+                if WG == LATE_WG:
+                    if it > 0:
+                        dk_tok = ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free,
+                                        dq_full, dq_empty, g - 1, h_prev, m0_prev, q_start,
+                                        softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M, DET,
+                                        dk, ds_op, q_s, True)
+                    else:
+                        dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                else:
+                    dk_tok = ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free,
+                                    dq_full, dq_empty, g, h, m0, q_start, softmax_scale,
+                                    dq_zero, WG, HEAD_DIM, BLOCK_M, DET, dk, ds_op,
+                                    q_s, True)
+            else:
+                dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                if WG == LATE_WG:  # one step late: the other half of this step is not there
+                    if it > 0:
+                        ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full,
+                               dq_empty, g - 1, h_prev, m0_prev, q_start, softmax_scale,
+                               dq_zero, WG, HEAD_DIM, BLOCK_M, DET)
+                else:
+                    ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full,
+                           dq_empty, g, h, m0, q_start, softmax_scale, dq_zero, WG, HEAD_DIM,
+                           BLOCK_M, DET)
+            if DV_OVERLAP:
+                dk, dv, ds_op, p_op = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok, ds_op, p_op])
+            else:
+                dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])
+            mbarrier.arrive(empty.index(slot))
+            # `+ 0`: with a plain `h_prev = h` triton 3.6's frontend carried neither h nor
+            # h_prev through the loop (its scf.for kept only dK and dV; found in the TTGIR)
+            h_prev = h + 0
+            m0_prev = m0 + 0
+            h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
+        if WG == LATE_WG:
+            if n_steps > 0:
+                ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full, dq_empty,
+                       it0 + n_steps - 1, h_prev, m0_prev, q_start, softmax_scale, dq_zero, WG,
+                       HEAD_DIM, BLOCK_M, DET)
+        if PERSISTENT and EPI != 3:  # this warpgroup's MMAs have read K and V for the last
+            # time (before the reduce's wait: the load warp's next K/V are the tile's
+            # critical path; EPI 3 stages dK/dV in this K/V buffer: freed after the stores)
+            mbarrier.arrive(kv_free.index(kv), count=1)
+        tma.store_wait(0)  # the last reduce reads dq_buf
+        # The epilogue stages through the Q/dO ring, which the other warpgroup may still read.
+        mbarrier.arrive(done.index(0), count=1)
+        mbarrier.wait(done.index(0), tile & 1)
+        dk = dk * softmax_scale  # S = scale·Q·Kᵀ
+        if KV_TMA_STORE:
+            dk_buf, dv_buf = epilogue_buffers(q_smem, do_smem, ds_smem, dq_smem, dv_stage,
+                                               k_smem, v_smem, dk_desc, dv_desc, WG, EPI)
+            store_key_tiles(dk_desc, dv_desc, dk, dv, dk_buf, dv_buf,
+                            k_start + n0 + WG * KEYS, hk, HEAD_DIM, HEAD_DIM_V)
+        else:
+            store_key_rows(dk_ptr, dk, n0 + WG * KEYS, k_start, seqlen_k, n_kv_heads, hk,
+                           HEAD_DIM, KEYS, dk_layout)
+            store_key_rows(dv_ptr, dv, n0 + WG * KEYS, k_start, seqlen_k, n_kv_heads, hk,
+                           HEAD_DIM_V, KEYS, dv_layout)
+        if PERSISTENT and EPI == 0:
+            # the stores have read the ring slots: the next tile may load into them
+            mbarrier.arrive(epi_done.index(0), count=1)
+        if PERSISTENT and EPI == 3:  # ... have read this K/V buffer
+            mbarrier.arrive(kv_free.index(kv), count=1)
+
+    @gluon.constexpr_function
+    def epilogue_mode(block_m, head_dim, head_dim_v, dq_warp, kv_bufs=1):
+        """Where a persistent CTA's warpgroups stage dK and dV for their TMA stores
+        (`epilogue_buffers`): 0 slots of the Q/dO ring (the load warp then waits for the
+        stores before it loads the next tile's first Q/dO: epi_done); 1 the warpgroup's half
+        of the dSᵀ buffers (d=64: BLOCK_M >= HEAD_DIM + HEAD_DIM_V); 2 its dQ staging tile
+        for dK and a buffer of its own for dV (d=128; not with the dQ warp, which reads the
+        dQ tiles); 3 the tile's own K/V buffer (two K/V buffers: BwdConfig.ws_kv_buffers; the
+        load warp frees it after the stores, the next tile's K/V being in the other)."""
+        if kv_bufs == 2:
+            return 3
+        if block_m >= head_dim + head_dim_v and head_dim == head_dim_v:
+            return 1
+        if not dq_warp and head_dim == 128 and head_dim_v == 128:
+            return 2
+        return 0
+
+    @gluon.jit
+    def epilogue_buffers(q_smem, do_smem, ds_smem, dq_smem, dv_stage, k_smem, v_smem,
+                          dk_desc, dv_desc, WG: gl.constexpr, EPI: gl.constexpr):
+        """Where warpgroup WG stages its dK and dV tiles (`epilogue_mode` EPI), once both
+        warpgroups have retired their last MMA. Outside the ring (EPI 1, 2: buffers only
+        this warpgroup writes), the load warp fills the ring with the next tile's first
+        Q/dO while the stores go out (a tile's step 0 then begins ~1900 instead of ~3200
+        cycles after the previous tile's stores at d=64)."""
+        dtype: gl.constexpr = q_smem.dtype
+        KEYS: gl.constexpr = dk_desc.block_type.shape[0]
+        HEAD_DIM: gl.constexpr = dk_desc.block_type.shape[1]
+        HEAD_DIM_V: gl.constexpr = dv_desc.block_type.shape[1]
+        if EPI == 1:
+            # ds_smem [2, 2·KEYS, BLOCK_M]: warpgroup WG's half of slot 0, as KEYS-row tiles
+            # of HEAD_DIM columns (two per half)
+            BLOCK_M: gl.constexpr = q_smem.shape[1]
+            tiles = ds_smem._reinterpret(dtype, [4 * BLOCK_M // HEAD_DIM, KEYS, HEAD_DIM],
+                                         dk_desc.layout)
+            return tiles.index(2 * WG), tiles.index(2 * WG + 1)
+        elif EPI == 3:  # the keys this warpgroup owns, in the tile's K and V buffers
+            return (k_smem.slice(WG * KEYS, KEYS)._reinterpret(dtype, [KEYS, HEAD_DIM],
+                                                                dk_desc.layout),
+                    v_smem.slice(WG * KEYS, KEYS)._reinterpret(dtype, [KEYS, HEAD_DIM_V],
+                                                                dv_desc.layout))
+        elif EPI == 2:  # dQ's staging tile is 16 KB: 64 keys x 128 columns of dK
+            gl.static_assert(dq_smem.shape[1] * dq_smem.shape[2] * 4 == KEYS * HEAD_DIM * 2)
+            return (dq_smem.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM], dk_desc.layout),
+                    dv_stage.index(WG))
+        return (q_smem.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM], dk_desc.layout),
+                do_smem.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM_V], dv_desc.layout))
+
+    @gluon.jit
+    def ws_alloc(q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM: gl.constexpr,
+                  HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  RING: gl.constexpr, DQ_BARS: gl.constexpr,
+                  KV_BUFS: gl.constexpr = 1):
+        """The kernel's shared memory and barriers (the module docstring's), initialised.
+        DQ_BARS: the dQ warp's hand-over barriers (deterministic mode, ws_dq_warp). KV_BUFS
+        (persistent grids, BwdConfig.ws_kv_buffers): K and V as that many buffers (one:
+        plain tiles; `kv_buffer`)."""
+        dtype: gl.constexpr = q_desc.dtype
+        if KV_BUFS == 1:
+            k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM],
+                                               tile_layout(k_desc.layout))
+            v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V],
+                                               tile_layout(v_desc.layout))
+        else:
+            k_smem = gl.allocate_shared_memory(dtype, [KV_BUFS, BLOCK_N, HEAD_DIM],
+                                               tile_layout(k_desc.layout))
+            v_smem = gl.allocate_shared_memory(dtype, [KV_BUFS, BLOCK_N, HEAD_DIM_V],
+                                               tile_layout(v_desc.layout))
+        q_smem = gl.allocate_shared_memory(dtype, [RING, BLOCK_M, HEAD_DIM],
+                                           tile_layout(q_desc.layout))
+        do_smem = gl.allocate_shared_memory(dtype, [RING, BLOCK_M, HEAD_DIM_V],
+                                            tile_layout(do_desc.layout))
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
+                                                                       dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
+                                            dq_desc.layout)
+        stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        lse_smem = gl.allocate_shared_memory(gl.float32, [RING, BLOCK_M], stat_smem_layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [RING, BLOCK_M],
+                                               stat_smem_layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [KV_BUFS, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        # deterministic mode: warpgroup w's staged dQ tile is full / read by the dQ warp
+        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(KV_BUFS):
+            mbarrier.init(kv_bar.index(st), count=1)
+        mbarrier.init(done.index(0), count=2)
+        for st in gl.static_range(RING):
+            # two arrives: the TMA bytes' expect and the statistics' stores (ws_loader)
+            mbarrier.init(ready.index(st), count=2)
+            mbarrier.init(empty.index(st), count=2)
+        for st in gl.static_range(2):
+            mbarrier.init(ds_free.index(st), count=2)
+            if DQ_BARS:
+                mbarrier.init(dq_full.index(st), count=1)
+                mbarrier.init(dq_empty.index(st), count=1)
+        for st in gl.static_range(4):
+            mbarrier.init(ds_ready.index(st), count=1)
+        return (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar,
+                ready, empty, ds_ready, ds_free, dq_full, dq_empty, done)
+
+    @gluon.jit
+    def kv_buffer(kv_smem, tile, KV_BUFS: gl.constexpr):
+        """The K (or V) buffer of a persistent CTA's tile-th tile (`ws_alloc`)."""
+        if KV_BUFS == 1:
+            buf = kv_smem
+        else:
+            buf = kv_smem.index(tile % KV_BUFS)
+        return buf

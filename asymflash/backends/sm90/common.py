@@ -1,0 +1,282 @@
+"""What every sm90 Gluon kernel shares: the Gluon import guard and version gate, dtype maps,
+TMA descriptors and shared-memory layouts (host side), the input checks, and the small device
+helpers both directions use (16-bit packing, tanh, tile loads, sequence bounds)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...core.params import AttnParams
+from ...runtime.launch import descriptor_token
+
+try:  # Gluon is optional: a CPU-only or older triton must still import this module.
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        tma,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    GLUON_ERROR: str | None = None
+except Exception as exc:  # noqa: BLE001 - any import failure means: no fast path
+    GLUON_ERROR = f"triton.experimental.gluon (Hopper) not importable: {exc!r}"
+
+# The Gluon API changes between releases; only the versions the kernels were verified on run.
+TESTED_TRITON_VERSIONS = ("3.6.0",)
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+SUPPORTED_HEAD_DIMS = (64, 128, 256)  # compiled widths: tensor shapes are powers of two
+
+GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+SIG_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout_cached(block: tuple, dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, GL_DTYPES[dtype]))
+
+
+def smem_layout(block, dtype):
+    """The TMA/wgmma shared-memory layout of a tile; cached: building one costs ~30 us of
+    host time, three per call (measured on the CI CPU), as much as a short kernel."""
+    return _smem_layout_cached(tuple(block), dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def layout_and_token(block: tuple, dtype):
+    """(shared layout, launch.descriptor_token) of a default descriptor: one cache lookup on
+    a (tuple, dtype) key per descriptor (hashing the layout itself costs more)."""
+    layout = _smem_layout_cached(block, dtype)
+    return layout, descriptor_token(dtype, block, layout)
+
+
+def exp2_scales(params: AttnParams) -> tuple[float, float]:
+    """(qk_scale, softcap_pre) of the Gluon kernels: exp2 takes s·qk_scale, s = q·k, or with
+    softcap s = tanh(q·k·softcap_pre) (so S = c·tanh(q·k·scale/c) in log2 units, and the
+    backward's chain-rule factor is 1 - tanh²)."""
+    if params.softcap > 0:
+        return params.softcap * LOG2E, params.softmax_scale / params.softcap
+    return params.softmax_scale * LOG2E, 1.0
+
+
+# Strided q, k, v (views of a fused QKV projection, transposed (batch, heads, seqlen, dim)
+# tensors): read in place through descriptors with their own strides; with the switch at 0
+# (and where TMA cannot address them) the kernels read contiguous copies (`tma_ready`).
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """`t` where the kernels' descriptors can read it as it is, else a contiguous 16-byte
+    aligned copy: a copy costs a read and a write of the tensor, the portable kernels that
+    strided inputs took before cost far more on Hopper."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    if tma_layout_reason(t, "") is None:  # read in place: see docs/tuning.md
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def row_head_strides(t: torch.Tensor) -> tuple[int, int]:
+    """(row stride, head stride) of a (rows, heads, dim) tensor, in elements, as a TMA
+    descriptor walks it; a dimension of size 1 takes its dense stride (torch leaves any
+    value there)."""
+    rows, heads, dim = t.shape
+    head_stride = t.stride(1) if heads > 1 else dim
+    return (t.stride(0) if rows > 1 else heads * head_stride), head_stride
+
+
+def rows_dense(t: torch.Tensor) -> bool:
+    """Whether the heads of a row lie side by side (head stride = dim), so the tensor reads
+    as a (rows, heads·dim) matrix with its own row stride (`tma_rows`)."""
+    return row_head_strides(t)[1] == t.shape[2]
+
+
+def tma_layout_reason(t: torch.Tensor, name: str) -> str | None:
+    """Why a (rows, heads, dim) tensor cannot be read in place by TMA, or None: the base and
+    the row and head strides must be 16-byte multiples, the dim contiguous."""
+    rows, heads, dim = t.shape
+    size = t.element_size()
+    row_stride, head_stride = row_head_strides(t)
+    if dim > 1 and t.stride(2) != 1:
+        return f"{name}'s head dim is not contiguous"
+    if t.data_ptr() % 16:
+        return f"{name} is not 16-byte aligned (TMA)"
+    if row_stride <= 0 or head_stride <= 0 or (row_stride * size) % 16 or \
+            (head_stride * size) % 16:
+        return (f"{name}'s strides ({row_stride}, {head_stride}) are not positive 16-byte "
+                "multiples (TMA)")
+    return None
+
+
+def tma_rows(t: torch.Tensor, block, layout=None) -> "TensorDescriptor":
+    """TMA descriptor of a packed (rows, heads, dim) tensor seen as (rows, heads * dim), so
+    a head is a column offset and one descriptor serves all heads and sequences. The heads of
+    a row must lie side by side (`rows_dense`); the rows may be strided (a fused QKV view).
+
+    Built without TensorDescriptor's own checks (~10 us each, several per call): what they
+    verify, a 16-byte aligned non-empty tensor with 16-byte aligned rows, is already
+    guaranteed by `hopper_input_reason` (heads * dim is a multiple of 64 here).
+    """
+    desc = object.__new__(TensorDescriptor)
+    cols = t.shape[1] * t.shape[2]
+    row_stride = t.stride(0) if t.shape[0] > 1 else cols
+    desc.base, desc.shape, desc.strides = t, [t.shape[0], cols], [row_stride, 1]
+    desc.block_shape, desc.padding = list(block), "zero"
+    if layout is None:  # the layout and its launch.specialization_key token, cached
+        desc.layout, desc.asym_token = layout_and_token(tuple(block), t.dtype)
+    else:
+        desc.layout = layout
+        desc.asym_token = descriptor_token(t.dtype, tuple(block), layout)
+    return desc
+
+
+def tma_heads(t: torch.Tensor, rows: int, width: int) -> "TensorDescriptor":
+    """TMA descriptor of a packed (rows, heads, dim) tensor as it is, with a box of `rows`
+    rows of one head, `width` >= dim wide: the TMA unit fills the columns past dim with
+    zeros, so head dims between the compiled widths need no zero-padded copy. Needs 16-byte
+    row strides (dim a multiple of 8 at 16 bits). Any row and head strides TMA can address
+    (`tma_layout_reason`): a transposed (batch, heads, seqlen, dim) tensor is read in place."""
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape = t, list(t.shape)
+    desc.strides = [*row_head_strides(t), 1]
+    desc.block_shape, desc.padding = [rows, 1, width], "zero"
+    desc.layout, desc.asym_token = layout_and_token((rows, 1, width), t.dtype)
+    return desc
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple:
+    return torch.cuda.get_device_capability(device)
+
+
+def hopper_input_reason(q, k, v, sink, head_dims, direction: str) -> str | None:
+    """What every sm90 Gluon kernel needs of its inputs (None = all there), or why not.
+
+    direction ("forward" / "backward") only words the message; head_dims is what the
+    kernel's tiles were built for.
+    """
+    if GLUON_ERROR is not None:
+        return GLUON_ERROR
+    if triton.__version__ not in TESTED_TRITON_VERSIONS:
+        return (f"sm90 Gluon {direction} tested on triton {TESTED_TRITON_VERSIONS}, "
+                f"found {triton.__version__}")
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        return f"sm90 {direction} needs CUDA tensors"
+    if _capability(q.device) != (9, 0):
+        return f"sm90 {direction} needs an sm_90 (Hopper) GPU"
+    if q.dtype not in GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return (f"sm90 {direction} supports bf16/fp16 q, k, v of one dtype, "
+                f"got {q.dtype}/{k.dtype}/{v.dtype}")
+    d, dv = q.shape[-1], v.shape[-1]
+    if head_dims is not None and (d not in head_dims or dv != d):
+        return (f"sm90 {direction} supports head_dim == head_dim_v in {head_dims}, "
+                f"got {d}/{dv}")
+    # Any layout with a contiguous head dim: what TMA cannot read in place is copied first
+    # (tma_ready).
+    if any(t.shape[-1] > 1 and t.stride(-1) != 1 for t in (q, k, v)):
+        return f"sm90 {direction} needs q, k, v with a contiguous head dim"
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % hkv != 0:
+        return f"nheads_q {hq} is not a multiple of nheads_kv {hkv}"
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return "empty q or k"
+    if sink is not None and (sink.dtype != torch.float32 or sink.numel() != hq):
+        return "sink must be fp32 of shape (nheads_q,)"
+    return None
+
+
+def kernel_head_dim(d: int, dv: int) -> int | None:
+    """Head dim of the compiled kernel that computes head dims (d, dv), or None.
+
+    64, 128 and 256 (with dv == d) run as they are. Other widths from 72 to 256 (e.g. 96,
+    192/128) run zero-padded to the next of 128/256 on both sides: the padded columns add 0 to
+    q·k and produce output columns that are dropped. That wastes MMA work ((128 - 96) / 128 at
+    d=96; 192/128 runs the 256/256 kernel) but beats the portable kernel by far on Hopper.
+    Widths up to 64 other than 64 itself stay on the portable kernel."""
+    if d == dv and d in SUPPORTED_HEAD_DIMS:
+        return d
+    width = max(d, dv)
+    if width <= 64 or width > 256:
+        return None
+    return 128 if width <= 128 else 256
+
+
+def forward_widths(d: int, dv: int) -> tuple[int, int] | None:
+    """(head dim, head dim of V) of the forward kernel that computes (d, dv), or None.
+
+    kernel_head_dim's width on both sides, except that a V of at most 128 next to a wider
+    q·k (DeepSeek's 192/128) runs the 256/128 kernel: padding V to 256 would double the P·V
+    work for nothing."""
+    width = kernel_head_dim(d, dv)
+    if width == 256 and dv <= 128 and d != dv:
+        return 256, 128
+    return None if width is None else (width, width)
+
+
+def pad_head_dim(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
+if GLUON_ERROR is None:
+
+    @gluon.jit
+    def to_16bit(x, dtype: gl.constexpr):
+        """x.to(dtype) for a 16-bit dtype, two neighbouring elements per cvt with the first in
+        the low half. `x.to(dtype)` converts element by element and packs each pair high-first,
+        so every register of P (and dSᵀ) needed a PRMT half swap before it could be a wgmma A
+        operand: 32 of ~450 instructions per key block at d=64 (sm_90a SASS)."""
+        if dtype == gl.bfloat16:
+            return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x],
+                                             dtype=gl.bfloat16, is_pure=True, pack=2)
+        else:
+            return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x],
+                                             dtype=gl.float16, is_pure=True, pack=2)
+
+    @gluon.jit
+    def tanh(x):
+        # tanh.approx has ~5e-4 relative error, i.e. 0.025 in a logit capped at 50: use the
+        # exact-ish identity tanh(x) = 1 - 2 / (2^(2x·log2 e) + 1) (ex2 + rcp, MUFU twice).
+        e = gl.exp2(x * (2.0 * 1.4426950408889634))
+        return 1.0 - 2.0 / (e + 1.0)
+
+    @gluon.constexpr_function
+    def heads_axis(block_shape) -> bool:
+        """A (rows, heads, dim) descriptor (`tma_heads`) rather than (rows, heads·dim)."""
+        return len(block_shape) == 3
+
+    @gluon.constexpr_function
+    def tile_layout(layout):
+        """The 2-D shared layout of a descriptor's tile (the same bytes as its 3-D box)."""
+        return gl.NVMMASharedLayout(layout.swizzle_byte_width, layout.element_bitwidth, 2,
+                                    layout.transposed, layout.fp4_padded)
+
+    @gluon.jit
+    def copy_rows(desc, row, head, WIDTH: gl.constexpr, bar, dst, pred):
+        """TMA-load one tile of head `head` from rows [row, row + box) into dst [box, WIDTH].
+
+        A (rows, heads·dim) descriptor reads column head·WIDTH; a (rows, heads, dim) one reads
+        (row, head, 0), and the TMA unit zero-fills the columns from dim up to WIDTH (head
+        dims between the compiled widths, without padded copies of q, k, v).
+        """
+        if heads_axis(desc.block_shape):
+            tma.async_copy_global_to_shared(
+                desc, [row, head, 0], bar, dst._reinterpret(desc.dtype, desc.block_shape,
+                                                            desc.layout), pred=pred)
+        else:
+            tma.async_copy_global_to_shared(desc, [row, head * WIDTH], bar, dst, pred=pred)
+
+    @gluon.jit
+    def sequence(batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr,
+                  UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr):
+        """First packed query/key row and the query/key lengths of one sequence."""
+        if UNIFORM:
+            q_start = batch * seqlen_q
+            k_start = batch * seqlen_k
+        else:
+            q_start = gl.load(cu_q_ptr + batch)
+            seqlen_q = gl.load(cu_q_ptr + batch + 1) - q_start
+            k_start = gl.load(cu_k_ptr + batch)
+            seqlen_k = gl.load(cu_k_ptr + batch + 1) - k_start
+        if HAS_SEQUSED:
+            seqlen_k = gl.load(used_k_ptr + batch)
+        return q_start, k_start, seqlen_q, seqlen_k

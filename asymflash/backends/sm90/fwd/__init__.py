@@ -1,0 +1,1 @@
+"""The sm90 forward: `kernel.py` (Gluon), `host.py` (launch), `config.py` (FwdConfig)."""

@@ -1,0 +1,144 @@
+"""The forward's register layouts (S, O, P, row statistics) and its epilogue: where O is
+staged (`o_staging`: a tile of its own, Q's buffer, or the turn-shared tile), the
+normalisation, lse and sink, and the store (TMA or masked rows)."""
+
+from __future__ import annotations
+
+from ..common import GLUON_ERROR
+
+if GLUON_ERROR is None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+    )
+
+    # Layouts of a consumer warpgroup's 64-row tile: S (64 x BLOCK_N), O (64 x HEAD_DIM_V),
+    # P as the register operand of P·V, and one value per row of S.
+    @gluon.constexpr_function
+    def make_s_layout(block_n):
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                         instr_shape=[16, int(block_n), 16])
+
+    @gluon.constexpr_function
+    def make_o_layout(head_dim_v):
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                         instr_shape=[16, int(head_dim_v), 16])
+
+    @gluon.constexpr_function
+    def make_p_layout(head_dim_v):
+        return gl.DotOperandLayout(operand_index=0, parent=make_o_layout(head_dim_v), k_width=2)
+
+    @gluon.constexpr_function
+    def make_row_layout(block_n):
+        return gl.SliceLayout(1, make_s_layout(block_n))
+
+    @gluon.jit
+    def tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
+                    q_start, m0, seqlen_q, total_q, head, n_heads, WG: gl.constexpr,
+                    HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr,
+                    RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr):
+        """Epilogue: normalise O, write lse and O of `rows` (m0 + 64·WG + 0 ... 63; rows at or
+        past seqlen_q are not written). The sink is one more logit in the denominator with no
+        value row."""
+        o_layout: gl.constexpr = make_o_layout(HEAD_DIM_V)
+        row_layout: gl.constexpr = make_row_layout(BLOCK_N)
+        if HAS_SINK:
+            sink = gl.load(sink_ptr + head) * 1.4426950408889634
+            m_fin = gl.maximum(m_i, sink)
+            m_sub = gl.where(m_fin == -float("inf"), 0.0, m_fin)
+            o_scale = gl.exp2(m_i - m_sub)
+            l_i = l_i * o_scale + gl.exp2(sink - m_sub)
+            m_i = m_fin
+        else:
+            o_scale = gl.full([64], 1.0, gl.float32, row_layout)
+        has_mass = l_i > 0.0
+        inv_l = gl.where(has_mass, o_scale / gl.where(has_mass, l_i, 1.0), 0.0)
+        lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))) * 0.6931471805599453,
+                       -float("inf"))
+        valid = rows < seqlen_q
+        lse_off = head.to(gl.int64) * total_q + q_start + rows
+        gl.store(lse_ptr + lse_off, lse, mask=valid)
+
+        out = (acc * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1))
+        out = out.to(out_ptr.dtype.element_ty)
+        if full_width(o_desc.block_shape, HEAD_DIM_V):
+            # Every sequence's rows fill whole 64-row tiles (the host checked): O leaves
+            # through shared memory and one TMA store. Issuing the masked per-thread stores
+            # below took ~2300 of a ~16600-cycle tile at d=128, 512 rows
+            # (scripts/fwd-timeline.py, H200). A warpgroup whose rows all lie past the
+            # sequence (192-row tiles) stores nothing.
+            # Wide rows on the persistent grid: one staging tile, the warpgroups take turns
+            # (`o_staging`); the turn barrier sits after the Q (and ping-pong) barriers.
+            SHARED: gl.constexpr = o_staging(o_desc.block_shape, HEAD_DIM_V, RELEASE_Q) == 2
+            o_tile = o_smem.index(0 if SHARED else WG)
+            if SHARED:
+                # Warpgroup w's k-th turn follows 2k + w arrivals: parity 1 - w every time.
+                # The turn barrier is q_bar's last (`q_bar_count`), whatever the number of
+                # Q buffers (a fixed index once fell on a second Q buffer's barrier).
+                o_turn = q_bar.index(q_bar.shape[0] - 1)
+                mbarrier.wait(o_turn, 1 - WG)
+            if m0 + WG * 64 < seqlen_q:
+                tma.store_wait(0)  # this warpgroup's previous store has read o_smem
+                gl.thread_barrier()
+                o_tile.store(out)
+                fence_async_shared()
+                gl.thread_barrier()
+                tma.async_copy_shared_to_global(
+                    o_desc, [q_start + m0 + WG * 64, head * HEAD_DIM_V], o_tile)
+            if not RELEASE_Q:  # a one-tile CTA: the store must finish before it exits
+                tma.store_wait(0)
+            elif SHARED:  # the other warpgroup's turn once the store has read the tile
+                tma.store_wait(0)
+                gl.thread_barrier()
+                mbarrier.arrive(o_turn, count=1)
+        else:
+            store_rows(out_ptr, out, rows, q_start, seqlen_q, head, n_heads, HEAD_DIM_V,
+                        o_layout)
+
+    @gluon.jit
+    def store_rows(out_ptr, out, rows, q_start, seqlen_q, head, n_heads,
+                    HEAD_DIM_V: gl.constexpr, o_layout: gl.constexpr):
+        """O rows of a tile, rows at or past seqlen_q masked off (per-thread stores)."""
+        o_rows = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
+        o_cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
+        row_off = ((q_start + o_rows).to(gl.int64) * n_heads + head) * HEAD_DIM_V
+        offs = gl.expand_dims(row_off, 1) + gl.expand_dims(o_cols, 0)
+        gl.store(out_ptr + offs, out, mask=gl.expand_dims(o_rows < seqlen_q, 1))
+
+    @gluon.constexpr_function
+    def stacked(n, block_shape):
+        return [n] + [int(x) for x in block_shape]
+
+    @gluon.constexpr_function
+    def full_width(block_shape, width):
+        """Whether the output descriptor's box spans a whole row of O (TMA-store epilogue);
+        a narrower box only carries the layout of an unused buffer (see `forward`)."""
+        return block_shape[1] == width
+
+    @gluon.constexpr_function
+    def o_staging(block_shape, width, persistent):
+        """Where the TMA-store epilogue stages O: 0, one tile per warpgroup of its own
+        (dv <= 128, or no TMA store at all); wide rows (d = dv = 256: a tile each does not
+        fit next to the 192 KB of Q and the K/V rings; the host gives such a box only where
+        dv = d, `output_box_width`) 1: in the warpgroup's Q buffer on the plain grid, where
+        Q is dead after the last S; 2: on the persistent grid, in one 32 KB tile the
+        warpgroups take turns at (there the next tile's Q lands during the epilogue; staged
+        in the Q buffer it had to wait for the store, at half the speed for short causal
+        calls)."""
+        if block_shape[1] != width or width <= 128:
+            return 0
+        return 2 if persistent else 1
+
+    @gluon.constexpr_function
+    def o_turn_index(pingpong, num_wg, q_bufs):
+        """Index in q_bar of the staging turn barrier (`o_staging` 2: two warpgroups, one Q
+        buffer each): after the Q barriers and the ping-pong turn barriers (`pingpong`: the
+        number of warpgroups taking turns, 0 without)."""
+        return num_wg * q_bufs + int(pingpong)
+
+    @gluon.constexpr_function
+    def q_bar_count(num_wg, pingpong, o_staging, q_bufs):
+        return o_turn_index(pingpong, num_wg, q_bufs) + (1 if o_staging == 2 else 0)

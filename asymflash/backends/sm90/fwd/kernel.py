@@ -1,0 +1,625 @@
+"""Warp-specialised FlashAttention forward for Hopper (sm_90a), written in Gluon.
+
+One CTA owns 128 query rows of one (sequence, head) and runs three roles
+(`gl.warp_specialize`):
+
+* load (1 warp): TMA-loads the two 64-row Q tiles once, then streams K and V blocks into
+  separate `STAGES`-deep shared-memory rings. Each ring slot has a "ready" mbarrier (TMA
+  transaction count) and an "empty" mbarrier that both consumers arrive on.
+* two consumer warpgroups (the default partition and one 4-warp worker run the same code on
+  their own 64-row Q tile): S = Q·Kᵀ with async wgmma, online softmax in exp2 units (log2(e)
+  folded into the scale), P cast to 16 bit and kept in registers as the A operand of P·V.
+  FA3's intra-warpgroup overlap: S_j is issued before P_{j-1}·V_{j-1}, and the softmax of
+  S_j runs while that P·V is still in flight.
+
+Persistent grid (`FwdConfig.persistent`; by default chosen per shape in `use_persistent`):
+one CTA per SM walks tiles wave by wave (CTA order reversed on odd waves), the tile list
+cut into chunks of (sequence, head) pairs whose K/V fit in L2, query blocks longest-first
+within a chunk. Every role walks the same list and carries its K/V ring position and Q
+barrier parity across tiles, so the loader fetches the next tile's Q (released by each
+warpgroup after its last S = Q·Kᵀ) and first K/V blocks while the consumers finish the last
+P·V, the normalisation and the store of the current one.
+
+Masks are bottom-right aligned (see `core/params.py`). The key-block range of a CTA is split
+into a peeled first block (always masked, which also covers empty rows and empty key
+sequences), a masked prefix (sliding-window left edge), an unmasked middle and a masked
+suffix (causal diagonal / right window / ragged end), so the common blocks pay no mask.
+
+FA4 tricks, chosen per call through `FwdConfig` (the defaults: `config.py`) or, for every
+call, by the switches ASYMFLASH_SM90_EXP2_EMU=k and ASYMFLASH_SM90_RESCALE=t (`fa4_tricks`):
+* `exp2_emu_every = k`: every k-th exponential runs as a cubic polynomial on the FMA pipe
+  instead of MUFU (2^x = 2^floor(x) · p(frac(x)), the integer part added to the exponent
+  bits). Off: slower on the H200 wherever measured (`FwdConfig.exp2_emu_every`).
+* `rescale_threshold = t > 0`: the running max used for P only moves when a row's max grows
+  by more than t (log2 units), and O is rescaled only in warps where some row moved. Exact:
+  the final normalisation uses the same stale max for O and for the row sum. On at d=256.
+
+Lengths, head counts, window sizes and scales are runtime arguments; a kernel is compiled
+once per (dtype, head dims, config, feature switches).
+"""
+
+from __future__ import annotations
+
+from ....core.exp2 import FLOOR_MAGIC, POLY_COEFFS, X_MIN, ptx_f32
+from ..common import GLUON_ERROR
+
+# The polynomial exp2's PTX literals, from core/exp2.py (the model of the sequence in
+# `emu_asm`): c3, c2, c1, c0, the clamp and the floor constant. A global of plain strings,
+# so Triton's cache key sees them.
+_EMU_LITERALS = tuple(ptx_f32(c) for c in (*POLY_COEFFS[::-1], X_MIN, FLOOR_MAGIC))
+
+if GLUON_ERROR is None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from ..bounds import key_blocks
+    from ..common import (
+        copy_rows,
+        sequence,
+        tile_layout,
+        to_16bit,
+    )
+    from ..sched import (
+        persistent_tile,
+        publish_tile,
+        read_tile,
+        tile_of,
+        wave_tile,
+    )
+    from .epilogue import (
+        make_o_layout,
+        make_p_layout,
+        make_row_layout,
+        make_s_layout,
+        o_staging,
+        o_turn_index,
+        q_bar_count,
+        stacked,
+        tile_store,
+    )
+    from .softmax import (
+        online_softmax,
+        rescale_if_moved,
+        scores,
+    )
+
+    @gluon.jit
+    def _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                   k_empty, v_ready, v_empty, q_row, q_head, kv_row, kv_head, n_lo, n_hi, it0,
+                   q_slot0, q_phase, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WAIT_Q: gl.constexpr,
+                   NUM_WG: gl.constexpr):
+        """Q of one tile (NUM_WG x 64 rows) into Q buffers q_slot0, q_slot0 + 1, ..., then
+        its key blocks [n_lo, n_hi) at ring positions it0, ...
+
+        With WAIT_Q (persistent grid) a Q buffer is refilled only after its warpgroup released
+        the tile it last held (q_empty, parity q_phase ^ 1: the first wait passes at once).
+        """
+        for wg in gl.static_range(NUM_WG):
+            if WAIT_Q:
+                mbarrier.wait(q_empty.index(q_slot0 + wg), q_phase ^ 1)
+            mbarrier.expect(q_bar.index(q_slot0 + wg), q_desc.block_type.nbytes)
+            copy_rows(q_desc, q_row + wg * 64, q_head, HEAD_DIM, q_bar.index(q_slot0 + wg),
+                       q_smem.index(q_slot0 + wg), True)
+        for i in range(n_hi - n_lo):
+            pos = it0 + i
+            slot = pos % STAGES
+            # Fresh mbarriers count as having completed the phase before phase 0, so the first
+            # pass through the ring does not wait.
+            phase = ((pos // STAGES) & 1) ^ 1
+            row = kv_row + (n_lo + i) * BLOCK_N
+            mbarrier.wait(k_empty.index(slot), phase)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            copy_rows(k_desc, row, kv_head, HEAD_DIM, k_ready.index(slot), k_smem.index(slot),
+                       True)
+            mbarrier.wait(v_empty.index(slot), phase)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            copy_rows(v_desc, row, kv_head, HEAD_DIM_V, v_ready.index(slot),
+                       v_smem.index(slot), True)
+
+    @gluon.jit
+    def _take_turn(bars, k, WG: gl.constexpr, TURNS: gl.constexpr):
+        """Ping-pong among TURNS (2 or 3) warpgroups, round robin: wait until warpgroup WG
+        may issue its k-th group of wgmmas (k counts the groups this warpgroup issued in the
+        CTA's life). bars[TURNS + w] (after the Q barriers) is w's turn barrier: the
+        warpgroup before it arrives there after issuing its own k-th group. Warpgroup 0 goes
+        first: its first wait is on parity 1 of a fresh barrier, which passes at once; the
+        others' k-th turn is the k-th completed phase of theirs."""
+        if WG == 0:
+            mbarrier.wait(bars.index(TURNS + WG), (k + 1) & 1)
+        else:
+            mbarrier.wait(bars.index(TURNS + WG), k & 1)
+
+    @gluon.jit
+    def _pass_turn(bars, WG: gl.constexpr, TURNS: gl.constexpr):
+        mbarrier.arrive(bars.index(TURNS + (WG + 1) % TURNS), count=1)
+
+    @gluon.jit
+    def _step(i, n, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p_op, m_i, l_i,
+              rows, shift, seqlen_k, window_left, window_right, qk_scale, softcap_pre,
+              MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+              SOFTCAP: gl.constexpr, EMU_EVERY: gl.constexpr,
+              RESCALE_THRESHOLD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+              bars, q_phase, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ring position i holds key block n; P_{i-1} (p_op) still has to meet V_{i-1}.
+        With PINGPONG the two wgmmas are issued in this warpgroup's turn (`_take_turn`)."""
+        slot = i % STAGES
+        prev = (i - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
+            _take_turn(bars, q_phase + i, WG, PINGPONG)
+        s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
+        s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        if not PINGPONG:
+            mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
+        o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        if PINGPONG:
+            _pass_turn(bars, WG, PINGPONG)
+        # wgmma groups retire in order: with one group left in flight, S_i is complete.
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        mbarrier.arrive(k_empty.index(slot))
+        s = scores(s, n, rows, shift, seqlen_k, window_left, window_right, softcap_pre, MASKED,
+                    HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
+        p, m_i, l_i, alpha = online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
+        # p_op is a register operand of the P·V in flight: keep it alive until that group retires.
+        acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+        mbarrier.arrive(v_empty.index(prev))
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+        if RESCALE_THRESHOLD > 0:
+            # P packed first: the skip's branch ends the block, so the packs can still
+            # interleave with the exponentials
+            p_op = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
+            acc = rescale_if_moved(acc, alpha_o)
+        else:
+            acc = acc * gl.expand_dims(alpha_o, 1)
+            p_op = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
+        return acc, p_op, m_i, l_i
+
+    @gluon.jit
+    def _consumer_loop(lo, hi, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc,
+                       p_op, m_i, l_i, rows, shift, seqlen_k, window_left, window_right, qk_scale,
+                       softcap_pre, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
+                       HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, EMU_EVERY: gl.constexpr,
+                       RESCALE_THRESHOLD: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                       p_layout: gl.constexpr, bars, q_phase, WG: gl.constexpr,
+                       PINGPONG: gl.constexpr):
+        # Ring position of key block n: n + base (base = ring position of n_lo minus n_lo).
+        for n in range(lo, hi):
+            acc, p_op, m_i, l_i = _step(
+                n + base, n, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p_op,
+                m_i, l_i, rows, shift, seqlen_k, window_left, window_right, qk_scale,
+                softcap_pre, MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD,
+                BLOCK_N, STAGES, s_layout, o_layout, p_layout, bars, q_phase, WG, PINGPONG)
+        return acc, p_op, m_i, l_i
+
+    @gluon.jit
+    def _tile_begin(q_smem, k_smem, q_bar, k_ready, it0, q_slot, q_phase, WG: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+        """Wait for the tile's Q (buffer q_slot, parity q_phase) and its first key block (ring
+        position it0), then issue S_0 = Q·K_0ᵀ without waiting: (Q, S_0 in flight)."""
+        s_layout: gl.constexpr = make_s_layout(BLOCK_N)
+        mbarrier.wait(q_bar.index(q_slot), q_phase)
+        q = q_smem.index(q_slot)
+        slot0 = it0 % STAGES
+        mbarrier.wait(k_ready.index(slot0), (it0 // STAGES) & 1)
+        if PINGPONG:
+            _take_turn(q_bar, q_phase + it0, WG, PINGPONG)
+        s_tok = warpgroup_mma(q, k_smem.index(slot0).permute((1, 0)),
+                              gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                              is_async=True)
+        if PINGPONG:
+            _pass_turn(q_bar, WG, PINGPONG)
+        return q, s_tok
+
+    @gluon.jit
+    def _tile_run(q, s_tok, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                  rows, shift, seqlen_k, n_lo, n_a, n_b, n_end, it0, q_slot, q_phase,
+                  window_left, window_right, qk_scale, softcap_pre, WG: gl.constexpr,
+                  HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                  EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
+                  RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr):
+        """From S_0 (the only wgmma group in flight) to the issue of the last P·V, over key
+        blocks [n_lo, n_end) (n_end: this warpgroup's last block, `_warpgroup_end`): returns
+        (O in flight, its P operand, row max, row sum, the last V slot)."""
+        s_layout: gl.constexpr = make_s_layout(BLOCK_N)
+        o_layout: gl.constexpr = make_o_layout(HEAD_DIM_V)
+        p_layout: gl.constexpr = make_p_layout(HEAD_DIM_V)
+        row_layout: gl.constexpr = make_row_layout(BLOCK_N)
+        m_i = gl.full([64], -float("inf"), gl.float32, row_layout)
+        l_i = gl.zeros([64], gl.float32, row_layout)
+        acc = gl.zeros([64, HEAD_DIM_V], gl.float32, o_layout)
+
+        # Peeled first block: no P·V to overlap with yet, and always masked.
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        mbarrier.arrive(k_empty.index(it0 % STAGES))
+        s = scores(s, n_lo, rows, shift, seqlen_k, window_left, window_right, softcap_pre, True,
+                    HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
+        p, m_i, l_i, _alpha = online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
+        p_op = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
+
+        base = it0 - n_lo
+        n_a = gl.minimum(n_a, n_end)
+        n_b = gl.minimum(n_b, n_end)
+        acc, p_op, m_i, l_i = _consumer_loop(
+            n_lo + 1, n_a, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+            acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
+            window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
+            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
+            WG, PINGPONG)
+        acc, p_op, m_i, l_i = _consumer_loop(
+            n_a, n_b, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+            acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
+            window_right, qk_scale, softcap_pre, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
+            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
+            WG, PINGPONG)
+        acc, p_op, m_i, l_i = _consumer_loop(
+            n_b, n_end, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+            acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
+            window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
+            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
+            WG, PINGPONG)
+
+        if RELEASE_Q:
+            # Every S wgmma of this tile has retired (each step ends with a full wait).
+            mbarrier.arrive(q_empty.index(q_slot), count=1)
+
+        # Last P·V, left in flight.
+        last = n_end - 1 + base
+        slot = last % STAGES
+        mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
+        if PINGPONG:
+            _take_turn(q_bar, q_phase + last + 1, WG, PINGPONG)
+        o_tok = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+        if PINGPONG:
+            _pass_turn(q_bar, WG, PINGPONG)
+        return o_tok, p_op, m_i, l_i, slot
+
+    @gluon.jit
+    def _tile_finish(o_tok, p_op, v_empty, slot):
+        """Wait for the last P·V and free its V slot; returns O."""
+        acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+        mbarrier.arrive(v_empty.index(slot))
+        return acc
+
+    @gluon.jit
+    def _warpgroup_end(m0, seqlen_q, seqlen_k, window_right, n_lo, n_hi, WG: gl.constexpr,
+                       BLOCK_N: gl.constexpr, SKIP: gl.constexpr):
+        """End of warpgroup WG's key blocks within its tile's [n_lo, n_hi). With SKIP (a right
+        bound and 64-key blocks), a warpgroup whose 64 rows end a whole block before the
+        tile's last row stops there: under a causal mask, a 128-row tile's first warpgroup
+        would otherwise multiply, exponentiate and add one block that is masked out for
+        every one of its rows (d=256: one in 2 (i + 1) blocks of the i-th tile)."""
+        n_end = n_hi
+        if SKIP:
+            row_last = gl.minimum(m0 + WG * 64 + 63, seqlen_q - 1)
+            allowed = gl.maximum(row_last + seqlen_k - seqlen_q + window_right + 1, 0)
+            n_end = gl.maximum(gl.minimum(n_hi, (allowed + BLOCK_N - 1) // BLOCK_N), n_lo + 1)
+        return n_end
+
+    @gluon.jit
+    def _release_blocks(k_ready, k_empty, v_ready, v_empty, lo, hi, base,
+                        STAGES: gl.constexpr):
+        """Release key blocks [lo, hi) (ring positions lo + base, ...) without reading them:
+        each slot is waited for first, so the arrival counts toward this use of the slot and
+        not the one before. Called once the warpgroup's own last V slot is released (a slot
+        held while waiting for a later fill of the ring could stall the loader for good)."""
+        for n in range(lo, hi):
+            pos = n + base
+            slot = pos % STAGES
+            phase = (pos // STAGES) & 1
+            mbarrier.wait(k_ready.index(slot), phase)
+            mbarrier.arrive(k_empty.index(slot))
+            mbarrier.wait(v_ready.index(slot), phase)
+            mbarrier.arrive(v_empty.index(slot))
+
+    @gluon.jit
+    def _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                       v_empty, out_ptr, o_desc, o_smem,
+                       lse_ptr, sink_ptr, q_start, m0, seqlen_q, seqlen_k,
+                       total_q, head, n_heads, n_lo, n_a, n_b, n_hi, it0, q_slot, q_phase,
+                       window_left, window_right, qk_scale, softcap_pre, WG: gl.constexpr,
+                       HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                       HAS_SINK: gl.constexpr, EMU_EVERY: gl.constexpr,
+                       RESCALE_THRESHOLD: gl.constexpr, RELEASE_Q: gl.constexpr,
+                       PINGPONG: gl.constexpr, TAIL_SKIP: gl.constexpr):
+        """One 64-row query tile of warpgroup WG: key blocks [n_lo, n_hi) sit at K/V ring
+        positions it0, it0 + 1, ...; its Q arrives in Q buffer q_slot, on q_bar[q_slot] with
+        parity q_phase (q_slot = WG, but for the persistent grid's second Q buffers). With
+        RELEASE_Q (persistent grid) q_empty[q_slot] is arrived on as soon as the last S = Q·Kᵀ
+        has retired, so the loader can bring a later tile's Q during the last P·V and the store.
+        Ping-pong (one Q buffer per warpgroup only) counts its turns from q_phase.
+        """
+        row_layout: gl.constexpr = make_row_layout(BLOCK_N)
+        rows = m0 + WG * 64 + gl.arange(0, 64, layout=row_layout)
+        q, s_tok = _tile_begin(q_smem, k_smem, q_bar, k_ready, it0, q_slot, q_phase, WG,
+                               BLOCK_N, STAGES, PINGPONG)
+        n_end = _warpgroup_end(m0, seqlen_q, seqlen_k, window_right, n_lo, n_hi, WG, BLOCK_N,
+                               TAIL_SKIP)
+        o_tok, p_op, m_i, l_i, slot = _tile_run(
+            q, s_tok, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+            rows, seqlen_k - seqlen_q, seqlen_k, n_lo, n_a, n_b, n_end, it0, q_slot, q_phase,
+            window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V, BLOCK_N, STAGES,
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, RELEASE_Q, PINGPONG)
+        acc = _tile_finish(o_tok, p_op, v_empty, slot)
+        tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
+                    q_start, m0, seqlen_q, total_q, head, n_heads, WG, HEAD_DIM_V, BLOCK_N,
+                    HAS_SINK, RELEASE_Q, PINGPONG)
+        if TAIL_SKIP:  # the blocks past this warpgroup's end, released once its O is out
+            _release_blocks(k_ready, k_empty, v_ready, v_empty, n_end, n_hi, it0 - n_lo,
+                            STAGES)
+
+    @gluon.jit
+    def _load_role_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                              k_ready, k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr,
+                              used_k_ptr,
+                              seqlen_q, seqlen_k, n_heads, n_batch, num_m_blocks, num_tiles,
+                              hb_chunk, group, window_left, window_right,
+                              HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                              UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                              LPT: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr):
+        BLOCK_M: gl.constexpr = 64 * NUM_WG
+        it = 0  # K/V ring position of the next tile's first key block
+        tc = 0  # tiles done by this CTA: tile tc's Q goes to buffer set tc % Q_BUFS
+        nprog = gl.num_programs(0)
+        for wave in range(0, (num_tiles + nprog - 1) // nprog):
+            live, m0, head, q_start, k_start, sq, sk = persistent_tile(
+                wave, num_tiles, n_heads, n_batch, num_m_blocks, hb_chunk, seqlen_q, seqlen_k,
+                cu_q_ptr, cu_k_ptr, used_k_ptr, LPT, UNIFORM, HAS_SEQUSED, BLOCK_M)
+            if live:
+                n_lo, n_a, n_b, n_hi = key_blocks(m0, sq, sk, window_left, window_right,
+                                                   HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_M)
+                kv_head = head // group
+                if UNIFORM:
+                    publish_tile(sched, q_empty, tc, m0, head, q_start, NUM_WG, Q_BUFS)
+                _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                           k_ready, k_empty, v_ready, v_empty, q_start + m0, head, k_start,
+                           kv_head, n_lo, n_hi, it, (tc % Q_BUFS) * NUM_WG,
+                           (tc // Q_BUFS) & 1, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, True,
+                           NUM_WG)
+                it += n_hi - n_lo
+                tc += 1
+
+    @gluon.jit
+    def _consumer_role_persistent(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
+                                  v_ready, v_empty, sched, out_ptr, o_desc, o_smem,
+                                  lse_ptr, sink_ptr, cu_q_ptr,
+                                  cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, total_q, n_heads,
+                                  n_batch, num_m_blocks, num_tiles, hb_chunk, window_left,
+                                  window_right, qk_scale, softcap_pre, WG: gl.constexpr,
+                                  HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
+                                  STAGES: gl.constexpr, UNIFORM: gl.constexpr,
+                                  HAS_SEQUSED: gl.constexpr, HAS_LEFT: gl.constexpr,
+                                  HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                                  HAS_SINK: gl.constexpr, LPT: gl.constexpr,
+                                  EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
+                                  PINGPONG: gl.constexpr, NUM_WG: gl.constexpr,
+                                  Q_BUFS: gl.constexpr, TAIL_SKIP: gl.constexpr):
+        BLOCK_M: gl.constexpr = 64 * NUM_WG
+        it = 0
+        tc = 0
+        nprog = gl.num_programs(0)
+        for wave in range(0, (num_tiles + nprog - 1) // nprog):
+            if UNIFORM:  # the tile's coordinates come from the loader (`publish_tile`)
+                live = wave_tile(wave, gl.program_id(0), nprog) < num_tiles
+            else:
+                live, m0, head, q_start, k_start, sq, sk = persistent_tile(
+                    wave, num_tiles, n_heads, n_batch, num_m_blocks, hb_chunk, seqlen_q,
+                    seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr, LPT, UNIFORM, HAS_SEQUSED, BLOCK_M)
+            if live:
+                q_slot = (tc % Q_BUFS) * NUM_WG + WG
+                q_phase = (tc // Q_BUFS) & 1
+                if UNIFORM:
+                    mbarrier.wait(q_bar.index(q_slot), q_phase)
+                    m0, head, q_start = read_tile(sched, tc)
+                    sq = seqlen_q
+                    sk = seqlen_k
+                n_lo, n_a, n_b, n_hi = key_blocks(m0, sq, sk, window_left, window_right,
+                                                   HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_M)
+                _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                               v_empty, out_ptr, o_desc, o_smem,
+                               lse_ptr, sink_ptr, q_start, m0, sq, sk, total_q,
+                               head, n_heads, n_lo, n_a, n_b, n_hi, it, q_slot, q_phase,
+                               window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V,
+                               BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK,
+                               EMU_EVERY, RESCALE_THRESHOLD, True, PINGPONG,
+                               TAIL_SKIP)
+                it += n_hi - n_lo
+                tc += 1
+        tma.store_wait(0)  # the last tile's O store reads o_smem
+
+    # Lengths, counts and windows stay runtime values: one compile serves every shape
+    # (Triton would specialise on the value 1 and on divisibility by 16 otherwise).
+    @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_batch",
+                                  "num_m_blocks", "group", "window_left", "window_right",
+                                  "num_tiles", "hb_chunk"])
+    def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+                         used_k_ptr, sink_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_batch,
+                         num_m_blocks, group, qk_scale, softcap_pre, window_left, window_right,
+                         num_tiles, hb_chunk,
+                         HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, UNIFORM: gl.constexpr,
+                         HAS_SEQUSED: gl.constexpr, HAS_LEFT: gl.constexpr,
+                         HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr,
+                         LPT: gl.constexpr, EMU_EVERY: gl.constexpr,
+                         RESCALE_THRESHOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                         LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
+                         PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
+                         TAIL_SKIP: gl.constexpr):
+        # PINGPONG: how many consumer warpgroups take turns issuing their wgmmas (NUM_WG, or 0
+        # for none). NUM_WG = 3 only with PERSISTENT; Q_BUFS = 2 (a second Q buffer
+        # per warpgroup: the loader brings the next tile's Q a whole tile ahead) only with
+        # PERSISTENT, without PINGPONG and at d <= 128, so never with O_STAGING 2 (both
+        # checked on the host).
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFS * NUM_WG, 64, HEAD_DIM],
+                                           tile_layout(q_desc.layout))
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
+                                           tile_layout(k_desc.layout))
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM_V],
+                                           tile_layout(v_desc.layout))
+        # O staging for the TMA-store epilogue, one tile per consumer warpgroup (a 32-column
+        # stand-in, optimised away, when the host left it off: `output_box_width`).
+        O_STAGING: gl.constexpr = o_staging(o_desc.block_shape, HEAD_DIM_V, PERSISTENT)
+        if O_STAGING == 1:
+            o_smem = q_smem
+        elif O_STAGING == 2:
+            o_smem = gl.allocate_shared_memory(o_desc.dtype, stacked(1, o_desc.block_shape),
+                                               tile_layout(o_desc.layout))
+        else:
+            o_smem = gl.allocate_shared_memory(o_desc.dtype,
+                                               stacked(NUM_WG, o_desc.block_shape),
+                                               tile_layout(o_desc.layout))
+        # Q barriers of the consumer warpgroups, then (ping-pong only) their turn barriers,
+        # then (O_STAGING 2) the staging tile's turn barrier.
+        q_bar = gl.allocate_shared_memory(
+            gl.int64, [q_bar_count(NUM_WG, PINGPONG, O_STAGING, Q_BUFS), 1],
+            mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS * NUM_WG, 1],
+                                            mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # The persistent loader's tile coordinates for the consumers (`publish_tile`).
+        sched = gl.allocate_shared_memory(gl.int32, [2, 4],
+                                          gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        if PERSISTENT:
+            # grid = min(#SMs, #tiles); every role walks tiles pid, pid + grid, ... and keeps
+            # its own ring position, so the loader runs ahead into the next tile (its Q once
+            # the consumers released the current one, its K/V as ring slots free up).
+            for wg in gl.static_range(o_turn_index(PINGPONG, NUM_WG, Q_BUFS)):
+                mbarrier.init(q_bar.index(wg), count=1)
+            if O_STAGING == 2:
+                mbarrier.init(q_bar.index(o_turn_index(PINGPONG, NUM_WG, Q_BUFS)), count=1)
+            for wg in gl.static_range(Q_BUFS * NUM_WG):
+                mbarrier.init(q_empty.index(wg), count=1)
+            for st in gl.static_range(STAGES):
+                mbarrier.init(k_ready.index(st), count=1)
+                mbarrier.init(v_ready.index(st), count=1)
+                mbarrier.init(k_empty.index(st), count=NUM_WG)
+                mbarrier.init(v_empty.index(st), count=NUM_WG)
+            fence_async_shared()
+            if NUM_WG == 3:
+                # Written out: the role list must be literal (see the plain grid below).
+                gl.warp_specialize([
+                    (_consumer_role_persistent, (
+                        q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                        v_empty, sched, out_ptr, o_desc, o_smem,
+                        lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
+                        seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
+                        hb_chunk, window_left, window_right, qk_scale, softcap_pre, 0,
+                        HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
+                        TAIL_SKIP)),
+                    (_consumer_role_persistent, (
+                        q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                        v_empty, sched, out_ptr, o_desc, o_smem,
+                        lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
+                        seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
+                        hb_chunk, window_left, window_right, qk_scale, softcap_pre, 1,
+                        HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
+                        TAIL_SKIP)),
+                    (_consumer_role_persistent, (
+                        q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                        v_empty, sched, out_ptr, o_desc, o_smem,
+                        lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
+                        seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
+                        hb_chunk, window_left, window_right, qk_scale, softcap_pre, 2,
+                        HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
+                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
+                        TAIL_SKIP)),
+                    (_load_role_persistent, (
+                        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                        k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
+                        seqlen_k, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk, group,
+                        window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES,
+                        UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, LPT, 3, Q_BUFS)),
+                ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+            else:
+                gl.warp_specialize([
+                    (_consumer_role_persistent, (
+                        q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                        sched, out_ptr, o_desc, o_smem,
+                        lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
+                        seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
+                        window_left, window_right, qk_scale, softcap_pre, 0, HEAD_DIM_V, BLOCK_N,
+                        STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
+                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS,
+                        TAIL_SKIP)),
+                    (_consumer_role_persistent, (
+                        q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                        sched, out_ptr, o_desc, o_smem,
+                        lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
+                        seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
+                        window_left, window_right, qk_scale, softcap_pre, 1, HEAD_DIM_V, BLOCK_N,
+                        STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
+                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS,
+                        TAIL_SKIP)),
+                    (_load_role_persistent, (
+                        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                        k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
+                        seqlen_k, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk, group,
+                        window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM,
+                        HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, LPT, 2, Q_BUFS)),
+                ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        else:
+            m_blk, head, batch = tile_of(gl.program_id(0), n_heads, n_batch, num_m_blocks,
+                                          hb_chunk, LPT, False)
+            q_start, k_start, seqlen_q, seqlen_k = sequence(batch, seqlen_q, seqlen_k,
+                                                             cu_q_ptr, cu_k_ptr, used_k_ptr,
+                                                             UNIFORM, HAS_SEQUSED)
+            m0 = m_blk * 128
+            if m0 < seqlen_q:
+                n_lo, n_a, n_b, n_hi = key_blocks(m0, seqlen_q, seqlen_k, window_left,
+                                                   window_right, HAS_LEFT, HAS_RIGHT, BLOCK_N,
+                                                   128)
+                for wg in gl.static_range(4 if PINGPONG else 2):
+                    mbarrier.init(q_bar.index(wg), count=1)
+                for st in gl.static_range(STAGES):
+                    mbarrier.init(k_ready.index(st), count=1)
+                    mbarrier.init(v_ready.index(st), count=1)
+                    # Both consumer warpgroups must release a slot before it is refilled.
+                    mbarrier.init(k_empty.index(st), count=2)
+                    mbarrier.init(v_empty.index(st), count=2)
+                fence_async_shared()
+
+                kv_head = head // group
+                # Argument tuples are written inline: a tuple assigned to a variable inside a
+                # kernel turns its constexpr entries into runtime values.
+                gl.warp_specialize([
+                    (_consumer_tile, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
+                                      v_ready, v_empty, out_ptr, o_desc, o_smem,
+                                      lse_ptr, sink_ptr, q_start, m0,
+                                      seqlen_q, seqlen_k, total_q, head, n_heads, n_lo, n_a, n_b,
+                                      n_hi, 0, 0, 0, window_left, window_right, qk_scale,
+                                      softcap_pre, 0, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
+                                      HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
+                                      False, PINGPONG, TAIL_SKIP)),
+                    (_consumer_tile, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
+                                      v_ready, v_empty, out_ptr, o_desc, o_smem,
+                                      lse_ptr, sink_ptr, q_start, m0,
+                                      seqlen_q, seqlen_k, total_q, head, n_heads, n_lo, n_a, n_b,
+                                      n_hi, 0, 1, 0, window_left, window_right, qk_scale,
+                                      softcap_pre, 1, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
+                                      HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
+                                      False, PINGPONG, TAIL_SKIP)),
+                    (_load_tile, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                                  k_ready, k_empty, v_ready, v_empty, q_start + m0, head,
+                                  k_start, kv_head, n_lo, n_hi, 0, 0, 0, HEAD_DIM, HEAD_DIM_V,
+                                  BLOCK_N, STAGES, False, 2)),
+                ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
