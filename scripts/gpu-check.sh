@@ -29,13 +29,15 @@ run_tests() {
   # took 263 s of a 4.4-minute run (2026-11-29), compiling one kernel set after another;
   # three slices took up to 259 s of a 270 s limit (2026-11-30), four up to 264 s alone
   # (one was cut at 270 s beside the others, 2026-12-01 session 24), so five now.
-  files=(${TEST_FILES:-tests/test_gpu.py tests/test_attention.py tests/test_varlen.py \
-      tests/test_api.py tests/test_plans.py tests/test_kvcache.py tests/test_sm90_gpu.py@0/5 \
-      tests/test_sm90_gpu.py@1/5 tests/test_sm90_gpu.py@2/5 tests/test_sm90_gpu.py@3/5 \
-      tests/test_sm90_gpu.py@4/5 \
-      tests/test_sm90_bwd_gpu.py \
-      tests/test_portable_tiles_gpu.py tests/test_hf.py tests/test_sm90_strided.py \
-      tests/test_packed.py tests/test_sm90_decode.py})
+  files=(${TEST_FILES:-tests/gpu/test_gpu.py tests/interpreted/test_attention.py \
+      tests/interpreted/test_varlen.py tests/unit/test_api.py tests/unit/test_plans.py \
+      tests/interpreted/test_kvcache.py tests/interpreted/test_portable_values.py \
+      tests/gpu/test_sm90_gpu.py@0/5 tests/gpu/test_sm90_gpu.py@1/5 \
+      tests/gpu/test_sm90_gpu.py@2/5 tests/gpu/test_sm90_gpu.py@3/5 \
+      tests/gpu/test_sm90_gpu.py@4/5 \
+      tests/gpu/test_sm90_bwd_gpu.py \
+      tests/gpu/test_portable_tiles_gpu.py tests/unit/test_hf.py tests/unit/test_sm90_strided.py \
+      tests/unit/test_packed.py tests/test_sm90_decode.py})
   pids=()
   logs=()
   for entry in "${files[@]}"; do
@@ -50,10 +52,13 @@ run_tests() {
     logs+=("$log")
     # The backward's file compiles one kernel after another: with pytest-xdist (on the device
     # image) six workers take it from > 540 s (cut by the limit, 2026-11-30 session 19) to
-    # about a minute (262 tests in 50 s with 14 workers alone on the machine).
+    # about a minute (262 tests in 50 s with 14 workers alone on the machine). The other
+    # files run in one process each (-n 0: tests/conftest.py gives a run without -n two
+    # xdist workers).
     workers=()
-    if [ "$f" = tests/test_sm90_bwd_gpu.py ] && python3 -c "import xdist" 2>/dev/null; then
-      workers=(-n 6)
+    if python3 -c "import xdist" 2>/dev/null; then
+      workers=(-n 0)
+      [ "$f" = tests/gpu/test_sm90_bwd_gpu.py ] && workers=(-n 6)
     fi
     timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfs \
       ${PYTEST_K:+-k "$PYTEST_K"} "${shard[@]}" "${workers[@]}" "$f" > "$log" 2>&1 &
@@ -75,7 +80,7 @@ if [ "$mode" = pending ]; then
   # d=64's backward on bwd_ws (session 20: unmasked calls, causal ones from 2k rows): its
   # variants' GPU tests, then the probe against bwd.py's kernel (causal: the default below
   # 2k rows). ~2 min.
-  TEST_FILES="tests/test_sm90_bwd_gpu.py" PYTEST_K="d64_split" \
+  TEST_FILES="tests/gpu/test_sm90_bwd_gpu.py" PYTEST_K="d64_split" \
     TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests
   timeout 200 python3 scripts/sm90-bwd-probe.py --dims 64 --seqlens 512,2048,16384 \
     --no-peers --budget 190 \
