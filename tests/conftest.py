@@ -2,6 +2,9 @@
 
 TRITON_INTERPRET must be set before Triton decorates the kernels, so before asymflash is
 imported; on a GPU machine the kernels are compiled as usual.
+
+With pytest-xdist installed (the `test` extra), a run without `-n` takes two worker
+processes (`-n 0` runs in one process, `-p no:xdist` without the plugin).
 """
 
 import os
@@ -11,6 +14,21 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+WORKERS = 2  # CI's machine has 2 cores; the suite is CPU-bound
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    # Before xdist's own hook (a conftest's runs first among tryfirst ones), so `-n` given
+    # here is as if typed; not in xdist's workers (which run this hook too), not for
+    # --collect-only (xdist never distributes that) or --pdb.
+    if (config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput")
+            and config.option.numprocesses is None
+            and not config.option.collectonly and not config.option.usepdb
+            and (os.cpu_count() or 1) > 1):
+        config.option.numprocesses = WORKERS
 
 
 def pytest_addoption(parser):

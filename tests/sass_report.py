@@ -1,16 +1,21 @@
 """Compile a kernel for sm_90a on a machine without a GPU and report what its SASS holds.
 
-Each report runs in a fresh interpreter without TRITON_INTERPRET (conftest turns the
-interpreter on for CPU machines, and under it Triton cannot compile for a GPU target). The
-caller's script must leave the CompiledKernel in `kernel`; REPORT_TAIL prints one JSON line.
+The compiles run in a worker interpreter without TRITON_INTERPRET (conftest turns the
+interpreter on for CPU machines, and under it Triton cannot compile for a GPU target). One
+worker per test process serves every report of that process (one set of imports instead of
+one per report), and a report asked for twice is compiled once. The caller's script must
+leave the CompiledKernel in `kernel`; REPORT_TAIL prints one JSON line.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -130,15 +135,100 @@ kernel = mod.compile_for_target(**kw)
 """
 
 
+# The worker: reads one JSON request a line ({"script", "args", "ptxas"}), runs the script in
+# a fresh namespace with sys.argv set as a command line would, and answers one JSON line on
+# its own descriptor (compilers' native output to fd 1 goes to stderr instead). Between
+# requests it takes back what a script may have installed in the process: Triton's stage
+# hook (the arrive_all pass) and the environment.
+_WORKER = r"""
+import contextlib, io, json, os, sys, traceback
+_reply = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+import torch, triton
+from triton import knobs
+_hook = knobs.runtime.add_stages_inspection_hook
+_env = dict(os.environ)
+for _line in sys.stdin:
+    _req = json.loads(_line)
+    os.environ["ASYM_PTXAS_VERDICT"] = "1" if _req["ptxas"] else "0"
+    sys.argv = ["-c", *_req["args"]]
+    _buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(_buf):
+            exec(compile(_req["script"], "<sass_report>", "exec"), {"__name__": "__main__"})
+        _ans = {"ok": True, "stdout": _buf.getvalue()}
+    except BaseException:
+        _ans = {"ok": False, "error": _buf.getvalue()[-2000:] + traceback.format_exc()}
+    knobs.runtime.add_stages_inspection_hook = _hook
+    for _mod in list(sys.modules.values()):
+        if getattr(_mod, "__name__", "").endswith(".arrive_all") and \
+                isinstance(getattr(_mod, "_installed", None), list):
+            _mod._installed.clear()
+    os.environ.clear()
+    os.environ.update(_env)
+    _reply.write(json.dumps(_ans) + "\n")
+    _reply.flush()
+"""
+
+TIMEOUT = 600  # seconds per report
+
+
+class _Worker:
+    def __init__(self):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=env)
+
+    def ask(self, request: dict) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], TIMEOUT)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:  # timed out or died: its stderr says why
+            self.close()
+            self.log.seek(0)
+            raise AssertionError(f"compile worker {'timed out' if not ready else 'died'}: "
+                                 + self.log.read()[-3000:])
+        return json.loads(line)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_worker: _Worker | None = None
+_reports: dict = {}  # (script, args, ptxas) -> the report's JSON line
+
+
+def _close_worker():
+    if _worker is not None:
+        _worker.close()
+
+
+atexit.register(_close_worker)
+
+
 def sass_report(script: str, *args: str, ptxas: bool = False) -> dict:
     """Run `script` (which compiles `kernel`, with `triton` imported) + REPORT_TAIL; ptxas:
     also report whether ptxas serialised the kernel's wgmmas (None otherwise)."""
+    global _worker
     if not (BIN / "nvdisasm").exists():
         pytest.skip("nvdisasm not shipped with this triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["ASYM_PTXAS_VERDICT"] = "1" if ptxas else "0"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", script + REPORT_TAIL, *args],
-                         capture_output=True, text=True, env=env, timeout=600, check=False)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    key = (script, args, ptxas)
+    if key not in _reports:
+        if _worker is None or _worker.proc.poll() is not None:
+            _worker = _Worker()
+        try:
+            answer = _worker.ask({"script": script + REPORT_TAIL, "args": list(args),
+                                  "ptxas": ptxas})
+        except AssertionError:
+            _worker = None
+            raise
+        assert answer["ok"], answer["error"][-3000:]
+        _reports[key] = answer["stdout"].strip().splitlines()[-1]
+    return json.loads(_reports[key])  # a fresh copy for each caller

@@ -7,12 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _collect(*args):
     res = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider",
-                          "tests/test_sm90_host_transforms.py", *args], cwd=ROOT,
+                          "tests/unit/test_sm90_host_transforms.py", *args], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     return [line for line in res.stdout.splitlines() if "::" in line]
@@ -28,6 +28,6 @@ def test_shards_partition_the_collection_in_order():
 
 def test_shard_out_of_range_is_a_usage_error():
     res = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider",
-                          "tests/test_sm90_host_transforms.py", "--shard", "3/3"], cwd=ROOT,
+                          "tests/unit/test_sm90_host_transforms.py", "--shard", "3/3"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode != 0 and "--shard 3/3" in res.stdout + res.stderr

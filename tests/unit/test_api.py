@@ -172,7 +172,9 @@ def test_deterministic_backward_is_bitwise_reproducible(backend):
     sink = torch.randn(2, device=DEVICE)
     dout = torch.randn(1, 37, 2, 32, dtype=q.dtype, device=DEVICE)
     first = None
-    for _ in range(20):
+    # A race shows up only now and then on a GPU; the interpreter runs a grid's programs one
+    # after another, so a few repeats check the same there (20 took a minute on the CPU).
+    for _ in range(20 if DEVICE == "cuda" else 3):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sink)]
         with forced(backend):
             out = flash_attn_func(*leaves[:3], causal=True, learnable_sink=leaves[3],

@@ -1,6 +1,6 @@
 """The sm90 Gluon forward compiles for sm_90a without a GPU: HGMMA in SASS, no local memory.
 
-Each compile runs in a fresh interpreter without TRITON_INTERPRET: conftest.py turns the
+Each compile runs in a worker interpreter without TRITON_INTERPRET: conftest.py turns the
 interpreter on for CPU machines, and under it Triton's standard library functions become
 interpreted objects that a Gluon compile cannot call.
 """

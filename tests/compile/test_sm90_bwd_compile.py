@@ -1,7 +1,7 @@
 """The sm90 Gluon backward compiles for sm_90a without a GPU: HGMMA and fp32 reductions in
 SASS, register and shared-memory budgets, (almost) no local memory.
 
-Each compile runs in a fresh interpreter without TRITON_INTERPRET (see test_sm90_compile.py:
+Each compile runs in a worker interpreter without TRITON_INTERPRET (see test_sm90_compile.py:
 under the interpreter a Gluon compile cannot call Triton's standard library).
 """
 
