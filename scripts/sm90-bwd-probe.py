@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 scripts/sm90-bwd-probe.py [--full] [--budget SECONDS]
 
-1. correctness: cases of tests/test_sm90_bwd_gpu.py against the fp32 reference gradients
+1. correctness: cases of tests/gpu/test_sm90_bwd_gpu.py against the fp32 reference gradients
    (FA rule), each in its own process, all in parallel; the same time, one process per
    (head dim, causal) compiles the kernels the timing needs (the on-disk Triton cache
    carries them over);
@@ -62,9 +62,10 @@ def _emit(obj):
 
 
 def _import_test_module():
-    """tests/test_sm90_bwd_gpu.py (and tests/helpers.py), with a pytest stand-in if needed."""
+    """tests/gpu/test_sm90_bwd_gpu.py (and tests/helpers.py), with a pytest stand-in if needed."""
     ensure_pytest()
     sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
     sys.path.insert(0, str(ROOT))
     import test_sm90_bwd_gpu as t
 

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 scripts/sm90-probe.py [--quick] [--cells d:causal:seqlen,...]
 
-1. the correctness cases of tests/test_sm90_gpu.py (loaded without needing pytest),
+1. the correctness cases of tests/gpu/test_sm90_gpu.py (loaded without needing pytest),
 2. timing cells of the benchmark grid (bf16, model dim 2048, batch = 16384 / seqlen): ours with
    the default config and FA4-switch variants, torch SDPA cuDNN and flash backends. Every timed
    cell is first checked against the fp32 reference on a slice of rows.
@@ -35,9 +35,10 @@ from asymflash.core.params import AttnParams, MaskSpec
 
 
 def _load_test_module():
-    """tests/test_sm90_gpu.py, with a stand-in for pytest where it is not installed."""
+    """tests/gpu/test_sm90_gpu.py, with a stand-in for pytest where it is not installed."""
     ensure_pytest()
-    spec = importlib.util.spec_from_file_location("t_sm90", ROOT / "tests" / "test_sm90_gpu.py")
+    path = ROOT / "tests" / "gpu" / "test_sm90_gpu.py"
+    spec = importlib.util.spec_from_file_location("t_sm90", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -11,7 +11,7 @@ import torch
 from helpers import assert_fa_close, assert_lse_close, reference_pair
 
 from asymflash import flash_attn_func, flash_attn_varlen_func
-from asymflash.dispatch import backend_names, use_backend
+from asymflash.runtime.dispatch import backend_names, use_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif("portable" not in backend_names(DEVICE),

@@ -1,4 +1,4 @@
-"""Call plans (asymflash/plans.py): a repeated flash_attn_func signature skips the checks and
+"""Call plans (runtime/plans.py): a repeated flash_attn_func signature skips the checks and
 the dispatcher, so every call through a plan must give what the full path gives, and no
 input the checks refuse may ever find a plan. Runs on the machine's default backend (CPU
 here; on the GPU box the sm90 forward's runner, launched through a bound binary)."""
