@@ -42,7 +42,6 @@ _MODULES = {
 # and is tried in backend_names' order; a backend with no entry here is skipped.
 _DECODE_MODULES = {
     "cpu": "asymflash.backends.cpu",  # gathers the cache, then its forward
-    "sm90": "asymflash.backends.sm90.decode",  # TMA-fed, off unless ASYMFLASH_SM90_DECODE=1
     "portable": "asymflash.backends.portable.decode",
 }
 

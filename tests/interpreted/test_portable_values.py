@@ -142,10 +142,12 @@ def test_fp32_is_declined_by_name_and_computed_by_the_backend_list():
     q = _leaf(torch.randn(b, sq, hq, d, device=DEVICE))
     k = _leaf(torch.randn(b, sk, hkv, d, device=DEVICE))
     v = _leaf(torch.randn(b, sk, hkv, d, device=DEVICE))
+    if DEVICE != "cpu":  # fp32 is a CPU-path feature: refused before any backend is asked
+        with pytest.raises(TypeError, match="dtype"):
+            flash_attn_func(q, k, v)
+        return
     with use_backend("portable"), pytest.raises(NotImplementedError, match="portable: dtype"):
         flash_attn_func(q, k, v)
-    if DEVICE != "cpu":
-        return  # fp32 is a CPU-path feature (test_api.py)
     out, lse = flash_attn_func(q, k, v, causal=True, window_size=(31, 0), return_lse=True)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
