@@ -13,8 +13,8 @@ from dataclasses import replace
 import pytest
 from sass_report import sass_report, sm90_build
 
-from asymflash.backends.sm90.bwd import config as bwd_config
 from asymflash.backends.sm90.bwd import host as bwd
+from asymflash.core import schedule
 
 pytestmark = pytest.mark.skipif(bwd.GLUON_ERROR is not None, reason=str(bwd.GLUON_ERROR))
 
@@ -522,10 +522,11 @@ def test_heads_first_in_chunks_where_all_heads_overflow_l2():
     for kw in (dict(seqlen=16384), dict(d=256, hq=8, hkv=8, seqlen=8192), dict(wr=-1)):
         p = plan(**kw)
         assert not p.constexprs["HEADS_FIRST"], kw
-    steps = bwd_config.key_block_steps(bwd.select_config(128, masked=True), 4096, 4096, 0, 1)
+    cfg = bwd.select_config(128, masked=True)
+    steps = schedule.key_block_steps(cfg.block_m, cfg.block_n, 4096, 4096, 0, 1)
     assert steps[0] == 64 and steps[-1] == 2 and len(steps) == 32  # 64-row steps, 128 keys
-    flat = bwd_config.dispatch_imbalance(steps, 16, 4, 1, 132)
-    assert flat > 1.05 and bwd_config.dispatch_imbalance(steps, 16, 4, 8, 132) < 1.01
+    flat = schedule.dispatch_imbalance(steps, 16, 4, 1, 132)
+    assert flat > 1.05 and schedule.dispatch_imbalance(steps, 16, 4, 8, 132) < 1.01
     # an explicit chunk wins (1: one head after another; all kv heads: all heads first)
     causal = replace(bwd.select_config(128, masked=True, max_seqlen_q=2048),
                      ws_persistent=False)

@@ -13,8 +13,8 @@ from dataclasses import replace
 import pytest
 from sass_report import sass_report, sm90_build
 
-from asymflash.backends.sm90.fwd import config as fwd_config
 from asymflash.backends.sm90.fwd import host as fwd
+from asymflash.core import schedule
 
 pytestmark = pytest.mark.skipif(fwd.GLUON_ERROR is not None, reason=str(fwd.GLUON_ERROR))
 
@@ -381,20 +381,21 @@ def test_balanced_chunks_match_the_kernel_schedule(seqlen, block_m, block_n, n_h
     # FwdConfig.balanced_chunks: the imbalance the host computes is the kernel's (loads
     # recomputed tile by tile), the tile costs are the key blocks a causal mask leaves (counted
     # from the mask itself), and the chosen chunk is the first within the tolerance.
-    costs = fwd.tile_costs(seqlen, seqlen, 0, block_m, block_n)
+    costs = schedule.tile_costs(seqlen, seqlen, 0, block_m, block_n)
     for m, cost in enumerate(costs):
         last_row = min((m + 1) * block_m, seqlen) - 1
         blocks = len({c // block_n for c in range(seqlen) if c <= last_row})
-        assert cost == blocks + fwd_config.TILE_OVERHEAD_BLOCKS
+        assert cost == blocks + schedule.TILE_OVERHEAD_BLOCKS
     for hb in (1, 2, n_hb // 2 + 1, n_hb):
         loads = _static_schedule_loads(costs, n_hb, grid, hb)
         mean = sum(costs) * n_hb / grid
-        assert fwd.schedule_imbalance(costs, n_hb, grid, hb) == pytest.approx(max(loads) / mean)
+        got = schedule.schedule_imbalance(costs, n_hb, grid, hb)
+        assert got == pytest.approx(max(loads) / mean)
     smallest = max(1, n_hb // 4)
-    chosen = fwd.balanced_chunk(costs, n_hb, grid, smallest)
+    chosen = schedule.balanced_chunk(costs, n_hb, grid, smallest)
     tries = range(smallest, min(n_hb, smallest + 23) + 1)
-    ratios = {hb: fwd.schedule_imbalance(costs, n_hb, grid, hb) for hb in tries}
-    good = [hb for hb in tries if ratios[hb] <= fwd_config.BALANCE_TOLERANCE]
+    ratios = {hb: schedule.schedule_imbalance(costs, n_hb, grid, hb) for hb in tries}
+    good = [hb for hb in tries if ratios[hb] <= schedule.BALANCE_TOLERANCE]
     assert chosen == (good[0] if good else min(tries, key=lambda hb: (ratios[hb], hb)))
 
 
@@ -407,10 +408,10 @@ def test_balanced_chunks_in_the_launch_plan():
     new = fwd.launch_plan(cfg=None, **args)
     old = fwd.launch_plan(cfg=replace(new.cfg, balanced_chunks=False, chunk_waves=8,
                                       persistent=None), **args)
-    costs = fwd.tile_costs(16384, 16384, 0, 192, 128)
+    costs = schedule.tile_costs(16384, 16384, 0, 192, 128)
     assert (old.hb_chunk, new.hb_chunk) == (13, 10)
-    assert fwd.schedule_imbalance(costs, 32, 132, 13) > 1.1
-    assert fwd.schedule_imbalance(costs, 32, 132, 10) <= fwd_config.BALANCE_TOLERANCE
+    assert schedule.schedule_imbalance(costs, 32, 132, 13) > 1.1
+    assert schedule.schedule_imbalance(costs, 32, 132, 10) <= schedule.BALANCE_TOLERANCE
     # without a mask every tile does the same work: chunks by L2 alone, as before
     plain = fwd.launch_plan(cfg=None, **dict(args, window_right=-1))
     assert not plain.cfg.lpt and plain.hb_chunk == fwd.L2_KV_BUDGET // (16384 * 128 * 2)

@@ -5,9 +5,9 @@ are in `kernel.py`, `kernel_ws.py` and `kernel_wide.py`, their launch in `host.p
 
 from __future__ import annotations
 
-import functools
-import heapq
 from dataclasses import dataclass, replace
+
+from asymflash.core.schedule import dispatch_imbalance, key_block_steps
 
 
 @dataclass(frozen=True)
@@ -216,44 +216,11 @@ def head_chunk(cfg: BwdConfig, masked: bool, uniform: bool, deterministic: bool,
     fits = [c for c in range(2, hkv) if hkv % c == 0 and c * per_head <= HEADS_FIRST_L2_BYTES]
     if not fits:
         return 0
-    steps = key_block_steps(cfg, max_seqlen_q, max_seqlen_k, window_right, hq // hkv)
+    steps = key_block_steps(cfg.block_m, cfg.block_n, max_seqlen_q, max_seqlen_k,
+                            window_right, hq // hkv)
     flat = dispatch_imbalance(steps, hkv, batch, 1, slots)
     chunked = dispatch_imbalance(steps, hkv, batch, fits[-1], slots)
     return fits[-1] if flat - chunked > CHUNK_GAIN else 0
-
-
-def key_block_steps(cfg: BwdConfig, seqlen_q: int, seqlen_k: int, window_right: int,
-                    group: int) -> tuple[int, ...]:
-    """Steps (query blocks of the GQA group's heads) of each key block of a dense call
-    with a right mask edge (causal: window_right 0): key block j sees the rows from
-    j·block_n - (seqlen_k - seqlen_q) - window_right on."""
-    shift = seqlen_k - seqlen_q
-    n_blocks = -(-seqlen_k // cfg.block_n)
-    first_rows = (max(0, j * cfg.block_n - shift - window_right) for j in range(n_blocks))
-    return tuple(-(-max(0, seqlen_q - r) // cfg.block_m) * group for r in first_rows)
-
-
-# A CTA's cost beyond its steps, in steps (bwd_ws: K/V wait, epilogue, the gap to the next
-# CTA, 1.9-3.4 steps: `BwdConfig.ws_persistent`).
-CTA_FIXED_STEPS = 2.0
-
-
-@functools.lru_cache(maxsize=256)
-def dispatch_imbalance(steps: tuple[int, ...], hkv: int, batch: int, chunk: int,
-                       slots: int) -> float:
-    """Busiest slot's work over the mean when the hardware hands the grid's CTAs out in
-    order, each to the first slot (resident CTA) that frees up: sequences, then chunks of
-    `chunk` kv heads, then key blocks, then the chunk's heads (chunk 1: one head after
-    another)."""
-    costs = [s + CTA_FIXED_STEPS for s in steps]
-    free = [0.0] * slots  # a heap of the slots' finish times
-    total = 0.0
-    for _ in range(batch * (hkv // chunk)):
-        for cost in costs:
-            for _ in range(chunk):
-                heapq.heapreplace(free, free[0] + cost)
-                total += cost
-    return max(free) / (total / slots)
 
 
 def _splits_warpgroups(head_dim: int, cfg: BwdConfig, deterministic: bool,

@@ -38,13 +38,10 @@ from .config import (  # noqa: F401 - re-exported: tests and scripts read them h
     L2_KV_BUDGET,
     SHORT_MASKED,
     FwdConfig,
-    balanced_chunk,
     check_config,
     default_for_call,
     persistent_launch,
-    schedule_imbalance,
     select_config,
-    tile_costs,
     use_persistent,
     use_three_warpgroups,
 )
