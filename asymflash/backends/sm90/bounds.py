@@ -7,8 +7,7 @@ from __future__ import annotations
 from .common import GLUON_ERROR
 
 if GLUON_ERROR is None:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
+    from .common import gl, gluon
 
     @gluon.jit
     def key_blocks(m0, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT: gl.constexpr,

@@ -15,8 +15,13 @@ try:  # Gluon is optional: a CPU-only or older triton must still import this mod
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+    from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401 - the
+        # kernels import Gluon's Hopper ops from here: one place to adapt to Gluon's API
+        fence_async_shared,
+        mbarrier,
         tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 

@@ -6,11 +6,7 @@ from __future__ import annotations
 from .common import GLUON_ERROR
 
 if GLUON_ERROR is None:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
-
-    from .common import sequence
+    from .common import gl, gluon, mbarrier, sequence
 
     @gluon.jit
     def tile_of(tile, n_heads, n_batch, num_m_blocks, hb_chunk, LPT: gl.constexpr,

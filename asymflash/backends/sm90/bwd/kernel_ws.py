@@ -66,17 +66,11 @@ from __future__ import annotations
 from ..common import GLUON_ERROR
 
 if GLUON_ERROR is None:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-    )
-
     from ..bounds import (
         mask_edges,
         query_range,
     )
+    from ..common import fence_async_shared, gl, gluon, mbarrier
     from ..sched import (
         key_block,
         walk_start,

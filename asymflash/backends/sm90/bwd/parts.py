@@ -13,13 +13,11 @@ from ..common import GLUON_ERROR
 
 if GLUON_ERROR is None:
     from triton._C.libtriton import ir
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
     from ..bounds import allowed
-    from ..common import copy_rows, tanh
+    from ..common import copy_rows, gl, gluon, tanh
     from ..sched import key_block_origin
     from .dq_fragments import fragment_bases
 

@@ -7,20 +7,19 @@ from __future__ import annotations
 from ..common import GLUON_ERROR
 
 if GLUON_ERROR is None:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+    from ..bounds import (
+        step_needs_mask,
+    )
+    from ..common import (
         fence_async_shared,
+        gl,
+        gluon,
         mbarrier,
+        tile_layout,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-
-    from ..bounds import (
-        step_needs_mask,
-    )
-    from ..common import tile_layout
     from ..sched import (
         next_step,
     )

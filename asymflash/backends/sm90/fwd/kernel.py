@@ -49,22 +49,19 @@ from ..common import GLUON_ERROR
 _EMU_LITERALS = tuple(ptx_f32(c) for c in (*POLY_COEFFS[::-1], X_MIN, FLOOR_MAGIC))
 
 if GLUON_ERROR is None:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-
     from ..bounds import key_blocks
     from ..common import (
         copy_rows,
+        fence_async_shared,
+        gl,
+        gluon,
+        mbarrier,
         sequence,
         tile_layout,
+        tma,
         to_16bit,
+        warpgroup_mma,
+        warpgroup_mma_wait,
     )
     from ..sched import (
         persistent_tile,

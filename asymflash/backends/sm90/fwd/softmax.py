@@ -13,10 +13,7 @@ from ..common import GLUON_ERROR
 _EMU_LITERALS = tuple(ptx_f32(c) for c in (*POLY_COEFFS[::-1], X_MIN, FLOOR_MAGIC))
 
 if GLUON_ERROR is None:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-
-    from ..common import tanh
+    from ..common import gl, gluon, tanh
 
     @gluon.constexpr_function
     def emu_asm(every):
