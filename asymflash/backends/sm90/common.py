@@ -25,6 +25,10 @@ try:  # Gluon is optional: a CPU-only or older triton must still import this mod
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    # Gluon's API moves between releases; kernels take the moved names from here.
+    # A CTA-wide (or partition-wide) barrier: `thread_barrier` up to triton 3.6, `barrier` on.
+    thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
     GLUON_ERROR: str | None = None
 except Exception as exc:  # noqa: BLE001 - any import failure means: no fast path
     GLUON_ERROR = f"triton.experimental.gluon (Hopper) not importable: {exc!r}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from .common import GLUON_ERROR
 
 if GLUON_ERROR is None:
-    from .common import gl, gluon, mbarrier, sequence
+    from .common import gl, gluon, mbarrier, sequence, thread_barrier
 
     @gluon.jit
     def tile_of(tile, n_heads, n_batch, num_m_blocks, hb_chunk, LPT: gl.constexpr,
@@ -80,7 +80,7 @@ if GLUON_ERROR is None:
             mbarrier.wait(q_empty.index(slot0 + wg), ((tc // Q_BUFS) & 1) ^ 1)
         idx = gl.arange(0, 4, layout=sched_layout(gl.num_warps()))
         sched.index(tc & 1).store(gl.where(idx == 0, m0, gl.where(idx == 1, head, q_start)))
-        gl.thread_barrier()
+        thread_barrier()
 
     @gluon.jit
     def read_tile(sched, tc):

@@ -16,6 +16,7 @@ if GLUON_ERROR is None:
         gl,
         gluon,
         mbarrier,
+        thread_barrier,
         tile_layout,
         tma,
         warpgroup_mma,
@@ -159,7 +160,7 @@ if GLUON_ERROR is None:
             if n_steps > 0:
                 stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 0, h, m0, q_start,
                              seqlen_q, total_q, BLOCK_M, stat_layout)
-            gl.thread_barrier()
+            thread_barrier()
             mbarrier.wait(kv_bar.index(0), 0)
 
             for it in range(n_steps):
@@ -226,7 +227,7 @@ if GLUON_ERROR is None:
                             if it > 0:  # the previous step's turn (see the reduce below)
                                 release_dq_turn_after_tma(held, m0)
                     tma.store_wait(0)
-                gl.thread_barrier()
+                thread_barrier()
                 load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 1 - slot, h_next,
                           q_start + m0_next, HEAD_DIM, HEAD_DIM_V, it + 1 < n_steps)
                 dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, dq_zero, use_acc=False,
@@ -270,7 +271,7 @@ if GLUON_ERROR is None:
                                                   window_left, window_right, h_first, m_lo,
                                                   group_blocks, stride, BLOCK_M, BLOCK_N, HAS_LEFT,
                                                   HAS_RIGHT, STAGGER, RELEASE_AT, WARP_SPIN)
-                    gl.thread_barrier()
+                    thread_barrier()
                     if FRAG:  # rows of the two 64-row blocks from `fragment_block` in the
                         # fragment buffer, columns of head h (dq_fragments.py)
                         block = fragment_block(q_start, m0)
@@ -289,7 +290,7 @@ if GLUON_ERROR is None:
                            HEAD_DIM, BLOCK_M, HEAD_DIM, dq_layout)
                     if DETERMINISTIC:
                         # Every thread's adds are issued before the next block starts its own.
-                        gl.thread_barrier()
+                        thread_barrier()
                         gl.atomic_add(sem, 1, sem="release")
                 if DK_LATE:
                     dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])

@@ -54,6 +54,7 @@ if GLUON_ERROR is None:
         gl,
         gluon,
         mbarrier,
+        thread_barrier,
         tile_layout,
         tma,
         warpgroup_mma,
@@ -195,7 +196,7 @@ if GLUON_ERROR is None:
             if n_steps > 0:
                 stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 0, h, m0, q_start,
                             seqlen_q, total_q, BLOCK_M, stat_layout)
-            gl.thread_barrier()
+            thread_barrier()
             mbarrier.wait(kv_bar.index(0), 0)
             # HI_LATE (BwdConfig.dq_hi_late): the previous step's high dQ half, staged in its Q
             # slot, is reduced from there once this step's first MMAs are issued
@@ -243,7 +244,7 @@ if GLUON_ERROR is None:
                     # the previous step's dQ reduces have read their staging (dq_smem, or
                     # with DQ_IN_OPS that step's dO buffer and Q slot, loaded next)
                     tma.store_wait(0)
-                gl.thread_barrier()  # barrier 1
+                thread_barrier()  # barrier 1
                 load_rows(q_desc, q_smem.index(1 - slot), q_ready.index(1 - slot),
                           q_start + m0_next, h_next, HEAD_DIM, it + 1 < n_steps)
                 if DQ_IN_OPS:  # half a step earlier than a single buffer allows
@@ -265,7 +266,7 @@ if GLUON_ERROR is None:
                 if DV_OVERLAP:
                     dv = warpgroup_mma_wait(0, deps=[dv_tok])  # before barrier 2 (Pᵀ reuse)
                 fence_async_shared()
-                gl.thread_barrier()  # barrier 2
+                thread_barrier()  # barrier 2
                 if not DQ_IN_OPS:
                     load_rows(do_desc, do_s, do_ready.index(0), q_start + m0_next, h_next,
                               HEAD_DIM_V, it + 1 < n_steps)
@@ -322,7 +323,7 @@ if GLUON_ERROR is None:
                                                       group_blocks, stride, BLOCK_M, BLOCK_N,
                                                       HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
                                                       True)
-                    gl.thread_barrier()
+                    thread_barrier()
                     add_dq_tile(dq_desc, dq_row, lo_col, lo_buf, FIRST_STORES, first)
                     dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
                     if DQ_IN_OPS:
@@ -332,10 +333,10 @@ if GLUON_ERROR is None:
                     else:
                         hi_buf = dq_smem
                         tma.store_wait(0)  # the low half's reduce has read dq_smem
-                        gl.thread_barrier()
+                        thread_barrier()
                     stage_dq(hi_buf, dq_hi * softmax_scale, FRAG, BLOCK_M, DQ_COLS)
                     fence_async_shared()
-                    gl.thread_barrier()
+                    thread_barrier()
                     if HI_LATE:
                         pend_row = hi_row + 0  # (`+ 0`: see bwd_ws's h_prev)
                         pend_first = first + 0
@@ -357,7 +358,7 @@ if GLUON_ERROR is None:
                     add_dq(dq_ptr, dq_hi * softmax_scale, m0, q_start, seqlen_q, n_heads, h,
                            DQ_COLS, HEAD_DIM, BLOCK_M, DQ_COLS, dq_layout)
                     if DETERMINISTIC:
-                        gl.thread_barrier()
+                        thread_barrier()
                         gl.atomic_add(sem, 1, sem="release")
                 h = h_next
                 m0 = m0_next

@@ -17,7 +17,7 @@ if GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
     from ..bounds import allowed
-    from ..common import copy_rows, gl, gluon, tanh
+    from ..common import copy_rows, gl, gluon, tanh, thread_barrier
     from ..sched import key_block_origin
     from .dq_fragments import fragment_bases
 
@@ -242,7 +242,7 @@ if GLUON_ERROR is None:
             "\n\t@%spin_busy bra.uni SPIN_POLL;"
             "\n\tmov.b32 $0, 0;\n\t}",
             "=r,l,r", [ptr, value], dtype=gl.int32, is_pure=False, pack=1)
-        gl.thread_barrier()
+        thread_barrier()
 
     @gluon.jit
     def take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq,
@@ -296,7 +296,7 @@ if GLUON_ERROR is None:
         gl.inline_asm_elementwise(_landed_asm(FROM_WARP), "=r,r", [x], dtype=gl.int32,
                                   is_pure=False, pack=1)
         if not FROM_WARP:
-            gl.thread_barrier()
+            thread_barrier()
         gl.atomic_add(sem, 1, sem="release")
 
     @gluon.jit
@@ -329,7 +329,7 @@ if GLUON_ERROR is None:
         has retired its last MMA (the first barrier). The masked per-thread stores of
         `store_key_rows` are what the forward's O epilogue replaced (2316 -> 433 cycles a
         tile at d=128, H200)."""
-        gl.thread_barrier()
+        thread_barrier()
         if HEAD_DIM != 128:
             # Through a blocked layout (the conversion's scratch reuses the dead rings): stored
             # straight from the wgmma layout, ptxas spilled inside the main loop (sm_90a, d=64
@@ -346,7 +346,7 @@ if GLUON_ERROR is None:
             dk_buf.store(dk.to(dk_desc.dtype))
             dv_buf.store(dv.to(dv_desc.dtype))
         fence_async_shared()
-        gl.thread_barrier()
+        thread_barrier()
         tma.async_copy_shared_to_global(dk_desc, [row, hk * HEAD_DIM], dk_buf)
         tma.async_copy_shared_to_global(dv_desc, [row, hk * HEAD_DIM_V], dv_buf)
         tma.store_wait(0)  # shared memory must outlive the stores' reads

@@ -15,6 +15,7 @@ if GLUON_ERROR is None:
         gl,
         gluon,
         mbarrier,
+        thread_barrier,
         tile_layout,
         tma,
         warpgroup_mma,
@@ -142,7 +143,7 @@ if GLUON_ERROR is None:
         FRAG: gl.constexpr = in_fragments(dq_desc.layout)
         stage_dq(dq_buf, dq * softmax_scale, FRAG, 64, dq_zero.shape[1])
         fence_async_shared()
-        gl.thread_barrier()
+        thread_barrier()
         if DET:
             mbarrier.arrive(dq_full.index(WG), count=1)
         else:
@@ -189,7 +190,7 @@ if GLUON_ERROR is None:
                                  TILE_ROWS)
             add_dq_tile(dq_desc, row, col, dq_smem.index(1), FIRST_STORES, first)
             tma.store_wait(0)  # both reduces have read their tiles
-            gl.thread_barrier()
+            thread_barrier()
             mbarrier.arrive(dq_empty.index(0), count=1)
             mbarrier.arrive(dq_empty.index(1), count=1)
             if TURNS:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..common import GLUON_ERROR
 
 if GLUON_ERROR is None:
-    from ..common import fence_async_shared, gl, gluon, mbarrier, tma
+    from ..common import fence_async_shared, gl, gluon, mbarrier, thread_barrier, tma
 
     # Layouts of a consumer warpgroup's 64-row tile: S (64 x BLOCK_N), O (64 x HEAD_DIM_V),
     # P as the register operand of P·V, and one value per row of S.
@@ -76,17 +76,17 @@ if GLUON_ERROR is None:
                 mbarrier.wait(o_turn, 1 - WG)
             if m0 + WG * 64 < seqlen_q:
                 tma.store_wait(0)  # this warpgroup's previous store has read o_smem
-                gl.thread_barrier()
+                thread_barrier()
                 o_tile.store(out)
                 fence_async_shared()
-                gl.thread_barrier()
+                thread_barrier()
                 tma.async_copy_shared_to_global(
                     o_desc, [q_start + m0 + WG * 64, head * HEAD_DIM_V], o_tile)
             if not RELEASE_Q:  # a one-tile CTA: the store must finish before it exits
                 tma.store_wait(0)
             elif SHARED:  # the other warpgroup's turn once the store has read the tile
                 tma.store_wait(0)
-                gl.thread_barrier()
+                thread_barrier()
                 mbarrier.arrive(o_turn, count=1)
         else:
             store_rows(out_ptr, out, rows, q_start, seqlen_q, head, n_heads, HEAD_DIM_V,
