@@ -54,7 +54,7 @@ def _splits_warpgroups(kw: dict) -> bool:
 # d=256 103-134 -> 0, 2026-11-29); the bounds catch a tile-sized spill in the main loop
 # (hundreds).
 CONFIGS = [
-    # d=64 unmasked runs bwd_ws's kernel (2026-11-30 session 20): 128-row steps, the dQ warp
+    # d=64 unmasked runs bwd_ws's kernel: 128-row steps, the dQ warp
     # issuing both reduces, fragment-order dQ tiles: 6 seen (2 varlen fp16), 71 without the
     # dQ warp, 35 with row-major tiles
     ({"head_dim": 64}, 8),
@@ -80,8 +80,8 @@ CONFIGS = [
     # MMA descriptors reloaded around each step's dQ MMA, 2026-11-30); on masked steps each
     # warpgroup saves and restores ~10 scalars around the mask (40 seen causal, 52 with dK
     # first, 28 with a window)
-    # Unmasked (and uniform) d=128 calls run it as a persistent grid (BwdConfig.ws_persistent,
-    # 2026-12-01 session 21): 41 seen, none in the step loops (the tile loop's prologue and
+    # Unmasked (and uniform) d=128 calls run it as a persistent grid (BwdConfig.ws_persistent):
+    # 41 seen, none in the step loops (the tile loop's prologue and
     # epilogue hold the rest); 2 seen as a plain grid
     ({"head_dim": 128}, 48),
     ({"head_dim": 128, "cfg": {"ws_persistent": False}}, 8),
@@ -134,7 +134,7 @@ CONFIGS = [
     ({"head_dim": 128, "dtype": "float16", "has_left": True, "has_right": True,
       "uniform": False, "has_seqused": True, "cfg": {"split_warpgroups": False}}, 24),
     ({"head_dim": 128, "has_right": True, "softcap": True}, 16),
-    # d=64 deterministic mode runs bwd_ws's kernel with 128-row steps (2026-11-30 session 19:
+    # d=64 deterministic mode runs bwd_ws's kernel with 128-row steps:
     # 37 seen, 24 in the loop; causal 162 / 143, a window 142 / 119, the masked steps'
     # scalars at 240 registers; still 20-35 % faster than bwd.py's kernel at 2k-16k)
     ({"head_dim": 64, "deterministic": True}, 48),
@@ -160,7 +160,7 @@ CONFIGS = [
     ({"head_dim": 256, "has_right": True, "deterministic": True}, 8),  # 0 seen
     ({"head_dim": 256, "deterministic": True}, 8),  # 0 seen
     # (those two release the turns from warp 0 under the MMAs, turn_release 3; at the main
-    # barrier, the default before 2026-12-01 session 24: 0 seen)
+    # barrier, an earlier default: 0 seen)
     ({"head_dim": 256, "deterministic": True, "cfg": {"turn_release": 1}}, 8),
     # ... with the late high dQ half (released with the turn in the next step)
     ({"head_dim": 256, "has_right": True, "deterministic": True, "cfg": {"dq_hi_late": True}},
@@ -171,7 +171,7 @@ CONFIGS = [
     # dq_hi_late: the d=256 defaults above) and, at dv = 128, in the staging tile (0 seen)
     ({"head_dim": 256, "head_dim_v": 128, "has_right": True}, 0),
     ({"head_dim": 256, "cfg": {"dq_in_operands": False, "dq_hi_late": False}}, 0),
-    # d=64 causal calls below 1k rows (2026-12-01 session 22): 64-row steps, three ring
+    # d=64 causal calls below 1k rows: 64-row steps, three ring
     # slots, fragment-order dQ, persistent: 26 seen, none in the step loops; with two K/V
     # buffers (the default there) 0, deterministic 0
     ({"head_dim": 64, "has_right": True,
@@ -183,13 +183,13 @@ CONFIGS = [
     ({"head_dim": 64, "has_right": True, "deterministic": True,
       "cfg": {"block_m": 64, "ring_slots": 3, "dq_fragment": True, "ws_persistent": True,
               "ws_kv_buffers": 2}}, 8),
-    # deterministic mode on the persistent grid (2026-12-01 session 22; d=64 causal calls
-    # below 2k rows take it, d=128 too since session 24): d=128 56 seen, 4 in the step
+    # deterministic mode on the persistent grid; d=64 causal calls
+    # below 2k rows take it, d=128 too): d=128 56 seen, 4 in the step
     # loops, causal 118 / 36; d=64 146 / 44, causal 208 / 109 (as the plain grid's
     # deterministic builds: the masked steps' scalars at 240 registers)
     ({"head_dim": 128, "deterministic": True, "cfg": {"ws_persistent": True}}, 64),
     # masked steps masking Sᵀ before the exponentials (BwdConfig.mask_scores, masked d=64
-    # calls' default since 2026-12-01 session 25, off at d=128): d=128 causal 4 seen, none in
+    # calls' default, off at d=128): d=128 causal 4 seen, none in
     # the step loops (40 / 36 without), persistent 54 / 0 (98 / 44), deterministic 12 / 8
     # (22 / 18); d=64 causal with its columns hoisted again 52 / 20 (66 / 27 with step_cols
     # alone)
@@ -199,7 +199,7 @@ CONFIGS = [
     ({"head_dim": 128, "has_right": True, "deterministic": True,
       "cfg": {"mask_scores": True}}, 16),
     ({"head_dim": 64, "has_right": True, "cfg": {"mask_scores": True, "step_cols": False}}, 64),
-    # (the default before session 25: 66 / 27)
+    # (an earlier default: 66 / 27)
     ({"head_dim": 64, "has_right": True, "cfg": {"mask_scores": False}}, 80),
     ({"head_dim": 128, "has_right": True, "deterministic": True,
       "cfg": {"ws_persistent": True}}, 128),

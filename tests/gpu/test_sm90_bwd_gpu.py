@@ -566,9 +566,9 @@ def test_sm90_deterministic_first_stores_leave_no_stale_dq(case, skips, monkeypa
 # bwd_ws.py's with dV retired before dSᵀ is formed (dv_overlap=False), with row-major dQ
 # tiles (dq_fragment=False, or with a 32-byte swizzle), with dK issued behind dQ
 # (ws_dk_after_dq), at d=64 bwd.py's synchronous kernel
-# (the default before 2026-11-30 session 19) and bwd_ws.py's with 64-row steps; at d=256
-# without the late high dQ half (BwdConfig.dq_hi_late, the default since 2026-12-01 session
-# 25) and with it where the turn is released at the main barrier or before the next take.
+# (an earlier default) and bwd_ws.py's with 64-row steps; at d=256
+# without the late high dQ half (BwdConfig.dq_hi_late, the default) and with it where the
+# turn is released at the main barrier or before the next take.
 DET_VARIANTS = [(c, variant) for c in DET_CASES if c["d"] in (96, 128) and not c.get("softcap")
                 for variant in (dict(ws_deterministic=False), dict(dv_overlap=False),
                                 dict(dq_fragment=False, dq_swizzle=32),
