@@ -28,6 +28,15 @@ try:  # Gluon is optional: a CPU-only or older triton must still import this mod
     # Gluon's API moves between releases; kernels take the moved names from here.
     # A CTA-wide (or partition-wide) barrier: `thread_barrier` up to triton 3.6, `barrier` on.
     thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    # TMA copies: `async_load` / `async_store` from 3.9, `async_copy_*` before.
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    # A shared buffer viewed with another dtype/shape/layout: `_reinterpret` up to 3.8,
+    # `reinterpret` from 3.9. The kernels call the older name; on 3.9 it is given the new one.
+    from triton.experimental.gluon.language._core import shared_memory_descriptor as _smem
+
+    if not hasattr(_smem, "_reinterpret"):
+        _smem._reinterpret = _smem.reinterpret
 
     GLUON_ERROR: str | None = None
 except Exception as exc:  # noqa: BLE001 - any import failure means: no fast path
@@ -268,11 +277,11 @@ if GLUON_ERROR is None:
         dims between the compiled widths, without padded copies of q, k, v).
         """
         if heads_axis(desc.block_shape):
-            tma.async_copy_global_to_shared(
+            tma_load(
                 desc, [row, head, 0], bar, dst._reinterpret(desc.dtype, desc.block_shape,
                                                             desc.layout), pred=pred)
         else:
-            tma.async_copy_global_to_shared(desc, [row, head * WIDTH], bar, dst, pred=pred)
+            tma_load(desc, [row, head * WIDTH], bar, dst, pred=pred)
 
     @gluon.jit
     def sequence(batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr,

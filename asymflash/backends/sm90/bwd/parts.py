@@ -17,7 +17,7 @@ if GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
     from ..bounds import allowed
-    from ..common import copy_rows, gl, gluon, tanh, thread_barrier
+    from ..common import copy_rows, gl, gluon, tanh, thread_barrier, tma_store
     from ..sched import key_block_origin
     from .dq_fragments import fragment_bases
 
@@ -75,7 +75,7 @@ if GLUON_ERROR is None:
         TMA unit writes nothing (a branch around them made ptxas spill in bwd_ws's compute
         warpgroups: 2 -> 32 local-memory instructions at d=128)."""
         if FIRST_STORES:
-            tma.async_copy_shared_to_global(desc, [row + (1 - first) * FAR_ROW, col], src)
+            tma_store(desc, [row + (1 - first) * FAR_ROW, col], src)
             tma_reduce_add(desc, [row + first * FAR_ROW, col], src)
         else:
             tma_reduce_add(desc, [row, col], src)
@@ -347,8 +347,8 @@ if GLUON_ERROR is None:
             dv_buf.store(dv.to(dv_desc.dtype))
         fence_async_shared()
         thread_barrier()
-        tma.async_copy_shared_to_global(dk_desc, [row, hk * HEAD_DIM], dk_buf)
-        tma.async_copy_shared_to_global(dv_desc, [row, hk * HEAD_DIM_V], dv_buf)
+        tma_store(dk_desc, [row, hk * HEAD_DIM], dk_buf)
+        tma_store(dv_desc, [row, hk * HEAD_DIM_V], dv_buf)
         tma.store_wait(0)  # shared memory must outlive the stores' reads
 
     @gluon.jit

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..common import GLUON_ERROR
 
 if GLUON_ERROR is None:
-    from ..common import fence_async_shared, gl, gluon, mbarrier, thread_barrier, tma
+    from ..common import fence_async_shared, gl, gluon, mbarrier, thread_barrier, tma, tma_store
 
     # Layouts of a consumer warpgroup's 64-row tile: S (64 x BLOCK_N), O (64 x HEAD_DIM_V),
     # P as the register operand of P·V, and one value per row of S.
@@ -80,7 +80,7 @@ if GLUON_ERROR is None:
                 o_tile.store(out)
                 fence_async_shared()
                 thread_barrier()
-                tma.async_copy_shared_to_global(
+                tma_store(
                     o_desc, [q_start + m0 + WG * 64, head * HEAD_DIM_V], o_tile)
             if not RELEASE_Q:  # a one-tile CTA: the store must finish before it exits
                 tma.store_wait(0)
