@@ -101,32 +101,16 @@ BWD = [
 POST = [(f"dq-post-{w}-{c}", {"width": w, "cols": c}) for w, c in
         ((64, 64), (128, 64), (256, 128))]
 
-# One build, run in a fresh interpreter: prints the cubin's path.
+# One build, run in a fresh interpreter: writes the cubin to argv[3].
 _BUILD = r"""
-import json, sys, importlib
-from dataclasses import replace
+import importlib, json, sys
 import torch, triton
-
-def module(direction):
-    # the host module that has compile_for_target, wherever the refactor put it
-    base = f"asymflash.backends.sm90.{direction}"
-    for name in (base + ".host", base):
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(mod, "compile_for_target"):
-            return mod
-    raise ImportError(direction)
 
 direction, kw, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 if direction == "post":
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    try:
-        from asymflash.backends.sm90.bwd.dq_fragments import _dq_from_fragments_kernel as fn
-    except ImportError:
-        from asymflash.backends.sm90.dq_fragments import _dq_from_fragments_kernel as fn
+    from asymflash.backends.sm90.bwd.dq_fragments import _dq_from_fragments_kernel as fn
     sig = {"acc_ptr": "*fp32", "dq_ptr": "*bf16", "cu_q_ptr": "*i32", "stride_row": "i32",
            "stride_head": "i32", "n_heads": "i32", "D": "constexpr", "WIDTH": "constexpr",
            "COLS": "constexpr"}
@@ -135,13 +119,12 @@ if direction == "post":
     kernel = triton.compile(ASTSource(fn, sig, cons, attrs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": 4})
 else:
-    mod = module(direction)
+    mod = importlib.import_module(f"asymflash.backends.sm90.{direction}.host")
     plan = kw.pop("plan", None)
-    cfg_kw = kw.pop("cfg", None)
     if "dtype" in kw:
         kw["dtype"] = getattr(torch, kw["dtype"])
     d = kw["head_dim"]
-    if plan is not None:
+    if plan is not None:  # the config the launch plan of such a call takes
         wl, wr = plan.get("window_left", -1), plan.get("window_right", -1)
         uniform = kw.get("uniform", True)
         seqused = kw.get("has_seqused", False)
@@ -156,19 +139,11 @@ else:
                                 kw.get("softcap", False), kw.get("deterministic", False),
                                 plan["batch"], plan["hkv"], 132, None, hq=plan["hq"])
         kw["cfg"] = p.cfg
-    elif cfg_kw:
-        if direction == "bwd":
-            base = mod.select_config(d, None, kw.get("softcap", False),
-                                     kw.get("deterministic", False),
-                                     kw.get("has_left", False) or kw.get("has_right", False),
-                                     window=kw.get("has_left", False))
-        else:
-            base = mod._DEFAULT_CONFIGS[d]
-        kw["cfg"] = replace(base, **cfg_kw)
-    kernel = mod.compile_for_target(**kw)
+    kernel = mod.compile_for_target(**kw)  # "cfg": overrides of the host's choice
 with open(out, "wb") as f:
     f.write(kernel.asm["cubin"])
 """
+
 
 def _bin() -> Path:
     import triton

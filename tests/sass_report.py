@@ -110,27 +110,15 @@ print(_json.dumps(dict(
 
 def sm90_build(module: str) -> str:
     """Script compiling `asymflash.backends.sm90.<module>.compile_for_target(**argv[1])`
-    (JSON; "dtype" by name, "cfg" as overrides of that head dim's default config: for the
-    backward the one `select_config` picks for these features)."""
+    (JSON; "dtype" by name, "cfg" as overrides of the config the host picks for these
+    features)."""
     return f"""
 import json, sys
-from dataclasses import replace
 import torch, triton
 from asymflash.backends.sm90.{module} import host as mod
 kw = json.loads(sys.argv[1])
-cfg_kw = kw.pop("cfg", None)
 if "dtype" in kw:
     kw["dtype"] = getattr(torch, kw["dtype"])
-if cfg_kw:
-    d = kw.get("head_dim", 128)
-    if {module!r} == "bwd":
-        base = mod.select_config(d, None, kw.get("softcap", False),
-                                 kw.get("deterministic", False),
-                                 kw.get("has_left", False) or kw.get("has_right", False),
-                                 window=kw.get("has_left", False))
-    else:
-        base = mod._DEFAULT_CONFIGS[d]
-    kw["cfg"] = replace(base, **cfg_kw)
 kernel = mod.compile_for_target(**kw)
 """
 

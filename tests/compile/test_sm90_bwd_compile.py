@@ -44,8 +44,7 @@ def _persistent(kw: dict) -> bool:
 def _splits_warpgroups(kw: dict) -> bool:
     """Whether these compile arguments build bwd_ws.py's kernel."""
     cfg = _config(kw)
-    return bwd._splits_warpgroups(kw["head_dim"], cfg, kw.get("deterministic", False),
-                                  kw.get("softcap", False))
+    return bwd._splits_warpgroups(kw["head_dim"], cfg, kw.get("softcap", False))
 
 
 # (features, most local-memory instructions allowed). Unmasked steps never touch local
@@ -101,15 +100,15 @@ CONFIGS = [
     ({"head_dim": 64, "has_right": True,
       "cfg": {"split_warpgroups": True, "block_m": 64, "ring_slots": 3, "ws_dq_warp": False,
               "dq_fragment": False}}, 8),
-    # deterministic mode in it (ws_deterministic, the default: a dQ warp beside the load
-    # warp; dV in flight while dSᵀ is formed): 0 seen non-causal, 30 causal (the masked
-    # steps' scalars, as without the turns); 40 causal with dV retired first
+    # deterministic mode in it (a dQ warp beside the load warp; dV in flight while dSᵀ is
+    # formed): 0 seen non-causal, 30 causal (the masked steps' scalars, as without the turns);
+    # 40 causal with dV retired first
     ({"head_dim": 128, "deterministic": True}, 8),
     ({"head_dim": 128, "has_right": True, "deterministic": True}, 40),
     ({"head_dim": 128, "has_right": True, "deterministic": True, "cfg": {"dv_overlap": False}},
      48),
     ({"head_dim": 64, "has_right": True, "deterministic": True,
-      "cfg": {"ws_deterministic": True, "split_warpgroups": True, "block_m": 64}}, 8),
+      "cfg": {"split_warpgroups": True, "block_m": 64}}, 8),
     # d=256 (bwd_wide) with row-major dQ halves (fragment order is the default)
     ({"head_dim": 256, "cfg": {"dq_fragment": False}}, 8),
     ({"head_dim": 256, "has_right": True, "deterministic": True, "cfg": {"dq_fragment": False}},
@@ -144,14 +143,11 @@ CONFIGS = [
     ({"head_dim": 64, "has_left": True, "has_right": True, "deterministic": True,
       "cfg": {"split_warpgroups": False, "dq_swizzle": 32}}, 48),
     ({"head_dim": 64, "cfg": {"split_warpgroups": False, "block_m": 64}}, 0),  # the 64-row step
+    # deterministic mode in bwd.py's kernel (6 seen causal; non-causal: staggered walk,
+    # turns released one step late, 14 seen, none in the loop)
     ({"head_dim": 128, "has_right": True, "deterministic": True,
-      "cfg": {"ws_deterministic": False}}, 16),  # 6 seen
-    # fp32 atomics (10 seen)
-    ({"head_dim": 128, "has_right": True, "deterministic": True, "cfg": {"dq_tma": False}}, 16),
-    # non-causal: staggered walk, turns released one step late (0 seen)
-    ({"head_dim": 128, "deterministic": True, "cfg": {"ws_deterministic": False}},
-     16),  # 14 seen (dV in flight, as deterministic mode builds it), none in the loop
-    ({"head_dim": 128, "cfg": {"dq_tma": False}}, 0),
+      "cfg": {"split_warpgroups": False}}, 16),
+    ({"head_dim": 128, "deterministic": True, "cfg": {"split_warpgroups": False}}, 16),
     # d=256 (bwd_wide.py) sits at 252-255 registers (0 seen, 2 with softcap and a window)
     ({"head_dim": 256}, 0),
     ({"head_dim": 256, "has_right": True}, 0),
@@ -216,14 +212,10 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
     rep = compile_report(**kw)
     # Five MMAs per step (Sᵀ, dPᵀ, dV, dK, dQ), each several HGMMA instructions.
     assert rep["hgmma"] >= 20
-    if not kw.get("cfg", {}).get("dq_tma", True):
-        # fp32 atomics
-        assert rep["red"] > 0 and rep["tma_reduce"] == 0, rep
-    else:
-        # dQ leaves through the TMA unit's reduce-add, no per-thread atomics
-        assert rep["tma_reduce"] > 0 and rep["red"] == 0, rep
-        if kw.get("deterministic"):
-            assert rep["release_after_bulk_write"], "a dQ turn passed on before its add landed"
+    # dQ leaves through the TMA unit's reduce-add, no per-thread atomics
+    assert rep["tma_reduce"] > 0 and rep["red"] == 0, rep
+    if kw.get("deterministic"):
+        assert rep["release_after_bulk_write"], "a dQ turn passed on before its add landed"
     assert rep["local"] <= max_local, f"register spills: {rep}"
     if not (kw.get("deterministic") or kw.get("softcap") or kw.get("has_left")):
         # default mode, no softcap, no sliding window: (almost) nothing in local memory inside
@@ -275,22 +267,21 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
         assert rep["local_in_loop"] <= allowed, f"spills in the main loop: {rep}"
     assert rep["regs"] <= 255
     assert rep["shared"] <= 227 * 1024
-    if kw.get("cfg", {}).get("dq_tma", True):
-        cfg = _config(kw)
-        split = _splits_warpgroups(kw)
-        if bwd._fragments(cfg, split, kw["head_dim"]):
-            # bwd_ws (d=128 by default): a warpgroup's 64-row dQ tile in fragment order, one
-            # unswizzled box of 32-column rows (dq_fragments.py); bwd.py's 128-row tile (d=64)
-            # both warpgroups' tiles in one box; bwd_wide (d=256) each 128-column half
-            half = (split and cfg.block_m == 64) or kw["head_dim"] == 256
-            cols = kw["head_dim"] // 2 if half else kw["head_dim"]
-            rows = 64 if split else cfg.block_m
-            assert rep["fp32_boxes"] == [[rows * cols // 32, 32]], rep
-            assert rep["sts128"] >= 8 and rep["sts64_fp32_staging"] == 0, rep
-        else:
-            # row-major staging tile: d=64 with a 32-byte swizzle (8-column boxes,
-            # BwdConfig.dq_swizzle), the others 128 bytes (32 columns)
-            assert [box[1] for box in rep["fp32_boxes"]] == [cfg.dq_swizzle // 4], rep
+    cfg = _config(kw)
+    split = _splits_warpgroups(kw)
+    if bwd._fragments(cfg, split, kw["head_dim"]):
+        # bwd_ws (d=128 by default): a warpgroup's 64-row dQ tile in fragment order, one
+        # unswizzled box of 32-column rows (dq_fragments.py); bwd.py's 128-row tile (d=64)
+        # both warpgroups' tiles in one box; bwd_wide (d=256) each 128-column half
+        half = (split and cfg.block_m == 64) or kw["head_dim"] == 256
+        cols = kw["head_dim"] // 2 if half else kw["head_dim"]
+        rows = 64 if split else cfg.block_m
+        assert rep["fp32_boxes"] == [[rows * cols // 32, 32]], rep
+        assert rep["sts128"] >= 8 and rep["sts64_fp32_staging"] == 0, rep
+    else:
+        # row-major staging tile: d=64 with a 32-byte swizzle (8-column boxes,
+        # BwdConfig.dq_swizzle), the others 128 bytes (32 columns)
+        assert [box[1] for box in rep["fp32_boxes"]] == [cfg.dq_swizzle // 4], rep
 
 
 # Head dims between the widths (96, 192/128, ...): q, k, v and dO through 3-D TMA boxes that
@@ -319,7 +310,7 @@ def test_defaults_where_the_h200_measured_a_gain():
     for rows in (512, 16384):
         cfg = sel(64, max_seqlen_q=rows)
         assert cfg.split_warpgroups and cfg.ws_dq_warp and cfg.dq_fragment, cfg
-        assert bwd._splits_warpgroups(64, cfg, False, False)
+        assert bwd._splits_warpgroups(64, cfg, False)
     for kw in ({"softcap": True}, {"deterministic": True}):
         cfg = sel(64, **{"max_seqlen_q": 16384, **kw})
         assert not (cfg.dq_fragment or cfg.ws_dq_warp), kw
@@ -343,7 +334,7 @@ def test_defaults_where_the_h200_measured_a_gain():
     for width, over in ((128, short), (64, replace(short, block_m=128))):  # no room for it
         with pytest.raises(ValueError, match="ws_kv_buffers"):
             sel(width, over)
-    assert bwd._splits_warpgroups(64, short, False, False)
+    assert bwd._splits_warpgroups(64, short, False)
     for kw in ({"softcap": True}, {"masked": True, "window": True, "max_seqlen_q": 16384}):
         assert not sel(64, **kw).split_warpgroups, kw
     # persistent grids (BwdConfig.ws_persistent): unmasked d=128, unmasked d=64 up to 1k rows
@@ -382,16 +373,14 @@ def test_config_outside_the_hardwired_layouts_refused():
         bwd.select_config(128, bwd.BwdConfig(split_warpgroups=True, ring_slots=1))
 
 
-def test_deterministic_calls_take_the_split_kernel_unless_switched_off():
+def test_deterministic_calls_take_the_split_kernel_without_softcap():
     cfg = bwd.select_config(128, deterministic=True)
-    assert cfg.split_warpgroups and bwd._splits_warpgroups(128, cfg, True, False)
-    assert not bwd._splits_warpgroups(128, replace(cfg, ws_deterministic=False), True, False)
-    assert bwd._splits_warpgroups(128, cfg, False, False)
+    assert cfg.split_warpgroups and bwd._splits_warpgroups(128, cfg, False)
     # dV stays in flight there (measured +0-5 %), not in the default mode (a tie)
     assert cfg.dv_overlap and not bwd.select_config(128).dv_overlap
     assert not bwd.select_config(128, softcap=True, deterministic=True).dv_overlap
     # softcap stays on bwd.py's kernel either way
-    assert not bwd._splits_warpgroups(128, replace(cfg, ws_deterministic=True), True, True)
+    assert not bwd._splits_warpgroups(128, cfg, True)
 
 
 def test_unsupported_backward_reports_reason_on_cpu():
@@ -433,13 +422,11 @@ def test_dk_dv_tma_store_only_where_no_key_block_straddles_sequences():
     assert bwd.kv_tma_store(True, 700, 1, 128)
     assert not bwd.kv_tma_store(False, 512, 2, 128)  # varlen / seqused_k
 
-    def plan(max_k, batch, uniform=True, cfg=None):
+    def plan(max_k, batch, uniform=True):
         return bwd.launch_plan(128, 128, max_k, max_k, uniform, not uniform, -1, -1, False,
-                               False, batch, 4, 132, cfg).constexprs["KV_TMA_STORE"]
+                               False, batch, 4, 132, None).constexprs["KV_TMA_STORE"]
 
     assert plan(512, 4) and not plan(700, 2) and not plan(512, 4, uniform=False)
-    assert not plan(512, 4, cfg=bwd.BwdConfig(block_m=64, dv_overlap=False,
-                                              kv_tma_store=False))
 
 
 def test_every_backward_kernel_skips_key_blocks_numbered_below_zero():
@@ -590,9 +577,6 @@ def test_d256_dq_staging_in_the_operand_buffers_only_where_it_fits():
     c = bwd._constexprs(256, 256, replace(det, dq_hi_late=True, turn_release=0),
                         deterministic=True, **feats)
     assert c["RELEASE_AT"] == 0 and c["DQ_IN_OPS"] and not c["HI_LATE"]
-    # dQ by per-thread atomics: nothing is staged
-    c = bwd._constexprs(256, 256, replace(cfg, dq_tma=False), **feats)
-    assert not (c["DQ_IN_OPS"] or c["HI_LATE"])
     # head dims <= 128 run other kernels: no such switches
     assert "DQ_IN_OPS" not in bwd._constexprs(128, 128, bwd.select_config(128), **feats)
 
@@ -606,9 +590,6 @@ def test_turn_release_by_warp_zero_only_in_the_wide_kernel():
     det = bwd.select_config(256, deterministic=True)
     assert det.turn_release == 3
     assert bwd._constexprs(256, 256, det, deterministic=True, **feats)["RELEASE_AT"] == 3
-    # atomics release each turn in its own step: no RELEASE_AT there
-    c = bwd._constexprs(256, 256, replace(det, dq_tma=False), deterministic=True, **feats)
-    assert c["RELEASE_AT"] == 0
     for d in (64, 128):
         assert bwd.select_config(d, deterministic=True).turn_release == 1
         with pytest.raises(ValueError, match="turn_release"):
@@ -696,8 +677,6 @@ def test_first_stores_only_where_every_query_block_gets_a_first_turn():
     assert not rule(cfg, True, True, 512, 0, -1, True)  # no keys
     assert not rule(cfg, True, True, 300, 300, -1, False)  # a row-major box spans sequences
     assert rule(cfg, True, True, 300, 300, -1, True)  # fragment tiles never do
-    assert not rule(replace(cfg, dq_tma=False), True, True, 512, 512, -1, False)
-    assert not rule(replace(cfg, first_stores=False), True, True, 512, 512, -1, False)
     # the launch plan passes it to bwd_ws's kernel alone, and only in deterministic mode
     plan = bwd.launch_plan(128, 128, 512, 512, True, False, -1, -1, False, True, 2, 4, 132,
                            None, hq=4)

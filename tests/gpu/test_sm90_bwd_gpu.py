@@ -214,17 +214,12 @@ SPLIT_CASES_D64 = [c for c in CASES if c["d"] == 64 and not c.get("softcap")]
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("variant", [dict(late_warpgroup=1), dict(late_warpgroup=-1),
-                                     dict(split_warpgroups=False), dict(dv_overlap=True),
-                                     dict(dq_fragment=False),
-                                     dict(dq_fragment=False, late_warpgroup=-1),
-                                     dict(ws_dk_after_dq=False),
-                                     dict(ws_dk_after_dq=False, late_warpgroup=-1),
+@pytest.mark.parametrize("variant", [dict(split_warpgroups=False), dict(dv_overlap=True),
+                                     dict(dq_fragment=False), dict(ws_dk_after_dq=False),
                                      dict(ws_dq_warp=True),
                                      dict(ws_dq_warp=True, dq_fragment=False)],
-                         ids=["late1", "in-step", "synchronous", "dv-overlap",
-                              "dq-row-major", "dq-row-major-in-step", "dk-before-dq",
-                              "dk-before-dq-in-step", "dq-warp", "dq-warp-row-major"])
+                         ids=["synchronous", "dv-overlap", "dq-row-major", "dk-before-dq",
+                              "dq-warp", "dq-warp-row-major"])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c["name"])
 def test_sm90_backward_d128_schedules_match_reference(case, variant):
     from dataclasses import replace
@@ -260,7 +255,7 @@ def test_sm90_backward_d64_split_warpgroups_match_reference(case, variant):
     unmasked_default = dict(split_warpgroups=True, ws_dq_warp=True, dq_fragment=True,
                             dq_swizzle=128)
     cfg = replace(base, **{**unmasked_default, **variant})
-    assert bwd._splits_warpgroups(64, cfg, False, False)
+    assert bwd._splits_warpgroups(64, cfg, False)
     for name, (g, r32, rlow, atol) in run_case(case, cfg=cfg).items():
         assert_fa_close(name, g, r32, rlow, atol=atol)
 
@@ -293,7 +288,7 @@ def test_sm90_backward_mask_modes_match_reference(case, variant):
                   split_warpgroups=True, **variant)
     if width == 64 and cfg.block_m == 128:
         cfg = replace(cfg, ws_dq_warp=True, dq_fragment=True, dq_swizzle=128)
-    assert bwd._splits_warpgroups(width, cfg, False, False)
+    assert bwd._splits_warpgroups(width, cfg, False)
     if cfg.ws_persistent:
         seq = make_case(case, "cuda")[4]
         if not bwd.persists(cfg, seq.uniform and seq.seqused_k is None):
@@ -562,7 +557,7 @@ def test_sm90_deterministic_first_stores_leave_no_stale_dq(case, skips, monkeypa
 
 
 # Deterministic mode on kernels and schedules the default config does not pick: at d=128
-# bwd.py's synchronous kernel (ws_deterministic=False; softcap calls take it anyway) and
+# bwd.py's synchronous kernel (split_warpgroups=False; softcap calls take it anyway) and
 # bwd_ws.py's with dV retired before dSᵀ is formed (dv_overlap=False), with row-major dQ
 # tiles (dq_fragment=False, or with a 32-byte swizzle), with dK issued behind dQ
 # (ws_dk_after_dq), at d=64 bwd.py's synchronous kernel
@@ -570,7 +565,7 @@ def test_sm90_deterministic_first_stores_leave_no_stale_dq(case, skips, monkeypa
 # without the late high dQ half (BwdConfig.dq_hi_late, the default) and with it where the
 # turn is released at the main barrier or before the next take.
 DET_VARIANTS = [(c, variant) for c in DET_CASES if c["d"] in (96, 128) and not c.get("softcap")
-                for variant in (dict(ws_deterministic=False), dict(dv_overlap=False),
+                for variant in (dict(split_warpgroups=False), dict(dv_overlap=False),
                                 dict(dq_fragment=False, dq_swizzle=32),
                                 dict(dq_fragment=False), dict(ws_dk_after_dq=True))] + \
     [(c, variant) for c in DET_CASES if c["d"] == 64 and not c.get("softcap")

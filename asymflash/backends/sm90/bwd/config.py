@@ -16,20 +16,10 @@ class BwdConfig:
 
     block_m: int = 64  # query rows per step (the N of the Sᵀ/dPᵀ MMAs, the M of dQ)
     block_n: int = 128  # keys per CTA: two warpgroups of 64 (d <= 128), or shared (d = 256)
-    num_warps: int = 8  # two warpgroups; the MMA layouts below assume exactly 8
     # Keep dV = Pᵀ·dO in flight while dSᵀ is formed (more registers). A tie in bwd_ws's
     # default mode, a small gain in deterministic mode (on there, `select_config`).
     dv_overlap: bool = True
     dp_early: bool = True  # issue dPᵀ = V·dOᵀ with Sᵀ, overlapping the exponentials (more regs)
-    # dQ partials leave through one TMA reduce-add per step (cp.reduce.async.bulk.tensor)
-    # instead of per-thread fp32 atomics (deterministic mode: the turn passes on once the
-    # reduce has completed, and a CTA waits for its turn while the step's last MMAs run).
-    dq_tma: bool = True
-    # Masks without a window: key block j starts its walk over the query blocks at step
-    # j·(steps // key blocks) instead of 0 (sched.walk_start), so the CTAs of a sequence
-    # do not all reduce into the same dQ rows at once, and deterministic turns follow that
-    # schedule instead of queueing every CTA behind the one before it.
-    stagger: bool = True
     # Deterministic mode, when a CTA passes a dQ turn on (its TMA reduce must have landed):
     # 0 in the step that issued it (waiting for the reduce there), 1 at the next step's main
     # barrier, 2 at the next step's reduce point (the reduce has had a whole step to land, but
@@ -39,13 +29,6 @@ class BwdConfig:
     # (`release_dq_turn_after_tma`'s FROM_WARP): the fence a release implies (a MEMBAR) then
     # waits under the dV and dPᵀ MMAs instead of holding every warp at the barrier.
     turn_release: int = 1
-    # Deterministic mode on bwd_ws and bwd_wide: each query block's first dQ turn stores its
-    # tiles, so the preprocess does not zero dQ_acc, where every query block has a first turn
-    # and meets at most 1k keys (`host.first_stores`).
-    first_stores: bool = True
-    # dK and dV leave through shared memory and TMA stores where no key block straddles two
-    # sequences (`kv_tma_store`), instead of masked per-thread stores.
-    kv_tma_store: bool = True
     # Issue dK += dSᵀ·Q after dQ = dS·K (not before it) and retire it only at the end of the
     # step: the tensor cores run dK while dQ is staged and reduced (scripts/bwd-timeline.py
     # showed them idle there). It moves the gap rather than filling it: dK no longer covers
@@ -60,17 +43,13 @@ class BwdConfig:
     stats_late: bool = True
     # The warp-specialised kernel (`kernel_ws.py`): a load warp, and the two warpgroups out of
     # phase, meeting only through mbarriers (dQ by column halves, one reduce each). On at
-    # d=128; at d=64 with `ws_dq_warp` (`select_config`). Not for softcap or dQ atomics, nor
-    # for deterministic mode without `ws_deterministic` (`_splits_warpgroups`: those keep
-    # kernel.py's kernel).
+    # d=128; at d=64 with `ws_dq_warp` (`select_config`). Not for softcap
+    # (`_splits_warpgroups`: it keeps kernel.py's kernel). In deterministic mode a dQ warp of
+    # its own waits for the turns and adds both warpgroups' tiles, so the turns' round trips
+    # leave the compute warpgroups' path (kernel.py's kernel has no registers for such a
+    # warp): deterministic mode then costs a few percent instead of tens (docs/tuning.md).
     split_warpgroups: bool = False
-    late_warpgroup: int = 0  # bwd_ws: the warpgroup that computes dQ one step late (-1: none)
     ring_slots: int = 2  # bwd_ws: steps of Q/dO (and their statistics) its load warp keeps
-    # Deterministic mode on bwd_ws's kernel: a dQ warp of its own waits for the turns and
-    # adds both warpgroups' tiles, so the turns' round trips leave the compute warpgroups'
-    # path (kernel.py's kernel has no registers for such a warp): deterministic mode then
-    # costs a few percent instead of tens (see docs/tuning.md).
-    ws_deterministic: bool = True
     # Swizzle (bytes) of the fp32 dQ staging tile. With 128 (Triton's default for its 256-byte
     # rows) each warp's 64-bit stores from the wgmma accumulator take 4 shared-memory
     # wavefronts instead of 2 (ncu source counters: 9 % of all the kernel's wavefronts at
@@ -223,13 +202,12 @@ def head_chunk(cfg: BwdConfig, masked: bool, uniform: bool, deterministic: bool,
     return fits[-1] if flat - chunked > CHUNK_GAIN else 0
 
 
-def _splits_warpgroups(head_dim: int, cfg: BwdConfig, deterministic: bool,
-                       softcap: bool) -> bool:
+def _splits_warpgroups(head_dim: int, cfg: BwdConfig, softcap: bool) -> bool:
     """Whether a call runs `bwd_ws`'s kernel (BwdConfig.split_warpgroups). Not with softcap:
     its chain-rule tile does not fit a partition's 240 registers (sm_90a: 40 local-memory
-    instructions in every step). Deterministic calls only with `ws_deterministic`."""
+    instructions in every step)."""
     return (cfg.split_warpgroups and (head_dim, cfg.block_m) in ((128, 64), (64, 64), (64, 128))
-            and cfg.dq_tma and (cfg.ws_deterministic or not deterministic) and not softcap)
+            and not softcap)
 
 
 def select_config(head_dim: int, override: BwdConfig | None = None,
@@ -318,9 +296,7 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
     if cfg.turn_release not in (0, 1, 2, 3) or (cfg.turn_release == 3 and head_dim != 256):
         raise ValueError(f"unsupported sm90 backward config {cfg} at head dim {head_dim}: "
                          "turn_release is 0, 1 or 2, or 3 at head dim 256")
-    if cfg.num_warps != 8 or cfg.block_n != block_n or cfg.block_m not in block_ms \
-            or cfg.ring_slots < 2:
+    if cfg.block_n != block_n or cfg.block_m not in block_ms or cfg.ring_slots < 2:
         raise ValueError(f"unsupported sm90 backward config {cfg} at head dim {head_dim}: "
-                         f"needs 8 warps, block_n {block_n}, block_m in {block_ms}, "
-                         "ring_slots >= 2")
+                         f"needs block_n {block_n}, block_m in {block_ms}, ring_slots >= 2")
     return cfg

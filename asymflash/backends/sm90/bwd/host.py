@@ -1,7 +1,7 @@
 """FlashAttention backward for Hopper (sm_90a), written in Gluon.
 
 This module's kernel runs d=64 with softcap, a sliding window, or a causal mask below 2k
-rows, and d=128 with softcap (or with ws_deterministic=False, deterministic=True); other
+rows, and d=128 with softcap; other
 d=64 and d=128 calls run `kernel_ws.py`'s warp-specialised version of the same plan
 (warpgroups out of phase, BwdConfig.split_warpgroups), d=256 `kernel_wide.py`. The host
 side here serves all three.
@@ -39,8 +39,8 @@ Masks (bottom-right aligned, `core/params.py`) are applied only on the query blo
 the causal diagonal or window edges, or when the key block runs past the sequence; query rows
 past the sequence end need no mask (their lse reads as +inf, so P = 0 there).
 
-dQ partials of all key blocks meet in dQ_acc. Per-thread fp32 atomics (`dq_tma=False`) cost
-+40 % at d=128 16k in L2 reduction traffic (measured with them predicated off); one TMA
+dQ partials of all key blocks meet in dQ_acc. Per-thread fp32 atomics cost +40 % at d=128
+16k in L2 reduction traffic (measured with them predicated off); one TMA
 reduce-add per step (cp.reduce.async.bulk.tensor, issued from the staged tile by one thread
 per warp of the first warpgroup, one 32-column box each) moves the same bytes as whole lines
 (much faster: see docs/tuning.md). Rows past the sequence add exact zeros (P = 0), so the box needs
@@ -55,7 +55,7 @@ mask), so "my turn" is counter == j - n_first (ascending order), or n_last - j f
 masks (descending: there the top key block reaches each query block first, so ascending turns
 would serialise the CTAs into a wavefront; measured +110-130 % vs +20-35 % for non-causal).
 The grid runs in turn order (x), so every CTA waited on has started earlier: no deadlock.
-Masks without a window walk staggered instead (BwdConfig.stagger, sched.walk_start): key
+Masks without a window walk staggered instead (`_constexprs`, sched.walk_start): key
 block j starts at step j·(steps // key blocks), and a query block's turns follow the order in
 which that schedule visits it, so CTAs running at the same pace never wait; a CTA then may
 wait for one launched after it, so this needs every key block of a sequence resident at once
@@ -76,7 +76,7 @@ dim, config, feature switches).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -122,7 +122,8 @@ def _launch_options(split: bool, cfg: BwdConfig) -> dict:
     # bwd_ws: 4 warps per compute warpgroup (the default partition is one), the load warp
     # padded to a warpgroup; maxnreg is the pool the partitions' setmaxnreg draw from
     # (168 * 384 = 64512 <= 64K registers).
-    return {"num_warps": 4, "maxnreg": 168} if split else {"num_warps": cfg.num_warps}
+    # kernel.py and kernel_wide.py: two warpgroups (their MMA layouts assume exactly 8 warps)
+    return {"num_warps": 4, "maxnreg": 168} if split else {"num_warps": 8}
 
 
 
@@ -130,25 +131,28 @@ def _launch_options(split: bool, cfg: BwdConfig) -> dict:
 def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, has_left,
                 has_right, softcap, deterministic=False, max_key_blocks=1, resident_ctas=1,
                 kv_tma_store=False, split=False, heads_first_grid=0, first_stores=False):
-    # A staggered deterministic walk makes key block j wait for j + 1 at some query blocks, so
-    # every key block of a sequence must be resident at once (one CTA per SM): otherwise
-    # ascending turns, where a CTA only waits for CTAs launched before it.
-    stagger = (cfg.stagger and not has_left and not has_right
+    # Masks without a window stagger the walk: key block j starts at step
+    # j·(steps // key blocks) instead of 0 (sched.walk_start), so the CTAs of a sequence do
+    # not all reduce into the same dQ rows at once, and deterministic turns follow that
+    # schedule instead of queueing every CTA behind the one before it. A staggered
+    # deterministic walk makes key block j wait for j + 1 at some query blocks, so every key
+    # block of a sequence must be resident at once (one CTA per SM): otherwise ascending
+    # turns, where a CTA only waits for CTAs launched before it.
+    stagger = (not has_left and not has_right
                and (not deterministic or max_key_blocks <= resident_ctas))
     consts = {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim_v, "BLOCK_M": cfg.block_m,
             "BLOCK_N": cfg.block_n, "UNIFORM": uniform,
             "HAS_SEQUSED": has_seqused, "HAS_LEFT": has_left, "HAS_RIGHT": has_right,
             "SOFTCAP": softcap, "DV_OVERLAP": cfg.dv_overlap,
             "DP_EARLY": cfg.dp_early, "DETERMINISTIC": deterministic,
-            "DQ_TMA": cfg.dq_tma,
-            "STAGGER": stagger, "RELEASE_AT": cfg.turn_release if cfg.dq_tma else 0,
+            "STAGGER": stagger, "RELEASE_AT": cfg.turn_release,
             "KV_TMA_STORE": kv_tma_store,
             "HEADS_FIRST": heads_first_grid}
     if head_dim != 256:  # bwd_wide splits dK/dQ by columns: its schedule has no such choice
         consts["DK_LATE"] = cfg.dk_late
     else:
         # the dO buffer holds a 32 KB half of dQ only at dv = 256 (192/128 runs dv = 128)
-        consts["DQ_IN_OPS"] = cfg.dq_in_operands and cfg.dq_tma and head_dim_v == head_dim
+        consts["DQ_IN_OPS"] = cfg.dq_in_operands and head_dim_v == head_dim
         # Deterministic mode: a turn released in its own step (RELEASE_AT 0) must see both
         # halves land there; released in the next step (1, 2, 3), after the late high half's
         # issue, it waits for that reduce too (wait_group 0 covers every reduce issued).
@@ -156,7 +160,7 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
             deterministic and consts["RELEASE_AT"] == 0)
     consts["STATS_LATE"] = cfg.stats_late
     if split:
-        consts["LATE_WG"] = cfg.late_warpgroup
+        consts["LATE_WG"] = 0  # the warpgroup that computes dQ one step late (ws_roles)
         consts["RING"] = cfg.ring_slots
         consts["DK_AFTER_DQ"] = cfg.ws_dk_after_dq
         consts["DQ_WARP"] = cfg.ws_dq_warp and not deterministic
@@ -194,8 +198,7 @@ def first_stores(cfg: BwdConfig, deterministic: bool, dense: bool, seqlen_q: int
     the first row's keys (seqlen_k - seqlen_q + right >= 0; a left bound never empties a
     row here). And only where a stored box holds no other sequence's rows: fragment-order
     tiles never do (dq_fragments.py), row-major ones where the blocks tile each sequence."""
-    if not (deterministic and cfg.first_stores and cfg.dq_tma and dense and seqlen_q >= 1
-            and seqlen_k >= 1):
+    if not (deterministic and dense and seqlen_q >= 1 and seqlen_k >= 1):
         return False
     if window_right >= 0 and seqlen_k - seqlen_q + window_right < 0:
         return False
@@ -214,9 +217,10 @@ FIRST_STORES_MAX_KEYS = 1024
 
 
 def kv_tma_store(uniform: bool, max_seqlen_k: int, batch: int, block_n: int) -> bool:
-    """Whether dK and dV can leave by TMA stores of whole key blocks: no block may hold
-    keys of two sequences (dense lengths, a multiple of block_n), except the tensor's last,
-    whose rows past the end the TMA unit clips."""
+    """Whether dK and dV can leave by TMA stores of whole key blocks (through shared memory,
+    instead of masked per-thread stores): no block may hold keys of two sequences (dense
+    lengths, a multiple of block_n), except the tensor's last, whose rows past the end the TMA
+    unit clips."""
     return uniform and (max_seqlen_k % block_n == 0 or batch == 1)
 
 
@@ -240,7 +244,7 @@ def _fragments(cfg: BwdConfig, split: bool, head_dim: int) -> bool:
     """Whether dQ leaves in fragment order (`dq_fragments.py`): TMA reduces of bwd_ws's
     tiles, of kernel.py's 128-row ones (two warpgroups of 64 rows; d=64), or of bwd_wide's
     128-column halves (the warpgroups' 64 columns each; d=256)."""
-    return cfg.dq_fragment and cfg.dq_tma and (split or cfg.block_m == 128 or head_dim == 256)
+    return cfg.dq_fragment and (split or cfg.block_m == 128 or head_dim == 256)
 
 
 def _dq_box_and_layout(head_dim: int, cfg: BwdConfig, split: bool) -> tuple[tuple, object]:
@@ -272,9 +276,12 @@ def _unused_semaphore(device: torch.device) -> torch.Tensor:
 
 
 def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
-                       cfg: BwdConfig | None = None, arch=90, heads_axis=False, **features):
+                       cfg: BwdConfig | dict | None = None, arch=90, heads_axis=False,
+                       **features):
     """Compile the backward kernel without a GPU (CI check); returns triton's CompiledKernel.
-    heads_axis: with the (rows, heads, dim) descriptors of head dims between the widths."""
+    cfg: a config, or a dict of overrides of the one `select_config` picks for these
+    features; heads_axis: with the (rows, heads, dim) descriptors of head dims between the
+    widths."""
     if GLUON_ERROR is not None:
         raise RuntimeError(GLUON_ERROR)
     from triton.backends.compiler import GPUTarget
@@ -284,10 +291,13 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
     feats = {"uniform": True, "has_seqused": False, "has_left": False, "has_right": False,
              "softcap": False, "deterministic": False}
     feats.update(features)
-    cfg = select_config(head_dim, cfg, feats["softcap"], feats["deterministic"],
-                        feats["has_left"] or feats["has_right"], window=feats["has_left"])
-    feats.setdefault("kv_tma_store", cfg.kv_tma_store and feats["uniform"]
-                     and not feats["has_seqused"])
+    overrides = cfg if isinstance(cfg, dict) else None
+    cfg = select_config(head_dim, None if overrides is not None else cfg, feats["softcap"],
+                        feats["deterministic"], feats["has_left"] or feats["has_right"],
+                        window=feats["has_left"])
+    if overrides:
+        cfg = select_config(head_dim, replace(cfg, **overrides))
+    feats.setdefault("kv_tma_store", feats["uniform"] and not feats["has_seqused"])
     ty = common.SIG_DTYPES[dtype]
 
     def rows_desc(block):
@@ -299,7 +309,7 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
             return rows_desc([block[0], 1, block[1]])
         return rows_desc(block)
 
-    split = _splits_warpgroups(head_dim, cfg, feats["deterministic"], feats["softcap"])
+    split = _splits_warpgroups(head_dim, cfg, feats["softcap"])
     dq_block, dq_layout = _dq_box_and_layout(head_dim, cfg, split)
     signature = {
         "q_desc": desc([cfg.block_m, head_dim]), "k_desc": desc([cfg.block_n, head_dim]),
@@ -546,7 +556,7 @@ def launch_plan(width: int, width_v: int, max_seqlen_q: int, max_seqlen_k: int,
     cfg = select_config(width, cfg, softcap, deterministic,
                         window_left >= 0 or window_right >= 0, max_seqlen_q, window_left >= 0)
     key_blocks = cdiv(max(max_seqlen_k, 1), cfg.block_n)
-    split = _splits_warpgroups(width, cfg, deterministic, softcap)
+    split = _splits_warpgroups(width, cfg, softcap)
     dense = uniform and not has_seqused
     chunk = head_chunk(cfg, window_right >= 0 and window_left < 0, dense, deterministic,
                        split and persists(cfg, dense, softcap), hq or hkv, hkv, batch,
@@ -562,8 +572,7 @@ def launch_plan(width: int, width_v: int, max_seqlen_q: int, max_seqlen_k: int,
                          softcap=softcap, deterministic=deterministic,
                          max_key_blocks=key_blocks, resident_ctas=sms,
                          heads_first_grid=first,
-                         kv_tma_store=cfg.kv_tma_store and kv_tma_store(
-                             uniform, max_seqlen_k, batch, cfg.block_n),
+                         kv_tma_store=kv_tma_store(uniform, max_seqlen_k, batch, cfg.block_n),
                          first_stores=first_stores(cfg, deterministic, dense, max_seqlen_q,
                                                    max_seqlen_k, window_right,
                                                    _fragments(cfg, split, width)))

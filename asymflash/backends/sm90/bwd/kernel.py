@@ -28,7 +28,6 @@ if GLUON_ERROR is None:
         walk_start,
     )
     from .parts import (
-        add_dq,
         after_dq_reduce,
         fragment_block,
         in_fragments,
@@ -73,7 +72,6 @@ if GLUON_ERROR is None:
                          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
                          DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                         DQ_TMA: gl.constexpr,
                          STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
                          KV_TMA_STORE: gl.constexpr,
                          DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr,
@@ -121,10 +119,9 @@ if GLUON_ERROR is None:
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                            dtype)
             ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-            if DQ_TMA:
-                # dQ partials leave through one TMA reduce-add per step from here.
-                dq_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape,
-                                                    dq_desc.layout)
+            # dQ partials leave through one TMA reduce-add per step from here.
+            dq_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape,
+                                                dq_desc.layout)
             kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
             ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             mbarrier.init(kv_bar.index(0), count=1)
@@ -219,14 +216,13 @@ if GLUON_ERROR is None:
                 # dQ reads both warpgroups' halves of dSᵀ: make the stores visible to the
                 # async proxy, then wait for every warp. Past this barrier every warp has also
                 # retired all MMAs of step it-1, so that step's ring slot can be refilled, and
-                # (DQ_TMA) the issuing thread has seen step it-1's dQ reduce read dq_smem.
+                # the issuing thread has seen step it-1's dQ reduce read dq_smem.
                 fence_async_shared()
-                if DQ_TMA:
-                    if DETERMINISTIC:
-                        if RELEASE_AT == 1:
-                            if it > 0:  # the previous step's turn (see the reduce below)
-                                release_dq_turn_after_tma(held, m0)
-                    tma.store_wait(0)
+                if DETERMINISTIC:
+                    if RELEASE_AT == 1:
+                        if it > 0:  # the previous step's turn (see the reduce below)
+                            release_dq_turn_after_tma(held, m0)
+                tma.store_wait(0)
                 thread_barrier()
                 load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 1 - slot, h_next,
                           q_start + m0_next, HEAD_DIM, HEAD_DIM_V, it + 1 < n_steps)
@@ -241,12 +237,11 @@ if GLUON_ERROR is None:
                     if it + 1 < n_steps:
                         stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
                                      m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
-                if DETERMINISTIC:
-                    if DQ_TMA:  # the semaphore's round trip under the dK/dQ MMAs
-                        sem, _ = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
-                                              m0, n_blk, n_seq, shift, window_left, window_right,
-                                              h_first, m_lo, group_blocks, stride, BLOCK_M, BLOCK_N,
-                                              HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT, WARP_SPIN)
+                if DETERMINISTIC:  # the semaphore's round trip under the dK/dQ MMAs
+                    sem, _ = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks, m0,
+                                          n_blk, n_seq, shift, window_left, window_right, h_first,
+                                          m_lo, group_blocks, stride, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                          HAS_RIGHT, STAGGER, RELEASE_AT, WARP_SPIN)
                 if DK_LATE:  # groups retire in order: dQ (and dV) now, dK in flight
                     if DV_OVERLAP:
                         dv, dq, p_op = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok, p_op])
@@ -258,51 +253,30 @@ if GLUON_ERROR is None:
                 else:
                     dk, dq, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, dq_tok, ds_op])
 
-                if DQ_TMA:
-                    # Rows past this sequence get exact zeros (P = 0 there): no row mask. Rows
-                    # past the tensor are clipped by the TMA unit.
-                    FRAG: gl.constexpr = in_fragments(dq_desc.layout)
-                    stage_dq(dq_smem, dq * softmax_scale, FRAG, BLOCK_M, HEAD_DIM)
-                    fence_async_shared()
-                    if DETERMINISTIC:
-                        if not DQ_TMA:
-                            sem, _ = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
-                                                  num_m_blocks, m0, n_blk, n_seq, shift,
-                                                  window_left, window_right, h_first, m_lo,
-                                                  group_blocks, stride, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                                  HAS_RIGHT, STAGGER, RELEASE_AT, WARP_SPIN)
-                    thread_barrier()
-                    if FRAG:  # rows of the two 64-row blocks from `fragment_block` in the
-                        # fragment buffer, columns of head h (dq_fragments.py)
-                        block = fragment_block(q_start, m0)
-                        tma_reduce_add(dq_desc, [block * (2 * HEAD_DIM), h * 32], dq_smem)
-                    else:
-                        tma_reduce_add(dq_desc, [q_start + m0, h * HEAD_DIM], dq_smem)
-                    if DETERMINISTIC:
-                        held = after_dq_reduce(sem, m0, RELEASE_AT)
+                # Rows past this sequence get exact zeros (P = 0 there): no row mask. Rows past
+                # the tensor are clipped by the TMA unit.
+                FRAG: gl.constexpr = in_fragments(dq_desc.layout)
+                stage_dq(dq_smem, dq * softmax_scale, FRAG, BLOCK_M, HEAD_DIM)
+                fence_async_shared()
+                thread_barrier()
+                if FRAG:  # rows of the two 64-row blocks from `fragment_block` in the fragment
+                    # buffer, columns of head h (dq_fragments.py)
+                    block = fragment_block(q_start, m0)
+                    tma_reduce_add(dq_desc, [block * (2 * HEAD_DIM), h * 32], dq_smem)
                 else:
-                    if DETERMINISTIC:  # atomics: each turn is released in its own step
-                        sem, _ = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
-                                              m0, n_blk, n_seq, shift, window_left, window_right,
-                                              h_first, m_lo, group_blocks, stride, BLOCK_M, BLOCK_N,
-                                              HAS_LEFT, HAS_RIGHT, STAGGER, 0, WARP_SPIN)
-                    add_dq(dq_ptr, dq * softmax_scale, m0, q_start, seqlen_q, n_heads, h, 0,
-                           HEAD_DIM, BLOCK_M, HEAD_DIM, dq_layout)
-                    if DETERMINISTIC:
-                        # Every thread's adds are issued before the next block starts its own.
-                        thread_barrier()
-                        gl.atomic_add(sem, 1, sem="release")
+                    tma_reduce_add(dq_desc, [q_start + m0, h * HEAD_DIM], dq_smem)
+                if DETERMINISTIC:
+                    held = after_dq_reduce(sem, m0, RELEASE_AT)
                 if DK_LATE:
                     dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])
                 h = h_next
                 m0 = m0_next
 
-            if DQ_TMA:
-                if DETERMINISTIC:
-                    if RELEASE_AT != 0:
-                        if n_steps > 0:
-                            release_dq_turn_after_tma(held, n_steps)
-                tma.store_wait(0)  # the last reduce reads dq_smem
+            if DETERMINISTIC:
+                if RELEASE_AT != 0:
+                    if n_steps > 0:
+                        release_dq_turn_after_tma(held, n_steps)
+            tma.store_wait(0)  # the last reduce reads dq_smem
             for st in gl.static_range(2):
                 mbarrier.invalidate(ready.index(st))
             mbarrier.invalidate(kv_bar.index(0))

@@ -66,7 +66,6 @@ if GLUON_ERROR is None:
         walk_start,
     )
     from .parts import (
-        add_dq,
         add_dq_tile,
         after_dq_reduce,
         fragment_block,
@@ -101,7 +100,6 @@ if GLUON_ERROR is None:
                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                              SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
                              DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                             DQ_TMA: gl.constexpr,
                              STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
                              KV_TMA_STORE: gl.constexpr,
                              STATS_LATE: gl.constexpr, HEADS_FIRST: gl.constexpr,
@@ -109,8 +107,8 @@ if GLUON_ERROR is None:
                              FIRST_STORES: gl.constexpr = False):
         # dPᵀ is always issued with Sᵀ here (DP_EARLY is kernel.py's register trade-off), and dV
         # is always retired before dSᵀ is published (barrier 2 relies on it); DV_OVERLAP keeps
-        # it in flight while dSᵀ is formed. DQ_TMA: dQ leaves by TMA reduce-add in two
-        # 128-column halves (dq_desc's box) through one staging tile.
+        # it in flight while dSᵀ is formed. dQ leaves by TMA reduce-add in two 128-column
+        # halves (dq_desc's box).
         DQ_COLS: gl.constexpr = HEAD_DIM // 2
         # All four tiles split over the warpgroups by columns (warps_per_cta [4, 2]).
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -155,7 +153,7 @@ if GLUON_ERROR is None:
             pt_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pt_layout)
             ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pt_layout)
             kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-            if DQ_TMA and not DQ_IN_OPS:
+            if not DQ_IN_OPS:
                 dq_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape,
                                                     dq_desc.layout)
             q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -236,14 +234,13 @@ if GLUON_ERROR is None:
                 pt_smem.store(p.to(dtype))
                 p = p_ds
                 fence_async_shared()
-                if DQ_TMA:
-                    if DETERMINISTIC:
-                        if RELEASE_AT == 1:
-                            if it > 0:  # the previous step's turn (kernel.py)
-                                release_dq_turn_after_tma(held, m0)
-                    # the previous step's dQ reduces have read their staging (dq_smem, or
-                    # with DQ_IN_OPS that step's dO buffer and Q slot, loaded next)
-                    tma.store_wait(0)
+                if DETERMINISTIC:
+                    if RELEASE_AT == 1:
+                        if it > 0:  # the previous step's turn (kernel.py)
+                            release_dq_turn_after_tma(held, m0)
+                # the previous step's dQ reduces have read their staging (dq_smem, or with
+                # DQ_IN_OPS that step's dO buffer and Q slot, loaded next)
+                tma.store_wait(0)
                 thread_barrier()  # barrier 1
                 load_rows(q_desc, q_smem.index(1 - slot), q_ready.index(1 - slot),
                           q_start + m0_next, h_next, HEAD_DIM, it + 1 < n_steps)
@@ -282,98 +279,72 @@ if GLUON_ERROR is None:
                     if it + 1 < n_steps:
                         stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
                                     m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
-                if DETERMINISTIC:
-                    if DQ_TMA:  # the semaphore's round trip under the MMAs (kernel.py)
-                        sem, first = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
-                                                  num_m_blocks, m0, n_blk, n_seq, shift,
-                                                  window_left, window_right, h_first, m_lo,
-                                                  group_blocks, stride, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                                  HAS_RIGHT, STAGGER, RELEASE_AT, True)
+                if DETERMINISTIC:  # the semaphore's round trip under the MMAs (kernel.py)
+                    sem, first = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
+                                              m0, n_blk, n_seq, shift, window_left, window_right,
+                                              h_first, m_lo, group_blocks, stride, BLOCK_M,
+                                              BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
+                                              True)
                 # Groups retire in order: the low dQ half is added while the high one runs.
                 dk, dq_lo = warpgroup_mma_wait(1, deps=[dk_tok, dq_lo_tok])
-                if DQ_TMA:
-                    # One staging tile for both halves (kernel.py: rows past the sequence add
-                    # exact zeros): three more barriers, but no per-thread atomics.
-                    # FRAG: the halves as tiles in the accumulator's order (dq_fragments.py:
-                    # parts 0 and 1 of the 64-row block `fragment_block`)
-                    FRAG: gl.constexpr = in_fragments(dq_desc.layout)
-                    if FRAG:
-                        TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
-                        dq_row = fragment_block(q_start, m0) * 2 * TILE_ROWS
-                        lo_col = h * 32
-                        hi_row = dq_row + TILE_ROWS
-                        hi_col = lo_col
-                    else:
-                        dq_row = q_start + m0
-                        lo_col = h * HEAD_DIM
-                        hi_row = dq_row
-                        hi_col = lo_col + DQ_COLS
-                    if DQ_IN_OPS:
-                        # dO's readers (dPᵀ, dV) retired in every thread before barrier 2
-                        lo_buf = _dq_tile_in(do_s, dq_desc)
-                    else:
-                        lo_buf = dq_smem
-                    stage_dq(lo_buf, dq_lo * softmax_scale, FRAG, BLOCK_M, DQ_COLS)
-                    fence_async_shared()
-                    if DETERMINISTIC:
-                        if not DQ_TMA:
-                            sem, first = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
-                                                      num_m_blocks, m0, n_blk, n_seq, shift,
-                                                      window_left, window_right, h_first, m_lo,
-                                                      group_blocks, stride, BLOCK_M, BLOCK_N,
-                                                      HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
-                                                      True)
-                    thread_barrier()
-                    add_dq_tile(dq_desc, dq_row, lo_col, lo_buf, FIRST_STORES, first)
-                    dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
-                    if DQ_IN_OPS:
-                        # Q's last reader, dK = dSᵀ·Q, retired in every thread before the
-                        # barrier above: nothing waits for the low half's reduce here.
-                        hi_buf = _dq_tile_in(q_s, dq_desc)
-                    else:
-                        hi_buf = dq_smem
-                        tma.store_wait(0)  # the low half's reduce has read dq_smem
-                        thread_barrier()
-                    stage_dq(hi_buf, dq_hi * softmax_scale, FRAG, BLOCK_M, DQ_COLS)
-                    fence_async_shared()
-                    thread_barrier()
-                    if HI_LATE:
-                        pend_row = hi_row + 0  # (`+ 0`: see bwd_ws's h_prev)
-                        pend_first = first + 0
-                        pend_col = hi_col + 0
-                    else:
-                        add_dq_tile(dq_desc, hi_row, hi_col, hi_buf, FIRST_STORES, first)
-                    if DETERMINISTIC:
-                        held = after_dq_reduce(sem, m0, RELEASE_AT)
+                # One staging tile for both halves (kernel.py: rows past the sequence add
+                # exact zeros): three more barriers, but no per-thread atomics.
+                # FRAG: the halves as tiles in the accumulator's order (dq_fragments.py:
+                # parts 0 and 1 of the 64-row block `fragment_block`)
+                FRAG: gl.constexpr = in_fragments(dq_desc.layout)
+                if FRAG:
+                    TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
+                    dq_row = fragment_block(q_start, m0) * 2 * TILE_ROWS
+                    lo_col = h * 32
+                    hi_row = dq_row + TILE_ROWS
+                    hi_col = lo_col
                 else:
-                    if DETERMINISTIC:  # atomics: each turn is released in its own step
-                        sem, first = take_dq_turn(held, it, sem_ptr, batch, n_heads, h,
-                                                  num_m_blocks, m0, n_blk, n_seq, shift,
-                                                  window_left, window_right, h_first, m_lo,
-                                                  group_blocks, stride, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                                  HAS_RIGHT, STAGGER, 0, True)
-                    add_dq(dq_ptr, dq_lo * softmax_scale, m0, q_start, seqlen_q, n_heads, h, 0,
-                           HEAD_DIM, BLOCK_M, DQ_COLS, dq_layout)
-                    dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
-                    add_dq(dq_ptr, dq_hi * softmax_scale, m0, q_start, seqlen_q, n_heads, h,
-                           DQ_COLS, HEAD_DIM, BLOCK_M, DQ_COLS, dq_layout)
-                    if DETERMINISTIC:
-                        thread_barrier()
-                        gl.atomic_add(sem, 1, sem="release")
+                    dq_row = q_start + m0
+                    lo_col = h * HEAD_DIM
+                    hi_row = dq_row
+                    hi_col = lo_col + DQ_COLS
+                if DQ_IN_OPS:
+                    # dO's readers (dPᵀ, dV) retired in every thread before barrier 2
+                    lo_buf = _dq_tile_in(do_s, dq_desc)
+                else:
+                    lo_buf = dq_smem
+                stage_dq(lo_buf, dq_lo * softmax_scale, FRAG, BLOCK_M, DQ_COLS)
+                fence_async_shared()
+                thread_barrier()
+                add_dq_tile(dq_desc, dq_row, lo_col, lo_buf, FIRST_STORES, first)
+                dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
+                if DQ_IN_OPS:
+                    # Q's last reader, dK = dSᵀ·Q, retired in every thread before the
+                    # barrier above: nothing waits for the low half's reduce here.
+                    hi_buf = _dq_tile_in(q_s, dq_desc)
+                else:
+                    hi_buf = dq_smem
+                    tma.store_wait(0)  # the low half's reduce has read dq_smem
+                    thread_barrier()
+                stage_dq(hi_buf, dq_hi * softmax_scale, FRAG, BLOCK_M, DQ_COLS)
+                fence_async_shared()
+                thread_barrier()
+                if HI_LATE:
+                    pend_row = hi_row + 0  # (`+ 0`: see bwd_ws's h_prev)
+                    pend_first = first + 0
+                    pend_col = hi_col + 0
+                else:
+                    add_dq_tile(dq_desc, hi_row, hi_col, hi_buf, FIRST_STORES, first)
+                if DETERMINISTIC:
+                    held = after_dq_reduce(sem, m0, RELEASE_AT)
                 h = h_next
                 m0 = m0_next
 
-            if DQ_TMA:
-                if HI_LATE:
-                    if n_steps > 0:  # the last step's high half
-                        add_dq_tile(dq_desc, pend_row, pend_col,
-                                    _dq_tile_in(q_smem.index((n_steps - 1) % 2), dq_desc),
-                                    FIRST_STORES, pend_first)
-                if DETERMINISTIC:
-                    if RELEASE_AT != 0:
-                        if n_steps > 0:
-                            release_dq_turn_after_tma(held, n_steps)
-                tma.store_wait(0)
+            if HI_LATE:
+                if n_steps > 0:  # the last step's high half
+                    add_dq_tile(dq_desc, pend_row, pend_col,
+                                _dq_tile_in(q_smem.index((n_steps - 1) % 2), dq_desc),
+                                FIRST_STORES, pend_first)
+            if DETERMINISTIC:
+                if RELEASE_AT != 0:
+                    if n_steps > 0:
+                        release_dq_turn_after_tma(held, n_steps)
+            tma.store_wait(0)
             for st in gl.static_range(2):
                 mbarrier.invalidate(q_ready.index(st))
             for st in gl.static_range(DO_BUFS):

@@ -41,12 +41,12 @@ staging outside the ring (the dSᵀ halves at d=64, the dQ tile and a dV buffer 
 ~1900 (d=64) / ~2500 (d=128) cycles after the previous tile's stores, its K/V (issued behind
 the late warpgroup's last dQ, ~4000-6000 cycles in flight) the critical path.
 
-Deterministic mode (`BwdConfig.ws_deterministic`) adds a dQ warp in
-the load warp's padded warpgroup: the warpgroups stage their dQ tiles and hand them over
-(dq_full[w]); the dQ warp waits for the CTA's turn on the step's query block (the synchronous
-kernel's order, `parts.wait_dq_turn`), adds both tiles, hands them back once read
-(dq_empty[w]) and passes the turn on once the adds have landed. The turn's round trips stay
-off the compute warpgroups; in `kernel.py`'s kernel they sit on every step's critical path.
+Deterministic mode adds a dQ warp in the load warp's padded warpgroup: the warpgroups stage
+their dQ tiles and hand them over (dq_full[w]); the dQ warp waits for the CTA's turn on the
+step's query block (the synchronous kernel's order, `parts.wait_dq_turn`), adds both tiles,
+hands them back once read (dq_empty[w]) and passes the turn on once the adds have landed. The
+turn's round trips stay off the compute warpgroups; in `kernel.py`'s kernel they sit on every
+step's critical path.
 
 Covers what `kernel.py` covers except softcap and per-thread dQ atomics (and deterministic mode
 unless asked for): `config._splits_warpgroups` keeps those on the synchronous kernel.
@@ -369,7 +369,6 @@ if GLUON_ERROR is None:
                            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                            SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
                            DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                           DQ_TMA: gl.constexpr,
                            STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
                            KV_TMA_STORE: gl.constexpr,
                            DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr,

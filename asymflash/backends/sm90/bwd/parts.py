@@ -300,16 +300,6 @@ if GLUON_ERROR is None:
         gl.atomic_add(sem, 1, sem="release")
 
     @gluon.jit
-    def add_dq(dq_ptr, dq, m0, q_start, seqlen_q, n_heads, h, col0, HEAD_DIM: gl.constexpr,
-               BLOCK_M: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
-        """dQ_acc[rows m0.., head h, cols col0..col0+COLS) += dq (fp32 reductions)."""
-        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-        off = ((q_start + rows).to(gl.int64) * n_heads + h) * HEAD_DIM
-        gl.atomic_add(dq_ptr + gl.expand_dims(off, 1) + gl.expand_dims(cols, 0), dq,
-                      mask=gl.expand_dims(rows < seqlen_q, 1), sem="relaxed")
-
-    @gluon.jit
     def store_key_rows(ptr, tile, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD: gl.constexpr,
                        BLOCK_N: gl.constexpr, layout: gl.constexpr):
         """Store a [BLOCK_N, HEAD] dK or dV tile; rows past the sequence (other sequences'

@@ -180,9 +180,10 @@ def _launch_options(cfg: FwdConfig):
 
 
 def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
-                       cfg: FwdConfig | None = None, arch=90, heads_axis=False,
+                       cfg: FwdConfig | dict | None = None, arch=90, heads_axis=False,
                        tma_store=True, **features):
     """Compile the kernel without a GPU (CI check); returns triton's CompiledKernel.
+    cfg: a config, or a dict of overrides of the head dim's default one;
     heads_axis: with the (rows, heads, dim) descriptors of head dims between the widths;
     tma_store: the TMA-store epilogue (where `output_box_width` allows it)."""
     if GLUON_ERROR is not None:
@@ -191,7 +192,8 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
     from triton.experimental.gluon._runtime import GluonASTSource
 
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    cfg = cfg or _DEFAULT_CONFIGS[head_dim]
+    if cfg is None or isinstance(cfg, dict):
+        cfg = replace(_DEFAULT_CONFIGS[head_dim], **(cfg or {}))
     check_config(cfg, head_dim)
     feats = {"uniform": True, "has_seqused": False, "has_left": False, "has_right": False,
                  "softcap": False, "has_sink": False}
