@@ -5,6 +5,7 @@ helpers both directions use (16-bit packing, tanh, tile loads, sequence bounds).
 from __future__ import annotations
 
 import functools
+import typing
 
 import torch
 
@@ -37,6 +38,16 @@ try:  # Gluon is optional: a CPU-only or older triton must still import this mod
 
     if not hasattr(_smem, "_reinterpret"):
         _smem._reinterpret = _smem.reinterpret
+    # A struct of device values passed as one argument: `gluon.aggregate` from triton 3.8,
+    # `triton.language.core._aggregate` before.
+    _aggregate = getattr(gluon, "aggregate", None) or triton.language.core._aggregate
+
+    def aggregate(cls):
+        """Gluon's aggregate of `cls`, its field annotations resolved first: the kernel
+        modules use `from __future__ import annotations`, which leaves them strings, and the
+        aggregate checks each field's value against its annotation's type."""
+        cls.__annotations__ = typing.get_type_hints(cls)
+        return _aggregate(cls)
 
     GLUON_ERROR: str | None = None
 except Exception as exc:  # noqa: BLE001 - any import failure means: no fast path

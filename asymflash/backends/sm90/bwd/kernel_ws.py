@@ -82,7 +82,6 @@ if GLUON_ERROR is None:
         COMPUTE_REGS,
         LOADER_REGS,
         epilogue_mode,
-        kv_buffer,
         ws_alloc,
         ws_compute,
         ws_dq_turns,
@@ -156,11 +155,9 @@ if GLUON_ERROR is None:
                           MASK_MODE: gl.constexpr):
         """A compute warpgroup of a persistent CTA: `ws_compute` per tile (DET: its dQ
         tiles go to the dQ warp)."""
-        (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
-         empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr,
-         dv_ptr, seqlen_q, seqlen_k, n_kv_heads, group, qk_scale, softmax_scale, softcap_pre,
-         window_left, window_right, n_blocks, kv_free, epi_done, tile_smem, tile_full,
-         tile_empty, dv_stage) = shared
+        (smem, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_kv_heads, group,
+         qk_scale, softmax_scale, softcap_pre, window_left, window_right, n_blocks, kv_free,
+         epi_done, tile_smem, tile_full, tile_empty, dv_stage) = shared
         EPI: gl.constexpr = epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, DET, KV_BUFS)
         it0 = 0
         tile = 0
@@ -175,10 +172,7 @@ if GLUON_ERROR is None:
             keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, seqlen_k - seqlen_q,
                                                         window_left, window_right, BLOCK_M,
                                                         BLOCK_N)
-            tile_shared = (q_smem, kv_buffer(k_smem, tile, KV_BUFS),
-                           kv_buffer(v_smem, tile, KV_BUFS), do_smem, ds_smem, dq_smem,
-                           lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, ds_free,
-                           done, dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr,
+            tile_shared = (smem.for_tile(tile, KV_BUFS), dq_desc, dk_desc, dv_desc, dk_ptr,
                            dv_ptr, dq_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
                            n_steps, h_first, m_lo, m_lo, m_end, h_first, group, keys_oob,
                            m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
@@ -192,8 +186,7 @@ if GLUON_ERROR is None:
             t = _take_tile(tile_smem, tile_full, tile_empty, tile, 4)
 
     @gluon.jit
-    def _ws_loader_tiles(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem, k_smem,
-                         v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_free,
+    def _ws_loader_tiles(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, smem, kv_free,
                          epi_done, tile_smem, tile_full, tile_empty, counter_ptr, seqlen_q,
                          seqlen_k, total_q, n_kv_heads, group, window_left,
                          window_right, n_blocks, n_tiles, HEAD_DIM: gl.constexpr,
@@ -215,14 +208,12 @@ if GLUON_ERROR is None:
              _group_blocks) = _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group,
                                        window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                        HAS_RIGHT, HEADS_FIRST, TOP_FIRST)
-            ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
-                       kv_buffer(k_smem, tile, KV_BUFS), kv_buffer(v_smem, tile, KV_BUFS),
-                       do_smem, lse_smem, delta_smem, kv_bar, ready, empty, k_start + n0,
-                       hk, q_start, seqlen_q, total_q, n_steps, h_first, m_lo, m_lo, m_end,
-                       h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M, RING, it0, tile, kv_free,
-                       epi_done, True,
-                       epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, HAND_OVER, KV_BUFS),
-                       KV_BUFS)
+            ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr,
+                      smem.for_tile(tile, KV_BUFS), k_start + n0, hk, q_start, seqlen_q,
+                      total_q, n_steps, h_first, m_lo, m_lo, m_end, h_first, group, HEAD_DIM,
+                      HEAD_DIM_V, BLOCK_M, RING, it0, tile, kv_free, epi_done, True,
+                      epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, HAND_OVER, KV_BUFS),
+                      KV_BUFS)
             # The next tile is taken once this one's loads are issued, not when it starts:
             # the tile a CTA holds but has not begun then waits only the ring's steps and
             # this tile's end (deterministic turns wait on tiles in the order taken).
@@ -234,7 +225,7 @@ if GLUON_ERROR is None:
             t = t_next
 
     @gluon.jit
-    def _ws_dq_tiles(dq_smem, dq_desc, dq_full, dq_empty, tile_smem, tile_full, tile_empty,
+    def _ws_dq_tiles(smem, dq_desc, tile_smem, tile_full, tile_empty,
                      sem_ptr, seqlen_q, seqlen_k, n_heads, n_kv_heads, group, num_m_blocks,
                      window_left, window_right, n_blocks, HEAD_DIM: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
@@ -255,7 +246,7 @@ if GLUON_ERROR is None:
                                                  TOP_FIRST)
                 if not in_fragments(dq_desc.layout):  # row-major dQ: the rows themselves
                     dq_start = q_start
-                ws_dq_turns(dq_smem, dq_desc, dq_full, dq_empty, sem_ptr, dq_start, n_steps,
+                ws_dq_turns(smem, dq_desc, sem_ptr, dq_start, n_steps,
                              h_first, m_lo, m_lo, m_end, h_first, group, batch, n_heads,
                              num_m_blocks, n_blk, n_blocks, seqlen_k - seqlen_q, window_left,
                              window_right, group_blocks, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
@@ -299,10 +290,8 @@ if GLUON_ERROR is None:
         after the (sequence, q head, query block) semaphores."""
         HAND_OVER: gl.constexpr = DQ_WARP or DETERMINISTIC  # the dQ warp issues the reduces
         TOP_FIRST: gl.constexpr = HAS_RIGHT and DETERMINISTIC
-        (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar,
-         ready, empty, ds_ready, ds_free, dq_full, dq_empty, done) = ws_alloc(
-            q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N,
-            RING, HAND_OVER, KV_BUFS)
+        smem = ws_alloc(q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
+                        BLOCK_N, RING, HAND_OVER, KV_BUFS)
         kv_free = gl.allocate_shared_memory(gl.int64, [KV_BUFS, 1], mbarrier.MBarrierLayout())
         epi_done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(KV_BUFS):
@@ -320,7 +309,7 @@ if GLUON_ERROR is None:
             dv_stage = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N // 2, HEAD_DIM_V],
                                                  dv_desc.layout)
         else:
-            dv_stage = dq_smem  # not read
+            dv_stage = smem.dq  # not read
         fence_async_shared()
         n_blocks = (seqlen_k + BLOCK_N - 1) // BLOCK_N
         n_seqs = total_q // gl.maximum(seqlen_q, 1)
@@ -328,9 +317,8 @@ if GLUON_ERROR is None:
         counter_ptr = sem_ptr
         if DETERMINISTIC:
             counter_ptr = sem_ptr + n_seqs * n_heads * num_m_blocks
-        shared = (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem,
-                  kv_bar, ready, empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc,
-                  dk_desc, dv_desc, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_kv_heads, group,
+        shared = (smem, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, seqlen_q, seqlen_k,
+                  n_kv_heads, group,
                   qk_scale, softmax_scale, softcap_pre, window_left, window_right, n_blocks,
                   kv_free, epi_done, tile_smem, tile_full, tile_empty, dv_stage)
         gl.warp_specialize([
@@ -342,19 +330,17 @@ if GLUON_ERROR is None:
                                  HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
                                  HAND_OVER, DV_OVERLAP, DK_AFTER_DQ, HEADS_FIRST,
                                  TOP_FIRST, KV_BUFS, MASK_MODE)),
-            (_ws_loader_tiles, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
-                                k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
-                                empty, kv_free, epi_done, tile_smem, tile_full, tile_empty,
+            (_ws_loader_tiles, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, smem,
+                                kv_free, epi_done, tile_smem, tile_full, tile_empty,
                                 counter_ptr, seqlen_q, seqlen_k, total_q,
                                 n_kv_heads, group, window_left, window_right, n_blocks,
                                 n_tiles, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                 HAS_RIGHT, RING, HEADS_FIRST, HAND_OVER, TOP_FIRST,
                                 KV_BUFS)),
-            (_ws_dq_tiles, (dq_smem, dq_desc, dq_full, dq_empty, tile_smem, tile_full,
-                            tile_empty, sem_ptr, seqlen_q, seqlen_k, n_heads, n_kv_heads,
-                            group, num_m_blocks, window_left, window_right, n_blocks, HEAD_DIM,
-                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DQ_WARP, HEADS_FIRST,
-                            DETERMINISTIC, TOP_FIRST, FIRST_STORES)),
+            (_ws_dq_tiles, (smem, dq_desc, tile_smem, tile_full, tile_empty, sem_ptr, seqlen_q,
+             seqlen_k, n_heads, n_kv_heads, group, num_m_blocks, window_left, window_right,
+             n_blocks, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DQ_WARP, HEADS_FIRST,
+             DETERMINISTIC, TOP_FIRST, FIRST_STORES)),
         ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])
 
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
@@ -413,10 +399,8 @@ if GLUON_ERROR is None:
                                            STAGGER, BLOCK_M)
                 m_end = m_lo + group_blocks * BLOCK_M
 
-                (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar,
-                 ready, empty, ds_ready, ds_free, dq_full, dq_empty, done) = ws_alloc(
-                    q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
-                    BLOCK_N, RING, DETERMINISTIC or DQ_WARP)
+                smem = ws_alloc(q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM, HEAD_DIM_V,
+                                BLOCK_M, BLOCK_N, RING, DETERMINISTIC or DQ_WARP)
                 fence_async_shared()
 
                 # What the two compute warpgroups share travels as one tuple of runtime values;
@@ -424,12 +408,10 @@ if GLUON_ERROR is None:
                 # turn them into runtime values). The dQ warp (deterministic mode) shares the
                 # load warp's padded warpgroup and register count; without DETERMINISTIC it
                 # returns at once.
-                shared = (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem,
-                          kv_bar, ready, empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc,
-                          dk_desc, dv_desc, dk_ptr, dv_ptr, q_start, k_start, seqlen_q, seqlen_k,
-                          n_kv_heads, hk, n0, n_steps, h, m0, m_lo, m_end, h_first, group,
-                          keys_oob, m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
-                          window_left, window_right)
+                shared = (smem, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, q_start, k_start,
+                          seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h, m0, m_lo, m_end,
+                          h_first, group, keys_oob, m_full_lo, m_full_hi, qk_scale, softmax_scale,
+                          softcap_pre, window_left, window_right)
                 gl.warp_specialize([
                     (ws_compute, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
                                    HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
@@ -439,12 +421,11 @@ if GLUON_ERROR is None:
                                    HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
                                    DETERMINISTIC or DQ_WARP, DV_OVERLAP, DK_AFTER_DQ,
                                    MASK_MODE)),
-                    (ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem,
-                                  k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
-                                  empty, k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
+                    (ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, smem,
+                                  k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
                                   m0, m_lo, m_end, h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
                                   RING)),
-                    (ws_dq_turns, (dq_smem, dq_desc, dq_full, dq_empty, sem_ptr, q_start,
+                    (ws_dq_turns, (smem, dq_desc, sem_ptr, q_start,
                                     n_steps, h, m0, m_lo, m_end, h_first, group, batch, n_heads,
                                     num_m_blocks, n_blk, n_seq, shift, window_left, window_right,
                                     group_blocks, stride, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT,

@@ -11,6 +11,7 @@ if GLUON_ERROR is None:
         step_needs_mask,
     )
     from ..common import (
+        aggregate,
         fence_async_shared,
         gl,
         gluon,
@@ -45,9 +46,58 @@ if GLUON_ERROR is None:
     COMPUTE_REGS = gl.constexpr(240)
     LOADER_REGS = gl.constexpr(24)
 
+    @aggregate
+    class WsSmem:
+        """A bwd_ws CTA's shared memory and mbarriers (`ws_alloc`). Rings and their
+        barriers are indexed by a step's slot; K and V hold one tile's keys (`for_tile`)."""
+
+        q: gl.shared_memory_descriptor  # [RING, BLOCK_M, HEAD_DIM]
+        k: gl.shared_memory_descriptor  # [BLOCK_N, HEAD_DIM] (persistent: [KV_BUFS, ...])
+        v: gl.shared_memory_descriptor  # [BLOCK_N, HEAD_DIM_V] (likewise)
+        do: gl.shared_memory_descriptor  # [RING, BLOCK_M, HEAD_DIM_V]
+        ds: gl.shared_memory_descriptor  # dSᵀ [2, BLOCK_N, BLOCK_M], each warpgroup its keys
+        dq: gl.shared_memory_descriptor  # fp32 dQ staging, [2 warpgroups] + the reduce box
+        lse: gl.shared_memory_descriptor  # [RING, BLOCK_M] (log2 units)
+        delta: gl.shared_memory_descriptor  # [RING, BLOCK_M]
+        kv_bar: gl.shared_memory_descriptor  # K/V landed, per K/V buffer
+        ready: gl.shared_memory_descriptor  # ring slot filled (TMA bytes + statistics)
+        empty: gl.shared_memory_descriptor  # ring slot read by both warpgroups
+        ds_ready: gl.shared_memory_descriptor  # [2 slots x 2 warpgroups] dSᵀ half written
+        ds_free: gl.shared_memory_descriptor  # dSᵀ slot read by both dQ MMAs
+        dq_full: gl.shared_memory_descriptor  # warpgroup w's dQ tile staged (dQ warp)
+        dq_empty: gl.shared_memory_descriptor  # ... and read by the dQ warp's reduce
+        done: gl.shared_memory_descriptor  # both warpgroups past their last MMA
+
+        @gluon.constexpr_function
+        def __init__(self, q, k, v, do, ds, dq, lse, delta, kv_bar, ready, empty, ds_ready,
+                     ds_free, dq_full, dq_empty, done):
+            self.q = q
+            self.k = k
+            self.v = v
+            self.do = do
+            self.ds = ds
+            self.dq = dq
+            self.lse = lse
+            self.delta = delta
+            self.kv_bar = kv_bar
+            self.ready = ready
+            self.empty = empty
+            self.ds_ready = ds_ready
+            self.ds_free = ds_free
+            self.dq_full = dq_full
+            self.dq_empty = dq_empty
+            self.done = done
+
+        @gluon.jit
+        def for_tile(self, tile, KV_BUFS: gl.constexpr):
+            """The same buffers with K and V those of a persistent CTA's tile-th tile."""
+            return WsSmem(self.q, kv_buffer(self.k, tile, KV_BUFS),
+                          kv_buffer(self.v, tile, KV_BUFS), self.do, self.ds, self.dq,
+                          self.lse, self.delta, self.kv_bar, self.ready, self.empty,
+                          self.ds_ready, self.ds_free, self.dq_full, self.dq_empty, self.done)
+
     @gluon.jit
-    def ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, q_smem, k_smem,
-                   v_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, k_row, hk,
+    def ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, smem, k_row, hk,
                    q_start, seqlen_q, total_q, n_steps, h, m0, m_lo, m_end, h_first, group,
                    HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
                    RING: gl.constexpr, it0=0, tile=0, kv_free=None, epi_done=None,
@@ -56,12 +106,12 @@ if GLUON_ERROR is None:
         """K and V, then per step the statistics and Q/dO into the ring. PERSISTENT: one
         tile of a persistent CTA (`_ws_tiles`), its steps numbered on from it0 (the ring's
         phases run on across tiles), the tile-th of this CTA, its K/V in buffer
-        tile % KV_BUFS (k_smem, v_smem: that buffer)."""
+        tile % KV_BUFS (smem's K and V: that buffer)."""
         kv = tile % KV_BUFS
         if PERSISTENT:
             if tile >= KV_BUFS:  # both warpgroups are done with this buffer's last tile
                 mbarrier.wait(kv_free.index(kv), ((tile - KV_BUFS) // KV_BUFS) & 1)
-        load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(kv), k_row, hk, HEAD_DIM,
+        load_kv(k_desc, v_desc, smem.k, smem.v, smem.kv_bar.index(kv), k_row, hk, HEAD_DIM,
                 HEAD_DIM_V)
         if PERSISTENT and EPI == 0:  # `epilogue_buffers`
             if tile > 0:  # ... and past its dK/dV stores, staged through ring slots
@@ -71,16 +121,16 @@ if GLUON_ERROR is None:
             g = it0 + it  # the step's number in the CTA (all its tiles)
             slot = g % RING
             if g >= RING:  # both warpgroups are done with step g - RING
-                mbarrier.wait(empty.index(slot), ((g - RING) // RING) & 1)
+                mbarrier.wait(smem.empty.index(slot), ((g - RING) // RING) & 1)
             # Q and dO first, so that their TMA latency overlaps the statistics' loads (a
             # CTA's first step waits for both; faster for short calls). `ready` takes a second
             # arrive, behind the statistics' stores (release semantics, behind a barrier of
             # this warp).
-            load_qdo(q_desc, do_desc, q_smem, do_smem, ready, slot, h, q_start + m0, HEAD_DIM,
-                     HEAD_DIM_V, True)
-            stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, slot, h, m0, q_start,
+            load_qdo(q_desc, do_desc, smem.q, smem.do, smem.ready, slot, h, q_start + m0,
+                     HEAD_DIM, HEAD_DIM_V, True)
+            stage_stats(lse_ptr, delta_ptr, smem.lse, smem.delta, slot, h, m0, q_start,
                         seqlen_q, total_q, BLOCK_M, stat_layout, True)
-            mbarrier.arrive(ready.index(slot), count=1)
+            mbarrier.arrive(smem.ready.index(slot), count=1)
             h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
 
     @gluon.jit
@@ -106,10 +156,9 @@ if GLUON_ERROR is None:
         return dq_box(WG, h, m0, q_start, HEAD_DIM, BLOCK_M)
 
     @gluon.jit
-    def ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full, dq_empty, j, h,
-               m0, q_start, softmax_scale, dq_zero, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-               BLOCK_M: gl.constexpr, DET: gl.constexpr, dk=None, ds_op=None, q_s=None,
-               WITH_DK: gl.constexpr = False):
+    def ws_dq(smem, dq_buf, dq_desc, j, h, m0, q_start, softmax_scale, dq_zero,
+              WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+              DET: gl.constexpr, dk=None, ds_op=None, q_s=None, WITH_DK: gl.constexpr = False):
         """This warpgroup's part of dQ = dS·K for step j: wait for the other half of dSᵀ,
         MMA, stage, reduce-add (retires every MMA this warpgroup has in flight but the dK
         that WITH_DK issues behind it). With
@@ -119,25 +168,25 @@ if GLUON_ERROR is None:
         (`BwdConfig.ws_dk_after_dq`): dK += dSᵀ·Q is issued right after the dQ MMA and left
         in flight while dQ is staged (FA4's order); returns its token."""
         js = j % 2
-        mbarrier.wait(ds_ready.index(2 * js + 1 - WG), (j // 2) & 1)
+        mbarrier.wait(smem.ds_ready.index(2 * js + 1 - WG), (j // 2) & 1)
         if BLOCK_M == 64:
             COLS: gl.constexpr = HEAD_DIM // 2
-            dq_tok = warpgroup_mma(ds_smem.index(js).permute((1, 0)),
-                                   k_smem.slice(WG * COLS, COLS, 1), dq_zero, use_acc=False,
+            dq_tok = warpgroup_mma(smem.ds.index(js).permute((1, 0)),
+                                   smem.k.slice(WG * COLS, COLS, 1), dq_zero, use_acc=False,
                                    is_async=True)
         else:
             ROWS: gl.constexpr = BLOCK_M // 2
-            dq_tok = warpgroup_mma(ds_smem.index(js).slice(WG * ROWS, ROWS, 1).permute((1, 0)),
-                                   k_smem, dq_zero, use_acc=False, is_async=True)
+            dq_tok = warpgroup_mma(smem.ds.index(js).slice(WG * ROWS, ROWS, 1).permute((1, 0)),
+                                   smem.k, dq_zero, use_acc=False, is_async=True)
         if WITH_DK:  # wgmma groups retire in order: waiting for dQ leaves dK running
             dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
             dq = warpgroup_mma_wait(1, deps=[dq_tok])
         else:
             dq = warpgroup_mma_wait(0, deps=[dq_tok])
-        mbarrier.arrive(ds_free.index(js))
+        mbarrier.arrive(smem.ds_free.index(js))
         if DET:
             if j > 0:  # the dQ warp has read this warpgroup's tile of step j - 1
-                mbarrier.wait(dq_empty.index(WG), (j - 1) & 1)
+                mbarrier.wait(smem.dq_empty.index(WG), (j - 1) & 1)
         else:
             tma.store_wait(0)  # this warpgroup's previous reduce has read dq_buf
         FRAG: gl.constexpr = in_fragments(dq_desc.layout)
@@ -145,7 +194,7 @@ if GLUON_ERROR is None:
         fence_async_shared()
         thread_barrier()
         if DET:
-            mbarrier.arrive(dq_full.index(WG), count=1)
+            mbarrier.arrive(smem.dq_full.index(WG), count=1)
         else:
             row, col = dq_coord(WG, h, m0, q_start, FRAG, HEAD_DIM, BLOCK_M,
                                  dq_desc.block_type.shape[0])
@@ -154,9 +203,9 @@ if GLUON_ERROR is None:
             return dk
 
     @gluon.jit
-    def ws_dq_turns(dq_smem, dq_desc, dq_full, dq_empty, sem_ptr, q_start, n_steps, h, m0,
-                     m_lo, m_end, h_first, group, batch, n_heads, num_m_blocks, n_blk, n_seq,
-                     shift, window_left, window_right, group_blocks, stride,
+    def ws_dq_turns(smem, dq_desc, sem_ptr, q_start, n_steps, h, m0, m_lo, m_end, h_first,
+                    group, batch, n_heads, num_m_blocks, n_blk, n_seq, shift, window_left,
+                    window_right, group_blocks, stride,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr,
                      DET: gl.constexpr, TURNS: gl.constexpr, it0=0,
@@ -179,20 +228,20 @@ if GLUON_ERROR is None:
                                           n_seq, shift, window_left, window_right, h_first,
                                           m_lo, group_blocks, stride, BLOCK_M, BLOCK_N,
                                           HAS_LEFT, HAS_RIGHT, STAGGER, True)
-            mbarrier.wait(dq_full.index(0), (it0 + j) & 1)
-            mbarrier.wait(dq_full.index(1), (it0 + j) & 1)
+            mbarrier.wait(smem.dq_full.index(0), (it0 + j) & 1)
+            mbarrier.wait(smem.dq_full.index(1), (it0 + j) & 1)
             FRAG: gl.constexpr = in_fragments(dq_desc.layout)
             TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
             row, col = dq_coord(0, h, m0, q_start, FRAG, HEAD_DIM, BLOCK_M,
                                  TILE_ROWS)
-            add_dq_tile(dq_desc, row, col, dq_smem.index(0), FIRST_STORES, first)
+            add_dq_tile(dq_desc, row, col, smem.dq.index(0), FIRST_STORES, first)
             row, col = dq_coord(1, h, m0, q_start, FRAG, HEAD_DIM, BLOCK_M,
                                  TILE_ROWS)
-            add_dq_tile(dq_desc, row, col, dq_smem.index(1), FIRST_STORES, first)
+            add_dq_tile(dq_desc, row, col, smem.dq.index(1), FIRST_STORES, first)
             tma.store_wait(0)  # both reduces have read their tiles
             thread_barrier()
-            mbarrier.arrive(dq_empty.index(0), count=1)
-            mbarrier.arrive(dq_empty.index(1), count=1)
+            mbarrier.arrive(smem.dq_empty.index(0), count=1)
+            mbarrier.arrive(smem.dq_empty.index(1), count=1)
             if TURNS:
                 release_dq_turn_after_tma(sem, m0)
             h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
@@ -208,12 +257,10 @@ if GLUON_ERROR is None:
                     EPI: gl.constexpr = 0, dv_stage=None, KV_BUFS: gl.constexpr = 1):
         # PERSISTENT: one tile of a persistent CTA, as in ws_loader (steps numbered on
         # from it0; the late warpgroup's previous step is always one of this tile's; K/V in
-        # buffer tile % KV_BUFS, which `shared` holds).
-        (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
-         empty, ds_ready, ds_free, done, dq_full, dq_empty, dq_desc, dk_desc, dv_desc, dk_ptr,
-         dv_ptr, q_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h, m0, m_lo,
-         m_end, h_first, group, keys_oob, m_full_lo, m_full_hi, qk_scale, softmax_scale,
-         softcap_pre, window_left, window_right) = shared
+        # buffer tile % KV_BUFS, which `shared`'s smem holds).
+        (smem, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, q_start, k_start, seqlen_q, seqlen_k,
+         n_kv_heads, hk, n0, n_steps, h, m0, m_lo, m_end, h_first, group, keys_oob, m_full_lo,
+         m_full_hi, qk_scale, softmax_scale, softcap_pre, window_left, window_right) = shared
         KEYS: gl.constexpr = BLOCK_N // 2
         DQ_ROWS: gl.constexpr = 64  # dQ = dS·K by halves of its columns or rows (ws_dq)
         DQ_COLS: gl.constexpr = HEAD_DIM // 2 if BLOCK_M == 64 else HEAD_DIM
@@ -231,11 +278,11 @@ if GLUON_ERROR is None:
                                                           k_width=2)
         key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-        dtype: gl.constexpr = k_smem.dtype
+        dtype: gl.constexpr = smem.k.dtype
 
-        k_mine = k_smem.slice(WG * KEYS, KEYS)
-        v_mine = v_smem.slice(WG * KEYS, KEYS)
-        dq_buf = dq_smem.index(WG)
+        k_mine = smem.k.slice(WG * KEYS, KEYS)
+        v_mine = smem.v.slice(WG * KEYS, KEYS)
+        dq_buf = smem.dq.index(WG)
         kloc = WG * KEYS + gl.arange(0, KEYS, layout=key_layout)
         cols = gl.arange(0, BLOCK_M, layout=col_layout)
         shift = seqlen_k - seqlen_q
@@ -249,14 +296,14 @@ if GLUON_ERROR is None:
         h_prev = h
         m0_prev = m0
         kv = tile % KV_BUFS
-        mbarrier.wait(kv_bar.index(kv), (tile // KV_BUFS) & 1)
+        mbarrier.wait(smem.kv_bar.index(kv), (tile // KV_BUFS) & 1)
         for it in range(n_steps):
             g = it0 + it  # the step's number in the CTA (all its tiles)
             slot = g % RING  # the Q/dO ring
             ds_slot = g % 2  # the dSᵀ buffers (ws_dq)
-            mbarrier.wait(ready.index(slot), (g // RING) & 1)
-            q_s = q_smem.index(slot)
-            do_s = do_smem.index(slot)
+            mbarrier.wait(smem.ready.index(slot), (g // RING) & 1)
+            q_s = smem.q.index(slot)
+            do_s = smem.do.index(slot)
             s_tok = warpgroup_mma(k_mine, q_s.permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
             if DP_EARLY:
@@ -265,7 +312,7 @@ if GLUON_ERROR is None:
                 s = warpgroup_mma_wait(1, deps=[s_tok])
             else:
                 s = warpgroup_mma_wait(0, deps=[s_tok])
-            lse2 = lse_smem.index(slot).load(col_layout)
+            lse2 = smem.lse.index(slot).load(col_layout)
             p, p_ds = probabilities(
                 s, lse2, qk_scale, softcap_pre,
                 step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, HAS_LEFT, HAS_RIGHT),
@@ -280,44 +327,39 @@ if GLUON_ERROR is None:
                 dp = warpgroup_mma_wait(1, deps=[dp_tok])
             else:
                 dp, dv, p_op = warpgroup_mma_wait(0, deps=[dp_tok, dv_tok, p_op])
-            delta = delta_smem.index(slot).load(col_layout)
+            delta = smem.delta.index(slot).load(col_layout)
             ds16 = (p_ds * (dp - gl.expand_dims(delta, 0))).to(dtype)
             if g >= 2:  # both dQ MMAs of step g - 2 have read this dSᵀ slot
-                mbarrier.wait(ds_free.index(ds_slot), ((g - 2) // 2) & 1)
-            ds_smem.index(ds_slot).slice(WG * KEYS, KEYS).store(ds16)
+                mbarrier.wait(smem.ds_free.index(ds_slot), ((g - 2) // 2) & 1)
+            smem.ds.index(ds_slot).slice(WG * KEYS, KEYS).store(ds16)
             fence_async_shared()
-            mbarrier.arrive(ds_ready.index(2 * ds_slot + WG), count=1)
+            mbarrier.arrive(smem.ds_ready.index(2 * ds_slot + WG), count=1)
             ds_op = gl.convert_layout(ds16, dsq_op_layout)
             if DK_AFTER_DQ:  # dK issued inside ws_dq, behind the dQ MMA
                 if WG == LATE_WG:
                     if it > 0:
-                        dk_tok = ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free,
-                                        dq_full, dq_empty, g - 1, h_prev, m0_prev, q_start,
-                                        softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M, DET,
-                                        dk, ds_op, q_s, True)
+                        dk_tok = ws_dq(smem, dq_buf, dq_desc, g - 1, h_prev, m0_prev, q_start,
+                                       softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M, DET, dk,
+                                       ds_op, q_s, True)
                     else:
                         dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                 else:
-                    dk_tok = ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free,
-                                    dq_full, dq_empty, g, h, m0, q_start, softmax_scale,
-                                    dq_zero, WG, HEAD_DIM, BLOCK_M, DET, dk, ds_op,
-                                    q_s, True)
+                    dk_tok = ws_dq(smem, dq_buf, dq_desc, g, h, m0, q_start, softmax_scale,
+                                   dq_zero, WG, HEAD_DIM, BLOCK_M, DET, dk, ds_op, q_s, True)
             else:
                 dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                 if WG == LATE_WG:  # one step late: the other half of this step is not there
                     if it > 0:
-                        ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full,
-                               dq_empty, g - 1, h_prev, m0_prev, q_start, softmax_scale,
-                               dq_zero, WG, HEAD_DIM, BLOCK_M, DET)
+                        ws_dq(smem, dq_buf, dq_desc, g - 1, h_prev, m0_prev, q_start,
+                              softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M, DET)
                 else:
-                    ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full,
-                           dq_empty, g, h, m0, q_start, softmax_scale, dq_zero, WG, HEAD_DIM,
-                           BLOCK_M, DET)
+                    ws_dq(smem, dq_buf, dq_desc, g, h, m0, q_start, softmax_scale, dq_zero, WG,
+                          HEAD_DIM, BLOCK_M, DET)
             if DV_OVERLAP:
                 dk, dv, ds_op, p_op = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok, ds_op, p_op])
             else:
                 dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])
-            mbarrier.arrive(empty.index(slot))
+            mbarrier.arrive(smem.empty.index(slot))
             # `+ 0`: with a plain `h_prev = h` triton 3.6's frontend carried neither h nor
             # h_prev through the loop (its scf.for kept only dK and dV; found in the TTGIR)
             h_prev = h + 0
@@ -325,21 +367,19 @@ if GLUON_ERROR is None:
             h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
         if WG == LATE_WG:
             if n_steps > 0:
-                ws_dq(ds_smem, k_smem, dq_buf, dq_desc, ds_ready, ds_free, dq_full, dq_empty,
-                       it0 + n_steps - 1, h_prev, m0_prev, q_start, softmax_scale, dq_zero, WG,
-                       HEAD_DIM, BLOCK_M, DET)
+                ws_dq(smem, dq_buf, dq_desc, it0 + n_steps - 1, h_prev, m0_prev, q_start,
+                      softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M, DET)
         if PERSISTENT and EPI != 3:  # this warpgroup's MMAs have read K and V for the last
             # time (before the reduce's wait: the load warp's next K/V are the tile's
             # critical path; EPI 3 stages dK/dV in this K/V buffer: freed after the stores)
             mbarrier.arrive(kv_free.index(kv), count=1)
         tma.store_wait(0)  # the last reduce reads dq_buf
         # The epilogue stages through the Q/dO ring, which the other warpgroup may still read.
-        mbarrier.arrive(done.index(0), count=1)
-        mbarrier.wait(done.index(0), tile & 1)
+        mbarrier.arrive(smem.done.index(0), count=1)
+        mbarrier.wait(smem.done.index(0), tile & 1)
         dk = dk * softmax_scale  # S = scale·Q·Kᵀ
         if KV_TMA_STORE:
-            dk_buf, dv_buf = epilogue_buffers(q_smem, do_smem, ds_smem, dq_smem, dv_stage,
-                                               k_smem, v_smem, dk_desc, dv_desc, WG, EPI)
+            dk_buf, dv_buf = epilogue_buffers(smem, dv_stage, dk_desc, dv_desc, WG, EPI)
             store_key_tiles(dk_desc, dv_desc, dk, dv, dk_buf, dv_buf,
                             k_start + n0 + WG * KEYS, hk, HEAD_DIM, HEAD_DIM_V)
         else:
@@ -371,35 +411,35 @@ if GLUON_ERROR is None:
         return 0
 
     @gluon.jit
-    def epilogue_buffers(q_smem, do_smem, ds_smem, dq_smem, dv_stage, k_smem, v_smem,
-                          dk_desc, dv_desc, WG: gl.constexpr, EPI: gl.constexpr):
+    def epilogue_buffers(smem, dv_stage, dk_desc, dv_desc, WG: gl.constexpr,
+                         EPI: gl.constexpr):
         """Where warpgroup WG stages its dK and dV tiles (`epilogue_mode` EPI), once both
         warpgroups have retired their last MMA. Outside the ring (EPI 1, 2: buffers only
         this warpgroup writes), the load warp fills the ring with the next tile's first
         Q/dO while the stores go out (a tile's step 0 then begins ~1900 instead of ~3200
         cycles after the previous tile's stores at d=64)."""
-        dtype: gl.constexpr = q_smem.dtype
+        dtype: gl.constexpr = smem.q.dtype
         KEYS: gl.constexpr = dk_desc.block_type.shape[0]
         HEAD_DIM: gl.constexpr = dk_desc.block_type.shape[1]
         HEAD_DIM_V: gl.constexpr = dv_desc.block_type.shape[1]
         if EPI == 1:
             # ds_smem [2, 2·KEYS, BLOCK_M]: warpgroup WG's half of slot 0, as KEYS-row tiles
             # of HEAD_DIM columns (two per half)
-            BLOCK_M: gl.constexpr = q_smem.shape[1]
-            tiles = ds_smem._reinterpret(dtype, [4 * BLOCK_M // HEAD_DIM, KEYS, HEAD_DIM],
+            BLOCK_M: gl.constexpr = smem.q.shape[1]
+            tiles = smem.ds._reinterpret(dtype, [4 * BLOCK_M // HEAD_DIM, KEYS, HEAD_DIM],
                                          dk_desc.layout)
             return tiles.index(2 * WG), tiles.index(2 * WG + 1)
         elif EPI == 3:  # the keys this warpgroup owns, in the tile's K and V buffers
-            return (k_smem.slice(WG * KEYS, KEYS)._reinterpret(dtype, [KEYS, HEAD_DIM],
+            return (smem.k.slice(WG * KEYS, KEYS)._reinterpret(dtype, [KEYS, HEAD_DIM],
                                                                 dk_desc.layout),
-                    v_smem.slice(WG * KEYS, KEYS)._reinterpret(dtype, [KEYS, HEAD_DIM_V],
+                    smem.v.slice(WG * KEYS, KEYS)._reinterpret(dtype, [KEYS, HEAD_DIM_V],
                                                                 dv_desc.layout))
         elif EPI == 2:  # dQ's staging tile is 16 KB: 64 keys x 128 columns of dK
-            gl.static_assert(dq_smem.shape[1] * dq_smem.shape[2] * 4 == KEYS * HEAD_DIM * 2)
-            return (dq_smem.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM], dk_desc.layout),
+            gl.static_assert(smem.dq.shape[1] * smem.dq.shape[2] * 4 == KEYS * HEAD_DIM * 2)
+            return (smem.dq.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM], dk_desc.layout),
                     dv_stage.index(WG))
-        return (q_smem.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM], dk_desc.layout),
-                do_smem.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM_V], dv_desc.layout))
+        return (smem.q.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM], dk_desc.layout),
+                smem.do.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM_V], dv_desc.layout))
 
     @gluon.jit
     def ws_alloc(q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM: gl.constexpr,
@@ -457,8 +497,8 @@ if GLUON_ERROR is None:
                 mbarrier.init(dq_empty.index(st), count=1)
         for st in gl.static_range(4):
             mbarrier.init(ds_ready.index(st), count=1)
-        return (q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar,
-                ready, empty, ds_ready, ds_free, dq_full, dq_empty, done)
+        return WsSmem(q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+                      kv_bar, ready, empty, ds_ready, ds_free, dq_full, dq_empty, done)
 
     @gluon.jit
     def kv_buffer(kv_smem, tile, KV_BUFS: gl.constexpr):
