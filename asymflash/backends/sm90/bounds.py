@@ -62,6 +62,22 @@ if GLUON_ERROR is None:
         return keys_oob, m_full_lo, m_full_hi
 
     @gluon.jit
+    def key_block_walk(n0, seqlen_q, seqlen_k, group, window_left, window_right,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                       HAS_RIGHT: gl.constexpr):
+        """What a backward CTA derives from its key block [n0, n0 + BLOCK_N): (shift, m_lo,
+        group_blocks, n_steps, keys_oob, m_full_lo, m_full_hi): the query blocks that see it
+        (`query_range`), its steps over them for each q head of the GQA group, and the mask
+        edges (`mask_edges`)."""
+        shift = seqlen_k - seqlen_q
+        m_lo, group_blocks = query_range(n0, seqlen_q, shift, window_left, window_right,
+                                         BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        n_steps = group_blocks * group
+        keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, shift, window_left,
+                                                    window_right, BLOCK_M, BLOCK_N)
+        return shift, m_lo, group_blocks, n_steps, keys_oob, m_full_lo, m_full_hi
+
+    @gluon.jit
     def step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, HAS_LEFT: gl.constexpr,
                         HAS_RIGHT: gl.constexpr):
         """False when every (row, key) pair of the block is allowed: all keys exist, the first

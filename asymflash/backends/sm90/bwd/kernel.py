@@ -7,8 +7,7 @@ from ..common import GLUON_ERROR
 
 if GLUON_ERROR is None:
     from ..bounds import (
-        mask_edges,
-        query_range,
+        key_block_walk,
         step_needs_mask,
     )
     from ..common import (
@@ -101,12 +100,9 @@ if GLUON_ERROR is None:
             HAS_RIGHT and DETERMINISTIC, HEADS_FIRST)
         n0 = n_blk * BLOCK_N
         if (n0 >= 0) & (n0 < seqlen_k):
-            shift = seqlen_k - seqlen_q
-            m_lo, group_blocks = query_range(n0, seqlen_q, shift, window_left, window_right,
-                                             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-            n_steps = group_blocks * group
-            keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, shift, window_left,
-                                                        window_right, BLOCK_M, BLOCK_N)
+            (shift, m_lo, group_blocks, n_steps, keys_oob, m_full_lo,
+             m_full_hi) = key_block_walk(n0, seqlen_q, seqlen_k, group, window_left,
+                                         window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
             k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM],
                                                tile_layout(k_desc.layout))

@@ -67,6 +67,7 @@ from ..common import GLUON_ERROR
 
 if GLUON_ERROR is None:
     from ..bounds import (
+        key_block_walk,
         mask_edges,
         query_range,
     )
@@ -388,12 +389,9 @@ if GLUON_ERROR is None:
             # Top-first order (deterministic causal) numbers the key blocks down from the
             # sequence's own count: grid columns beyond a shorter varlen sequence get n0 < 0.
             if (n0 >= 0) & (n0 < seqlen_k):
-                shift = seqlen_k - seqlen_q
-                m_lo, group_blocks = query_range(n0, seqlen_q, shift, window_left, window_right,
-                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-                n_steps = group_blocks * group
-                keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, shift, window_left,
-                                                            window_right, BLOCK_M, BLOCK_N)
+                (shift, m_lo, group_blocks, n_steps, keys_oob, m_full_lo,
+                 m_full_hi) = key_block_walk(n0, seqlen_q, seqlen_k, group, window_left,
+                                             window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
                 h_first = hk * group
                 h, m0, stride = walk_start(n_blk, n_seq, n_steps, group_blocks, h_first, m_lo,
                                            STAGGER, BLOCK_M)
