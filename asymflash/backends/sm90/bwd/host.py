@@ -317,7 +317,7 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
         "dq_desc": f"tensordesc<fp32[{dq_block[0]}, {dq_block[1]}],{dq_layout!r}>",
         "dk_desc": rows_desc([_key_rows(cfg, split), head_dim]),
         "dv_desc": rows_desc([_key_rows(cfg, split), head_dim_v]),
-        "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "dk_ptr": f"*{ty}",
+        "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": f"*{ty}",
         "dv_ptr": f"*{ty}", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "used_k_ptr": "*i32",
         "sem_ptr": "*i32", "seqlen_q": "i32", "seqlen_k": "i32", "total_q": "i32",
         "n_heads": "i32", "n_kv_heads": "i32", "group": "i32", "num_m_blocks": "i32",
@@ -454,8 +454,8 @@ def _run(plan: LaunchPlan, width, width_v, padded, dout, q, k, v, out, lse, dlse
         sem = tile_counter
     else:
         sem = _unused_semaphore(q.device)
-    args = (q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse, delta, dq_acc,
-            dk, dv, seq.cu_seqlens_q, seq.cu_seqlens_k,
+    args = (q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse, delta, dk, dv,
+            seq.cu_seqlens_q, seq.cu_seqlens_k,
             seq.seqused_k if has_seqused else seq.cu_seqlens_k, sem,
             seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, hkv, hq // hkv, plan.num_m_blocks,
             qk_scale, params.softmax_scale, softcap_pre, wl, wr)

@@ -88,7 +88,7 @@ if GLUON_ERROR is None:
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
                                   "group", "window_left", "window_right", "num_m_blocks"])
     def attn_bwd_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc,
-                             lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr,
+                             lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr,
                              used_k_ptr, sem_ptr,
                              seqlen_q, seqlen_k, total_q, n_heads, n_kv_heads, group,
                              num_m_blocks,

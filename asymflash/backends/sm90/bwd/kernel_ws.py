@@ -347,7 +347,7 @@ if GLUON_ERROR is None:
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
                                   "group", "window_left", "window_right", "num_m_blocks"])
     def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
-                           delta_ptr, dq_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
+                           delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
                            sem_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_kv_heads, group,
                            num_m_blocks, qk_scale, softmax_scale, softcap_pre, window_left,
                            window_right, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
@@ -363,8 +363,8 @@ if GLUON_ERROR is None:
                            HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr,
                            PERSISTENT: gl.constexpr = False, KV_BUFS: gl.constexpr = 1,
                            MASK_MODE: gl.constexpr = 0, FIRST_STORES: gl.constexpr = False):
-        # Same arguments as kernel._attn_bwd_kernel (one host path); DK_LATE, STATS_LATE,
-        # RELEASE_AT and dq_ptr belong to that kernel's schedule. DV_OVERLAP:
+        # Same arguments as kernel._attn_bwd_kernel (one host path); DK_LATE, STATS_LATE and
+        # RELEASE_AT belong to that kernel's schedule. DV_OVERLAP:
         # dV = Pᵀ·dO stays in flight while dSᵀ is formed (BwdConfig.dv_overlap).
         # DETERMINISTIC: the dQ warp adds the tiles in kernel.py's turn order (causal masks:
         # the grid runs from the top key block down, as there). DQ_WARP: without
