@@ -5,6 +5,10 @@ model dim 2048, nheads = 2048 / hdim, batch = 16384 / seqlen), every cell checke
 reference before it is timed, median CUDA-event times, FLOPs 4*b*h*sq*sk*d (halved when
 causal), backward timed alone as 2.5x the forward FLOPs.
 
+`--suite models` runs named workloads of real models instead (bench/models.py, the calls in
+bench/model_calls.py; docs/benchmark.md lists the cases) through the same check, timing and
+report.
+
 Layout of the harness:
     bench.py            command line, grid, the run (this file)
     bench_core.py       Case / Provider / Result, FLOP counts, the check, timing, Runner

@@ -358,7 +358,8 @@ def _seqlen_label(s: int) -> str:
     return f"{s // 1024}k" if s >= 1024 and s % 1024 == 0 else str(s)
 
 
-def _draw_bars(ax, results: list, providers: list, colours: dict, top: float) -> list:
+def _draw_bars(ax, results: list, providers: list, colours: dict, top: float,
+               floor: float = 0.0) -> list:
     """One group of bars per sequence length; returns the sequence lengths in x order."""
     seqlens = list(OrderedDict.fromkeys(_x_of(r) for r in results))
     if not is_model_case(results[0].case):
@@ -371,10 +372,12 @@ def _draw_bars(ax, results: list, providers: list, colours: dict, top: float) ->
             r = by_key.get((s, provider))
             if r is not None and r.status == OK:
                 ax.bar(x, r.tflops, width, color=colours[provider])
-                ax.text(x, r.tflops + top * 0.01, _bar_label(r.tflops), ha="center",
+                ax.text(x, r.tflops * 1.05 if floor else r.tflops + top * 0.01,
+                        _bar_label(r.tflops), ha="center",
                         va="bottom", fontsize=6, rotation=90 if len(providers) > 4 else 0)
             elif r is not None:  # the empty slot says why, instead of looking like zero
-                ax.text(x, top * 0.01, r.status, ha="center", va="bottom", fontsize=5,
+                ax.text(x, floor * 1.1 or top * 0.01, r.status, ha="center", va="bottom",
+                        fontsize=5,
                         rotation=90, color="#aa0000")
     return seqlens
 
@@ -396,16 +399,21 @@ def plot_chart(path: Path, results: list, mode: str, hdim: int, causal: bool,
     n_seqlens = len({_x_of(r) for r in results})
     fig, ax = plt.subplots(figsize=(min(14.0, max(7.0, 0.3 * n_seqlens * len(providers))), 4.5))
     top = max((r.tflops for r in results if r.status == OK), default=1.0)
-    seqlens = _draw_bars(ax, results, providers, colours, top)
+    models = hdim is None
+    # Decode runs at a few TFLOP/s, prefill at hundreds: one chart needs a log axis.
+    floor = min((r.tflops for r in results if r.status == OK), default=1.0) / 4 if models else 0
+    if models:
+        ax.set_yscale("log")
+    seqlens = _draw_bars(ax, results, providers, colours, top, floor)
 
     ax.set_xticks(range(len(seqlens)))
-    models = hdim is None
     ax.set_xticklabels([s if models else _seqlen_label(s) for s in seqlens],
                        rotation=30 if models else 0, ha="right" if models else "center",
                        fontsize=6 if models else None)
     ax.set_xlabel("Model workload" if models else "Sequence length")
     ax.set_ylabel("Speed (TFLOP/s)")
-    ax.set_ylim(0, top * 1.35)  # headroom for the labels and the legend
+    # headroom for the labels and the legend
+    ax.set_ylim(floor, top * 8) if models else ax.set_ylim(0, top * 1.35)
     what = "models suite" if models else \
         f"head dim {hdim}, {'causal' if causal else 'non-causal'}"
     ax.set_title(f"{_MODE_TITLE[mode]}, {what} ({device_name}, {results[0].case.dtype})")
