@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -300,3 +301,19 @@ def test_cli_case_selection_and_refusals(capsys, monkeypatch):
             bench.main(argv)
         assert exc.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_flex_peer_passes_the_check_on_every_kind_it_expresses():
+    """The Flex peer's calls (block masks for documents, windows and cache lengths, the
+    softcap score_mod) run eagerly on the CPU and pass the suite's check, forward."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = Provider("flex-eager", None, make_model=model_calls.flex(lambda: flex_attention))
+    runner = ModelRunner([flex], ("fwd",), cpu_timer(reps=1, warmup=0), "cpu", attention_ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex warns that it is not compiled
+        results = [r for name in ("varlen", "swa", "softcap", "decode-b8", "decode-paged-b8")
+                   for r in runner.run_case(_case(name))]
+    for r in results:
+        want = NA if r.case.page_size else OK
+        assert r.status == want, (r.case.name, r.reason)
