@@ -181,14 +181,21 @@ def _check_cu_seqlens_values(cu, name, total, max_seqlen, max_name):
               f"below the longest sequence in {name} ({max(steps)})")
 
 
-def check_seqused(seqused, cu_k):
+def check_seqused(seqused, cu, name="seqused_k"):
+    """0 <= seqused[b] <= the rows sequence b has in cu (cu_seqlens_k for seqused_k,
+    cu_seqlens_q for seqused_q), or in the padded length when cu is an int."""
     if torch.compiler.is_compiling():
         return
-    used, cu = seqused.tolist(), cu_k.tolist()
+    used = seqused.tolist()
+    if isinstance(cu, int):
+        cu, what = [b * cu for b in range(len(used) + 1)], "the padded length, dim 1"
+    else:
+        cu = cu.tolist()
+        what = f"that sequence's rows in cu_seqlens_{name[-1]}"
     for b, u in enumerate(used):
         if u < 0 or u > cu[b + 1] - cu[b]:
-            _fail(ValueError, "seqused_k", f"[{b}] is {u}",
-                  f"allowed: 0..{cu[b + 1] - cu[b]} (that sequence's keys in cu_seqlens_k)")
+            _fail(ValueError, f"{name}[{b}]", f"is {u}",
+                  f"allowed: 0..{cu[b + 1] - cu[b]} ({what})")
 
 
 # ---- KV cache (flash_attn_with_kvcache, paged varlen) --------------------------------------
