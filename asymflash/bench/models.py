@@ -256,10 +256,22 @@ def _paged(k, v, page_size: int, seed: int, device) -> dict:
 # The reference
 
 
+def chunk_elems(device) -> int:
+    """Score elements per chunk of the reference: the grid's 2^26 on the CPU; on CUDA a share
+    of the free memory (about 100 bytes per element covers the fp32 scores, the softmax's
+    temporaries and what autograd keeps), so the 128k case runs a few hundred chunks, not
+    thousands of 16-row ones."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 2**26
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(2**26, min(2**31, free // 100))
+
+
 def _layers(ref_fn, case: ModelCase, q, k, v, upcast, dout):
     """The reference output of `case` on (upcast or plain) q/k/v; grads accumulate in the
     leaves when dout is given. Every document, layer and sequence is its own chunked call."""
-    kw = dict(softcap=case.softcap)
+    kw = dict(softcap=case.softcap, max_elems=chunk_elems(q.device))
 
     def attend(qs, ks, vs, window, d):
         return chunked_attention(ref_fn, qs, ks, vs, case.causal, upcast, dout=d,
