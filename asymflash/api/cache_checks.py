@@ -49,25 +49,26 @@ def clamped(lens, geom: CacheGeometry, page_table=None, batch_idx=None, leftpad=
     tensor, True when nothing needed clamping (and no cache row repeats while appending).
     Only the pages a sequence uses are judged; the rest of its page-table row may hold
     anything (engines pad it), it is clamped too but never read."""
+    # Each check compares a value with its clamped copy: the fewest launches (a decode call
+    # is short, and every launch is host time).
     top = max(geom.capacity - geom.extra, 0)
-    conds = [((lens >= 0) & (lens <= top)).all()]
-    lens = lens.clamp(0, top)
+    given, lens = lens, lens.clamp(0, top)
+    conds = [(lens == given).all()]
     if batch_idx is not None:
-        conds.append(((batch_idx >= 0) & (batch_idx < geom.batch_cache)).all())
+        given, batch_idx = batch_idx, batch_idx.clamp(0, max(geom.batch_cache - 1, 0))
+        conds.append((batch_idx == given).all())
         if geom.appending and batch_idx.shape[0] > 1:  # colliding writes
-            rows = batch_idx.sort().values
+            rows = given.sort().values
             conds.append((rows[1:] != rows[:-1]).all())
-        batch_idx = batch_idx.clamp(0, max(geom.batch_cache - 1, 0))
     if leftpad is not None:
-        conds.append(((leftpad >= 0) & (leftpad <= lens)).all())
-        leftpad = torch.minimum(leftpad.clamp(min=0), lens)
+        given, leftpad = leftpad, torch.minimum(leftpad.clamp(min=0), lens)
+        conds.append((leftpad == given).all())
     if page_table is not None:
         pages_used = (lens + (geom.extra + geom.page_size - 1)) // geom.page_size
         cols = torch.arange(page_table.shape[1], device=page_table.device)
-        used = cols.unsqueeze(0) < pages_used.unsqueeze(1)
-        in_range = (page_table >= 0) & (page_table < geom.num_rows)
-        conds.append((in_range | ~used).all())
-        page_table = page_table.clamp(0, max(geom.num_rows - 1, 0))
+        unused = cols.unsqueeze(0) >= pages_used.unsqueeze(1)
+        given, page_table = page_table, page_table.clamp(0, max(geom.num_rows - 1, 0))
+        conds.append(((page_table == given) | unused).all())
     ok = conds[0] if len(conds) == 1 else torch.stack(conds).all()
     return (lens, page_table, batch_idx, leftpad), ok
 
