@@ -204,3 +204,25 @@ def test_seqused_q_and_padded_forms_compile_fullgraph():
     torch.testing.assert_close(got, want)
     for g, w in zip(grads, want_grads):
         torch.testing.assert_close(g, w)
+
+
+def test_lengths_are_read_once_while_unchanged(monkeypatch):
+    """The layers of a model pass the same seqused tensors: read (a GPU sync) once, again
+    only when a tensor changes in place, and a changed value that is wrong still fails."""
+    from asymflash.api import validation
+
+    reads = []
+    original = validation._check_seqused_values
+    monkeypatch.setattr(validation, "_check_seqused_values",
+                        lambda *a: (reads.append(a[2]), original(*a)))
+    q = torch.randn(20, 2, 16, dtype=DTYPE, device=DEVICE)
+    cu, used_q, used_k = _cu([12, 8]), _i32([5, 8]), _i32([12, 3])
+    for _ in range(3):
+        flash_attn_varlen_func(q, q, q, cu, cu, 12, 12, seqused_q=used_q, seqused_k=used_k)
+    assert sorted(reads) == ["seqused_k", "seqused_q"]
+    used_q[1] = 9  # past the second sequence's 8 rows
+    with pytest.raises(ValueError, match=r"seqused_q\[1\] is 9"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 12, 12, seqused_q=used_q)
+    other = _cu([12, 8])  # equal values, another tensor: read again
+    flash_attn_varlen_func(q, q, q, other, other, 12, 12, seqused_k=used_k)
+    assert reads.count("seqused_k") == 2
