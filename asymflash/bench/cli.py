@@ -128,8 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark asymflash against torch SDPA (FA2, cuDNN, efficient), "
                     "FlexAttention, FA4 and flash-attn 2/3 when installed. Lists take "
                     "commas: --hdim 64,128 --seqlen 1k,16k.")
-    p.add_argument("--mode", type=_list(_mode), default=("fwd", "bwd"),
-                   help="fwd, bwd, fwdbwd, comma-separated (default fwd,bwd)")
+    p.add_argument("--mode", type=_list(_mode),
+                   help="fwd, bwd, fwdbwd, comma-separated (default fwd,bwd; the models "
+                        "suite: fwd,fwdbwd, a training step's forward and backward)")
     p.add_argument("--hdim", type=_list(int), help="head dims (default 64,128,256)")
     p.add_argument("--hdim-v", type=int, help="head dim of V (default: = hdim)")
     p.add_argument("--seqlen", type=_list(_size), help="sequence lengths (default 512..16k)")
@@ -388,6 +389,8 @@ def main(argv: list | None = None) -> int:
                  else bench_providers.cpu_providers())
     timer = cuda_timer(args.warmup, args.rep) if cuda else cpu_timer()
     models = args.suite == "models"
+    if not args.mode:
+        args.mode = ("fwd", "fwdbwd") if models else ("fwd", "bwd")
     try:
         providers = bench_providers.select(providers, args.providers)
         cases = (resolve_model_cases(args, cuda) if models

@@ -317,3 +317,14 @@ def test_flex_peer_passes_the_check_on_every_kind_it_expresses():
     for r in results:
         want = NA if r.case.page_size else OK
         assert r.status == want, (r.case.name, r.reason)
+
+
+def test_models_suite_defaults_to_forward_and_training_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "run"
+    assert bench.main(["--suite", "models", "--case", "vit", "--out", str(out), "--no-plots",
+                       "--providers", "asymflash-cpu"]) == 0
+    record = json.loads((out / "results.json").read_text())
+    assert record["modes"] == ["fwd", "fwdbwd"]
+    assert {(c["mode"], c["status"]) for c in record["results"]} == {("fwd", OK),
+                                                                     ("fwdbwd", OK)}
