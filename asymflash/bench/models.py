@@ -112,6 +112,14 @@ class ModelCase(Case):
                 total += window_pairs(self.seqlen_q, self.seqlen_k, left, right)
         return total
 
+    def kv_bytes(self) -> float | None:
+        """Bytes of K and V a decode call must read (the keys each sequence holds), or None
+        for the other kinds (compute-bound: TFLOP/s is their measure)."""
+        if self.kind != "decode":
+            return None
+        per_key = self.nheads_kv * (self.hdim + self.hdim_v) * self.torch_dtype.itemsize
+        return float(sum(self.cache_lens) * per_key)
+
     def smoke(self) -> "ModelCase":
         """The same kind at CPU size: a few dozen tokens, two kv heads at most (the GQA ratio
         capped at 4), the head dims, softcap and the window's share of the context kept."""

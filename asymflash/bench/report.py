@@ -293,6 +293,9 @@ def result_record(r: Result, flops: float) -> dict:
                flops=flops, reason=r.reason, host_us=r.host_us,
                errors={k: {"max_abs_err": _finite(e), "bound": _finite(b)}
                        for k, (e, b) in r.errors.items()})
+    kv_bytes = r.case.kv_bytes() if hasattr(r.case, "kv_bytes") else None
+    if kv_bytes and r.ms:  # decode's figure of merit: the cache read per second
+        rec["kv_gb_per_s"] = kv_bytes / (r.ms * 1e-3) / 1e9
     return rec
 
 

@@ -111,6 +111,9 @@ def test_flops_of_each_kind_follow_its_masks():
     per_token = 2 * decode.nheads * (decode.hdim + decode.hdim_v)
     assert attention_flops(decode, "fwd") == per_token * sum(decode.cache_lens)
     assert decode.modes == ("fwd",)
+    per_key = decode.nheads_kv * (decode.hdim + decode.hdim_v) * 4  # fp32 at smoke size
+    assert decode.kv_bytes() == per_key * sum(decode.cache_lens)
+    assert varlen.kv_bytes() is None
 
 
 def _masked_whole(q, k, v, ok, softcap=0.0):
@@ -279,6 +282,8 @@ def test_cli_runs_the_whole_suite_on_the_cpu(tmp_path, monkeypatch, capsys):
         assert c["status"] == (NA if decode_bwd else OK), (c["name"], c["mode"], c["reason"])
         if not decode_bwd:
             assert c["errors"]["out"]["max_abs_err"] <= c["errors"]["out"]["bound"]
+        if c["kind"] == "decode" and c["status"] == OK:
+            assert c["kv_gb_per_s"] > 0
     markdown = (out / "results.md").read_text()
     assert "| case | shape |" in markdown and "hybrid-gemma3-12b-smoke" in markdown
     merged = tmp_path / "merged"
