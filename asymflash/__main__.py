@@ -11,7 +11,8 @@ import torch
 COMMANDS = {
     "demo": "forward + backward on the best device, checked against the reference "
             "(exit 1 if a result is outside the tolerance)",
-    "bench": "the benchmark grid beside the peers found here (see `bench --help`)",
+    "bench": "the benchmark grid (or --suite models) beside the peers found here "
+             "(see `bench --help`)",
     "env": "versions, devices, the backends each device gets, and the environment switches",
 }
 

@@ -75,3 +75,50 @@ def attention_ref(
     if not upcast:
         lse = lse.float()
     return out, lse
+
+
+def attention_varlen_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    seqused_q: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    **kw,
+):
+    """Packed (varlen) attention, sequence by sequence through attention_ref; (out, lse).
+
+    q: (total_q, nheads_q, d), k/v: (total_k, nheads_kv, d / dv). Sequence b's queries are
+    rows cu_seqlens_q[b] : cu_seqlens_q[b] + seqused_q[b] (all of its rows without
+    seqused_q), its keys rows cu_seqlens_k[b] : cu_seqlens_k[b] + seqused_k[b] (likewise);
+    masks are aligned to those used lengths. Query rows outside every sequence's used rows
+    (past seqused_q, or past the last offset) are not computed: out = 0 and lse = -inf there,
+    and no gradient flows through them (their dq is 0). lse is (nheads_q, total_q). kw as
+    attention_ref (softmax_scale, causal, window_size, softcap, learnable_sink, upcast, ...).
+    """
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used_q = seqused_q.tolist() if seqused_q is not None else None
+    used_k = seqused_k.tolist() if seqused_k is not None else None
+    hq, dv = q.shape[1], v.shape[2]
+    outs, lses, row = [], [], 0
+
+    def gap(n, out_dtype, lse_dtype):
+        outs.append(torch.zeros(n, hq, dv, dtype=out_dtype, device=q.device))
+        lses.append(torch.full((hq, n), float("-inf"), dtype=lse_dtype, device=q.device))
+
+    for b in range(len(cu_q) - 1):
+        sq = used_q[b] if used_q is not None else cu_q[b + 1] - cu_q[b]
+        sk = used_k[b] if used_k is not None else cu_k[b + 1] - cu_k[b]
+        o, lse = attention_ref(q[cu_q[b]:cu_q[b] + sq].unsqueeze(0),
+                               k[cu_k[b]:cu_k[b] + sk].unsqueeze(0),
+                               v[cu_k[b]:cu_k[b] + sk].unsqueeze(0), **kw)
+        if cu_q[b] > row:
+            gap(cu_q[b] - row, o.dtype, lse.dtype)
+        outs.append(o[0])
+        lses.append(lse[0])
+        row = cu_q[b] + sq
+    if q.shape[0] > row:
+        dtype = outs[0].dtype if outs else (torch.float32 if kw.get("upcast", True) else q.dtype)
+        gap(q.shape[0] - row, dtype, lses[0].dtype if lses else torch.float32)
+    return torch.cat(outs), torch.cat(lses, dim=1)

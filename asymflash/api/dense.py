@@ -97,8 +97,8 @@ def flash_attn_varlen_func(
     causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
     learnable_sink: Optional[Tensor] = None, deterministic: bool = False,
     return_lse: bool = False, seqused_k: Optional[Tensor] = None,
-    page_table: Tensor | None = None, *, dropout_p: float = 0.0, alibi_slopes=None,
-    return_attn_probs: bool = False,
+    page_table: Tensor | None = None, *, seqused_q: Optional[Tensor] = None,
+    dropout_p: float = 0.0, alibi_slopes=None, return_attn_probs: bool = False,
 ):
     """Exact attention on packed sequences: q (total_q, nheads_q, d), k/v (total_k, ...).
 
@@ -114,6 +114,13 @@ def flash_attn_varlen_func(
     key lengths come from seqused_k, else from cu_seqlens_k's differences (cu_seqlens_k and
     max_seqlen_k may then be None). This form is forward only: it runs under no_grad.
 
+    Serving prefill (FA3/FA4's forms, api/serving.py): seqused_q (int32, (batch,)) uses only
+    the first seqused_q[b] query rows of each sequence (masks aligned to that length; unused
+    rows get out = 0, lse = -inf and zero gradients). With cu_seqlens_q and cu_seqlens_k None
+    the batch is padded: q (batch, seqlen_q, nheads, d), k/v (batch, seqlen_k, nheads_kv, d /
+    dv), lengths from seqused_q / seqused_k (all rows when None), max_seqlen_* ignored; out is
+    then (batch, seqlen_q, nheads, dv) and lse (batch, nheads, seqlen_q).
+
     dropout_p, alibi_slopes and return_attn_probs: as in flash_attn_func.
     """
     if dropout_p or alibi_slopes is not None:
@@ -122,8 +129,18 @@ def flash_attn_varlen_func(
         out, lse = flash_attn_varlen_func(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
             causal, window_size, softcap, learnable_sink, deterministic, True, seqused_k,
-            page_table)
+            page_table, seqused_q=seqused_q)
         return out, lse, None
+    if page_table is not None and seqused_q is not None:
+        raise NotImplementedError("asymflash: seqused_q was given with page_table; paged "
+                                  "prefill uses every query row (pass seqused_q=None)")
+    if page_table is None and (seqused_q is not None or cu_seqlens_q is None or
+                               cu_seqlens_k is None):
+        from .serving import serving_varlen
+
+        return serving_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              seqused_q, seqused_k, softmax_scale, causal, window_size, softcap,
+                              learnable_sink, deterministic, return_lse)
     if page_table is not None:
         from .kvcache import paged_varlen
 
@@ -138,9 +155,6 @@ def flash_attn_varlen_func(
     if plan is not None:
         out, lse = call_planned_varlen(plan, q, k, v, learnable_sink)
         return (out, lse) if return_lse else out
-    if cu_seqlens_k is None:
-        raise ValueError("asymflash: cu_seqlens_k is None; it is required unless page_table "
-                         "is given")
     check.check_tensors(q, k, v, 3, "(total_tokens, nheads, headdim)")
     check.check_int_vector(cu_seqlens_q, "cu_seqlens_q", None, q.device)
     batch = cu_seqlens_q.shape[0] - 1

@@ -13,6 +13,7 @@ its tiled forward (the cache is only as big as the CPU can hold anyway).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -22,6 +23,7 @@ from torch import Tensor
 from ..core.masks import normalize_window
 from ..core.params import AttnParams, CacheSpec, SeqInfo
 from ..runtime import dispatch, plans
+from . import cache_checks
 from . import validation as check
 
 
@@ -183,11 +185,13 @@ class _KvPlan:
     """A planned signature's decode: the backend's runner (`decode_runner`) and what the
     full path derived for the CacheSpec."""
 
-    __slots__ = ("runner", "lens", "k_extra", "seqlen_q", "max_k", "batch", "return_lse")
+    __slots__ = ("runner", "lens", "k_extra", "seqlen_q", "max_k", "batch", "return_lse",
+                 "checks")
 
-    def __init__(self, runner, lens, spec: CacheSpec, return_lse):
+    def __init__(self, runner, lens, spec: CacheSpec, return_lse, checks=None):
         # lens: the uniform length of cache_seqlens None / an int, None for a tensor
         self.runner, self.lens, self.return_lse = runner, lens, return_lse
+        self.checks = checks
         self.k_extra, self.seqlen_q = spec.k_extra, spec.max_seqlen_q
         self.max_k, self.batch = spec.max_seqlen_k, spec.batch
 
@@ -195,6 +199,10 @@ class _KvPlan:
                  learnable_sink, cache_leftpad):
         lens = cache_seqlens if self.lens is None else \
             _uniform_lengths(self.batch, self.lens, q.device)
+        if self.checks is not None and not torch.compiler.is_compiling() and not (
+                q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            lens, page_table, cache_batch_idx, cache_leftpad = self.checks(
+                lens, page_table=page_table, batch_idx=cache_batch_idx, leftpad=cache_leftpad)
         spec = CacheSpec(k_cache, v_cache, lens, self.k_extra, page_table, cache_batch_idx,
                          None, self.seqlen_q, self.max_k, self.batch, k, v, cache_leftpad)
         sink = None if learnable_sink is None else \
@@ -203,16 +211,18 @@ class _KvPlan:
         return _returned(out, lse, self.return_lse)
 
 
-def _remember(key, backend, q, spec, params, sink, num_splits, return_lse, uniform_len):
+def _remember(key, backend, q, spec, params, sink, num_splits, return_lse, uniform_len,
+              checks=None):
     """Store the plan of a call the full path has just validated (None where the backend
     has no runner, and while a CUDA graph captures: the runner's first launch binds the
     compiled kernel, which belongs outside a capture). uniform_len: the length of
-    cache_seqlens None / an int, or None for a lengths tensor."""
+    cache_seqlens None / an int, or None for a lengths tensor. checks: the device checks
+    (cache_checks.checked with the call's geometry) the plan runs on every call, or None."""
     make = getattr(backend, "decode_runner", None)
     if key is None or make is None or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     return plans.keep(key, _KvPlan(make(q, spec, params, sink, num_splits, need_lse=return_lse),
-                                   uniform_len, spec, return_lse))
+                                   uniform_len, spec, return_lse, checks))
 
 
 @torch.no_grad()
@@ -272,9 +282,13 @@ def flash_attn_with_kvcache(
     window_size masks are aligned to the bottom-right corner (the last query is the newest
     token). softcap, learnable_sink (nheads_q,) as in flash_attn_func. num_splits: 0 picks
     the split-KV count by a heuristic (SM count, lengths), 1 disables splitting, n > 1
-    forces n. check_values=False skips the checks that read cache_seqlens, page_table and
-    cache_batch_idx on the host (one device sync per call; skipped anyway under
-    torch.compile and CUDA graph capture): then out-of-range values are undefined behaviour.
+    forces n. Index values (cache_seqlens, page_table, cache_batch_idx, cache_leftpad) are
+    checked: on CPU tensors on the host, a ValueError naming the entry; on CUDA on the
+    device, without waiting for it (api/cache_checks.py): the kernels read clamped copies,
+    so no value reads or writes outside the cache, and a wrong value fails a device-side
+    assert (asynchronously). check_values=False skips both (the checks are skipped anyway
+    under torch.compile and CUDA graph capture): then out-of-range values are undefined
+    behaviour.
 
     flash-attn 2's names are accepted too: block_table for page_table, return_softmax_lse
     for return_lse.
@@ -346,12 +360,25 @@ def flash_attn_with_kvcache(
     lens_on_host = cache_seqlens is None or isinstance(cache_seqlens, int)
     if lens_on_host:
         max_k = capacity if cache_seqlens is None else cache_seqlens + seqlen_new
+    checks = None
     if check_values and check.values_checkable(q) and not (
             lens_on_host and page_table is None and cache_batch_idx is None and
             cache_leftpad is None):
-        max_k = check.check_cache_values(
-            seqlens, "cache_seqlens", seqlen_new, capacity, page_table, num_rows, page_size,
-            cache_batch_idx, k_cache.shape[0], seqlen_new > 0, cache_leftpad)
+        if cache_checks.on_device(q):
+            # No host read (cache_checks): clamped copies, a device-side assert on the
+            # originals; max_k stays an upper bound (the capacity, or int lengths + new).
+            if seqlen_new > capacity:
+                check._fail(ValueError, "k", f"appends {seqlen_new} tokens",
+                            f"more than the cache's capacity of {capacity}")
+            checks = functools.partial(cache_checks.checked, geom=cache_checks.CacheGeometry(
+                seqlen_new, capacity, num_rows, page_size, k_cache.shape[0], seqlen_new > 0))
+            seqlens, page_table, cache_batch_idx, cache_leftpad = checks(
+                seqlens, page_table=page_table, batch_idx=cache_batch_idx,
+                leftpad=cache_leftpad)
+        else:
+            max_k = check.check_cache_values(
+                seqlens, "cache_seqlens", seqlen_new, capacity, page_table, num_rows,
+                page_size, cache_batch_idx, k_cache.shape[0], seqlen_new > 0, cache_leftpad)
 
     params = _params(q, softmax_scale, causal, window_size, softcap)
     if rotary_cos is not None:
@@ -372,7 +399,7 @@ def flash_attn_with_kvcache(
             spec.k_new, spec.v_new = k, v
         plan = _remember(key, backend, q, spec, params, sink, num_splits, return_lse,
                          (capacity if cache_seqlens is None else cache_seqlens)
-                         if lens_on_host else None)
+                         if lens_on_host else None, checks)
         if plan is not None:
             return _returned(*plan.runner(q, spec, sink), return_lse)
         return _returned(*backend.decode(q, spec, params, sink, num_splits,

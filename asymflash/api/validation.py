@@ -6,6 +6,7 @@ Each error names the argument, what was received and what is allowed.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -181,14 +182,35 @@ def _check_cu_seqlens_values(cu, name, total, max_seqlen, max_name):
               f"below the longest sequence in {name} ({max(steps)})")
 
 
-def check_seqused(seqused, cu_k):
+def check_seqused(seqused, cu, name="seqused_k"):
+    """0 <= seqused[b] <= the rows sequence b has in cu (cu_seqlens_k for seqused_k,
+    cu_seqlens_q for seqused_q), or in the padded length when cu is an int. A pair that
+    passed is not read again while both tensors are unchanged (`_PASSED`: the layers of a
+    model share them, and each read waits for the GPU)."""
     if torch.compiler.is_compiling():
         return
-    used, cu = seqused.tolist(), cu_k.tolist()
+    against = cu if isinstance(cu, int) else (id(cu), cu._version)
+    seen = _PASSED.get(seqused, ("seqused", name, against))
+    if seen is True or (seen is not None and seen() is cu):
+        return
+    _check_seqused_values(seqused, cu, name)
+    # the offsets tensor by weak reference: a new tensor that reuses a freed one's id
+    # must not find the old verdict
+    _PASSED.put(seqused, ("seqused", name, against),
+                True if isinstance(cu, int) else weakref.ref(cu))
+
+
+def _check_seqused_values(seqused, cu, name):
+    used = seqused.tolist()
+    if isinstance(cu, int):
+        cu, what = [b * cu for b in range(len(used) + 1)], "the padded length, dim 1"
+    else:
+        cu = cu.tolist()
+        what = f"that sequence's rows in cu_seqlens_{name[-1]}"
     for b, u in enumerate(used):
         if u < 0 or u > cu[b + 1] - cu[b]:
-            _fail(ValueError, "seqused_k", f"[{b}] is {u}",
-                  f"allowed: 0..{cu[b + 1] - cu[b]} (that sequence's keys in cu_seqlens_k)")
+            _fail(ValueError, f"{name}[{b}]", f"is {u}",
+                  f"allowed: 0..{cu[b + 1] - cu[b]} ({what})")
 
 
 # ---- KV cache (flash_attn_with_kvcache, paged varlen) --------------------------------------

@@ -5,6 +5,10 @@ model dim 2048, nheads = 2048 / hdim, batch = 16384 / seqlen), every cell checke
 reference before it is timed, median CUDA-event times, FLOPs 4*b*h*sq*sk*d (halved when
 causal), backward timed alone as 2.5x the forward FLOPs.
 
+`--suite models` runs named workloads of real models instead (bench/models.py, the calls in
+bench/model_calls.py; docs/benchmark.md lists the cases) through the same check, timing and
+report.
+
 Layout of the harness:
     bench.py            command line, grid, the run (this file)
     bench_core.py       Case / Provider / Result, FLOP counts, the check, timing, Runner
@@ -47,6 +51,7 @@ from .core import (
     cuda_timer,
     probe,
 )
+from .models import ModelCase, ModelRunner
 
 MODEL_DIM = 2048
 TOKENS = 16384
@@ -123,8 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark asymflash against torch SDPA (FA2, cuDNN, efficient), "
                     "FlexAttention, FA4 and flash-attn 2/3 when installed. Lists take "
                     "commas: --hdim 64,128 --seqlen 1k,16k.")
-    p.add_argument("--mode", type=_list(_mode), default=("fwd", "bwd"),
-                   help="fwd, bwd, fwdbwd, comma-separated (default fwd,bwd)")
+    p.add_argument("--mode", type=_list(_mode),
+                   help="fwd, bwd, fwdbwd, comma-separated (default fwd,bwd; the models "
+                        "suite: fwd,fwdbwd, a training step's forward and backward)")
     p.add_argument("--hdim", type=_list(int), help="head dims (default 64,128,256)")
     p.add_argument("--hdim-v", type=int, help="head dim of V (default: = hdim)")
     p.add_argument("--seqlen", type=_list(_size), help="sequence lengths (default 512..16k)")
@@ -153,7 +159,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="combine the results.json of earlier runs into one report in --out")
     p.add_argument("--list-providers", action="store_true",
                    help="list the providers and whether they can run here, then exit")
+    p.add_argument("--suite", choices=("grid", "models"), default="grid",
+                   help="grid: the FlashAttention papers' grid (default); models: named "
+                        "workloads shaped like real models (bench/models.py)")
+    p.add_argument("--case", type=_list(str),
+                   help="models suite: only these cases (names or prefixes, see --list-cases)")
+    p.add_argument("--smoke", action="store_true",
+                   help="models suite: every case at its tiny CPU scaling (the default "
+                        "without CUDA)")
+    p.add_argument("--list-cases", action="store_true",
+                   help="models suite: list the cases, then exit")
     return p
+
+
+GRID_ONLY = ("hdim", "hdim_v", "seqlen", "seqlen_k", "batch", "nheads", "nheads_kv", "causal",
+             "quick", "flex_seqlens")
+
+
+def resolve_model_cases(args: argparse.Namespace, cuda: bool) -> list:
+    """The models suite's cases: full size on CUDA, the smoke scaling on the CPU or with
+    --smoke. Raises ValueError for grid options (they do not apply) or an unknown case."""
+    from .models import models_suite, select_cases
+
+    given = [f"--{n.replace('_', '-')}" for n in GRID_ONLY
+             if getattr(args, n) not in (None, False, "all")]
+    if given:
+        raise ValueError(f"{', '.join(given)} shape(s) the grid; the models suite's cases "
+                         "have their own shapes (select them with --case)")
+    cases = select_cases(models_suite(), [n.removesuffix("-smoke") for n in args.case or ()])
+    if args.smoke or not cuda:
+        cases = [c.smoke() for c in cases]
+    if args.dtype:
+        cases = [dataclasses.replace(c, dtype=args.dtype) for c in cases]
+    return cases
 
 
 def resolve_grid(args: argparse.Namespace, cuda: bool) -> Grid:
@@ -243,11 +281,12 @@ class Run:
 
 def run(cases: Sequence[Case], providers: list, modes: Sequence[str], device: str,
         timer: Timer, reference_fn: Callable, progress: Callable | None = None,
-        after_case: Callable | None = None) -> Run:
+        after_case: Callable | None = None, runner_cls: type = Runner) -> Run:
     """after_case(partial Run) is called after each shape: a run stopped by a time limit
-    still leaves every finished shape on disk."""
+    still leaves every finished shape on disk. runner_cls: Runner (the grid) or
+    models.ModelRunner (the models suite)."""
     progress = progress or (lambda desc: None)
-    runner = Runner(providers, modes, timer, device, reference_fn, progress)
+    runner = runner_cls(providers, modes, timer, device, reference_fn, progress)
     done = Run([], runner, [], device)
     for case in cases:
         done.results.extend(runner.run_case(case))
@@ -279,7 +318,12 @@ def write_outputs(out_dir: Path, result: Run, env: dict, extra: dict,
 
 
 def _result_from_record(rec: dict) -> Result:
-    case = Case(**{f.name: rec[f.name] for f in dataclasses.fields(Case)})
+    cls = ModelCase if "kind" in rec else Case
+    fields = {f.name: rec[f.name] for f in dataclasses.fields(cls)}
+    for name in ("window", "doc_lens", "cache_lens", "doc_dist"):  # JSON gives lists
+        if name in fields:
+            fields[name] = tuple(fields[name])
+    case = cls(**fields)
     errors = {k: (e["max_abs_err"], e["bound"]) for k, e in rec.get("errors", {}).items()}
     return Result(case, rec["mode"], rec["provider"], rec["status"], rec["ms"], rec["tflops"],
                   rec.get("reason", ""), errors, rec.get("host_us"))
@@ -344,19 +388,28 @@ def main(argv: list | None = None) -> int:
     providers = (bench_providers.gpu_providers(device, flex_seqlens) if cuda
                  else bench_providers.cpu_providers())
     timer = cuda_timer(args.warmup, args.rep) if cuda else cpu_timer()
+    models = args.suite == "models"
+    if not args.mode:
+        args.mode = ("fwd", "fwdbwd") if models else ("fwd", "bwd")
     try:
         providers = bench_providers.select(providers, args.providers)
-        cases = build_cases(resolve_grid(args, cuda))
+        cases = (resolve_model_cases(args, cuda) if models
+                 else build_cases(resolve_grid(args, cuda)))
     except ValueError as exc:
         parser.error(str(exc))  # exits with status 2
     if args.list_providers:
         return _list_providers(providers)
-
+    if args.list_cases:
+        if not models:
+            parser.error("--list-cases lists the models suite's cases: add --suite models")
+        for c in cases:
+            print(f"{c.name:36s} {c.model}")
+        return 0
     command = "python -m asymflash bench " + " ".join(shlex.quote(a) for a in argv)
     env = bench_report.collect_env(device, command.strip())
     progress = Progress(len(cases) * len(providers) * len(args.mode))
     out_dir = args.out or _default_out(env)
-    extra = {"argv": argv, "modes": list(args.mode),
+    extra = {"argv": argv, "suite": args.suite, "modes": list(args.mode),
              "timer": f"do_bench median, warmup {args.warmup} ms, rep {args.rep} ms"
              if cuda else "CPU wall clock, median of 5 after 1 warm-up",
              "check": "every batch and head, the first call and a repeated (planned) one, "
@@ -369,7 +422,8 @@ def main(argv: list | None = None) -> int:
 
     try:
         result = run(cases, providers, args.mode, device, timer, default_reference(), progress,
-                     after_case=checkpoint if cuda else None)
+                     after_case=checkpoint if cuda else None,
+                     runner_cls=ModelRunner if models else Runner)
     finally:
         progress.close()
     markdown = write_outputs(out_dir, result, env, extra, plots=not args.no_plots)

@@ -63,6 +63,19 @@ class Case:
                else f"{self.seqlen_q}x{self.seqlen_k}")
         return f"hdim={self.hdim}{dv} causal={int(self.causal)} seqlen={seq}{gqa}"
 
+    @property
+    def out_shape(self) -> tuple:
+        return (self.batch, self.seqlen_q, self.nheads, self.hdim_v)
+
+    @property
+    def modes(self) -> tuple:
+        """The modes this case has (every one; decode cases of the models suite: fwd)."""
+        return MODES
+
+    def pairs(self) -> float:
+        """Visible (query, key) pairs per sequence (visible_pairs)."""
+        return visible_pairs(self.seqlen_q, self.seqlen_k, self.causal)
+
 
 def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> float:
     """(query, key) pairs that take part, by the FlashAttention papers' convention.
@@ -84,8 +97,7 @@ def attention_flops(case: Case, mode: str) -> float:
 
     Query heads count, not kv heads: GQA shares K/V but every query head does its own work.
     """
-    fwd = 2.0 * case.batch * case.nheads * (case.hdim + case.hdim_v)
-    fwd *= visible_pairs(case.seqlen_q, case.seqlen_k, case.causal)
+    fwd = 2.0 * case.batch * case.nheads * (case.hdim + case.hdim_v) * case.pairs()
     return fwd * MODE_FLOP_FACTOR[mode]
 
 
@@ -117,6 +129,9 @@ class Provider:
     # The asymflash provider the "asymflash / best peer" ratio reports: flash_attn_func's
     # default path on this device (variants and other backends are shown, never counted).
     headline: bool = False
+    # The models suite's call: make_model(case, inputs, q, k, v) -> FwdFn, with q/k/v as the
+    # case's kind lays them out (bench/models.py); None: the provider is not in that suite.
+    make_model: Callable | None = None
 
 
 @dataclass
@@ -175,7 +190,7 @@ def _first(x):
 
 
 def chunked_attention(ref_fn, q, k, v, causal: bool, upcast: bool, dout=None,
-                      max_elems: int = 2**26):
+                      max_elems: int = 2**26, **kw):
     """ref_fn over blocks of queries, so the score matrix never exists whole.
 
     A block of queries [a, a + c) under the bottom-right-aligned causal mask sees keys up to
@@ -183,6 +198,8 @@ def chunked_attention(ref_fn, q, k, v, causal: bool, upcast: bool, dout=None,
     the last key, which is the same alignment, so each block is computed exactly.
     With dout, each block is differentiated right away (grads accumulate in the leaves) so
     the autograd graph of only one block is alive at a time. Returns the output (detached).
+    kw (window_size, softcap) go to ref_fn: trimming keys at the end keeps each query's
+    position, so windows are computed exactly too.
     """
     sq, sk = q.shape[1], k.shape[1]
     rows = max(1, max_elems // max(1, sk * q.shape[0] * q.shape[2]))
@@ -191,7 +208,7 @@ def chunked_attention(ref_fn, q, k, v, causal: bool, upcast: bool, dout=None,
         c = min(rows, sq - a)
         kend = min(sk, max(0, a + c + sk - sq)) if causal else sk
         out = _first(ref_fn(q[:, a:a + c], k[:, :kend], v[:, :kend], causal=causal,
-                            upcast=upcast))
+                            upcast=upcast, **kw))
         if dout is not None:
             out.backward(dout[:, a:a + c].to(out.dtype))
         outs.append(out.detach())
@@ -348,7 +365,7 @@ def short_reason(exc: BaseException, limit: int = 200) -> str:
 
 
 def _check_shape(out, case: Case):
-    want = (case.batch, case.seqlen_q, case.nheads, case.hdim_v)
+    want = case.out_shape
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         return {"out": (math.inf, 0.0)}, f"output shape {got}, expected {want}"
@@ -431,10 +448,20 @@ class Runner:
             results.extend(self.run_case(case))
         return results
 
+    # The three things a suite of another kind of case replaces (bench/models.py).
+    def make_inputs(self, case: Case) -> Inputs:
+        return make_inputs(case, self.device, self.seed)
+
+    def reference(self, inputs: Inputs, case: Case, with_grads: bool) -> Reference:
+        return compute_reference(self.reference_fn, inputs, case, with_grads)
+
+    def make_call(self, provider: Provider, case: Case, inputs: Inputs, q, k, v) -> FwdFn:
+        return provider.make_fwd(q, k, v, case.causal)
+
     def run_case(self, case: Case) -> list:
-        inputs = make_inputs(case, self.device, self.seed)
-        with_grads = any(m != "fwd" for m in self.modes)
-        ref = compute_reference(self.reference_fn, inputs, case, with_grads)
+        inputs = self.make_inputs(case)
+        with_grads = any(m != "fwd" for m in self.modes if m in case.modes)
+        ref = self.reference(inputs, case, with_grads)
         results = []
         for provider in self.providers:
             for mode in self.modes:
@@ -460,11 +487,13 @@ class Runner:
             return result(NA, reason=self.unavailable[provider.name])
         if provider.modes is not None and mode not in provider.modes:
             return result(NA, reason=f"runs only {', '.join(provider.modes)}")
+        if mode not in case.modes:
+            return result(NA, reason=f"the case has only {', '.join(case.modes)}")
         leaves = inputs.leaves() if mode != "fwd" else ()
         q, k, v = leaves or (inputs.q, inputs.k, inputs.v)
         try:
             with provider.context():
-                fn = provider.make_fwd(q, k, v, case.causal)
+                fn = self.make_call(provider, case, inputs, q, k, v)
                 # Twice: a repeated call takes another path than the first (call plans,
                 # bound launches), and that path is the one timed.
                 for call in ("first call", "repeated call"):

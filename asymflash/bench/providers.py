@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from . import model_calls
 from .core import Provider, probe
 
 # Peers in the order their columns appear (asymflash's backends come after them).
@@ -128,7 +129,8 @@ def _asymflash_backend(backend: str, deterministic: bool = False) -> Provider:
                         is_asymflash=True, modes=("bwd", "fwdbwd"),
                         description=f"the {backend} backend with deterministic=True")
     return Provider(f"asymflash-{backend}", make_fwd, available, context, is_asymflash=True,
-                    description=f"asymflash.flash_attn_func forced to the {backend} backend")
+                    description=f"asymflash.flash_attn_func forced to the {backend} backend",
+                    make_model=model_calls.flash_api("asymflash"))
 
 
 def _backend_reason(backend: str) -> str | None:
@@ -170,7 +172,8 @@ def sdpa_provider(label: str, backend: str, description: str, cuda: bool = True)
         return lambda: sdpa(qt, kt, vt, **kwargs).transpose(1, 2)
 
     available = _needs_cuda(check) if cuda else check
-    return Provider(label, make_fwd, available, context, description=description)
+    return Provider(label, make_fwd, available, context, description=description,
+                    make_model=model_calls.sdpa(make_fwd))
 
 
 # --------------------------------------------------------------------------------------------
@@ -239,14 +242,16 @@ def flex_provider(seqlens=None) -> Provider:
         return _import_reason("torch.nn.attention.flex_attention")
 
     return Provider("Flex", make_fwd, _needs_cuda(check),
-                    description="torch.compile(flex_attention), block mask for causal")
+                    description="torch.compile(flex_attention), block mask for causal",
+                    make_model=model_calls.flex(_compiled_flex))
 
 
 # --------------------------------------------------------------------------------------------
 # flash-attn packages (BSHD already)
 
 
-def _flash_attn_provider(label: str, module: str, description: str) -> Provider:
+def _flash_attn_provider(label: str, module: str, description: str,
+                         make_model=None) -> Provider:
     def make_fwd(q, k, v, causal):
         func = importlib.import_module(module).flash_attn_func
         return lambda: _first(func(q, k, v, causal=causal))
@@ -256,25 +261,29 @@ def _flash_attn_provider(label: str, module: str, description: str) -> Provider:
         # cute/, so `import flash_attn` alone does not mean flash-attn 2 is there.
         return probe(lambda: importlib.import_module(module).flash_attn_func)
 
-    return Provider(label, make_fwd, _needs_cuda(check), description=description)
+    return Provider(label, make_fwd, _needs_cuda(check), description=description,
+                    make_model=make_model)
 
 
 def fa4_provider() -> Provider:
     # flash_attn.cute.flash_attn_func(q, k, v, softmax_scale=None, causal=False, ...)
     # returns (out, lse); lse is None unless return_lse=True.
     return _flash_attn_provider("FA4", "flash_attn.cute",
-                                "flash-attn-4 (flash_attn.cute.flash_attn_func)")
+                                "flash-attn-4 (flash_attn.cute.flash_attn_func)",
+                                model_calls.fa4)
 
 
 def fa3_provider() -> Provider:
     return _flash_attn_provider("FA3", "flash_attn_interface",
-                                "flash-attn 3 (flash_attn_interface.flash_attn_func)")
+                                "flash-attn 3 (flash_attn_interface.flash_attn_func)",
+                                model_calls.flash_api("flash_attn_interface"))
 
 
 def flash_attn2_provider() -> Provider:
     # Labelled apart from "FA2", which by the benchmark's convention is torch SDPA's flash.
     return _flash_attn_provider("flash-attn2", "flash_attn",
-                                "flash-attn 2 package (flash_attn.flash_attn_func)")
+                                "flash-attn 2 package (flash_attn.flash_attn_func)",
+                                model_calls.flash_api("flash_attn", paged_arg="block_table"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -102,19 +102,45 @@ def _extra_columns(cases: list) -> dict:
     return extra
 
 
+def is_model_case(case) -> bool:
+    """A case of the models suite (named, with a model), not a grid cell."""
+    return bool(getattr(case, "name", ""))
+
+
+def model_shape(case) -> str:
+    """The models suite's shape column: heads, head dims, tokens, and what the kind adds."""
+    dims = f"d{case.hdim}" + (f"/{case.hdim_v}" if case.hdim_v != case.hdim else "")
+    heads = f"{case.nheads}:{case.nheads_kv}"
+    if case.kind == "varlen":
+        tokens = f"{len(case.doc_lens)} docs in {case.seqlen_q}"
+    elif case.kind == "decode":
+        tokens = f"b{case.batch} cache {case.seqlen_k}" + \
+            (f" paged {case.page_size}" if case.page_size else "")
+    else:
+        tokens = f"b{case.batch} x {case.seqlen_q}"
+    more = [f"window {case.window[0]}" if case.window[0] >= 0 else "",
+            f"softcap {case.softcap:g}" if case.softcap else "",
+            f"{case.local_per_global} local + 1 global" if case.kind == "hybrid" else "",
+            "causal" if case.causal and case.kind != "decode" else ""]
+    return ", ".join([heads, dims, tokens] + [m for m in more if m])
+
+
 def markdown_table(results: list, mode: str, asymflash_names: set,
                    headline: str | None = None) -> str:
     """One row per case, one column per provider (TFLOP/s or status), then the ratio."""
     providers = provider_order(results)
     cases = cases_in_order(results)
     by_key = index(results)
-    extra = _extra_columns(cases)
-    head = ["hdim", "causal", "seqlen", *extra.values(), *providers, "asymflash / best peer"]
+    models = all(is_model_case(c) for c in cases)
+    extra = {} if models else _extra_columns(cases)
+    first = ["case", "shape"] if models else ["hdim", "causal", "seqlen", *extra.values()]
+    head = [*first, *providers, "asymflash / best peer"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for case in cases:
         cells = [by_key.get((case, mode, p)) for p in providers]
         rt = ratio([c for c in cells if c is not None], asymflash_names, headline)
-        row = _row_head(case, extra) + [cell_text(c) for c in cells] + [_ratio_text(rt)]
+        row_head = [case.name, model_shape(case)] if models else _row_head(case, extra)
+        row = row_head + [cell_text(c) for c in cells] + [_ratio_text(rt)]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -267,6 +293,9 @@ def result_record(r: Result, flops: float) -> dict:
                flops=flops, reason=r.reason, host_us=r.host_us,
                errors={k: {"max_abs_err": _finite(e), "bound": _finite(b)}
                        for k, (e, b) in r.errors.items()})
+    kv_bytes = r.case.kv_bytes() if hasattr(r.case, "kv_bytes") else None
+    if kv_bytes and r.ms:  # decode's figure of merit: the cache read per second
+        rec["kv_gb_per_s"] = kv_bytes / (r.ms * 1e-3) / 1e9
     return rec
 
 
@@ -310,11 +339,18 @@ _MODE_TITLE = {"fwd": "Forward", "bwd": "Backward", "fwdbwd": "Forward + backwar
 
 
 def chart_groups(results: list) -> dict:
-    """(mode, hdim, causal) -> results: one chart each, seqlen on the x axis."""
+    """(mode, hdim, causal) -> results: one chart each, seqlen on the x axis. Models-suite
+    results: (mode, None, None) -> results, one chart per mode, a case per x position."""
     groups: OrderedDict = OrderedDict()
     for r in results:
-        groups.setdefault((r.mode, r.case.hdim, r.case.causal), []).append(r)
+        key = (r.mode, None, None) if is_model_case(r.case) else \
+            (r.mode, r.case.hdim, r.case.causal)
+        groups.setdefault(key, []).append(r)
     return groups
+
+
+def _x_of(r: Result):
+    return r.case.name if is_model_case(r.case) else r.case.seqlen_q
 
 
 def _bar_label(value: float) -> str:
@@ -325,10 +361,13 @@ def _seqlen_label(s: int) -> str:
     return f"{s // 1024}k" if s >= 1024 and s % 1024 == 0 else str(s)
 
 
-def _draw_bars(ax, results: list, providers: list, colours: dict, top: float) -> list:
+def _draw_bars(ax, results: list, providers: list, colours: dict, top: float,
+               floor: float = 0.0) -> list:
     """One group of bars per sequence length; returns the sequence lengths in x order."""
-    seqlens = sorted({r.case.seqlen_q for r in results})
-    by_key = {(r.case.seqlen_q, r.provider): r for r in results}
+    seqlens = list(OrderedDict.fromkeys(_x_of(r) for r in results))
+    if not is_model_case(results[0].case):
+        seqlens.sort()
+    by_key = {(_x_of(r), r.provider): r for r in results}
     width = 0.8 / max(1, len(providers))
     for i, provider in enumerate(providers):
         for j, s in enumerate(seqlens):
@@ -336,10 +375,12 @@ def _draw_bars(ax, results: list, providers: list, colours: dict, top: float) ->
             r = by_key.get((s, provider))
             if r is not None and r.status == OK:
                 ax.bar(x, r.tflops, width, color=colours[provider])
-                ax.text(x, r.tflops + top * 0.01, _bar_label(r.tflops), ha="center",
+                ax.text(x, r.tflops * 1.05 if floor else r.tflops + top * 0.01,
+                        _bar_label(r.tflops), ha="center",
                         va="bottom", fontsize=6, rotation=90 if len(providers) > 4 else 0)
             elif r is not None:  # the empty slot says why, instead of looking like zero
-                ax.text(x, top * 0.01, r.status, ha="center", va="bottom", fontsize=5,
+                ax.text(x, floor * 1.1 or top * 0.01, r.status, ha="center", va="bottom",
+                        fontsize=5,
                         rotation=90, color="#aa0000")
     return seqlens
 
@@ -358,19 +399,27 @@ def plot_chart(path: Path, results: list, mode: str, hdim: int, causal: bool,
     names = provider_order(results)
     providers = [p for p in names if any(r.provider == p and r.status == OK for r in results)]
     absent = [p for p in names if p not in providers]
-    n_seqlens = len({r.case.seqlen_q for r in results})
+    n_seqlens = len({_x_of(r) for r in results})
     fig, ax = plt.subplots(figsize=(min(14.0, max(7.0, 0.3 * n_seqlens * len(providers))), 4.5))
     top = max((r.tflops for r in results if r.status == OK), default=1.0)
-    seqlens = _draw_bars(ax, results, providers, colours, top)
+    models = hdim is None
+    # Decode runs at a few TFLOP/s, prefill at hundreds: one chart needs a log axis.
+    floor = min((r.tflops for r in results if r.status == OK), default=1.0) / 4 if models else 0
+    if models:
+        ax.set_yscale("log")
+    seqlens = _draw_bars(ax, results, providers, colours, top, floor)
 
     ax.set_xticks(range(len(seqlens)))
-    ax.set_xticklabels([_seqlen_label(s) for s in seqlens])
-    ax.set_xlabel("Sequence length")
+    ax.set_xticklabels([s if models else _seqlen_label(s) for s in seqlens],
+                       rotation=30 if models else 0, ha="right" if models else "center",
+                       fontsize=6 if models else None)
+    ax.set_xlabel("Model workload" if models else "Sequence length")
     ax.set_ylabel("Speed (TFLOP/s)")
-    ax.set_ylim(0, top * 1.35)  # headroom for the labels and the legend
-    ax.set_title(f"{_MODE_TITLE[mode]}, head dim {hdim}, "
-                 f"{'causal' if causal else 'non-causal'} ({device_name}, "
-                 f"{results[0].case.dtype})")
+    # headroom for the labels and the legend
+    ax.set_ylim(floor, top * 8) if models else ax.set_ylim(0, top * 1.35)
+    what = "models suite" if models else \
+        f"head dim {hdim}, {'causal' if causal else 'non-causal'}"
+    ax.set_title(f"{_MODE_TITLE[mode]}, {what} ({device_name}, {results[0].case.dtype})")
     handles = [Patch(color=colours[p], label=p) for p in providers]
     ax.legend(handles=handles, fontsize=7, ncol=min(6, max(1, len(providers))),
               loc="upper left", frameon=False)
@@ -387,7 +436,8 @@ def write_charts(out_dir: Path, results: list, device_name: str) -> list:
     colours = {p: _PALETTE[i % len(_PALETTE)] for i, p in enumerate(names)}
     paths = []
     for (mode, hdim, causal), group in chart_groups(results).items():
-        path = out_dir / f"{mode}_hdim{hdim}_causal{int(causal)}.png"
+        path = out_dir / (f"{mode}_models.png" if hdim is None
+                          else f"{mode}_hdim{hdim}_causal{int(causal)}.png")
         plot_chart(path, group, mode, hdim, causal, device_name, colours)
         paths.append(path)
     return paths

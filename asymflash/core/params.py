@@ -124,3 +124,23 @@ class CacheSpec:
     # Contiguous caches: sequence b's cache starts at position leftpad[b] (int32 (batch,)):
     # its key j is position leftpad[b] + j, and it has seqlens_k[b] - leftpad[b] + k_extra.
     leftpad: Tensor | None = None
+
+
+def split_unused_queries(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_q: Tensor,
+                         seqused_k: Tensor | None):
+    """(cu_seqlens_q, cu_seqlens_k, seqused_k) of 2 * batch sequences computing seqused_q
+    with plain varlen: sequence b becomes 2b, its first seqused_q[b] query rows with all of
+    its keys, and 2b + 1, its remaining rows with no key at all. Rows that see no key give
+    out = 0, lse = -inf and dq = 0 (the reference's rows with nothing to attend to), which
+    is what seqused_q defines for unused rows; masks of 2b are aligned to seqused_q[b], as
+    they must be. Device ops only: no value is read on the host, and every backend that
+    computes varlen computes this.
+    """
+    starts = cu_seqlens_q[:-1]
+    cu_q = torch.cat([torch.stack([starts, starts + seqused_q], 1).flatten(),
+                      cu_seqlens_q[-1:]])
+    cu_k = torch.cat([torch.stack([cu_seqlens_k[:-1], cu_seqlens_k[1:]], 1).flatten(),
+                      cu_seqlens_k[-1:]])
+    used_k = None if seqused_k is None else \
+        torch.stack([seqused_k, torch.zeros_like(seqused_k)], 1).flatten()
+    return cu_q, cu_k, used_k

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ..api import cache_checks
 from ..core.params import AttnParams, MaskSpec, SeqInfo
 from . import dispatch, env
 
@@ -122,11 +123,14 @@ def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_
             not plain_scalars(softmax_scale, causal, window_size, softcap):
         return None
     tables = (cache_batch_idx, page_table, cache_leftpad)
+    # Values checked on the host cannot be planned; on CUDA they are checked on the device
+    # (api/cache_checks.py), which the plan repeats on every call.
+    host_checks = check_values and not cache_checks.on_device(q)
     if cache_seqlens is None or type(cache_seqlens) is int:
         lens = cache_seqlens
-        if check_values and any(t is not None for t in tables):
-            return None  # their values are checked on the host
-    elif type(cache_seqlens) is _Tensor and not check_values:
+        if host_checks and any(t is not None for t in tables):
+            return None
+    elif type(cache_seqlens) is _Tensor and not host_checks:
         lens = tensor_class(cache_seqlens)
     else:
         return None

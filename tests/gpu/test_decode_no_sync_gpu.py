@@ -1,0 +1,75 @@
+"""Decode on CUDA never waits for the GPU, and a wrong index still fails (marker `gpu`).
+
+torch.cuda.set_sync_debug_mode("error") makes every synchronising torch call raise: the
+default flash_attn_with_kvcache call (cache_seqlens a tensor, values checked) must pass
+under it, first call and planned repeats, contiguous and paged. A wrong value fails a
+device-side assert, which loses the CUDA context: that half runs in a subprocess.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from asymflash import flash_attn_with_kvcache
+from asymflash.reference import attention_ref
+
+pytestmark = pytest.mark.gpu
+
+
+def _decode_inputs(paged):
+    torch.manual_seed(0)
+    b, hq, hkv, d, cap = 8, 32, 8, 128, 4096
+    q = torch.randn(b, 1, hq, d, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(b, cap, hkv, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    lens = torch.randint(1, cap, (b,), dtype=torch.int32, device="cuda")
+    if not paged:
+        return q, k, v, lens, None, k, v
+    page = 64
+    perm = torch.randperm(b * cap // page, device="cuda")
+    table = perm.view(b, cap // page).to(torch.int32)
+    kp = torch.empty(b * cap // page, page, hkv, d, dtype=k.dtype, device="cuda")
+    vp = torch.empty_like(kp)
+    kp[perm] = k.reshape(-1, page, hkv, d)
+    vp[perm] = v.reshape(-1, page, hkv, d)
+    return q, kp, vp, lens, table, k, v
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_default_decode_does_not_synchronise(paged):
+    q, kc, vc, lens, table, k, v = _decode_inputs(paged)
+    flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table)  # compile
+    torch.cuda.synchronize()
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table,
+                                         causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
+    for b, n in enumerate(lens.tolist()):
+        want, _ = attention_ref(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n])
+        assert (out[b:b + 1].float() - want).abs().max() < 2e-2
+
+
+def test_wrong_length_fails_a_device_assert():
+    code = textwrap.dedent("""
+        import torch
+        from asymflash import flash_attn_with_kvcache
+        q = torch.randn(2, 1, 4, 64, dtype=torch.bfloat16, device="cuda")
+        kc = torch.randn(2, 128, 4, 64, dtype=torch.bfloat16, device="cuda")
+        lens = torch.tensor([5, 129], dtype=torch.int32, device="cuda")
+        flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lens)
+        torch.cuda.synchronize()
+        print("NO ERROR")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0 and "NO ERROR" not in done.stdout
+    assert "assert" in done.stderr.lower()
