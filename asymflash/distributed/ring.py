@@ -1,0 +1,162 @@
+"""Ring attention: the keys and values go round the ring of ranks, one block per step.
+
+Each rank holds a shard of the sequence (q, k, v of its tokens). At step s it holds the K/V
+of rank r - s, attends its queries to them and folds the block's (out, lse) into a running
+pair (`core.merge.merge_into`), while the next block is already in flight (`comm.Ring`):
+after W steps every query has seen every key. The backward runs the same ring: dQ stays
+home; the dK/dV of a block travel with it, each rank adding its contribution
+(`attention_backward`, against the final out and lse), and arrive home after W shifts.
+
+Which (query, key) pairs a step computes (`block_plan`): without causal, all. With causal
+and contiguous shards, rank r needs the blocks of ranks < r in full and its own causally, so
+late ranks do most of the work. With zigzag shards (`sharding.py`: chunks r and 2W-1-r),
+rank r's own block is causal; a block from an earlier rank is needed in its first chunk
+only, by all queries; one from a later rank by the second query chunk only, in full: every
+step but the first costs every rank the same half block pair.
+
+Every accumulation (the forward merge, dQ, the travelling dK/dV) runs in a fixed order
+(ring steps; for dK/dV, ranks in ring order), so deterministic=True stays bitwise
+reproducible given a deterministic backward for each block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..api.backward import attention_backward
+from ..api.dense import flash_attn_func
+from ..core.merge import merge_into
+from .comm import TAG_DKV, TAG_KV, Ring
+
+
+@dataclass(frozen=True)
+class Block:
+    """The part of a step's block pair to compute: q_half = the second half of the local
+    queries only; k_half = the first half of the block's keys only."""
+
+    q_half: bool
+    k_half: bool
+    causal: bool
+
+
+_FULL = Block(False, False, False)
+
+
+def block_plan(step: int, rank: int, world: int, causal: bool, zigzag: bool):
+    """What rank `rank` computes at ring step `step` (keys of rank (rank - step) mod world);
+    None when nothing (contiguous causal, a later rank's keys)."""
+    if not causal:
+        return _FULL
+    if step == 0:
+        return Block(False, False, True)
+    earlier = (rank - step) % world < rank
+    if not zigzag:
+        return _FULL if earlier else None
+    return Block(False, True, False) if earlier else Block(True, False, False)
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    ring: Ring
+    softmax_scale: float
+    causal: bool
+    zigzag: bool
+    softcap: float
+    deterministic: bool
+
+
+def _keys(blk: Block, k, v, half):
+    if blk.k_half:
+        return k[:, :half].contiguous(), v[:, :half].contiguous()
+    return k, v
+
+
+def ring_forward(spec: RingSpec, q, k, v):
+    """(out fp32 (b, s, hq, dv), lse fp32 (b, hq, s)) of the local queries over all keys."""
+    ring = spec.ring
+    b, s, hq = q.shape[:3]
+    half = s // 2
+    out = torch.zeros(b, s, hq, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((b, s, hq), float("-inf"), dtype=torch.float32, device=q.device)
+    q_late = q[:, half:].contiguous() if spec.causal and spec.zigzag else None
+    for step in range(ring.world):
+        # the next block's transfer starts before this block's compute: they overlap
+        pending = ring.shift((k, v), TAG_KV) if step + 1 < ring.world else None
+        blk = block_plan(step, ring.rank, ring.world, spec.causal, spec.zigzag)
+        if blk is not None:
+            kb, vb = _keys(blk, k, v, half)
+            ob, lb = flash_attn_func(q_late if blk.q_half else q, kb, vb, spec.softmax_scale,
+                                     blk.causal, softcap=spec.softcap, return_lse=True)
+            rows = slice(half, None) if blk.q_half else slice(None)
+            merge_into(out[:, rows], lse[:, rows], ob, lb.transpose(1, 2))
+        if pending is not None:
+            k, v = pending.wait()
+    return out, lse.transpose(1, 2).contiguous()
+
+
+def ring_backward(spec: RingSpec, dout, q, k, v, out, lse):
+    """(dq, dk, dv) in fp32 for the local shard, given the final out and lse."""
+    ring = spec.ring
+    half = q.shape[1] // 2
+    late = None
+    if spec.causal and spec.zigzag:
+        late = tuple(t[:, half:].contiguous() for t in (dout, q, out)) + (
+            lse[:, :, half:].contiguous(),)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    moving = None  # the dK/dV of the block held, arriving from the previous rank
+    for step in range(ring.world):
+        pending = ring.shift((k, v), TAG_KV) if step + 1 < ring.world else None
+        blk = block_plan(step, ring.rank, ring.world, spec.causal, spec.zigzag)
+        grads = None
+        if blk is not None:
+            kb, vb = _keys(blk, k, v, half)
+            d_o, qb, ob, lb = late if blk.q_half else (dout, q, out, lse)
+            grads = attention_backward(d_o, qb, kb, vb, ob, lb, spec.softmax_scale,
+                                       blk.causal, softcap=spec.softcap,
+                                       deterministic=spec.deterministic)
+        if moving is None:
+            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        else:
+            dk, dv = moving.wait()  # waited on only after this step's compute
+        if grads is not None:
+            rows = slice(half, None) if blk.q_half else slice(None)
+            keys = slice(None, half) if blk.k_half else slice(None)
+            dq[:, rows] += grads[0]
+            dk[:, keys] += grads[1]
+            dv[:, keys] += grads[2]
+        if pending is not None:
+            k, v = pending.wait()
+        if ring.world == 1:
+            return dq, dk, dv
+        moving = ring.shift((dk, dv), TAG_DKV)
+    dk, dv = moving.wait()  # W shifts: the dK/dV of this rank's own block
+    return dq, dk, dv
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, spec: RingSpec):
+        out, lse = ring_forward(spec, q, k, v)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec = spec
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(ctx.spec, dout.contiguous(), q, k, v, out, lse)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def run(q, k, v, spec: RingSpec, grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    if grad:
+        return RingAttention.apply(q, k, v, spec)
+    with torch.no_grad():
+        out, lse = ring_forward(spec, q, k, v)
+    return out.to(q.dtype), lse

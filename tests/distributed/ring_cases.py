@@ -1,0 +1,119 @@
+"""What each spawned rank runs for test_ring.py: the full problem made on every rank from one
+seed, the ring over this rank's shard, and its shard of the single-process results."""
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from asymflash import attention_ref, flash_attn_func
+from asymflash.distributed import ring_attention, zigzag_shard, zigzag_unshard
+
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def init(rank, world, port):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)  # W ranks share the CI machine's two cores
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
+
+
+def shard(x, world, rank, layout):
+    return zigzag_shard(x, world, rank) if layout == "zigzag" else x.chunk(world, 1)[rank]
+
+
+def problem(world, layout, hq, hkv, seed, batch=2, d=16, dv=8):
+    g = torch.Generator().manual_seed(seed)
+    chunk = 7 if layout == "zigzag" else 9  # odd chunks: 2W * 7 or W * 9 tokens
+    n = chunk * (2 * world if layout == "zigzag" else world)
+    q = torch.randn(batch, n, hq, d, generator=g)
+    k = torch.randn(batch, n, hkv, d, generator=g)
+    v = torch.randn(batch, n, hkv, dv, generator=g)
+    dout = torch.randn(batch, n, hq, dv, generator=g)
+    return q, k, v, dout
+
+
+def single_process(q, k, v, dout, causal, softcap):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attn_func(*leaves, causal=causal, softcap=softcap, return_lse=True)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_out, _ = attention_ref(q, k, v, causal=causal, softcap=softcap)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)  # the baseline itself
+    return out.detach(), lse, grads
+
+
+def ring(q, k, v, dout, causal, softcap, layout, deterministic=False):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = ring_attention(*leaves, causal=causal, softcap=softcap, layout=layout,
+                              deterministic=deterministic, return_lse=True)
+    out.backward(dout)
+    return out.detach(), lse, [t.grad for t in leaves]
+
+
+def check_case(rank, world, causal, layout, hq, hkv, softcap=0.0, seed=0):
+    q, k, v, dout = problem(world, layout, hq, hkv, seed)
+    full_out, full_lse, full_grads = single_process(q, k, v, dout, causal, softcap)
+    local = [shard(t, world, rank, layout) for t in (q, k, v, dout)]
+    out, lse, grads = ring(*local, causal, softcap, layout)
+    what = f"rank {rank}/{world} causal={causal} {layout} heads {hq}/{hkv}"
+    torch.testing.assert_close(out, shard(full_out, world, rank, layout), atol=1e-5,
+                               rtol=1e-5, msg=lambda m: f"{what}: out: {m}")
+    want_lse = shard(full_lse.transpose(1, 2), world, rank, layout).transpose(1, 2)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5,
+                               msg=lambda m: f"{what}: lse: {m}")
+    for name, g, full in zip("qkv", grads, full_grads):
+        torch.testing.assert_close(g, shard(full, world, rank, layout), atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, n=name: f"{what}: d{n}: {m}")
+    if layout == "zigzag":  # the helpers round-trip through a collective
+        gathered = [torch.empty_like(out) for _ in range(world)]
+        dist.all_gather(gathered, out.contiguous())
+        torch.testing.assert_close(zigzag_unshard(gathered), full_out, atol=1e-5, rtol=1e-5)
+
+
+def check_deterministic(rank, world):
+    q, k, v, dout = problem(world, "zigzag", 4, 2, seed=5)
+    local = [zigzag_shard(t, world, rank) for t in (q, k, v, dout)]
+    first = ring(*local, True, 0.0, "zigzag", deterministic=True)
+    again = ring(*local, True, 0.0, "zigzag", deterministic=True)
+    assert torch.equal(first[0], again[0])
+    for a, b in zip(first[2], again[2]):
+        assert torch.equal(a, b), f"rank {rank}: deterministic gradients differ"
+
+
+def check_refusals(rank, world):
+    """Every rank refuses the same way before any transfer: nothing is left hanging."""
+    import pytest
+
+    q = torch.randn(1, 6, 2, 8)
+    with pytest.raises(NotImplementedError, match="sliding windows"):
+        ring_attention(q, q, q, window_size=(3, 0), causal=True)
+    with pytest.raises(ValueError, match="layout"):
+        ring_attention(q, q, q, layout="striped")
+    with pytest.raises(ValueError, match="two equal chunks"):
+        ring_attention(q[:, :5], q[:, :5], q[:, :5], causal=True)
+    with pytest.raises(ValueError, match="same tokens"):
+        ring_attention(q, q[:, :4], q[:, :4], causal=True)
+    with pytest.raises(TypeError, match="dtype"):
+        ring_attention(q.double(), q.double(), q.double())
+    dist.barrier()
+
+
+CASES = [
+    dict(causal=False, layout="zigzag", hq=4, hkv=4),
+    dict(causal=True, layout="zigzag", hq=4, hkv=2),
+    dict(causal=True, layout="contiguous", hq=6, hkv=2),
+    dict(causal=False, layout="contiguous", hq=2, hkv=1, softcap=3.0),
+]
+
+
+def worker(rank, world, port, cases):
+    init(rank, world, port)
+    try:
+        for i, case in enumerate(cases):
+            check_case(rank, world, seed=i, **case)
+        check_deterministic(rank, world)
+        check_refusals(rank, world)
+    finally:
+        dist.destroy_process_group()
