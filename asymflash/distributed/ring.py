@@ -26,9 +26,6 @@ from typing import Optional
 
 import torch
 
-from ..api.backward import attention_backward
-from ..api.dense import flash_attn_func
-from ..core.merge import merge_into
 from .comm import TAG_DKV, TAG_KV, Ring
 
 
@@ -66,45 +63,44 @@ class RingSpec:
     zigzag: bool
     softcap: float
     deterministic: bool
+    rows: object  # rows.DenseRows or rows.PackedRows
 
 
-def _keys(blk: Block, k, v, half):
+def _keys(spec: RingSpec, blk: Block, k, v):
     if blk.k_half:
-        return k[:, :half].contiguous(), v[:, :half].contiguous()
+        rows = spec.rows
+        return rows.take(k, "early", rows.tok), rows.take(v, "early", rows.tok)
     return k, v
 
 
 def ring_forward(spec: RingSpec, q, k, v):
-    """(out fp32 (b, s, hq, dv), lse fp32 (b, hq, s)) of the local queries over all keys."""
-    ring = spec.ring
-    b, s, hq = q.shape[:3]
-    half = s // 2
-    out = torch.zeros(b, s, hq, v.shape[-1], dtype=torch.float32, device=q.device)
-    lse = torch.full((b, s, hq), float("-inf"), dtype=torch.float32, device=q.device)
-    q_late = q[:, half:].contiguous() if spec.causal and spec.zigzag else None
+    """(out fp32, lse fp32) of the local queries over all keys: out like q with v's head
+    dim, lse (b, hq, s) dense or (hq, total) packed."""
+    ring, rows = spec.ring, spec.rows
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    q_late = rows.take(q, "late", rows.tok) if spec.causal and spec.zigzag else None
     for step in range(ring.world):
         # the next block's transfer starts before this block's compute: they overlap
         pending = ring.shift((k, v), TAG_KV) if step + 1 < ring.world else None
         blk = block_plan(step, ring.rank, ring.world, spec.causal, spec.zigzag)
         if blk is not None:
-            kb, vb = _keys(blk, k, v, half)
-            ob, lb = flash_attn_func(q_late if blk.q_half else q, kb, vb, spec.softmax_scale,
-                                     blk.causal, softcap=spec.softcap, return_lse=True)
-            rows = slice(half, None) if blk.q_half else slice(None)
-            merge_into(out[:, rows], lse[:, rows], ob, lb.transpose(1, 2))
+            kb, vb = _keys(spec, blk, k, v)
+            ob, lb = rows.attend(q_late if blk.q_half else q, kb, vb, blk.causal, blk.q_half,
+                                 blk.k_half, spec)
+            rows.merge(out, lse, ob, lb, blk.q_half)
         if pending is not None:
             k, v = pending.wait()
-    return out, lse.transpose(1, 2).contiguous()
+    return out, rows.final_lse(lse)
 
 
 def ring_backward(spec: RingSpec, dout, q, k, v, out, lse):
     """(dq, dk, dv) in fp32 for the local shard, given the final out and lse."""
-    ring = spec.ring
-    half = q.shape[1] // 2
+    ring, rows = spec.ring, spec.rows
     late = None
     if spec.causal and spec.zigzag:
-        late = tuple(t[:, half:].contiguous() for t in (dout, q, out)) + (
-            lse[:, :, half:].contiguous(),)
+        late = tuple(rows.take(t, "late", rows.tok) for t in (dout, q, out)) + (
+            rows.take(lse, "late", rows.lse_tok),)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     moving = None  # the dK/dV of the block held, arriving from the previous rank
     for step in range(ring.world):
@@ -112,22 +108,19 @@ def ring_backward(spec: RingSpec, dout, q, k, v, out, lse):
         blk = block_plan(step, ring.rank, ring.world, spec.causal, spec.zigzag)
         grads = None
         if blk is not None:
-            kb, vb = _keys(blk, k, v, half)
+            kb, vb = _keys(spec, blk, k, v)
             d_o, qb, ob, lb = late if blk.q_half else (dout, q, out, lse)
-            grads = attention_backward(d_o, qb, kb, vb, ob, lb, spec.softmax_scale,
-                                       blk.causal, softcap=spec.softcap,
-                                       deterministic=spec.deterministic)
+            grads = rows.backward(d_o, qb, kb, vb, ob, lb, blk.causal, blk.q_half, blk.k_half,
+                                  spec)
         if moving is None:
             dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
             dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         else:
             dk, dv = moving.wait()  # waited on only after this step's compute
         if grads is not None:
-            rows = slice(half, None) if blk.q_half else slice(None)
-            keys = slice(None, half) if blk.k_half else slice(None)
-            dq[:, rows] += grads[0]
-            dk[:, keys] += grads[1]
-            dv[:, keys] += grads[2]
+            rows.add(dq, grads[0], "late" if blk.q_half else None)
+            rows.add(dk, grads[1], "early" if blk.k_half else None)
+            rows.add(dv, grads[2], "early" if blk.k_half else None)
         if pending is not None:
             k, v = pending.wait()
         if ring.world == 1:

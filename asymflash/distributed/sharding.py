@@ -46,3 +46,41 @@ def zigzag_unshard(shards: Sequence[Tensor], dim: int = 1) -> Tensor:
         raise ValueError("asymflash: zigzag_unshard: each shard must hold two equal chunks "
                          f"on dim {dim} (got lengths {[s.shape[dim] for s in shards]})")
     return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)
+
+
+def _sequences(cu_seqlens, world):
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else list(cu_seqlens)
+    lens = [z - a for a, z in zip(cu, cu[1:])]
+    bad = [n for n in lens if n % (2 * world)]
+    if bad:
+        raise ValueError(f"asymflash: zigzag varlen: sequence lengths {bad[:4]} are not "
+                         f"multiples of 2 * world = {2 * world} (pad each sequence)")
+    return cu
+
+
+def zigzag_shard_varlen(x: Tensor, cu_seqlens, world: int, rank: int, dim: int = 0):
+    """Rank `rank`'s zigzag shard of packed sequences (tokens on `dim`, default 0 as in
+    (total, nheads, d)): each sequence's own zigzag shard, in sequence order. Every length
+    must be a multiple of 2 * world. Returns (shard, local cu_seqlens (int32, cu_seqlens //
+    world, on x's device), local max_seqlen)."""
+    cu = _sequences(cu_seqlens, world)
+    parts = [zigzag_shard(x.narrow(dim, a, z - a), world, rank, dim)
+             for a, z in zip(cu, cu[1:])]
+    local = torch.tensor([c // world for c in cu], dtype=torch.int32, device=x.device)
+    max_local = max((z - a for a, z in zip(cu, cu[1:])), default=0) // world
+    out = torch.cat(parts, dim) if parts else x.narrow(dim, 0, 0)
+    return out, local, max_local
+
+
+def zigzag_unshard_varlen(shards: Sequence[Tensor], cu_seqlens, dim: int = 0) -> Tensor:
+    """The packed sequences from every rank's zigzag_shard_varlen shard, in rank order;
+    cu_seqlens are the full sequences' offsets."""
+    world = len(shards)
+    if world == 0:
+        raise ValueError("asymflash: zigzag_unshard_varlen: no shards given")
+    cu = _sequences(cu_seqlens, world)
+    seqs = []
+    for a, z in zip(cu, cu[1:]):
+        n = (z - a) // world
+        seqs.append(zigzag_unshard([s.narrow(dim, a // world, n) for s in shards], dim))
+    return torch.cat(seqs, dim) if seqs else shards[0]

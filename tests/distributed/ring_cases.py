@@ -7,8 +7,15 @@ import os
 import torch
 import torch.distributed as dist
 
-from asymflash import attention_ref, flash_attn_func
-from asymflash.distributed import ring_attention, zigzag_shard, zigzag_unshard
+from asymflash import attention_ref, flash_attn_func, flash_attn_varlen_func
+from asymflash.distributed import (
+    ring_attention,
+    ring_attention_varlen,
+    zigzag_shard,
+    zigzag_shard_varlen,
+    zigzag_unshard,
+    zigzag_unshard_varlen,
+)
 
 TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -82,6 +89,52 @@ def check_deterministic(rank, world):
         assert torch.equal(a, b), f"rank {rank}: deterministic gradients differ"
 
 
+def shard_varlen(x, cu, world, rank, layout, dim=0):
+    if layout == "zigzag":
+        return zigzag_shard_varlen(x, cu, world, rank, dim)[0]
+    cu = cu.tolist()
+    return torch.cat([x.narrow(dim, a, z - a).chunk(world, dim)[rank]
+                      for a, z in zip(cu, cu[1:])], dim)
+
+
+def check_varlen(rank, world, causal, layout, hq, hkv, seed):
+    g = torch.Generator().manual_seed(seed)
+    unit = 2 * world if layout == "zigzag" else world
+    lens = [unit * 3, unit, unit * 5]  # local shards of 3, 1 and 5 chunk pairs / slices
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    total = cu[-1].item()
+    q = torch.randn(total, hq, 16, generator=g)
+    k, v = torch.randn(total, hkv, 16, generator=g), torch.randn(total, hkv, 8, generator=g)
+    dout = torch.randn(total, hq, 8, generator=g)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    full_out, full_lse = flash_attn_varlen_func(*leaves, cu, cu, max(lens), max(lens),
+                                                causal=causal, return_lse=True)
+    full_grads = torch.autograd.grad(full_out, leaves, dout)
+    for b in range(3):  # the single-process baseline, sequence by sequence
+        a, z = cu[b].item(), cu[b + 1].item()
+        ref, _ = attention_ref(q[None, a:z], k[None, a:z], v[None, a:z], causal=causal)
+        torch.testing.assert_close(full_out[a:z], ref[0], atol=1e-5, rtol=1e-5)
+    local = [shard_varlen(t, cu, world, rank, layout) for t in (q, k, v, dout)]
+    local_cu = torch.div(cu, world, rounding_mode="floor")
+    leaves = [t.clone().requires_grad_() for t in local[:3]]
+    out, lse = ring_attention_varlen(*leaves, local_cu, max(lens) // world, causal=causal,
+                                     layout=layout, return_lse=True)
+    out.backward(local[3])
+    what = f"varlen rank {rank}/{world} causal={causal} {layout}"
+    torch.testing.assert_close(out, shard_varlen(full_out.detach(), cu, world, rank, layout),
+                               atol=1e-5, rtol=1e-5, msg=lambda m: f"{what}: out: {m}")
+    torch.testing.assert_close(lse, shard_varlen(full_lse, cu, world, rank, layout, 1),
+                               atol=1e-5, rtol=1e-5, msg=lambda m: f"{what}: lse: {m}")
+    for name, t, full in zip("qkv", leaves, full_grads):
+        torch.testing.assert_close(t.grad, shard_varlen(full, cu, world, rank, layout),
+                                   atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{what}: d{n}: {m}")
+    if layout == "zigzag":
+        gathered = [torch.empty_like(out) for _ in range(world)]
+        dist.all_gather(gathered, out.detach().contiguous())
+        torch.testing.assert_close(zigzag_unshard_varlen(gathered, cu), full_out.detach(),
+                                   atol=1e-5, rtol=1e-5)
+
+
 def check_refusals(rank, world):
     """Every rank refuses the same way before any transfer: nothing is left hanging."""
     import pytest
@@ -108,11 +161,20 @@ CASES = [
 ]
 
 
+VARLEN_CASES = [
+    dict(causal=True, layout="zigzag", hq=4, hkv=2),
+    dict(causal=False, layout="zigzag", hq=2, hkv=2),
+    dict(causal=True, layout="contiguous", hq=2, hkv=1),
+]
+
+
 def worker(rank, world, port, cases):
     init(rank, world, port)
     try:
         for i, case in enumerate(cases):
             check_case(rank, world, seed=i, **case)
+        for i, case in enumerate(VARLEN_CASES):
+            check_varlen(rank, world, seed=100 + i, **case)
         check_deterministic(rank, world)
         check_refusals(rank, world)
     finally:
