@@ -21,13 +21,15 @@ TAG_DKV = 12
 class Transfer:
     """Buffers being received; `wait()` returns them once they have arrived."""
 
-    def __init__(self, works, buffers):
-        self._works, self._buffers = works, buffers
+    def __init__(self, works, buffers, sent):
+        # `sent` holds the tensors being sent (contiguous copies among them) until the
+        # transfer is waited on, so none is freed and reused while the transport reads it
+        self._works, self._buffers, self._sent = works, buffers, sent
 
     def wait(self):
         for w in self._works:
             w.wait()
-        self._works = []
+        self._works, self._sent = [], ()
         return self._buffers
 
 
@@ -44,10 +46,12 @@ class Ring:
     def shift(self, tensors, tag: int) -> Transfer:
         """Start sending `tensors` (unchanged until the transfer is waited on) to the next
         rank and receiving their like from the previous one."""
-        ops, buffers = [], []
+        ops, buffers, sent = [], [], []
         for t in tensors:
-            buf = torch.empty_like(t, memory_format=torch.contiguous_format)
-            ops.append(dist.P2POp(dist.isend, t.contiguous(), self.next, self.group, tag))
+            t = t.contiguous()
+            buf = torch.empty_like(t)
+            ops.append(dist.P2POp(dist.isend, t, self.next, self.group, tag))
             ops.append(dist.P2POp(dist.irecv, buf, self.prev, self.group, tag))
             buffers.append(buf)
-        return Transfer(dist.batch_isend_irecv(ops), buffers)
+            sent.append(t)
+        return Transfer(dist.batch_isend_irecv(ops), buffers, sent)

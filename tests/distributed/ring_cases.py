@@ -135,6 +135,32 @@ def check_varlen(rank, world, causal, layout, hq, hkv, seed):
                                    atol=1e-5, rtol=1e-5)
 
 
+def check_bf16(rank, world):
+    """The FlashAttention tolerance rule: the ring's error against the fp32 reference is at
+    most twice the single-process bf16 error, plus a small atol."""
+    q, k, v, dout = (t.bfloat16() for t in problem(world, "zigzag", 4, 2, seed=7))
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = attention_ref(*leaves, causal=True)
+    ref_grads = torch.autograd.grad(ref_out, leaves, dout.float())
+    base_out, _, base_grads = single_process_bf16(q, k, v, dout)
+    local = [zigzag_shard(t, world, rank) for t in (q, k, v, dout)]
+    out, _, grads = ring(*local, True, 0.0, "zigzag")
+    assert out.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
+    pairs = [("out", out, base_out, ref_out.detach())] + [
+        (f"d{n}", g, b, r) for n, g, b, r in zip("qkv", grads, base_grads, ref_grads)]
+    for name, got, base, ref in pairs:
+        ref_local = zigzag_shard(ref, world, rank)
+        err = (got.float() - ref_local).abs().max().item()
+        base_err = (zigzag_shard(base, world, rank).float() - ref_local).abs().max().item()
+        assert err <= 2 * base_err + 1e-3, f"rank {rank}: bf16 {name}: {err} vs {base_err}"
+
+
+def single_process_bf16(q, k, v, dout):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attn_func(*leaves, causal=True, return_lse=True)
+    return out.detach(), lse, torch.autograd.grad(out, leaves, dout)
+
+
 def check_refusals(rank, world):
     """Every rank refuses the same way before any transfer: nothing is left hanging."""
     import pytest
@@ -168,14 +194,16 @@ VARLEN_CASES = [
 ]
 
 
-def worker(rank, world, port, cases):
+def worker(rank, world, port, cases, varlen_cases, bf16):
     init(rank, world, port)
     try:
         for i, case in enumerate(cases):
             check_case(rank, world, seed=i, **case)
-        for i, case in enumerate(VARLEN_CASES):
+        for i, case in enumerate(varlen_cases):
             check_varlen(rank, world, seed=100 + i, **case)
         check_deterministic(rank, world)
+        if bf16:
+            check_bf16(rank, world)
         check_refusals(rank, world)
     finally:
         dist.destroy_process_group()

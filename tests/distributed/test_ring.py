@@ -36,9 +36,14 @@ def _spawn(fn, world, *args):
             pytest.fail(f"ring attention with world {world} did not finish in {DEADLINE_S} s")
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ring_matches_single_process(world):
-    _spawn(ring_cases.worker, world, ring_cases.CASES)
+def test_ring_matches_single_process_world_2():
+    _spawn(ring_cases.worker, 2, ring_cases.CASES, ring_cases.VARLEN_CASES, True)
+
+
+def test_ring_matches_single_process_world_4():
+    # the schedules that differ with more ranks (causal skips, zigzag halves, varlen); CI's
+    # two cores run four ranks slowly, so the dtype and softcap cases stay at world 2
+    _spawn(ring_cases.worker, 4, ring_cases.CASES[:3], ring_cases.VARLEN_CASES[:1], False)
 
 
 def test_needs_an_initialised_process_group():
