@@ -67,6 +67,7 @@ def attention_backward(
     softcap: float = 0.0, deterministic: bool = False, *,
     cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+    dlse: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of attention of q over the keys k/v, given the final out and lse.
 
@@ -80,8 +81,9 @@ def attention_backward(
     flash_attn_combine); k/v may be one block of the keys: the result is then that block's
     contribution (dq's share, and dk/dv of the block), and summing over blocks gives the full
     gradients. The mask (causal, window_size, bottom-right aligned) applies to this call's
-    q and k as in flash_attn_func. Returned in q's dtype; deterministic=True makes the
-    backward bitwise reproducible.
+    q and k as in flash_attn_func. dlse (lse's shape, fp32), if given, is the gradient
+    flowing into the final lse (lse is linear in each block's share, so it splits too).
+    Returned in q's dtype; deterministic=True makes the backward bitwise reproducible.
     """
     check.check_scalars(softmax_scale, window_size, softcap)
     packed = isinstance(q, Tensor) and q.dim() == 3
@@ -97,17 +99,22 @@ def attention_backward(
     _check_like("out", out, out_shape, q.dtype, q.device)
     _check_like("dout", dout, out_shape, q.dtype, q.device)
     _check_like("lse", lse, lse_shape, torch.float32, q.device)
+    if dlse is not None:
+        _check_like("dlse", dlse, lse_shape, torch.float32, q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     mask = normalize_window(causal, window_size)
     if packed:
         rows = q, k, v, out, dout
-        lse_rows = lse
+        lse_rows, dlse_rows = lse, dlse
     else:  # the op layer's packed form: free reshapes, lse to (nheads, total_q)
         rows = tuple(t.reshape(-1, t.shape[2], t.shape[3]) for t in (q, k, v, out, dout))
         lse_rows = lse.transpose(0, 1).reshape(lse.shape[1], -1)
+        dlse_rows = None if dlse is None else dlse.transpose(0, 1).reshape(lse.shape[1], -1)
     q_r, k_r, v_r, out_r, dout_r = (t.contiguous() for t in rows)
+    if dlse_rows is not None:
+        dlse_rows = dlse_rows.contiguous()
     dq, dk, dv, _ = _bwd_impl(
-        dout_r, None, q_r, k_r, v_r, out_r, lse_rows.contiguous(), seq.cu_seqlens_q,
+        dout_r, dlse_rows, q_r, k_r, v_r, out_r, lse_rows.contiguous(), seq.cu_seqlens_q,
         seq.cu_seqlens_k, None, None, seq.max_seqlen_q, seq.max_seqlen_k, scale,
         mask.window_left, mask.window_right, float(softcap), seq.uniform, bool(deterministic))
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)

@@ -81,7 +81,8 @@ def ring_attention(
     this rank's shard of one sequence batch; every rank of the group calls with the same
     shapes (default group: the world). Returns out (batch, local_seqlen, nheads_q, dv) for
     the local queries, or (out, lse) with lse fp32 (batch, nheads_q, local_seqlen), natural
-    log (not differentiable). Differentiable in q, k, v: the backward is another ring pass.
+    log. Differentiable in q, k, v (through out and lse): the backward is another ring pass,
+    so every rank of the group must run it.
 
     causal=True masks by global position, so it depends on how the sequence was sharded:
     layout="zigzag" (default; `zigzag_shard`: rank r holds chunks r and 2W-1-r of 2W, which

@@ -94,13 +94,14 @@ def ring_forward(spec: RingSpec, q, k, v):
     return out, rows.final_lse(lse)
 
 
-def ring_backward(spec: RingSpec, dout, q, k, v, out, lse):
-    """(dq, dk, dv) in fp32 for the local shard, given the final out and lse."""
+def ring_backward(spec: RingSpec, dout, q, k, v, out, lse, dlse=None):
+    """(dq, dk, dv) in fp32 for the local shard, given the final out and lse (and the
+    gradient into lse, if any)."""
     ring, rows = spec.ring, spec.rows
     late = None
     if spec.causal and spec.zigzag:
-        late = tuple(rows.take(t, "late", rows.tok) for t in (dout, q, out)) + (
-            rows.take(lse, "late", rows.lse_tok),)
+        late = tuple(rows.take(t, "late", rows.tok) for t in (dout, q, out)) + tuple(
+            None if t is None else rows.take(t, "late", rows.lse_tok) for t in (lse, dlse))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     moving = None  # the dK/dV of the block held, arriving from the previous rank
     for step in range(ring.world):
@@ -109,9 +110,9 @@ def ring_backward(spec: RingSpec, dout, q, k, v, out, lse):
         grads = None
         if blk is not None:
             kb, vb = _keys(spec, blk, k, v)
-            d_o, qb, ob, lb = late if blk.q_half else (dout, q, out, lse)
-            grads = rows.backward(d_o, qb, kb, vb, ob, lb, blk.causal, blk.q_half, blk.k_half,
-                                  spec)
+            d_o, qb, ob, lb, dlb = late if blk.q_half else (dout, q, out, lse, dlse)
+            grads = rows.backward(d_o, qb, kb, vb, ob, lb, dlb, blk.causal, blk.q_half,
+                                  blk.k_half, spec)
         if moving is None:
             dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
             dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
@@ -137,13 +138,16 @@ class RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec = spec
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(ctx.spec, dout.contiguous(), q, k, v, out, lse)
+        # unused outputs get no gradient (None): lse's usually, out's when only lse is used
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dlse = None if dlse is None else dlse.float().contiguous()
+        dq, dk, dv = ring_backward(ctx.spec, dout, q, k, v, out, lse, dlse)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 

@@ -50,9 +50,10 @@ class DenseRows:
         return flash_attn_func(q, k, v, spec.softmax_scale, causal, softcap=spec.softcap,
                                return_lse=True)
 
-    def backward(self, dout, q, k, v, out, lse, causal, q_half, k_half, spec):
+    def backward(self, dout, q, k, v, out, lse, dlse, causal, q_half, k_half, spec):
         return attention_backward(dout, q, k, v, out, lse, spec.softmax_scale, causal,
-                                  softcap=spec.softcap, deterministic=spec.deterministic)
+                                  softcap=spec.softcap, deterministic=spec.deterministic,
+                                  dlse=dlse)
 
 
 class PackedRows:
@@ -107,9 +108,9 @@ class PackedRows:
                                       spec.softmax_scale, causal, softcap=spec.softcap,
                                       return_lse=True)
 
-    def backward(self, dout, q, k, v, out, lse, causal, q_half, k_half, spec):
+    def backward(self, dout, q, k, v, out, lse, dlse, causal, q_half, k_half, spec):
         cu_q, cu_k, max_q, max_k = self._offsets(q_half, k_half)
         return attention_backward(dout, q, k, v, out, lse, spec.softmax_scale, causal,
                                   softcap=spec.softcap, deterministic=spec.deterministic,
                                   cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                                  max_seqlen_k=max_k)
+                                  max_seqlen_k=max_k, dlse=dlse)

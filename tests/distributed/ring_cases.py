@@ -42,28 +42,33 @@ def problem(world, layout, hq, hkv, seed, batch=2, d=16, dv=8):
     return q, k, v, dout
 
 
-def single_process(q, k, v, dout, causal, softcap):
+def single_process(q, k, v, dout, dlse, causal, softcap):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = flash_attn_func(*leaves, causal=causal, softcap=softcap, return_lse=True)
-    grads = torch.autograd.grad(out, leaves, dout)
+    grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
     ref_out, _ = attention_ref(q, k, v, causal=causal, softcap=softcap)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)  # the baseline itself
     return out.detach(), lse, grads
 
 
-def ring(q, k, v, dout, causal, softcap, layout, deterministic=False):
+def ring(q, k, v, dout, causal, softcap, layout, deterministic=False, dlse=None):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = ring_attention(*leaves, causal=causal, softcap=softcap, layout=layout,
                               deterministic=deterministic, return_lse=True)
-    out.backward(dout)
+    if dlse is None:
+        out.backward(dout)
+    else:  # a loss through lse too (e.g. a z-loss)
+        torch.autograd.backward((out, lse), (dout, dlse))
     return out.detach(), lse, [t.grad for t in leaves]
 
 
 def check_case(rank, world, causal, layout, hq, hkv, softcap=0.0, seed=0):
     q, k, v, dout = problem(world, layout, hq, hkv, seed)
-    full_out, full_lse, full_grads = single_process(q, k, v, dout, causal, softcap)
+    dlse = torch.randn(q.shape[0], hq, q.shape[1], generator=torch.Generator().manual_seed(seed))
+    full_out, full_lse, full_grads = single_process(q, k, v, dout, dlse, causal, softcap)
     local = [shard(t, world, rank, layout) for t in (q, k, v, dout)]
-    out, lse, grads = ring(*local, causal, softcap, layout)
+    dlse_local = shard(dlse.transpose(1, 2), world, rank, layout).transpose(1, 2)
+    out, lse, grads = ring(*local, causal, softcap, layout, dlse=dlse_local)
     what = f"rank {rank}/{world} causal={causal} {layout} heads {hq}/{hkv}"
     torch.testing.assert_close(out, shard(full_out, world, rank, layout), atol=1e-5,
                                rtol=1e-5, msg=lambda m: f"{what}: out: {m}")

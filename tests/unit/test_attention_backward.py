@@ -119,3 +119,22 @@ def test_portable_kernels_serve_it_too():
     want = _ref_grads(q.float(), k.float(), v.float(), dout.float(), True)
     for g, w in zip(got, want):
         torch.testing.assert_close(g.float(), w, atol=2e-2, rtol=2e-2)
+
+
+def test_gradient_into_lse_splits_over_blocks():
+    q, k, v = torch.randn(2, 11, 4, 8), torch.randn(2, 30, 2, 8), torch.randn(2, 30, 2, 8)
+    dout, dlse = torch.randn(2, 11, 4, 8), torch.randn(2, 4, 11)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = attention_ref(*leaves, causal=True)
+    want = torch.autograd.grad((ref_out, ref_lse), leaves, (dout, dlse))
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    dq = torch.zeros_like(q)
+    dks, dvs = [], []
+    for (a, z), causal in (((0, 12), False), ((12, 19), False), ((19, 30), True)):
+        dqb, dkb, dvb = attention_backward(dout, q, k[:, a:z], v[:, a:z], out, lse,
+                                           causal=causal, dlse=dlse)
+        dq += dqb
+        dks.append(dkb)
+        dvs.append(dvb)
+    for g, w in zip((dq, torch.cat(dks, 1), torch.cat(dvs, 1)), want):
+        torch.testing.assert_close(g, w, atol=ATOL, rtol=1e-4)
