@@ -63,9 +63,10 @@ def _spec(q, group, causal, softmax_scale, softcap, deterministic, layout, rows)
                     bool(deterministic), rows)
 
 
-def _run(q, k, v, spec, return_lse):
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    out, lse = run(q, k, v, spec, grad)
+def _run(q, k, v, sink, spec, return_lse):
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (sink is not None and sink.requires_grad))
+    out, lse = run(q, k, v, sink, spec, grad)
     return (out, lse) if return_lse else out
 
 
@@ -73,7 +74,7 @@ def ring_attention(
     q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup] = None,
     causal: bool = False, softmax_scale: Optional[float] = None, window_size=(-1, -1),
     softcap: float = 0.0, deterministic: bool = False, return_lse: bool = False,
-    layout: str = "zigzag",
+    layout: str = "zigzag", learnable_sink: Optional[Tensor] = None,
 ):
     """Exact attention of this rank's queries over the keys of every rank of `group`.
 
@@ -89,16 +90,19 @@ def ring_attention(
     balances the causal work over the ranks) or "contiguous" (rank r holds the r-th of W
     slices; the last rank does W times the first's work). Without causal the layout does not
     matter. softmax_scale, softcap, GQA/MQA and dtypes as flash_attn_func; deterministic=True
-    keeps the backward bitwise reproducible (every sum runs in a fixed order). Not
-    implemented: sliding windows, learnable sinks, varlen (NotImplementedError / no argument).
+    keeps the backward bitwise reproducible (every sum runs in a fixed order).
+    learnable_sink (nheads_q,) as flash_attn_func, the same tensor on every rank: its
+    gradient is this rank's share (sum it over the group, as for any parameter under context
+    parallelism). Not implemented: sliding windows (NotImplementedError).
     """
     _init_check()
     check.check_scalars(softmax_scale, window_size, softcap)
     ring = Ring(group)
     causal = _check(q, k, v, causal, window_size, layout, ring.world)
+    check.check_sink(learnable_sink, q, q.shape[2])
     spec = _spec(q, ring, causal, softmax_scale, softcap, deterministic, layout,
                  DenseRows(q.shape[1]))
-    return _run(q, k, v, spec, return_lse)
+    return _run(q, k, v, learnable_sink, spec, return_lse)
 
 
 def ring_attention_varlen(
@@ -106,6 +110,7 @@ def ring_attention_varlen(
     group: Optional[dist.ProcessGroup] = None, causal: bool = False,
     softmax_scale: Optional[float] = None, window_size=(-1, -1), softcap: float = 0.0,
     deterministic: bool = False, return_lse: bool = False, layout: str = "zigzag",
+    learnable_sink: Optional[Tensor] = None,
 ):
     """ring_attention over packed sequences (self-attention): q (total, nheads_q, d), k/v
     (total, nheads_kv, d / dv) hold this rank's shard of every sequence, sequence b at rows
@@ -134,6 +139,7 @@ def ring_attention_varlen(
         if odd:
             _fail(ValueError, f"local sequence lengths {odd[:4]} are odd; a zigzag shard of a "
                   "sequence is two equal chunks (zigzag_shard_varlen makes them)")
+    check.check_sink(learnable_sink, q, q.shape[1])
     spec = _spec(q, ring, causal, softmax_scale, softcap, deterministic, layout,
                  PackedRows(cu_seqlens, max_seqlen))
-    return _run(q, k, v, spec, return_lse)
+    return _run(q, k, v, learnable_sink, spec, return_lse)

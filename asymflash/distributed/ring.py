@@ -22,10 +22,10 @@ reproducible given a deterministic backward for each block.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
+from ..core.merge import merge_into
 from .comm import TAG_DKV, TAG_KV, Ring
 
 
@@ -73,7 +73,7 @@ def _keys(spec: RingSpec, blk: Block, k, v):
     return k, v
 
 
-def ring_forward(spec: RingSpec, q, k, v):
+def ring_forward(spec: RingSpec, q, k, v, sink=None):
     """(out fp32, lse fp32) of the local queries over all keys: out like q with v's head
     dim, lse (b, hq, s) dense or (hq, total) packed."""
     ring, rows = spec.ring, spec.rows
@@ -91,7 +91,22 @@ def ring_forward(spec: RingSpec, q, k, v):
             rows.merge(out, lse, ob, lb, blk.q_half)
         if pending is not None:
             k, v = pending.wait()
+    if sink is not None:
+        # the sink joins every row's normalisation and carries no value: one more partial
+        # result, out = 0 and lse = sink[h], folded in once
+        merge_into(out, lse, out.new_zeros(()), sink.float().expand_as(lse))
     return out, rows.final_lse(lse)
+
+
+def sink_grad(spec: RingSpec, sink, dout, out, lse, dlse):
+    """d loss / d sink from this rank's rows: -sum(P_sink * D), P_sink = exp(sink - lse),
+    D = rowsum(dout * out) - dlse; the group's gradient is the sum over its ranks (as for
+    any parameter under context parallelism)."""
+    rows = spec.rows
+    d_rows = rows.final_lse((dout.float() * out.float()).sum(-1))
+    if dlse is not None:
+        d_rows = d_rows - dlse
+    return -rows.head_sum(torch.exp(rows.per_head(sink) - lse) * d_rows)
 
 
 def ring_backward(spec: RingSpec, dout, q, k, v, out, lse, dlse=None):
@@ -133,27 +148,31 @@ def ring_backward(spec: RingSpec, dout, q, k, v, out, lse, dlse=None):
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, spec: RingSpec):
-        out, lse = ring_forward(spec, q, k, v)
+    def forward(ctx, q, k, v, sink, spec: RingSpec):
+        out, lse = ring_forward(spec, q, k, v, sink)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.spec = spec
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         # unused outputs get no gradient (None): lse's usually, out's when only lse is used
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dlse = None if dlse is None else dlse.float().contiguous()
         dq, dk, dv = ring_backward(ctx.spec, dout, q, k, v, out, lse, dlse)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        dsink = None
+        if sink is not None and ctx.needs_input_grad[3]:
+            dsink = sink_grad(ctx.spec, sink, dout, out, lse, dlse).to(sink.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink, None
 
 
-def run(q, k, v, spec: RingSpec, grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def run(q, k, v, sink, spec: RingSpec, grad: bool):
+    """(out in q's dtype, lse fp32), through autograd when a gradient can flow."""
     if grad:
-        return RingAttention.apply(q, k, v, spec)
+        return RingAttention.apply(q, k, v, sink, spec)
     with torch.no_grad():
-        out, lse = ring_forward(spec, q, k, v)
+        out, lse = ring_forward(spec, q, k, v, sink)
     return out.to(q.dtype), lse

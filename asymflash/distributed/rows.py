@@ -44,7 +44,14 @@ class DenseRows:
             acc[:, :self.half] += grad
 
     def final_lse(self, lse):
+        """(b, s, h) accumulator rows -> lse's layout (b, h, s)."""
         return lse.transpose(1, 2).contiguous()
+
+    def per_head(self, sink):
+        return sink.float().view(1, -1, 1)
+
+    def head_sum(self, x):
+        return x.sum((0, 2))
 
     def attend(self, q, k, v, causal, q_half, k_half, spec):
         return flash_attn_func(q, k, v, spec.softmax_scale, causal, softcap=spec.softcap,
@@ -96,7 +103,14 @@ class PackedRows:
             acc.index_add_(0, self.idx[which], grad.to(acc.dtype))
 
     def final_lse(self, lse):
+        """(total, h) accumulator rows -> lse's layout (h, total)."""
         return lse.transpose(0, 1).contiguous()
+
+    def per_head(self, sink):
+        return sink.float().view(-1, 1)
+
+    def head_sum(self, x):
+        return x.sum(1)
 
     def _offsets(self, q_half, k_half):
         cu_q, max_q = (self.cu_half, self.max_half) if q_half else (self.cu, self.max)

@@ -42,19 +42,25 @@ def problem(world, layout, hq, hkv, seed, batch=2, d=16, dv=8):
     return q, k, v, dout
 
 
-def single_process(q, k, v, dout, dlse, causal, softcap):
+def single_process(q, k, v, dout, dlse, causal, softcap, sink=None):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = flash_attn_func(*leaves, causal=causal, softcap=softcap, return_lse=True)
+    if sink is not None:
+        leaves.append(sink.clone().requires_grad_())
+    out, lse = flash_attn_func(*leaves[:3], causal=causal, softcap=softcap, return_lse=True,
+                               learnable_sink=None if sink is None else leaves[3])
     grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
-    ref_out, _ = attention_ref(q, k, v, causal=causal, softcap=softcap)
+    ref_out, _ = attention_ref(q, k, v, causal=causal, softcap=softcap, learnable_sink=sink)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)  # the baseline itself
     return out.detach(), lse, grads
 
 
-def ring(q, k, v, dout, causal, softcap, layout, deterministic=False, dlse=None):
+def ring(q, k, v, dout, causal, softcap, layout, deterministic=False, dlse=None, sink=None):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = ring_attention(*leaves, causal=causal, softcap=softcap, layout=layout,
-                              deterministic=deterministic, return_lse=True)
+    if sink is not None:
+        leaves.append(sink.clone().requires_grad_())
+    out, lse = ring_attention(*leaves[:3], causal=causal, softcap=softcap, layout=layout,
+                              deterministic=deterministic, return_lse=True,
+                              learnable_sink=None if sink is None else leaves[3])
     if dlse is None:
         out.backward(dout)
     else:  # a loss through lse too (e.g. a z-loss)
@@ -62,13 +68,15 @@ def ring(q, k, v, dout, causal, softcap, layout, deterministic=False, dlse=None)
     return out.detach(), lse, [t.grad for t in leaves]
 
 
-def check_case(rank, world, causal, layout, hq, hkv, softcap=0.0, seed=0):
+def check_case(rank, world, causal, layout, hq, hkv, softcap=0.0, seed=0, sink=False):
     q, k, v, dout = problem(world, layout, hq, hkv, seed)
-    dlse = torch.randn(q.shape[0], hq, q.shape[1], generator=torch.Generator().manual_seed(seed))
-    full_out, full_lse, full_grads = single_process(q, k, v, dout, dlse, causal, softcap)
+    g = torch.Generator().manual_seed(seed)
+    dlse = torch.randn(q.shape[0], hq, q.shape[1], generator=g)
+    sink = torch.randn(hq, generator=g) if sink else None
+    full_out, full_lse, full_grads = single_process(q, k, v, dout, dlse, causal, softcap, sink)
     local = [shard(t, world, rank, layout) for t in (q, k, v, dout)]
     dlse_local = shard(dlse.transpose(1, 2), world, rank, layout).transpose(1, 2)
-    out, lse, grads = ring(*local, causal, softcap, layout, dlse=dlse_local)
+    out, lse, grads = ring(*local, causal, softcap, layout, dlse=dlse_local, sink=sink)
     what = f"rank {rank}/{world} causal={causal} {layout} heads {hq}/{hkv}"
     torch.testing.assert_close(out, shard(full_out, world, rank, layout), atol=1e-5,
                                rtol=1e-5, msg=lambda m: f"{what}: out: {m}")
@@ -78,6 +86,11 @@ def check_case(rank, world, causal, layout, hq, hkv, softcap=0.0, seed=0):
     for name, g, full in zip("qkv", grads, full_grads):
         torch.testing.assert_close(g, shard(full, world, rank, layout), atol=1e-4, rtol=1e-4,
                                    msg=lambda m, n=name: f"{what}: d{n}: {m}")
+    if sink is not None:  # each rank's share, summed over the group
+        dsink = grads[3].clone()
+        dist.all_reduce(dsink)
+        torch.testing.assert_close(dsink, full_grads[3], atol=1e-4, rtol=1e-4,
+                                   msg=lambda m: f"{what}: dsink: {m}")
     if layout == "zigzag":  # the helpers round-trip through a collective
         gathered = [torch.empty_like(out) for _ in range(world)]
         dist.all_gather(gathered, out.contiguous())
@@ -102,7 +115,7 @@ def shard_varlen(x, cu, world, rank, layout, dim=0):
                       for a, z in zip(cu, cu[1:])], dim)
 
 
-def check_varlen(rank, world, causal, layout, hq, hkv, seed):
+def check_varlen(rank, world, causal, layout, hq, hkv, seed, sink=False):
     g = torch.Generator().manual_seed(seed)
     unit = 2 * world if layout == "zigzag" else world
     lens = [unit * 3, unit, unit * 5]  # local shards of 3, 1 and 5 chunk pairs / slices
@@ -111,20 +124,32 @@ def check_varlen(rank, world, causal, layout, hq, hkv, seed):
     q = torch.randn(total, hq, 16, generator=g)
     k, v = torch.randn(total, hkv, 16, generator=g), torch.randn(total, hkv, 8, generator=g)
     dout = torch.randn(total, hq, 8, generator=g)
+    sink = torch.randn(hq, generator=g) if sink else None
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    full_out, full_lse = flash_attn_varlen_func(*leaves, cu, cu, max(lens), max(lens),
-                                                causal=causal, return_lse=True)
+    if sink is not None:
+        leaves.append(sink.clone().requires_grad_())
+    full_out, full_lse = flash_attn_varlen_func(
+        *leaves[:3], cu, cu, max(lens), max(lens), causal=causal, return_lse=True,
+        learnable_sink=None if sink is None else leaves[3])
     full_grads = torch.autograd.grad(full_out, leaves, dout)
     for b in range(3):  # the single-process baseline, sequence by sequence
         a, z = cu[b].item(), cu[b + 1].item()
-        ref, _ = attention_ref(q[None, a:z], k[None, a:z], v[None, a:z], causal=causal)
+        ref, _ = attention_ref(q[None, a:z], k[None, a:z], v[None, a:z], causal=causal,
+                               learnable_sink=sink)
         torch.testing.assert_close(full_out[a:z], ref[0], atol=1e-5, rtol=1e-5)
     local = [shard_varlen(t, cu, world, rank, layout) for t in (q, k, v, dout)]
     local_cu = torch.div(cu, world, rounding_mode="floor")
     leaves = [t.clone().requires_grad_() for t in local[:3]]
-    out, lse = ring_attention_varlen(*leaves, local_cu, max(lens) // world, causal=causal,
-                                     layout=layout, return_lse=True)
+    if sink is not None:
+        leaves.append(sink.clone().requires_grad_())
+    out, lse = ring_attention_varlen(*leaves[:3], local_cu, max(lens) // world, causal=causal,
+                                     layout=layout, return_lse=True,
+                                     learnable_sink=None if sink is None else leaves[3])
     out.backward(local[3])
+    if sink is not None:
+        dsink = leaves[3].grad.clone()
+        dist.all_reduce(dsink)
+        torch.testing.assert_close(dsink, full_grads[3], atol=1e-4, rtol=1e-4)
     what = f"varlen rank {rank}/{world} causal={causal} {layout}"
     torch.testing.assert_close(out, shard_varlen(full_out.detach(), cu, world, rank, layout),
                                atol=1e-5, rtol=1e-5, msg=lambda m: f"{what}: out: {m}")
@@ -186,14 +211,14 @@ def check_refusals(rank, world):
 
 CASES = [
     dict(causal=False, layout="zigzag", hq=4, hkv=4),
-    dict(causal=True, layout="zigzag", hq=4, hkv=2),
+    dict(causal=True, layout="zigzag", hq=4, hkv=2, sink=True),
     dict(causal=True, layout="contiguous", hq=6, hkv=2),
     dict(causal=False, layout="contiguous", hq=2, hkv=1, softcap=3.0),
 ]
 
 
 VARLEN_CASES = [
-    dict(causal=True, layout="zigzag", hq=4, hkv=2),
+    dict(causal=True, layout="zigzag", hq=4, hkv=2, sink=True),
     dict(causal=False, layout="zigzag", hq=2, hkv=2),
     dict(causal=True, layout="contiguous", hq=2, hkv=1),
 ]
