@@ -68,3 +68,28 @@ def test_zigzag_shards_round_trip():
         zigzag_shard(x[:, :23], 3, 0)
     with pytest.raises(ValueError, match="rank 3 of world 3"):
         zigzag_shard(x, 3, 3)
+
+
+def test_one_rank_group_is_plain_attention():
+    """A group of one: the ring is one causal block, in this process (no spawn)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    from asymflash import flash_attn_func
+    from asymflash.distributed import ring_attention
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        q, k, v = (torch.randn(2, 13, h, 8, requires_grad=True) for h in (4, 2, 2))
+        sink = torch.randn(4, requires_grad=True)
+        dout = torch.randn(2, 13, 4, 8)
+        out, lse = ring_attention(q, k, v, causal=True, learnable_sink=sink, return_lse=True)
+        grads = torch.autograd.grad(out, (q, k, v, sink), dout)
+        want_out, want_lse = flash_attn_func(q, k, v, causal=True, learnable_sink=sink,
+                                             return_lse=True)
+        want = torch.autograd.grad(want_out, (q, k, v, sink), dout)
+        torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+        for g, w in zip(grads, want):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    finally:
+        dist.destroy_process_group()
