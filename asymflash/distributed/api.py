@@ -57,9 +57,9 @@ def _init_check():
               "CPU tensors)")
 
 
-def _spec(q, group, causal, softmax_scale, softcap, deterministic, layout, rows):
+def _spec(q, ring, causal, softmax_scale, softcap, deterministic, layout, rows):
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    return RingSpec(group, scale, bool(causal), layout == "zigzag", float(softcap),
+    return RingSpec(ring, scale, bool(causal), layout == "zigzag", float(softcap),
                     bool(deterministic), rows)
 
 
@@ -88,7 +88,7 @@ def ring_attention(
     causal=True masks by global position, so it depends on how the sequence was sharded:
     layout="zigzag" (default; `zigzag_shard`: rank r holds chunks r and 2W-1-r of 2W, which
     balances the causal work over the ranks) or "contiguous" (rank r holds the r-th of W
-    slices; the last rank does W times the first's work). Without causal the layout does not
+    slices; the last rank does 2W-1 times the first's work). Without causal the layout does not
     matter. softmax_scale, softcap, GQA/MQA and dtypes as flash_attn_func; deterministic=True
     keeps the backward bitwise reproducible (every sum runs in a fixed order).
     learnable_sink (nheads_q,) as flash_attn_func, the same tensor on every rank: its

@@ -99,7 +99,7 @@ class PackedRows:
     def add(self, acc, grad, which):
         if which is None:
             acc += grad
-        else:  # distinct rows: index_add_ adds each once, in no order that matters
+        else:  # distinct rows, each added once: the same bits on every run
             acc.index_add_(0, self.idx[which], grad.to(acc.dtype))
 
     def final_lse(self, lse):
