@@ -55,7 +55,8 @@ def flash_attn_combine(out_partial: Tensor, lse_partial: Tensor, out: Optional[T
     shape without headdim, fp32 natural log (FlashAttention-3's layout; asymflash's lse is
     (batch, nheads, seqlen), so pass `torch.stack(lses).transpose(-1, -2)`).
     Returns (out, lse): out (batch, seqlen, nheads, headdim) in out_dtype (default
-    out_partial's dtype), written into `out` if given; lse (batch, seqlen, nheads) fp32.
+    out_partial's dtype), written into `out` if given; lse (batch, seqlen, nheads) fp32
+    ((total_q, nheads) for packed rows), a transposed view as in FA3.
     A split with lse = -inf (it saw no key of that row) has no weight, whatever its out
     holds; a row no split saw gets out = 0 and lse = -inf. Computed in fp32 with torch ops:
     differentiable, on any device.
@@ -63,6 +64,9 @@ def flash_attn_combine(out_partial: Tensor, lse_partial: Tensor, out: Optional[T
     _check(out_partial, lse_partial, out, out_dtype)
     merged, lse = merge_partials(out_partial, lse_partial)
     merged = merged.to(out_dtype or out_partial.dtype)
+    # FA3's memory layout too: heads before rows, so lse.transpose(-1, -2) is contiguous
+    # (asymflash's (batch, nheads, seqlen), or (nheads, total_q) for packed rows)
+    lse = lse.transpose(-1, -2).contiguous().transpose(-1, -2)
     if out is None:
         return merged, lse
     out.copy_(merged)

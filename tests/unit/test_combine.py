@@ -126,3 +126,10 @@ def test_bad_input_is_refused(bad, exc, words):
     args.update(bad)
     with pytest.raises(exc, match=words):
         flash_attn_combine(**args)
+
+
+def test_lse_has_fa3s_memory_layout():
+    out_p, lse_p = torch.randn(2, 3, 5, 4, 8), torch.randn(2, 3, 5, 4)
+    _, lse = flash_attn_combine(out_p, lse_p)
+    assert lse.shape == (3, 5, 4) and lse.transpose(1, 2).is_contiguous()
+    torch.testing.assert_close(lse, torch.logsumexp(lse_p, 0))
