@@ -10,13 +10,21 @@ shapes, `--device cpu`). The runs to make, one per GPU count, from the repositor
           --out benchmarks/results/cp-h200x$n.json
     done
 
+and, before the timings, the ring's values on NCCL against one GPU's (`--check 32768`
+compares out and gradients with single-GPU asymflash on the whole sequence; exit status 1
+on a mismatch):
+
+    torchrun --standalone --nproc-per-node 8 scripts/cp-bench.py --check 32768 \\
+        --seqlens 131072 --iters 3
+
 CPU smoke test of the script itself (no timing meaning):
 
     torchrun --standalone --nproc-per-node 2 scripts/cp-bench.py --device cpu \\
         --seqlens 256 --heads 2 --kv-heads 2 --headdim 16 --iters 1 --warmup 0
 
 For each total sequence length N (one sequence, split over the W ranks) and causal / not,
-it times, forward and forward+backward, with CUDA events and the slowest rank's time:
+it times forward and forward+backward (median of --iters, host clock around device
+synchronizes, the slowest rank's time):
 - `ring`: asymflash.distributed.ring_attention (zigzag shards for causal);
 - `compute`: the same ring schedule with every transfer removed (each rank attends to its
   own K/V in place of the received ones): the single-GPU kernels doing exactly the ring's
@@ -153,6 +161,37 @@ def _torch_cp_case(q_full, k_full, v_full, dout_full, causal, world, device, sta
     return run, None
 
 
+def _check(n, args, ring, device, dtype, causal) -> bool:
+    """The ring against single-GPU asymflash on the whole sequence (every rank computes it,
+    compares its zigzag shard): out and gradients, max error relative to the largest value.
+    bf16 roundings of the per-block gradients bound the error at a few bf16 ulps."""
+    from asymflash import flash_attn_func
+    from asymflash.distributed import ring_attention
+
+    world, rank = ring.world, ring.rank
+    g = torch.Generator(device=device).manual_seed(1)
+    shapes = [(1, n, args.heads, args.headdim), (1, n, args.kv_heads, args.headdim),
+              (1, n, args.kv_heads, args.headdim), (1, n, args.heads, args.headdim)]
+    q, k, v, dout = (torch.randn(s, generator=g, device=device, dtype=dtype) for s in shapes)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    full = flash_attn_func(*leaves, causal=causal)
+    want = [full.detach(), *torch.autograd.grad(full, leaves, dout)]
+    local = [zigzag_shard(t, world, rank).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, causal=causal)
+    got = [out.detach(), *torch.autograd.grad(out, local, zigzag_shard(dout, world, rank))]
+    ok = True
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        b = zigzag_shard(b, world, rank)
+        err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).reshape(1)
+        dist.all_reduce(err, op=dist.ReduceOp.MAX)
+        bound = 2e-2 if dtype != torch.float32 else 1e-4
+        ok &= err.item() <= bound
+        if rank == 0:
+            print(f"check N={n} W={world} causal={causal} {name}: max error / max value "
+                  f"{err.item():.2e} (bound {bound:g})", flush=True)
+    return ok
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[131072, 262144, 524288, 1048576])
@@ -167,6 +206,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-torch", action="store_true", help="skip torch's context_parallel")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--out", type=Path, default=None, help="results JSON (rank 0 writes)")
+    ap.add_argument("--check", type=int, default=0, metavar="N",
+                    help="first compare the ring with single-GPU asymflash at N tokens "
+                         "(exit status 1 on a mismatch); 0 skips")
     args = ap.parse_args(argv)
 
     if args.device == "cuda":
@@ -182,6 +224,10 @@ def main(argv=None) -> int:
     ring = Ring()
     world, rank = ring.world, ring.rank
     causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
+    if args.check:
+        if not all([_check(args.check, args, ring, device, dtype, c) for c in causals]):
+            dist.destroy_process_group()
+            return 1
     rows = []
     for n in args.seqlens:
         if n % (2 * world):
