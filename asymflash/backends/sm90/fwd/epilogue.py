@@ -30,17 +30,21 @@ if GLUON_ERROR is None:
         return gl.SliceLayout(1, make_s_layout(block_n))
 
     @gluon.jit
-    def tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
-                    q_start, m0, seqlen_q, total_q, head, n_heads, WG: gl.constexpr,
-                    HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr,
-                    RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr):
+    def tile_store(acc, m_i, l_i, rows, bufs, call, cfg, tile, WG: gl.constexpr):
         """Epilogue: normalise O, write lse and O of `rows` (m0 + 64·WG + 0 ... 63; rows at or
         past seqlen_q are not written). The sink is one more logit in the denominator with no
-        value row."""
+        value row. bufs, call, cfg, tile: the kernel's aggregates (`kernel.py`)."""
+        HEAD_DIM_V: gl.constexpr = cfg.HEAD_DIM_V
+        out_ptr = call.out_ptr
+        o_desc = call.o_desc
+        q_start = tile.q_start
+        m0 = tile.m0
+        seqlen_q = tile.seqlen_q
+        head = tile.head
         o_layout: gl.constexpr = make_o_layout(HEAD_DIM_V)
-        row_layout: gl.constexpr = make_row_layout(BLOCK_N)
-        if HAS_SINK:
-            sink = gl.load(sink_ptr + head) * 1.4426950408889634
+        row_layout: gl.constexpr = make_row_layout(cfg.BLOCK_N)
+        if cfg.HAS_SINK:
+            sink = gl.load(call.sink_ptr + head) * 1.4426950408889634
             m_fin = gl.maximum(m_i, sink)
             m_sub = gl.where(m_fin == -float("inf"), 0.0, m_fin)
             o_scale = gl.exp2(m_i - m_sub)
@@ -53,8 +57,8 @@ if GLUON_ERROR is None:
         lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))) * 0.6931471805599453,
                        -float("inf"))
         valid = rows < seqlen_q
-        lse_off = head.to(gl.int64) * total_q + q_start + rows
-        gl.store(lse_ptr + lse_off, lse, mask=valid)
+        lse_off = head.to(gl.int64) * call.total_q + q_start + rows
+        gl.store(call.lse_ptr + lse_off, lse, mask=valid)
 
         out = (acc * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1))
         out = out.to(out_ptr.dtype.element_ty)
@@ -66,13 +70,13 @@ if GLUON_ERROR is None:
             # sequence (192-row tiles) stores nothing.
             # Wide rows on the persistent grid: one staging tile, the warpgroups take turns
             # (`o_staging`); the turn barrier sits after the Q (and ping-pong) barriers.
-            SHARED: gl.constexpr = o_staging(o_desc.block_shape, HEAD_DIM_V, RELEASE_Q) == 2
-            o_tile = o_smem.index(0 if SHARED else WG)
+            SHARED: gl.constexpr = o_staging(o_desc.block_shape, HEAD_DIM_V, cfg.PERSISTENT) == 2
+            o_tile = bufs.o.index(0 if SHARED else WG)
             if SHARED:
                 # Warpgroup w's k-th turn follows 2k + w arrivals: parity 1 - w every time.
                 # The turn barrier is q_bar's last (`q_bar_count`), whatever the number of
                 # Q buffers (a fixed index once fell on a second Q buffer's barrier).
-                o_turn = q_bar.index(q_bar.shape[0] - 1)
+                o_turn = bufs.q_bar.index(bufs.q_bar.shape[0] - 1)
                 mbarrier.wait(o_turn, 1 - WG)
             if m0 + WG * 64 < seqlen_q:
                 tma.store_wait(0)  # this warpgroup's previous store has read o_smem
@@ -82,14 +86,14 @@ if GLUON_ERROR is None:
                 thread_barrier()
                 tma_store(
                     o_desc, [q_start + m0 + WG * 64, head * HEAD_DIM_V], o_tile)
-            if not RELEASE_Q:  # a one-tile CTA: the store must finish before it exits
+            if not cfg.PERSISTENT:  # a one-tile CTA: the store must finish before it exits
                 tma.store_wait(0)
             elif SHARED:  # the other warpgroup's turn once the store has read the tile
                 tma.store_wait(0)
                 thread_barrier()
                 mbarrier.arrive(o_turn, count=1)
         else:
-            store_rows(out_ptr, out, rows, q_start, seqlen_q, head, n_heads, HEAD_DIM_V,
+            store_rows(out_ptr, out, rows, q_start, seqlen_q, head, call.n_heads, HEAD_DIM_V,
                         o_layout)
 
     @gluon.jit

@@ -51,6 +51,7 @@ _EMU_LITERALS = tuple(ptx_f32(c) for c in (*POLY_COEFFS[::-1], X_MIN, FLOOR_MAGI
 if GLUON_ERROR is None:
     from ..bounds import key_blocks
     from ..common import (
+        aggregate,
         copy_rows,
         fence_async_shared,
         gl,
@@ -87,39 +88,205 @@ if GLUON_ERROR is None:
         scores,
     )
 
+    # Every role gets the CTA's state as three aggregates, (bufs, call, cfg): an argument
+    # tuple held in a variable would turn its constexpr entries into runtime values, so
+    # each `gl.warp_specialize` role list is written out, and aggregates keep those lists
+    # short. Values that are a constant on one grid and a runtime value on the other (ring
+    # position 0, a Q slot equal to the warpgroup, n_lo without a left window) stay
+    # separate arguments: an aggregate's field has one type.
+
+    @aggregate
+    class FwdSmem:
+        """The CTA's shared memory and mbarriers (allocated by `attn_fwd_kernel`)."""
+
+        q: gl.shared_memory_descriptor  # [Q_BUFS * NUM_WG, 64, HEAD_DIM]
+        k: gl.shared_memory_descriptor  # K ring [STAGES, BLOCK_N, HEAD_DIM]
+        v: gl.shared_memory_descriptor  # V ring [STAGES, BLOCK_N, HEAD_DIM_V]
+        # Q landed, per Q buffer; then the ping-pong turn barriers and the staging tile's
+        # turn barrier (`q_bar_count`)
+        q_bar: gl.shared_memory_descriptor
+        q_empty: gl.shared_memory_descriptor  # Q buffer released (persistent grid)
+        k_ready: gl.shared_memory_descriptor  # ring slot filled (TMA transaction count)
+        k_empty: gl.shared_memory_descriptor  # ring slot read by every consumer warpgroup
+        v_ready: gl.shared_memory_descriptor
+        v_empty: gl.shared_memory_descriptor
+        sched: gl.shared_memory_descriptor  # the persistent loader's tiles (`publish_tile`)
+        o: gl.shared_memory_descriptor  # O staging (`o_staging`)
+
+        @gluon.constexpr_function
+        def __init__(self, q, k, v, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
+                     o):
+            self.q = q
+            self.k = k
+            self.v = v
+            self.q_bar = q_bar
+            self.q_empty = q_empty
+            self.k_ready = k_ready
+            self.k_empty = k_empty
+            self.v_ready = v_ready
+            self.v_empty = v_empty
+            self.sched = sched
+            self.o = o
+
+    @aggregate
+    class FwdCall:
+        """The runtime arguments of one launch (`attn_fwd_kernel`'s, unchanged)."""
+
+        q_desc: tma.tensor_descriptor
+        k_desc: tma.tensor_descriptor
+        v_desc: tma.tensor_descriptor
+        o_desc: tma.tensor_descriptor
+        out_ptr: gl.tensor
+        lse_ptr: gl.tensor
+        cu_q_ptr: gl.tensor
+        cu_k_ptr: gl.tensor
+        used_k_ptr: gl.tensor
+        sink_ptr: gl.tensor
+        seqlen_q: gl.tensor  # the longest sequence's (varlen) or every sequence's length
+        seqlen_k: gl.tensor
+        total_q: gl.tensor
+        n_heads: gl.tensor
+        n_batch: gl.tensor
+        num_m_blocks: gl.tensor
+        group: gl.tensor
+        qk_scale: gl.tensor
+        softcap_pre: gl.tensor
+        window_left: gl.tensor
+        window_right: gl.tensor
+        num_tiles: gl.tensor
+        hb_chunk: gl.tensor
+
+        @gluon.constexpr_function
+        def __init__(self, q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+                     used_k_ptr, sink_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_batch,
+                     num_m_blocks, group, qk_scale, softcap_pre, window_left, window_right,
+                     num_tiles, hb_chunk):
+            self.q_desc = q_desc
+            self.k_desc = k_desc
+            self.v_desc = v_desc
+            self.o_desc = o_desc
+            self.out_ptr = out_ptr
+            self.lse_ptr = lse_ptr
+            self.cu_q_ptr = cu_q_ptr
+            self.cu_k_ptr = cu_k_ptr
+            self.used_k_ptr = used_k_ptr
+            self.sink_ptr = sink_ptr
+            self.seqlen_q = seqlen_q
+            self.seqlen_k = seqlen_k
+            self.total_q = total_q
+            self.n_heads = n_heads
+            self.n_batch = n_batch
+            self.num_m_blocks = num_m_blocks
+            self.group = group
+            self.qk_scale = qk_scale
+            self.softcap_pre = softcap_pre
+            self.window_left = window_left
+            self.window_right = window_right
+            self.num_tiles = num_tiles
+            self.hb_chunk = hb_chunk
+
+    @aggregate
+    class FwdConsts:
+        """The compile-time switches of one build (`attn_fwd_kernel`'s constexprs, the
+        launch's register counts aside) and BLOCK_M, the query rows of a tile."""
+
+        HEAD_DIM: gl.constexpr
+        HEAD_DIM_V: gl.constexpr
+        BLOCK_N: gl.constexpr
+        STAGES: gl.constexpr
+        UNIFORM: gl.constexpr
+        HAS_SEQUSED: gl.constexpr
+        HAS_LEFT: gl.constexpr
+        HAS_RIGHT: gl.constexpr
+        SOFTCAP: gl.constexpr
+        HAS_SINK: gl.constexpr
+        LPT: gl.constexpr
+        EMU_EVERY: gl.constexpr
+        RESCALE_THRESHOLD: gl.constexpr
+        # the persistent grid; also: consumers release their Q buffer (q_empty), the loader
+        # waits for it, and the last O store may stay in flight past the tile
+        PERSISTENT: gl.constexpr
+        PINGPONG: gl.constexpr  # warpgroups taking turns at their wgmmas (0: none)
+        NUM_WG: gl.constexpr
+        Q_BUFS: gl.constexpr
+        TAIL_SKIP: gl.constexpr
+        BLOCK_M: gl.constexpr  # 64 * NUM_WG
+
+        @gluon.constexpr_function
+        def __init__(self, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED,
+                     HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD,
+                     PERSISTENT, PINGPONG, NUM_WG, Q_BUFS, TAIL_SKIP):
+            self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+            self.HEAD_DIM_V = gl.constexpr(HEAD_DIM_V)
+            self.BLOCK_N = gl.constexpr(BLOCK_N)
+            self.STAGES = gl.constexpr(STAGES)
+            self.UNIFORM = gl.constexpr(UNIFORM)
+            self.HAS_SEQUSED = gl.constexpr(HAS_SEQUSED)
+            self.HAS_LEFT = gl.constexpr(HAS_LEFT)
+            self.HAS_RIGHT = gl.constexpr(HAS_RIGHT)
+            self.SOFTCAP = gl.constexpr(SOFTCAP)
+            self.HAS_SINK = gl.constexpr(HAS_SINK)
+            self.LPT = gl.constexpr(LPT)
+            self.EMU_EVERY = gl.constexpr(EMU_EVERY)
+            self.RESCALE_THRESHOLD = gl.constexpr(RESCALE_THRESHOLD)
+            self.PERSISTENT = gl.constexpr(PERSISTENT)
+            self.PINGPONG = gl.constexpr(PINGPONG)
+            self.NUM_WG = gl.constexpr(NUM_WG)
+            self.Q_BUFS = gl.constexpr(Q_BUFS)
+            self.TAIL_SKIP = gl.constexpr(TAIL_SKIP)
+            self.BLOCK_M = gl.constexpr(64 * NUM_WG)
+
+    @aggregate
+    class QTile:
+        """A query tile of one (sequence, head): the sequence's first packed query row, the
+        tile's first row m0 within the sequence, the sequence's lengths, the head. Its key
+        blocks (`key_blocks`) stay separate arguments: n_lo is the constant 0 without a
+        left window."""
+
+        q_start: gl.tensor
+        m0: gl.tensor
+        seqlen_q: gl.tensor
+        seqlen_k: gl.tensor
+        head: gl.tensor
+
+        @gluon.constexpr_function
+        def __init__(self, q_start, m0, seqlen_q, seqlen_k, head):
+            self.q_start = q_start
+            self.m0 = m0
+            self.seqlen_q = seqlen_q
+            self.seqlen_k = seqlen_k
+            self.head = head
+
     @gluon.jit
-    def _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                   k_empty, v_ready, v_empty, q_row, q_head, kv_row, kv_head, n_lo, n_hi, it0,
-                   q_slot0, q_phase, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WAIT_Q: gl.constexpr,
-                   NUM_WG: gl.constexpr):
+    def _load_tile(bufs, call, cfg, q_row, q_head, kv_row, kv_head, n_lo, n_hi, it0, q_slot0,
+                   q_phase):
         """Q of one tile (NUM_WG x 64 rows) into Q buffers q_slot0, q_slot0 + 1, ..., then
         its key blocks [n_lo, n_hi) at ring positions it0, ...
 
-        With WAIT_Q (persistent grid) a Q buffer is refilled only after its warpgroup released
-        the tile it last held (q_empty, parity q_phase ^ 1: the first wait passes at once).
+        On the persistent grid a Q buffer is refilled only after its warpgroup released the
+        tile it last held (q_empty, parity q_phase ^ 1: the first wait passes at once).
         """
-        for wg in gl.static_range(NUM_WG):
-            if WAIT_Q:
-                mbarrier.wait(q_empty.index(q_slot0 + wg), q_phase ^ 1)
-            mbarrier.expect(q_bar.index(q_slot0 + wg), q_desc.block_type.nbytes)
-            copy_rows(q_desc, q_row + wg * 64, q_head, HEAD_DIM, q_bar.index(q_slot0 + wg),
-                       q_smem.index(q_slot0 + wg), True)
+        for wg in gl.static_range(cfg.NUM_WG):
+            if cfg.PERSISTENT:
+                mbarrier.wait(bufs.q_empty.index(q_slot0 + wg), q_phase ^ 1)
+            mbarrier.expect(bufs.q_bar.index(q_slot0 + wg), call.q_desc.block_type.nbytes)
+            copy_rows(call.q_desc, q_row + wg * 64, q_head, cfg.HEAD_DIM,
+                       bufs.q_bar.index(q_slot0 + wg), bufs.q.index(q_slot0 + wg), True)
         for i in range(n_hi - n_lo):
             pos = it0 + i
-            slot = pos % STAGES
+            slot = pos % cfg.STAGES
             # Fresh mbarriers count as having completed the phase before phase 0, so the first
             # pass through the ring does not wait.
-            phase = ((pos // STAGES) & 1) ^ 1
-            row = kv_row + (n_lo + i) * BLOCK_N
-            mbarrier.wait(k_empty.index(slot), phase)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            copy_rows(k_desc, row, kv_head, HEAD_DIM, k_ready.index(slot), k_smem.index(slot),
-                       True)
-            mbarrier.wait(v_empty.index(slot), phase)
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            copy_rows(v_desc, row, kv_head, HEAD_DIM_V, v_ready.index(slot),
-                       v_smem.index(slot), True)
+            phase = ((pos // cfg.STAGES) & 1) ^ 1
+            row = kv_row + (n_lo + i) * cfg.BLOCK_N
+            mbarrier.wait(bufs.k_empty.index(slot), phase)
+            mbarrier.expect(bufs.k_ready.index(slot), call.k_desc.block_type.nbytes)
+            copy_rows(call.k_desc, row, kv_head, cfg.HEAD_DIM, bufs.k_ready.index(slot),
+                       bufs.k.index(slot), True)
+            mbarrier.wait(bufs.v_empty.index(slot), phase)
+            mbarrier.expect(bufs.v_ready.index(slot), call.v_desc.block_type.nbytes)
+            copy_rows(call.v_desc, row, kv_head, cfg.HEAD_DIM_V, bufs.v_ready.index(slot),
+                       bufs.v.index(slot), True)
 
     @gluon.jit
     def _take_turn(bars, k, WG: gl.constexpr, TURNS: gl.constexpr):
@@ -139,40 +306,40 @@ if GLUON_ERROR is None:
         mbarrier.arrive(bars.index(TURNS + (WG + 1) % TURNS), count=1)
 
     @gluon.jit
-    def _step(i, n, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p_op, m_i, l_i,
-              rows, shift, seqlen_k, window_left, window_right, qk_scale, softcap_pre,
-              MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-              SOFTCAP: gl.constexpr, EMU_EVERY: gl.constexpr,
-              RESCALE_THRESHOLD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-              bars, q_phase, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    def _step(i, n, q, bufs, call, cfg, tile, acc, p_op, m_i, l_i, rows, shift,
+              MASKED: gl.constexpr, q_phase, WG: gl.constexpr):
         """Ring position i holds key block n; P_{i-1} (p_op) still has to meet V_{i-1}.
         With PINGPONG the two wgmmas are issued in this warpgroup's turn (`_take_turn`)."""
+        STAGES: gl.constexpr = cfg.STAGES
+        PINGPONG: gl.constexpr = cfg.PINGPONG
+        s_layout: gl.constexpr = make_s_layout(cfg.BLOCK_N)
+        o_layout: gl.constexpr = make_o_layout(cfg.HEAD_DIM_V)
+        p_layout: gl.constexpr = make_p_layout(cfg.HEAD_DIM_V)
         slot = i % STAGES
         prev = (i - 1) % STAGES
-        mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
+        mbarrier.wait(bufs.k_ready.index(slot), (i // STAGES) & 1)
         if PINGPONG:
-            mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
-            _take_turn(bars, q_phase + i, WG, PINGPONG)
-        s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
-        s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+            mbarrier.wait(bufs.v_ready.index(prev), ((i - 1) // STAGES) & 1)
+            _take_turn(bufs.q_bar, q_phase + i, WG, PINGPONG)
+        s_zero = gl.zeros([64, cfg.BLOCK_N], gl.float32, s_layout)
+        s_tok = warpgroup_mma(q, bufs.k.index(slot).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
         if not PINGPONG:
-            mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
-        o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            mbarrier.wait(bufs.v_ready.index(prev), ((i - 1) // STAGES) & 1)
+        o_tok = warpgroup_mma(p_op, bufs.v.index(prev), acc, is_async=True)
         if PINGPONG:
-            _pass_turn(bars, WG, PINGPONG)
+            _pass_turn(bufs.q_bar, WG, PINGPONG)
         # wgmma groups retire in order: with one group left in flight, S_i is complete.
         s = warpgroup_mma_wait(1, deps=[s_tok])
-        mbarrier.arrive(k_empty.index(slot))
-        s = scores(s, n, rows, shift, seqlen_k, window_left, window_right, softcap_pre, MASKED,
-                    HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
-        p, m_i, l_i, alpha = online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
+        mbarrier.arrive(bufs.k_empty.index(slot))
+        s = scores(s, n, rows, shift, tile.seqlen_k, call, cfg, MASKED)
+        p, m_i, l_i, alpha = online_softmax(s, m_i, l_i, call.qk_scale, cfg.EMU_EVERY,
+                                            cfg.RESCALE_THRESHOLD)
         # p_op is a register operand of the P·V in flight: keep it alive until that group retires.
         acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
-        mbarrier.arrive(v_empty.index(prev))
+        mbarrier.arrive(bufs.v_empty.index(prev))
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-        if RESCALE_THRESHOLD > 0:
+        if cfg.RESCALE_THRESHOLD > 0:
             # P packed first: the skip's branch ends the block, so the packs can still
             # interleave with the exponentials
             p_op = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
@@ -183,104 +350,77 @@ if GLUON_ERROR is None:
         return acc, p_op, m_i, l_i
 
     @gluon.jit
-    def _consumer_loop(lo, hi, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc,
-                       p_op, m_i, l_i, rows, shift, seqlen_k, window_left, window_right, qk_scale,
-                       softcap_pre, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
-                       HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, EMU_EVERY: gl.constexpr,
-                       RESCALE_THRESHOLD: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                       p_layout: gl.constexpr, bars, q_phase, WG: gl.constexpr,
-                       PINGPONG: gl.constexpr):
+    def _consumer_loop(lo, hi, base, q, bufs, call, cfg, tile, acc, p_op, m_i, l_i, rows,
+                       shift, MASKED: gl.constexpr, q_phase, WG: gl.constexpr):
         # Ring position of key block n: n + base (base = ring position of n_lo minus n_lo).
         for n in range(lo, hi):
-            acc, p_op, m_i, l_i = _step(
-                n + base, n, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p_op,
-                m_i, l_i, rows, shift, seqlen_k, window_left, window_right, qk_scale,
-                softcap_pre, MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD,
-                BLOCK_N, STAGES, s_layout, o_layout, p_layout, bars, q_phase, WG, PINGPONG)
+            acc, p_op, m_i, l_i = _step(n + base, n, q, bufs, call, cfg, tile, acc, p_op, m_i,
+                                        l_i, rows, shift, MASKED, q_phase, WG)
         return acc, p_op, m_i, l_i
 
     @gluon.jit
-    def _tile_begin(q_smem, k_smem, q_bar, k_ready, it0, q_slot, q_phase, WG: gl.constexpr,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    def _tile_begin(bufs, cfg, it0, q_slot, q_phase, WG: gl.constexpr):
         """Wait for the tile's Q (buffer q_slot, parity q_phase) and its first key block (ring
         position it0), then issue S_0 = Q·K_0ᵀ without waiting: (Q, S_0 in flight)."""
-        s_layout: gl.constexpr = make_s_layout(BLOCK_N)
-        mbarrier.wait(q_bar.index(q_slot), q_phase)
-        q = q_smem.index(q_slot)
-        slot0 = it0 % STAGES
-        mbarrier.wait(k_ready.index(slot0), (it0 // STAGES) & 1)
-        if PINGPONG:
-            _take_turn(q_bar, q_phase + it0, WG, PINGPONG)
-        s_tok = warpgroup_mma(q, k_smem.index(slot0).permute((1, 0)),
-                              gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
+        s_layout: gl.constexpr = make_s_layout(cfg.BLOCK_N)
+        mbarrier.wait(bufs.q_bar.index(q_slot), q_phase)
+        q = bufs.q.index(q_slot)
+        slot0 = it0 % cfg.STAGES
+        mbarrier.wait(bufs.k_ready.index(slot0), (it0 // cfg.STAGES) & 1)
+        if cfg.PINGPONG:
+            _take_turn(bufs.q_bar, q_phase + it0, WG, cfg.PINGPONG)
+        s_tok = warpgroup_mma(q, bufs.k.index(slot0).permute((1, 0)),
+                              gl.zeros([64, cfg.BLOCK_N], gl.float32, s_layout), use_acc=False,
                               is_async=True)
-        if PINGPONG:
-            _pass_turn(q_bar, WG, PINGPONG)
+        if cfg.PINGPONG:
+            _pass_turn(bufs.q_bar, WG, cfg.PINGPONG)
         return q, s_tok
 
     @gluon.jit
-    def _tile_run(q, s_tok, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                  rows, shift, seqlen_k, n_lo, n_a, n_b, n_end, it0, q_slot, q_phase,
-                  window_left, window_right, qk_scale, softcap_pre, WG: gl.constexpr,
-                  HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                  EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
-                  RELEASE_Q: gl.constexpr, PINGPONG: gl.constexpr):
+    def _tile_run(q, s_tok, bufs, call, cfg, tile, rows, shift, n_lo, n_a, n_b, n_end, it0,
+                  q_slot, q_phase, WG: gl.constexpr):
         """From S_0 (the only wgmma group in flight) to the issue of the last P·V, over key
         blocks [n_lo, n_end) (n_end: this warpgroup's last block, `_warpgroup_end`): returns
         (O in flight, its P operand, row max, row sum, the last V slot)."""
-        s_layout: gl.constexpr = make_s_layout(BLOCK_N)
-        o_layout: gl.constexpr = make_o_layout(HEAD_DIM_V)
-        p_layout: gl.constexpr = make_p_layout(HEAD_DIM_V)
-        row_layout: gl.constexpr = make_row_layout(BLOCK_N)
+        STAGES: gl.constexpr = cfg.STAGES
+        p_layout: gl.constexpr = make_p_layout(cfg.HEAD_DIM_V)
+        row_layout: gl.constexpr = make_row_layout(cfg.BLOCK_N)
         m_i = gl.full([64], -float("inf"), gl.float32, row_layout)
         l_i = gl.zeros([64], gl.float32, row_layout)
-        acc = gl.zeros([64, HEAD_DIM_V], gl.float32, o_layout)
+        acc = gl.zeros([64, cfg.HEAD_DIM_V], gl.float32, make_o_layout(cfg.HEAD_DIM_V))
 
         # Peeled first block: no P·V to overlap with yet, and always masked.
         s = warpgroup_mma_wait(0, deps=[s_tok])
-        mbarrier.arrive(k_empty.index(it0 % STAGES))
-        s = scores(s, n_lo, rows, shift, seqlen_k, window_left, window_right, softcap_pre, True,
-                    HAS_LEFT, HAS_RIGHT, SOFTCAP, BLOCK_N, s_layout)
-        p, m_i, l_i, _alpha = online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY, RESCALE_THRESHOLD)
+        mbarrier.arrive(bufs.k_empty.index(it0 % STAGES))
+        s = scores(s, n_lo, rows, shift, tile.seqlen_k, call, cfg, True)
+        p, m_i, l_i, _alpha = online_softmax(s, m_i, l_i, call.qk_scale, cfg.EMU_EVERY,
+                                             cfg.RESCALE_THRESHOLD)
         p_op = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
 
         base = it0 - n_lo
         n_a = gl.minimum(n_a, n_end)
         n_b = gl.minimum(n_b, n_end)
-        acc, p_op, m_i, l_i = _consumer_loop(
-            n_lo + 1, n_a, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-            acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
-            window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
-            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
-            WG, PINGPONG)
-        acc, p_op, m_i, l_i = _consumer_loop(
-            n_a, n_b, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-            acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
-            window_right, qk_scale, softcap_pre, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
-            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
-            WG, PINGPONG)
-        acc, p_op, m_i, l_i = _consumer_loop(
-            n_b, n_end, base, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-            acc, p_op, m_i, l_i, rows, shift, seqlen_k, window_left,
-            window_right, qk_scale, softcap_pre, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY,
-            RESCALE_THRESHOLD, BLOCK_N, STAGES, s_layout, o_layout, p_layout, q_bar, q_phase,
-            WG, PINGPONG)
+        acc, p_op, m_i, l_i = _consumer_loop(n_lo + 1, n_a, base, q, bufs, call, cfg, tile,
+                                             acc, p_op, m_i, l_i, rows, shift, True, q_phase,
+                                             WG)
+        acc, p_op, m_i, l_i = _consumer_loop(n_a, n_b, base, q, bufs, call, cfg, tile, acc,
+                                             p_op, m_i, l_i, rows, shift, False, q_phase, WG)
+        acc, p_op, m_i, l_i = _consumer_loop(n_b, n_end, base, q, bufs, call, cfg, tile, acc,
+                                             p_op, m_i, l_i, rows, shift, True, q_phase, WG)
 
-        if RELEASE_Q:
+        if cfg.PERSISTENT:
             # Every S wgmma of this tile has retired (each step ends with a full wait).
-            mbarrier.arrive(q_empty.index(q_slot), count=1)
+            mbarrier.arrive(bufs.q_empty.index(q_slot), count=1)
 
         # Last P·V, left in flight.
         last = n_end - 1 + base
         slot = last % STAGES
-        mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
-        if PINGPONG:
-            _take_turn(q_bar, q_phase + last + 1, WG, PINGPONG)
-        o_tok = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
-        if PINGPONG:
-            _pass_turn(q_bar, WG, PINGPONG)
+        mbarrier.wait(bufs.v_ready.index(slot), (last // STAGES) & 1)
+        if cfg.PINGPONG:
+            _take_turn(bufs.q_bar, q_phase + last + 1, WG, cfg.PINGPONG)
+        o_tok = warpgroup_mma(p_op, bufs.v.index(slot), acc, is_async=True)
+        if cfg.PINGPONG:
+            _pass_turn(bufs.q_bar, WG, cfg.PINGPONG)
         return o_tok, p_op, m_i, l_i, slot
 
     @gluon.jit
@@ -291,23 +431,23 @@ if GLUON_ERROR is None:
         return acc
 
     @gluon.jit
-    def _warpgroup_end(m0, seqlen_q, seqlen_k, window_right, n_lo, n_hi, WG: gl.constexpr,
-                       BLOCK_N: gl.constexpr, SKIP: gl.constexpr):
-        """End of warpgroup WG's key blocks within its tile's [n_lo, n_hi). With SKIP (a right
-        bound and 64-key blocks), a warpgroup whose 64 rows end a whole block before the
-        tile's last row stops there: under a causal mask, a 128-row tile's first warpgroup
-        would otherwise multiply, exponentiate and add one block that is masked out for
-        every one of its rows (d=256: one in 2 (i + 1) blocks of the i-th tile)."""
+    def _warpgroup_end(tile, window_right, n_lo, n_hi, cfg, WG: gl.constexpr):
+        """End of warpgroup WG's key blocks within its tile's [n_lo, n_hi). With TAIL_SKIP (a
+        right bound and 64-key blocks), a warpgroup whose 64 rows end a whole block before
+        the tile's last row stops there: under a causal mask, a 128-row tile's first
+        warpgroup would otherwise multiply, exponentiate and add one block that is masked out
+        for every one of its rows (d=256: one in 2 (i + 1) blocks of the i-th tile)."""
         n_end = n_hi
-        if SKIP:
-            row_last = gl.minimum(m0 + WG * 64 + 63, seqlen_q - 1)
-            allowed = gl.maximum(row_last + seqlen_k - seqlen_q + window_right + 1, 0)
-            n_end = gl.maximum(gl.minimum(n_hi, (allowed + BLOCK_N - 1) // BLOCK_N), n_lo + 1)
+        if cfg.TAIL_SKIP:
+            row_last = gl.minimum(tile.m0 + WG * 64 + 63, tile.seqlen_q - 1)
+            allowed = gl.maximum(row_last + tile.seqlen_k - tile.seqlen_q + window_right + 1,
+                                 0)
+            n_end = gl.maximum(gl.minimum(n_hi, (allowed + cfg.BLOCK_N - 1) // cfg.BLOCK_N),
+                               n_lo + 1)
         return n_end
 
     @gluon.jit
-    def _release_blocks(k_ready, k_empty, v_ready, v_empty, lo, hi, base,
-                        STAGES: gl.constexpr):
+    def _release_blocks(bufs, lo, hi, base, STAGES: gl.constexpr):
         """Release key blocks [lo, hi) (ring positions lo + base, ...) without reading them:
         each slot is waited for first, so the arrival counts toward this use of the slot and
         not the one before. Called once the warpgroup's own last V slot is released (a slot
@@ -316,125 +456,82 @@ if GLUON_ERROR is None:
             pos = n + base
             slot = pos % STAGES
             phase = (pos // STAGES) & 1
-            mbarrier.wait(k_ready.index(slot), phase)
-            mbarrier.arrive(k_empty.index(slot))
-            mbarrier.wait(v_ready.index(slot), phase)
-            mbarrier.arrive(v_empty.index(slot))
+            mbarrier.wait(bufs.k_ready.index(slot), phase)
+            mbarrier.arrive(bufs.k_empty.index(slot))
+            mbarrier.wait(bufs.v_ready.index(slot), phase)
+            mbarrier.arrive(bufs.v_empty.index(slot))
 
     @gluon.jit
-    def _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                       v_empty, out_ptr, o_desc, o_smem,
-                       lse_ptr, sink_ptr, q_start, m0, seqlen_q, seqlen_k,
-                       total_q, head, n_heads, n_lo, n_a, n_b, n_hi, it0, q_slot, q_phase,
-                       window_left, window_right, qk_scale, softcap_pre, WG: gl.constexpr,
-                       HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                       HAS_SINK: gl.constexpr, EMU_EVERY: gl.constexpr,
-                       RESCALE_THRESHOLD: gl.constexpr, RELEASE_Q: gl.constexpr,
-                       PINGPONG: gl.constexpr, TAIL_SKIP: gl.constexpr):
+    def _consumer_tile(bufs, call, cfg, tile, n_lo, n_a, n_b, n_hi, it0, q_slot, q_phase,
+                       WG: gl.constexpr):
         """One 64-row query tile of warpgroup WG: key blocks [n_lo, n_hi) sit at K/V ring
         positions it0, it0 + 1, ...; its Q arrives in Q buffer q_slot, on q_bar[q_slot] with
-        parity q_phase (q_slot = WG, but for the persistent grid's second Q buffers). With
-        RELEASE_Q (persistent grid) q_empty[q_slot] is arrived on as soon as the last S = Q·Kᵀ
-        has retired, so the loader can bring a later tile's Q during the last P·V and the store.
+        parity q_phase (q_slot = WG, but for the persistent grid's second Q buffers). On the
+        persistent grid q_empty[q_slot] is arrived on as soon as the last S = Q·Kᵀ has
+        retired, so the loader can bring a later tile's Q during the last P·V and the store.
         Ping-pong (one Q buffer per warpgroup only) counts its turns from q_phase.
         """
-        row_layout: gl.constexpr = make_row_layout(BLOCK_N)
-        rows = m0 + WG * 64 + gl.arange(0, 64, layout=row_layout)
-        q, s_tok = _tile_begin(q_smem, k_smem, q_bar, k_ready, it0, q_slot, q_phase, WG,
-                               BLOCK_N, STAGES, PINGPONG)
-        n_end = _warpgroup_end(m0, seqlen_q, seqlen_k, window_right, n_lo, n_hi, WG, BLOCK_N,
-                               TAIL_SKIP)
-        o_tok, p_op, m_i, l_i, slot = _tile_run(
-            q, s_tok, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-            rows, seqlen_k - seqlen_q, seqlen_k, n_lo, n_a, n_b, n_end, it0, q_slot, q_phase,
-            window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V, BLOCK_N, STAGES,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, EMU_EVERY, RESCALE_THRESHOLD, RELEASE_Q, PINGPONG)
-        acc = _tile_finish(o_tok, p_op, v_empty, slot)
-        tile_store(acc, m_i, l_i, rows, out_ptr, o_desc, o_smem, lse_ptr, sink_ptr, q_bar,
-                    q_start, m0, seqlen_q, total_q, head, n_heads, WG, HEAD_DIM_V, BLOCK_N,
-                    HAS_SINK, RELEASE_Q, PINGPONG)
-        if TAIL_SKIP:  # the blocks past this warpgroup's end, released once its O is out
-            _release_blocks(k_ready, k_empty, v_ready, v_empty, n_end, n_hi, it0 - n_lo,
-                            STAGES)
+        row_layout: gl.constexpr = make_row_layout(cfg.BLOCK_N)
+        rows = tile.m0 + WG * 64 + gl.arange(0, 64, layout=row_layout)
+        q, s_tok = _tile_begin(bufs, cfg, it0, q_slot, q_phase, WG)
+        n_end = _warpgroup_end(tile, call.window_right, n_lo, n_hi, cfg, WG)
+        o_tok, p_op, m_i, l_i, slot = _tile_run(q, s_tok, bufs, call, cfg, tile, rows,
+                                                tile.seqlen_k - tile.seqlen_q, n_lo, n_a, n_b,
+                                                n_end, it0, q_slot, q_phase, WG)
+        acc = _tile_finish(o_tok, p_op, bufs.v_empty, slot)
+        tile_store(acc, m_i, l_i, rows, bufs, call, cfg, tile, WG)
+        if cfg.TAIL_SKIP:  # the blocks past this warpgroup's end, released once its O is out
+            _release_blocks(bufs, n_end, n_hi, it0 - n_lo, cfg.STAGES)
 
     @gluon.jit
-    def _load_role_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
-                              k_ready, k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr,
-                              used_k_ptr,
-                              seqlen_q, seqlen_k, n_heads, n_batch, num_m_blocks, num_tiles,
-                              hb_chunk, group, window_left, window_right,
-                              HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                              UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                              LPT: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr):
-        BLOCK_M: gl.constexpr = 64 * NUM_WG
+    def _load_role_persistent(bufs, call, cfg):
         it = 0  # K/V ring position of the next tile's first key block
         tc = 0  # tiles done by this CTA: tile tc's Q goes to buffer set tc % Q_BUFS
         nprog = gl.num_programs(0)
-        for wave in range(0, (num_tiles + nprog - 1) // nprog):
+        for wave in range(0, (call.num_tiles + nprog - 1) // nprog):
             live, m0, head, q_start, k_start, sq, sk = persistent_tile(
-                wave, num_tiles, n_heads, n_batch, num_m_blocks, hb_chunk, seqlen_q, seqlen_k,
-                cu_q_ptr, cu_k_ptr, used_k_ptr, LPT, UNIFORM, HAS_SEQUSED, BLOCK_M)
+                wave, call.num_tiles, call.n_heads, call.n_batch, call.num_m_blocks,
+                call.hb_chunk, call.seqlen_q, call.seqlen_k, call.cu_q_ptr, call.cu_k_ptr,
+                call.used_k_ptr, cfg.LPT, cfg.UNIFORM, cfg.HAS_SEQUSED, cfg.BLOCK_M)
             if live:
-                n_lo, n_a, n_b, n_hi = key_blocks(m0, sq, sk, window_left, window_right,
-                                                   HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_M)
-                kv_head = head // group
-                if UNIFORM:
-                    publish_tile(sched, q_empty, tc, m0, head, q_start, NUM_WG, Q_BUFS)
-                _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
-                           k_ready, k_empty, v_ready, v_empty, q_start + m0, head, k_start,
-                           kv_head, n_lo, n_hi, it, (tc % Q_BUFS) * NUM_WG,
-                           (tc // Q_BUFS) & 1, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, True,
-                           NUM_WG)
+                n_lo, n_a, n_b, n_hi = key_blocks(m0, sq, sk, call.window_left,
+                                                   call.window_right, cfg.HAS_LEFT,
+                                                   cfg.HAS_RIGHT, cfg.BLOCK_N, cfg.BLOCK_M)
+                kv_head = head // call.group
+                if cfg.UNIFORM:
+                    publish_tile(bufs.sched, bufs.q_empty, tc, m0, head, q_start, cfg.NUM_WG,
+                                 cfg.Q_BUFS)
+                _load_tile(bufs, call, cfg, q_start + m0, head, k_start, kv_head, n_lo, n_hi,
+                           it, (tc % cfg.Q_BUFS) * cfg.NUM_WG, (tc // cfg.Q_BUFS) & 1)
                 it += n_hi - n_lo
                 tc += 1
 
     @gluon.jit
-    def _consumer_role_persistent(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
-                                  v_ready, v_empty, sched, out_ptr, o_desc, o_smem,
-                                  lse_ptr, sink_ptr, cu_q_ptr,
-                                  cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, total_q, n_heads,
-                                  n_batch, num_m_blocks, num_tiles, hb_chunk, window_left,
-                                  window_right, qk_scale, softcap_pre, WG: gl.constexpr,
-                                  HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
-                                  STAGES: gl.constexpr, UNIFORM: gl.constexpr,
-                                  HAS_SEQUSED: gl.constexpr, HAS_LEFT: gl.constexpr,
-                                  HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                                  HAS_SINK: gl.constexpr, LPT: gl.constexpr,
-                                  EMU_EVERY: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
-                                  PINGPONG: gl.constexpr, NUM_WG: gl.constexpr,
-                                  Q_BUFS: gl.constexpr, TAIL_SKIP: gl.constexpr):
-        BLOCK_M: gl.constexpr = 64 * NUM_WG
+    def _consumer_role_persistent(bufs, call, cfg, WG: gl.constexpr):
         it = 0
         tc = 0
         nprog = gl.num_programs(0)
-        for wave in range(0, (num_tiles + nprog - 1) // nprog):
-            if UNIFORM:  # the tile's coordinates come from the loader (`publish_tile`)
-                live = wave_tile(wave, gl.program_id(0), nprog) < num_tiles
+        for wave in range(0, (call.num_tiles + nprog - 1) // nprog):
+            if cfg.UNIFORM:  # the tile's coordinates come from the loader (`publish_tile`)
+                live = wave_tile(wave, gl.program_id(0), nprog) < call.num_tiles
             else:
                 live, m0, head, q_start, k_start, sq, sk = persistent_tile(
-                    wave, num_tiles, n_heads, n_batch, num_m_blocks, hb_chunk, seqlen_q,
-                    seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr, LPT, UNIFORM, HAS_SEQUSED, BLOCK_M)
+                    wave, call.num_tiles, call.n_heads, call.n_batch, call.num_m_blocks,
+                    call.hb_chunk, call.seqlen_q, call.seqlen_k, call.cu_q_ptr, call.cu_k_ptr,
+                    call.used_k_ptr, cfg.LPT, cfg.UNIFORM, cfg.HAS_SEQUSED, cfg.BLOCK_M)
             if live:
-                q_slot = (tc % Q_BUFS) * NUM_WG + WG
-                q_phase = (tc // Q_BUFS) & 1
-                if UNIFORM:
-                    mbarrier.wait(q_bar.index(q_slot), q_phase)
-                    m0, head, q_start = read_tile(sched, tc)
-                    sq = seqlen_q
-                    sk = seqlen_k
-                n_lo, n_a, n_b, n_hi = key_blocks(m0, sq, sk, window_left, window_right,
-                                                   HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_M)
-                _consumer_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                               v_empty, out_ptr, o_desc, o_smem,
-                               lse_ptr, sink_ptr, q_start, m0, sq, sk, total_q,
-                               head, n_heads, n_lo, n_a, n_b, n_hi, it, q_slot, q_phase,
-                               window_left, window_right, qk_scale, softcap_pre, WG, HEAD_DIM_V,
-                               BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK,
-                               EMU_EVERY, RESCALE_THRESHOLD, True, PINGPONG,
-                               TAIL_SKIP)
+                q_slot = (tc % cfg.Q_BUFS) * cfg.NUM_WG + WG
+                q_phase = (tc // cfg.Q_BUFS) & 1
+                if cfg.UNIFORM:
+                    mbarrier.wait(bufs.q_bar.index(q_slot), q_phase)
+                    m0, head, q_start = read_tile(bufs.sched, tc)
+                    sq = call.seqlen_q
+                    sk = call.seqlen_k
+                n_lo, n_a, n_b, n_hi = key_blocks(m0, sq, sk, call.window_left,
+                                                   call.window_right, cfg.HAS_LEFT,
+                                                   cfg.HAS_RIGHT, cfg.BLOCK_N, cfg.BLOCK_M)
+                _consumer_tile(bufs, call, cfg, QTile(q_start, m0, sq, sk, head), n_lo, n_a,
+                               n_b, n_hi, it, q_slot, q_phase, WG)
                 it += n_hi - n_lo
                 tc += 1
         tma.store_wait(0)  # the last tile's O store reads o_smem
@@ -494,6 +591,11 @@ if GLUON_ERROR is None:
         # The persistent loader's tile coordinates for the consumers (`publish_tile`).
         sched = gl.allocate_shared_memory(gl.int32, [2, 4],
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        bufs = FwdSmem(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                       v_empty, sched, o_smem)
+        cfg = FwdConsts(HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT,
+                        HAS_RIGHT, SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD,
+                        PERSISTENT, PINGPONG, NUM_WG, Q_BUFS, TAIL_SKIP)
         if PERSISTENT:
             # grid = min(#SMs, #tiles); every role walks tiles pid, pid + grid, ... and keeps
             # its own ring position, so the loader runs ahead into the next tile (its Q once
@@ -510,69 +612,22 @@ if GLUON_ERROR is None:
                 mbarrier.init(k_empty.index(st), count=NUM_WG)
                 mbarrier.init(v_empty.index(st), count=NUM_WG)
             fence_async_shared()
+            call = FwdCall(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+                           used_k_ptr, sink_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_batch,
+                           num_m_blocks, group, qk_scale, softcap_pre, window_left,
+                           window_right, num_tiles, hb_chunk)
             if NUM_WG == 3:
-                # Written out: the role list must be literal (see the plain grid below).
                 gl.warp_specialize([
-                    (_consumer_role_persistent, (
-                        q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, sched, out_ptr, o_desc, o_smem,
-                        lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
-                        seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
-                        hb_chunk, window_left, window_right, qk_scale, softcap_pre, 0,
-                        HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
-                        TAIL_SKIP)),
-                    (_consumer_role_persistent, (
-                        q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, sched, out_ptr, o_desc, o_smem,
-                        lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
-                        seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
-                        hb_chunk, window_left, window_right, qk_scale, softcap_pre, 1,
-                        HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
-                        TAIL_SKIP)),
-                    (_consumer_role_persistent, (
-                        q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, sched, out_ptr, o_desc, o_smem,
-                        lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
-                        seqlen_q, seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles,
-                        hb_chunk, window_left, window_right, qk_scale, softcap_pre, 2,
-                        HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 3, Q_BUFS,
-                        TAIL_SKIP)),
-                    (_load_role_persistent, (
-                        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                        k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
-                        seqlen_k, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk, group,
-                        window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES,
-                        UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, LPT, 3, Q_BUFS)),
+                    (_consumer_role_persistent, (bufs, call, cfg, 0)),
+                    (_consumer_role_persistent, (bufs, call, cfg, 1)),
+                    (_consumer_role_persistent, (bufs, call, cfg, 2)),
+                    (_load_role_persistent, (bufs, call, cfg)),
                 ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
             else:
                 gl.warp_specialize([
-                    (_consumer_role_persistent, (
-                        q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                        sched, out_ptr, o_desc, o_smem,
-                        lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
-                        seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
-                        window_left, window_right, qk_scale, softcap_pre, 0, HEAD_DIM_V, BLOCK_N,
-                        STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS,
-                        TAIL_SKIP)),
-                    (_consumer_role_persistent, (
-                        q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                        sched, out_ptr, o_desc, o_smem,
-                        lse_ptr, sink_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
-                        seqlen_k, total_q, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk,
-                        window_left, window_right, qk_scale, softcap_pre, 1, HEAD_DIM_V, BLOCK_N,
-                        STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT,
-                        EMU_EVERY, RESCALE_THRESHOLD, PINGPONG, 2, Q_BUFS,
-                        TAIL_SKIP)),
-                    (_load_role_persistent, (
-                        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                        k_empty, v_ready, v_empty, sched, cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q,
-                        seqlen_k, n_heads, n_batch, num_m_blocks, num_tiles, hb_chunk, group,
-                        window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM,
-                        HAS_SEQUSED, HAS_LEFT, HAS_RIGHT, LPT, 2, Q_BUFS)),
+                    (_consumer_role_persistent, (bufs, call, cfg, 0)),
+                    (_consumer_role_persistent, (bufs, call, cfg, 1)),
+                    (_load_role_persistent, (bufs, call, cfg)),
                 ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
         else:
             m_blk, head, batch = tile_of(gl.program_id(0), n_heads, n_batch, num_m_blocks,
@@ -596,27 +651,19 @@ if GLUON_ERROR is None:
                 fence_async_shared()
 
                 kv_head = head // group
-                # Argument tuples are written inline: a tuple assigned to a variable inside a
-                # kernel turns its constexpr entries into runtime values.
+                # One sequence per CTA: its own lengths stand in for the longest ones.
+                call = FwdCall(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_q_ptr,
+                               cu_k_ptr, used_k_ptr, sink_ptr, seqlen_q, seqlen_k, total_q,
+                               n_heads, n_batch, num_m_blocks, group, qk_scale, softcap_pre,
+                               window_left, window_right, num_tiles, hb_chunk)
+                tile = QTile(q_start, m0, seqlen_q, seqlen_k, head)
+                # One tile: ring position 0, Q buffer WG, parity 0 (constants here). The
+                # workers get the values computed here (loaded lengths, key blocks) through
+                # shared memory, in the order of their role's arguments: that order shapes
+                # the generated code, so n_lo stays ahead of n_a, n_b, n_hi.
                 gl.warp_specialize([
-                    (_consumer_tile, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
-                                      v_ready, v_empty, out_ptr, o_desc, o_smem,
-                                      lse_ptr, sink_ptr, q_start, m0,
-                                      seqlen_q, seqlen_k, total_q, head, n_heads, n_lo, n_a, n_b,
-                                      n_hi, 0, 0, 0, window_left, window_right, qk_scale,
-                                      softcap_pre, 0, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
-                                      HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
-                                      False, PINGPONG, TAIL_SKIP)),
-                    (_consumer_tile, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
-                                      v_ready, v_empty, out_ptr, o_desc, o_smem,
-                                      lse_ptr, sink_ptr, q_start, m0,
-                                      seqlen_q, seqlen_k, total_q, head, n_heads, n_lo, n_a, n_b,
-                                      n_hi, 0, 1, 0, window_left, window_right, qk_scale,
-                                      softcap_pre, 1, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT,
-                                      HAS_RIGHT, SOFTCAP, HAS_SINK, EMU_EVERY, RESCALE_THRESHOLD,
-                                      False, PINGPONG, TAIL_SKIP)),
-                    (_load_tile, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
-                                  k_ready, k_empty, v_ready, v_empty, q_start + m0, head,
-                                  k_start, kv_head, n_lo, n_hi, 0, 0, 0, HEAD_DIM, HEAD_DIM_V,
-                                  BLOCK_N, STAGES, False, 2)),
+                    (_consumer_tile, (bufs, call, cfg, tile, n_lo, n_a, n_b, n_hi, 0, 0, 0, 0)),
+                    (_consumer_tile, (bufs, call, cfg, tile, n_lo, n_a, n_b, n_hi, 0, 1, 0, 1)),
+                    (_load_tile, (bufs, call, cfg, q_start + m0, head, k_start, kv_head, n_lo,
+                                  n_hi, 0, 0, 0)),
                 ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

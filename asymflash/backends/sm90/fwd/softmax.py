@@ -14,6 +14,7 @@ _EMU_LITERALS = tuple(ptx_f32(c) for c in (*POLY_COEFFS[::-1], X_MIN, FLOOR_MAGI
 
 if GLUON_ERROR is None:
     from ..common import gl, gluon, tanh
+    from .epilogue import make_s_layout
 
     @gluon.constexpr_function
     def emu_asm(every):
@@ -105,12 +106,18 @@ if GLUON_ERROR is None:
                                          is_pure=True, pack=PACK)
 
     @gluon.jit
-    def scores(s, n, rows, shift, seqlen_k, window_left, window_right, softcap_pre,
-                MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-        """Raw Q·Kᵀ block -> logits before the (log2-folded) scale, masked keys at -inf."""
-        if SOFTCAP:
-            s = tanh(s * softcap_pre)
+    def scores(s, n, rows, shift, seqlen_k, call, cfg, MASKED: gl.constexpr):
+        """Raw Q·Kᵀ block -> logits before the (log2-folded) scale, masked keys at -inf
+        (key block n; rows: the query rows, shift = seqlen_k - seqlen_q of their sequence;
+        call, cfg: the kernel's runtime arguments and switches, `kernel.py`)."""
+        BLOCK_N: gl.constexpr = cfg.BLOCK_N
+        HAS_LEFT: gl.constexpr = cfg.HAS_LEFT
+        HAS_RIGHT: gl.constexpr = cfg.HAS_RIGHT
+        s_layout: gl.constexpr = make_s_layout(BLOCK_N)
+        window_left = call.window_left
+        window_right = call.window_right
+        if cfg.SOFTCAP:
+            s = tanh(s * call.softcap_pre)
         if MASKED:
             cols = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             c2 = gl.expand_dims(cols, 0)
