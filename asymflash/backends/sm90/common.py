@@ -15,6 +15,7 @@ try:  # Gluon is optional: a CPU-only or older triton must still import this mod
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401 - the
         # kernels import Gluon's Hopper ops from here: one place to adapt to Gluon's API
         fence_async_shared,
@@ -24,6 +25,7 @@ try:  # Gluon is optional: a CPU-only or older triton must still import this mod
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.language.core import _unwrap_if_constexpr
 
     # Gluon's API moves between releases; kernels take the moved names from here.
     # A CTA-wide (or partition-wide) barrier: `thread_barrier` up to triton 3.6, `barrier` on.
@@ -267,6 +269,36 @@ if GLUON_ERROR is None:
         """The 2-D shared layout of a descriptor's tile (the same bytes as its 3-D box)."""
         return gl.NVMMASharedLayout(layout.swizzle_byte_width, layout.element_bitwidth, 2,
                                     layout.transposed, layout.fp4_padded)
+
+    def _tiles_in(src_dtype, src_shape, dtype, shape) -> int:
+        """How many [shape] tiles of dtype a buffer of src_shape and src_dtype holds."""
+        src, tile = src_dtype.primitive_bitwidth, dtype.primitive_bitwidth
+        for n in src_shape:
+            src *= n
+        for n in shape:
+            tile *= n
+        if src % tile:
+            raise ValueError(f"a {shape} {dtype} tile does not divide a {src_shape} "
+                             f"{src_dtype} buffer")
+        return src // tile
+
+    @builtin
+    def leading_tile(buf, dtype, shape, layout, _semantic=None):
+        """The first bytes of shared buffer `buf` seen as one [shape] tile of dtype in layout.
+
+        Up to triton 3.7 and from 3.9 a reinterpretation may be smaller than its source; 3.8's
+        verifier wants both the same size ("source and result must have the same logical
+        storage size"). So a smaller tile is taken as tile 0 of the buffer reinterpreted as a
+        stack of such tiles: the same address, the same code (a builtin, not a jit function:
+        triton 3.6 passes no layout into one)."""
+        dtype, layout = _unwrap_if_constexpr(dtype), _unwrap_if_constexpr(layout)
+        shape = [int(_unwrap_if_constexpr(n)) for n in _unwrap_if_constexpr(shape)]
+        count = _tiles_in(buf.dtype, [int(_unwrap_if_constexpr(n)) for n in buf.shape],
+                          dtype, shape)
+        if count == 1:
+            return buf._reinterpret(dtype, shape, layout, _semantic=_semantic)
+        stack = buf._reinterpret(dtype, [count, *shape], layout, _semantic=_semantic)
+        return stack.index(0, _semantic=_semantic)
 
     @gluon.jit
     def copy_rows(desc, row, head, WIDTH: gl.constexpr, bar, dst, pred):

@@ -14,6 +14,7 @@ if GLUON_ERROR is None:
         fence_async_shared,
         gl,
         gluon,
+        leading_tile,
         mbarrier,
         thread_barrier,
         tile_layout,
@@ -398,8 +399,8 @@ if GLUON_ERROR is None:
             gl.static_assert(dq_smem.shape[1] * dq_smem.shape[2] * 4 == KEYS * HEAD_DIM * 2)
             return (dq_smem.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM], dk_desc.layout),
                     dv_stage.index(WG))
-        return (q_smem.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM], dk_desc.layout),
-                do_smem.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM_V], dv_desc.layout))
+        return (leading_tile(q_smem.index(WG), dtype, [KEYS, HEAD_DIM], dk_desc.layout),
+                leading_tile(do_smem.index(WG), dtype, [KEYS, HEAD_DIM_V], dv_desc.layout))
 
     @gluon.jit
     def ws_alloc(q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM: gl.constexpr,
