@@ -9,6 +9,7 @@ import functools
 import torch
 
 from ...core.params import AttnParams
+from ...runtime.dispatch import SM90_TESTED_TRITON, sm90_triton_verified
 from ...runtime.launch import descriptor_token
 
 try:  # Gluon is optional: a CPU-only or older triton must still import this module.
@@ -44,8 +45,6 @@ try:  # Gluon is optional: a CPU-only or older triton must still import this mod
 except Exception as exc:  # noqa: BLE001 - any import failure means: no fast path
     GLUON_ERROR = f"triton.experimental.gluon (Hopper) not importable: {exc!r}"
 
-# The Gluon API changes between releases; only the versions the kernels were verified on run.
-TESTED_TRITON_VERSIONS = ("3.6.0",)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # compiled widths: tensor shapes are powers of two
@@ -177,8 +176,8 @@ def hopper_input_reason(q, k, v, sink, head_dims, direction: str) -> str | None:
     """
     if GLUON_ERROR is not None:
         return GLUON_ERROR
-    if triton.__version__ not in TESTED_TRITON_VERSIONS:
-        return (f"sm90 Gluon {direction} tested on triton {TESTED_TRITON_VERSIONS}, "
+    if not sm90_triton_verified(triton.__version__):  # the version gate: runtime/dispatch.py
+        return (f"sm90 Gluon {direction} verified on a GPU with triton {SM90_TESTED_TRITON}, "
                 f"found {triton.__version__}")
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return f"sm90 {direction} needs CUDA tensors"
