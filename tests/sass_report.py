@@ -89,8 +89,11 @@ print(_json.dumps(dict(
     # deterministic backward: each release of a dQ turn waits for the TMA reduce to *write*
     # (wait_group without .read) and fences the async proxy first
     release_after_bulk_write=bool(_re.search(
-        r"cp\.async\.bulk\.wait_group 0;\s*fence\.proxy\.async\.global;(?:(?!atom\.)[\s\S])*"
-        r"atom\.global\.gpu\.release", kernel.asm["ptx"])),
+        r"cp\.async\.bulk\.wait_group 0;\s*fence\.proxy\.async\.global;"
+        r"(?:(?!(?:atom|red)\.)[\s\S])*"
+        # (a release add whose result is unused: `atom` up to triton 3.8, `red` on 3.9)
+        r"(?:atom|red)\.global\.gpu\.release",
+        _re.sub(r"(?m)^\s*\.loc\b.*\n", "", kernel.asm["ptx"]))),  # (line info from 3.9)
     syncs=len(_re.findall(r"\bSYNCS\.(?:PHASECHK|ARRIVE)", _sass)),
     bars=_sass.count("BAR.SYNC"),
     vote_any=_sass.count("VOTE.ANY"),
