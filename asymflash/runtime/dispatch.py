@@ -28,6 +28,8 @@ import warnings
 
 import torch
 
+from . import env
+
 # name -> module path; imported lazily so a CPU box never imports GPU-only code paths.
 _MODULES = {
     "cpu": "asymflash.backends.cpu",
@@ -54,6 +56,19 @@ SM90_TESTED_TRITON = ("3.6.",)
 def sm90_triton_verified(version: str) -> bool:
     """Whether the sm90 Gluon kernels were verified on a GPU with this Triton version."""
     return version.startswith(SM90_TESTED_TRITON)
+
+
+def sm90_triton_allowed(version: str) -> bool:
+    """Whether the sm90 Gluon kernels may run with this Triton version: a verified one, or
+    any where ASYMFLASH_SM90_ANY_TRITON=1 (a GPU run verifying a new release)."""
+    if sm90_triton_verified(version):
+        return True
+    if not _ANY_TRITON:  # read once, like the other host switches
+        _ANY_TRITON.append(env.get("ASYMFLASH_SM90_ANY_TRITON") == "1")
+    return _ANY_TRITON[0]
+
+
+_ANY_TRITON: list = []
 
 
 def sm90_fallback_message(version: str) -> str:
@@ -85,6 +100,13 @@ def _sm90_allowed() -> bool:
     import triton
 
     if sm90_triton_verified(triton.__version__):
+        return True
+    if sm90_triton_allowed(triton.__version__):
+        if "sm90" not in _warned:
+            _warned.add("sm90")
+            warnings.warn(f"asymflash: ASYMFLASH_SM90_ANY_TRITON=1: the sm90 Gluon kernels run "
+                          f"on triton {triton.__version__}, which they were not verified on a "
+                          f"GPU with", stacklevel=3)
         return True
     if "sm90" not in _warned:
         _warned.add("sm90")

@@ -18,6 +18,7 @@ def test_gate_admits_the_verified_versions_only(version, ok):
 
 
 def test_fallback_warning_names_the_version_and_what_falls_back(monkeypatch):
+    monkeypatch.setattr(dispatch, "_ANY_TRITON", [False])
     monkeypatch.setattr(triton, "__version__", "3.8.0")
     monkeypatch.setattr(dispatch, "_warned", set())
     with warnings.catch_warnings(record=True) as seen:
@@ -36,3 +37,19 @@ def test_verified_version_runs_without_a_warning(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert dispatch._sm90_allowed() is True
+
+
+def test_switch_lets_an_unverified_version_run_and_says_so(monkeypatch):
+    monkeypatch.setattr(triton, "__version__", "3.8.0")
+    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setattr(dispatch, "_ANY_TRITON", [])
+    monkeypatch.setenv("ASYMFLASH_SM90_ANY_TRITON", "1")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert dispatch._sm90_allowed() is True
+    assert len(seen) == 1 and "not verified" in str(seen[0].message)
+    assert "3.8.0" in str(seen[0].message)
+    monkeypatch.setattr(dispatch, "_ANY_TRITON", [])
+    monkeypatch.setenv("ASYMFLASH_SM90_ANY_TRITON", "0")
+    assert dispatch.sm90_triton_allowed("3.8.0") is False
+    assert dispatch.sm90_triton_allowed("3.6.0") is True

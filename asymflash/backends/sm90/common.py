@@ -9,7 +9,7 @@ import functools
 import torch
 
 from ...core.params import AttnParams
-from ...runtime.dispatch import SM90_TESTED_TRITON, sm90_triton_verified
+from ...runtime.dispatch import SM90_TESTED_TRITON, sm90_triton_allowed
 from ...runtime.launch import descriptor_token
 
 try:  # Gluon is optional: a CPU-only or older triton must still import this module.
@@ -176,7 +176,7 @@ def hopper_input_reason(q, k, v, sink, head_dims, direction: str) -> str | None:
     """
     if GLUON_ERROR is not None:
         return GLUON_ERROR
-    if not sm90_triton_verified(triton.__version__):  # the version gate: runtime/dispatch.py
+    if not sm90_triton_allowed(triton.__version__):  # the version gate: runtime/dispatch.py
         return (f"sm90 Gluon {direction} verified on a GPU with triton {SM90_TESTED_TRITON}, "
                 f"found {triton.__version__}")
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
