@@ -38,7 +38,8 @@ run_tests() {
       tests/interpreted/test_attention.py tests/interpreted/test_varlen.py \
       tests/interpreted/test_kvcache.py tests/interpreted/test_portable_values.py \
       tests/unit/test_api.py tests/unit/test_plans.py tests/unit/test_hf.py \
-      tests/unit/test_sm90_strided.py tests/unit/test_packed.py tests/unit/test_core_exp2.py})
+      tests/unit/test_sm90_strided.py tests/unit/test_packed.py tests/unit/test_core_exp2.py \
+      tests/gpu/test_warm_gpu.py})
   local pids=() logs=() entry f name shard workers
   : > "$out/tests.log"
   for entry in "${files[@]}"; do
