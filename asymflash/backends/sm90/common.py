@@ -299,6 +299,20 @@ if GLUON_ERROR is None:
         stack = buf._reinterpret(dtype, [count, *shape], layout, _semantic=_semantic)
         return stack.index(0, _semantic=_semantic)
 
+    @builtin
+    def row_tile(buf, start, rows, dtype, layout, _semantic=None):
+        """Rows [start, start + rows) of shared buffer `buf` as a tile of dtype in layout.
+
+        Triton 3.8 reinterprets no slice of a buffer ("source and result must not be
+        subviews"); where dtype and layout are the buffer's own the slice needs none, and
+        is the same address either way."""
+        dtype, layout = _unwrap_if_constexpr(dtype), _unwrap_if_constexpr(layout)
+        tile = buf.slice(start, rows, _semantic=_semantic)
+        if dtype == buf.dtype and layout == buf.layout:
+            return tile
+        shape = [int(_unwrap_if_constexpr(n)) for n in tile.shape]
+        return tile._reinterpret(dtype, shape, layout, _semantic=_semantic)
+
     @gluon.jit
     def copy_rows(desc, row, head, WIDTH: gl.constexpr, bar, dst, pred):
         """TMA-load one tile of head `head` from rows [row, row + box) into dst [box, WIDTH].
