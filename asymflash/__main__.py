@@ -1,4 +1,4 @@
-"""`python -m asymflash {demo,bench,env}`: the command-line entry points."""
+"""`python -m asymflash {demo,bench,env,warm}`: the command-line entry points."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ COMMANDS = {
     "bench": "the benchmark grid (or --suite models) beside the peers found here "
              "(see `bench --help`)",
     "env": "versions, devices, the backends each device gets, and the environment switches",
+    "warm": "compile a model's attention kernels into Triton's disk cache (on its GPU)",
 }
 
 
@@ -135,6 +136,10 @@ def main(argv=None) -> int:
         return demo(rest)
     if command == "env":
         return env(rest)
+    if command == "warm":
+        from .warm import main as warm_main
+
+        return warm_main(rest)
     if command == "bench":
         from .bench.cli import main as bench_main
 

@@ -14,7 +14,8 @@ Usage (from the repository root; no GPU needed):
     diff /tmp/sass-before.txt /tmp/sass-after.txt             # must be empty
 
 --dump DIR writes each build's normalised SASS to DIR/<name>.sass (to diff a build that
-changed); -k SUBSTR keeps the builds whose name contains SUBSTR; -j N compiles N at once.
+changed); -k SUBSTR keeps the builds whose name contains SUBSTR, --names A,B the builds
+named; -j N compiles N at once.
 Each build runs in a fresh interpreter without TRITON_INTERPRET (under the interpreter a
 Gluon compile cannot call Triton's standard library).
 """
@@ -198,12 +199,19 @@ def build(item) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-k", default="", help="only builds whose name contains this")
+    ap.add_argument("--names", default="", help="only these builds (comma-separated names)")
     ap.add_argument("-j", type=int, default=2, help="builds compiled at once")
     ap.add_argument("--dump", default=None, help="directory for the normalised SASS")
     args = ap.parse_args()
     items = ([(n, "fwd", kw) for n, kw in FWD] + [(n, "bwd", kw) for n, kw in BWD]
              + [(n, "post", kw) for n, kw in POST])
     items = [it for it in items if args.k in it[0]]
+    if args.names:
+        names = args.names.split(",")
+        unknown = set(names) - {it[0] for it in items}
+        if unknown:
+            ap.error(f"no such builds: {sorted(unknown)}")
+        items = [it for it in items if it[0] in names]
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
     failed = 0

@@ -89,8 +89,11 @@ print(_json.dumps(dict(
     # deterministic backward: each release of a dQ turn waits for the TMA reduce to *write*
     # (wait_group without .read) and fences the async proxy first
     release_after_bulk_write=bool(_re.search(
-        r"cp\.async\.bulk\.wait_group 0;\s*fence\.proxy\.async\.global;(?:(?!atom\.)[\s\S])*"
-        r"atom\.global\.gpu\.release", kernel.asm["ptx"])),
+        r"cp\.async\.bulk\.wait_group 0;\s*fence\.proxy\.async\.global;"
+        r"(?:(?!(?:atom|red)\.)[\s\S])*"
+        # (a release add whose result is unused: `atom` up to triton 3.8, `red` on 3.9)
+        r"(?:atom|red)\.global\.gpu\.release",
+        _re.sub(r"(?m)^\s*\.loc\b.*\n", "", kernel.asm["ptx"]))),  # (line info from 3.9)
     syncs=len(_re.findall(r"\bSYNCS\.(?:PHASECHK|ARRIVE)", _sass)),
     bars=_sass.count("BAR.SYNC"),
     vote_any=_sass.count("VOTE.ANY"),
@@ -160,6 +163,46 @@ for _line in sys.stdin:
 """
 
 TIMEOUT = 600  # seconds per report
+
+# The budgets of the compile tests (local-memory instructions: register spills) were read off
+# the SASS of triton 3.6, the release the GPU suite verifies. Other releases' LLVM and ptxas
+# allocate registers differently (a few spills more or less), and the GPU has not measured
+# what that costs there. So on another release an overrun skips with the numbers, and only
+# the structural checks (HGMMA, setmaxnreg budgets, shared memory, TMA) fail a test.
+REFERENCE_TRITON = "3.6."
+
+
+def reference_codegen() -> bool:
+    """Whether this Triton is the one the compile tests' budgets were measured with."""
+    return triton.__version__.startswith(REFERENCE_TRITON)
+
+
+class Budgets:
+    """A report's budgets, checked together by `verdict` after its structural asserts: over
+    budget fails on the reference Triton and skips, saying by how much, on another."""
+
+    def __init__(self, rep: dict):
+        self.rep, self.over = rep, []
+
+    def check(self, value: int, budget: int, what: str = "local-memory instructions"):
+        if value > budget:
+            self.over.append(f"{what} {value} > {budget}")
+        return self
+
+    def verdict(self):
+        if not self.over:
+            return
+        over = "; ".join(self.over)
+        if reference_codegen():
+            raise AssertionError(f"over budget: {over}: {self.rep}")
+        pytest.skip(f"over a budget measured on the SASS of triton {REFERENCE_TRITON}x: {over} on "
+                    f"triton {triton.__version__}, whose register allocation differs "
+                    f"(structural checks passed)")
+
+
+def within_budget(rep: dict, value: int, budget: int, what: str = "local-memory instructions"):
+    """One budget as the report's last check (`Budgets`)."""
+    Budgets(rep).check(value, budget, what).verdict()
 
 
 class _Worker:

@@ -28,6 +28,8 @@ import warnings
 
 import torch
 
+from . import env
+
 # name -> module path; imported lazily so a CPU box never imports GPU-only code paths.
 _MODULES = {
     "cpu": "asymflash.backends.cpu",
@@ -45,9 +47,38 @@ _DECODE_MODULES = {
     "portable": "asymflash.backends.portable.decode",
 }
 
-# The Gluon fast paths are enabled only on the Triton versions they were tested on: Gluon's
-# API moves between releases and a silent miscompile is worse than the portable kernel.
+# The Gluon fast paths are enabled only on the Triton versions they were verified on a GPU
+# with: Gluon's API moves between releases and a silent miscompile is worse than the portable
+# kernel. (They compile for sm_90a on 3.7-3.9 too: scripts/triton-matrix.sh.)
 SM90_TESTED_TRITON = ("3.6.",)
+
+
+def sm90_triton_verified(version: str) -> bool:
+    """Whether the sm90 Gluon kernels were verified on a GPU with this Triton version."""
+    return version.startswith(SM90_TESTED_TRITON)
+
+
+def sm90_triton_allowed(version: str) -> bool:
+    """Whether the sm90 Gluon kernels may run with this Triton version: a verified one, or
+    any where ASYMFLASH_SM90_ANY_TRITON=1 (a GPU run verifying a new release)."""
+    if sm90_triton_verified(version):
+        return True
+    if not _ANY_TRITON:  # read once, like the other host switches
+        _ANY_TRITON.append(env.get("ASYMFLASH_SM90_ANY_TRITON") == "1")
+    return _ANY_TRITON[0]
+
+
+_ANY_TRITON: list = []
+
+
+def sm90_fallback_message(version: str) -> str:
+    """The once-per-process warning where the Triton version is not verified."""
+    tested = ", ".join(v + "x" if v.endswith(".") else v for v in SM90_TESTED_TRITON)
+    return (f"asymflash: triton {version} is installed, but the sm90 (Hopper) Gluon kernels "
+            f"were verified on a GPU only with triton {tested}: on this H100/H200 the "
+            f"forward and backward of flash_attn_func, varlen and packed calls run the "
+            f"portable Triton kernels instead (exact, but slower). The fast path needs "
+            f"triton {tested} (torch 2.11's pin).")
 
 _forced: contextvars.ContextVar = contextvars.ContextVar("asymflash_backend", default=None)
 _warned: set = set()
@@ -68,15 +99,18 @@ def interpreting() -> bool:
 def _sm90_allowed() -> bool:
     import triton
 
-    if triton.__version__.startswith(SM90_TESTED_TRITON):
+    if sm90_triton_verified(triton.__version__):
+        return True
+    if sm90_triton_allowed(triton.__version__):
+        if "sm90" not in _warned:
+            _warned.add("sm90")
+            warnings.warn(f"asymflash: ASYMFLASH_SM90_ANY_TRITON=1: the sm90 Gluon kernels run "
+                          f"on triton {triton.__version__}, which they were not verified on a "
+                          f"GPU with", stacklevel=3)
         return True
     if "sm90" not in _warned:
         _warned.add("sm90")
-        warnings.warn(
-            f"asymflash: the sm90 Gluon kernels were tested on triton {SM90_TESTED_TRITON}, "
-            f"found {triton.__version__}: using the portable Triton kernels instead.",
-            stacklevel=3,
-        )
+        warnings.warn(sm90_fallback_message(triton.__version__), stacklevel=3)
     return False
 
 

@@ -5,7 +5,8 @@ None is needed for correct or fast results: the defaults are what the measuremen
 
 Two kinds:
 * read once, at the first use (an environment lookup costs ~2 us, and these guard the host
-  fast paths themselves): ASYMFLASH_CALL_PLANS, ASYMFLASH_DIRECT_LAUNCH;
+  fast paths themselves): ASYMFLASH_CALL_PLANS, ASYMFLASH_DIRECT_LAUNCH,
+  ASYMFLASH_SM90_ANY_TRITON;
 * read on every call (a process may flip them between calls: the benchmark's variants and the
   tests do): the sm90 forward's FA4 tricks. Call plans cache what a call's signature decided,
   so these values are part of every plan's key (`per_call_values`).
@@ -22,6 +23,10 @@ SWITCHES = {
     "ASYMFLASH_DIRECT_LAUNCH":
         "1 (default): kernels launch through bound launchers (runtime/launch.py); 0: through "
         "Triton's own launch path; check: both, compared",
+    "ASYMFLASH_SM90_ANY_TRITON":
+        "1: the sm90 Gluon kernels run on any Triton with Gluon, also one they were not "
+        "verified on a GPU with (to verify a release: docs/triton-versions.md); unset: only "
+        "on the verified ones (runtime/dispatch.py: SM90_TESTED_TRITON)",
     "ASYMFLASH_SM90_EXP2_EMU":
         "k in 0, 2, 4, 8: one exponential in k of the sm90 forward on the FMA pipe (FA4's "
         "polynomial exp2, core/exp2.py); unset: the config's choice",

@@ -6,7 +6,7 @@ Compiled through triton.compile with a GPUTarget (tests/sass_report.py): no GPU 
 from __future__ import annotations
 
 import pytest
-from sass_report import sass_report
+from sass_report import sass_report, within_budget
 
 # Imports and the argument types of a portable kernel: names in capitals are pointers (bf16
 # unless listed), the rest i32 scalars (softmax_scale and softcap fp32), constexprs as given.
@@ -61,9 +61,9 @@ def test_fixed_tiles_build_for_sm90_without_spills(kernel, d, causal):
         # dK/dV, and the forward at d <= 64, keep the tiles the GPU suite passed with, which
         # spill (portable/bwd.py and portable/__init__.py say why); this records the count
         # so a change is visible, it is not a target.
-        assert report["local"] < 200, f"{report['local']} local-memory (spill) instructions"
+        within_budget(report, report["local"], 199)
         return
-    assert report["local"] == 0, f"{report['local']} local-memory (spill) instructions"
+    within_budget(report, report["local"], 0)
 
 
 @pytest.mark.parametrize("d,dv,want", [(40, 24, (64, 64)), (24, 40, (64, 64)), (32, 24, (32, 32)),
@@ -105,7 +105,7 @@ def test_decode_kernel_builds_for_sm90(paged, leftpad):
     155, with cache_leftpad 153): the bound records that, so a change shows; not a target."""
     report = sass_report(_DECODE_BUILD, str(int(paged)), str(int(leftpad)))
     assert report["mma"] > 0, "no tensor-core instructions"
-    assert report["local"] < 200, f"{report['local']} local-memory (spill) instructions"
+    within_budget(report, report["local"], 199)
 
 
 _CONVERT = r"""
@@ -132,5 +132,5 @@ def test_dq_from_fragments_reads_whole_rows(width, cols):
     # spills (the earlier per-element gather issued 32-bit loads and spilled 137 values at
     # d=256).
     rep = sass_report(_CONVERT, str(width), str(cols))
-    assert rep["local"] == 0, rep
     assert rep["ldg128"] == width // 8 and rep["ldg32"] <= 2, rep  # (+2: the sequence bounds)
+    within_budget(rep, rep["local"], 0)

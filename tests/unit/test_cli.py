@@ -65,3 +65,29 @@ def test_env_lists_backends_and_switches(capsys):
     assert main(["env"]) == 0
     text = capsys.readouterr().out
     assert "cpu (CPU): backends ['cpu'" in text and "ASYMFLASH_CALL_PLANS" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_warm_without_a_gpu_refuses_and_says_why(capsys):
+    # a CPU-side compile would land under other cache keys than a GPU process's launches
+    assert main(["warm", "--heads", "8", "--head-dim", "64", "--seqlen", "128"]) == 2
+    text = capsys.readouterr().out
+    assert "needs the GPU" in text and "warm nothing" in text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["warm", "--heads", "6", "--kv-heads", "4", "--head-dim", "64", "--seqlen", "9"],
+     "not a multiple"),
+    (["warm", "--heads", "8", "--head-dim", "64", "--seqlen", "0"], "at least 1"),
+    (["warm", "--heads", "8", "--seqlen", "64"], "--head-dim"),
+])
+def test_bad_warm_arguments_exit_2_with_a_reason(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_lists_warm(capsys):
+    assert main(["--help"]) == 0
+    assert "warm" in capsys.readouterr().out

@@ -224,6 +224,10 @@ def test_cached_map_launch_passes_what_tritons_launcher_passes(monkeypatch):
                                                            [{"swizzle": 128}, {"swizzle": 64}]))
     kernel = SimpleNamespace(function=11, packed_metadata=22, run=run)
     fast = launch._CachedMapLaunch.build(kernel)
+    if fast is None and not triton.__version__.startswith("3.6."):
+        # build() declined this launcher, so such kernels keep Triton's own: safe, slower.
+        pytest.skip(f"the cached-map launcher follows triton 3.6's CUDA launcher; triton "
+                    f"{triton.__version__}'s differs, and kernels keep Triton's own there")
     assert fast is not None
 
     def desc(t):

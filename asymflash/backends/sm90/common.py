@@ -10,12 +10,14 @@ import typing
 import torch
 
 from ...core.params import AttnParams
+from ...runtime.dispatch import SM90_TESTED_TRITON, sm90_triton_allowed
 from ...runtime.launch import descriptor_token
 
 try:  # Gluon is optional: a CPU-only or older triton must still import this module.
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401 - the
         # kernels import Gluon's Hopper ops from here: one place to adapt to Gluon's API
         fence_async_shared,
@@ -25,6 +27,7 @@ try:  # Gluon is optional: a CPU-only or older triton must still import this mod
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.language.core import _unwrap_if_constexpr
 
     # Gluon's API moves between releases; kernels take the moved names from here.
     # A CTA-wide (or partition-wide) barrier: `thread_barrier` up to triton 3.6, `barrier` on.
@@ -53,8 +56,6 @@ try:  # Gluon is optional: a CPU-only or older triton must still import this mod
 except Exception as exc:  # noqa: BLE001 - any import failure means: no fast path
     GLUON_ERROR = f"triton.experimental.gluon (Hopper) not importable: {exc!r}"
 
-# The Gluon API changes between releases; only the versions the kernels were verified on run.
-TESTED_TRITON_VERSIONS = ("3.6.0",)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # compiled widths: tensor shapes are powers of two
@@ -186,8 +187,8 @@ def hopper_input_reason(q, k, v, sink, head_dims, direction: str) -> str | None:
     """
     if GLUON_ERROR is not None:
         return GLUON_ERROR
-    if triton.__version__ not in TESTED_TRITON_VERSIONS:
-        return (f"sm90 Gluon {direction} tested on triton {TESTED_TRITON_VERSIONS}, "
+    if not sm90_triton_allowed(triton.__version__):  # the version gate: runtime/dispatch.py
+        return (f"sm90 Gluon {direction} verified on a GPU with triton {SM90_TESTED_TRITON}, "
                 f"found {triton.__version__}")
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return f"sm90 {direction} needs CUDA tensors"
@@ -278,6 +279,50 @@ if GLUON_ERROR is None:
         """The 2-D shared layout of a descriptor's tile (the same bytes as its 3-D box)."""
         return gl.NVMMASharedLayout(layout.swizzle_byte_width, layout.element_bitwidth, 2,
                                     layout.transposed, layout.fp4_padded)
+
+    def _tiles_in(src_dtype, src_shape, dtype, shape) -> int:
+        """How many [shape] tiles of dtype a buffer of src_shape and src_dtype holds."""
+        src, tile = src_dtype.primitive_bitwidth, dtype.primitive_bitwidth
+        for n in src_shape:
+            src *= n
+        for n in shape:
+            tile *= n
+        if src % tile:
+            raise ValueError(f"a {shape} {dtype} tile does not divide a {src_shape} "
+                             f"{src_dtype} buffer")
+        return src // tile
+
+    @builtin
+    def leading_tile(buf, dtype, shape, layout, _semantic=None):
+        """The first bytes of shared buffer `buf` seen as one [shape] tile of dtype in layout.
+
+        Up to triton 3.7 and from 3.9 a reinterpretation may be smaller than its source; 3.8's
+        verifier wants both the same size ("source and result must have the same logical
+        storage size"). So a smaller tile is taken as tile 0 of the buffer reinterpreted as a
+        stack of such tiles: the same address, the same code (a builtin, not a jit function:
+        triton 3.6 passes no layout into one)."""
+        dtype, layout = _unwrap_if_constexpr(dtype), _unwrap_if_constexpr(layout)
+        shape = [int(_unwrap_if_constexpr(n)) for n in _unwrap_if_constexpr(shape)]
+        count = _tiles_in(buf.dtype, [int(_unwrap_if_constexpr(n)) for n in buf.shape],
+                          dtype, shape)
+        if count == 1:
+            return buf._reinterpret(dtype, shape, layout, _semantic=_semantic)
+        stack = buf._reinterpret(dtype, [count, *shape], layout, _semantic=_semantic)
+        return stack.index(0, _semantic=_semantic)
+
+    @builtin
+    def row_tile(buf, start, rows, dtype, layout, _semantic=None):
+        """Rows [start, start + rows) of shared buffer `buf` as a tile of dtype in layout.
+
+        Triton 3.8 reinterprets no slice of a buffer ("source and result must not be
+        subviews"); where dtype and layout are the buffer's own the slice needs none, and
+        is the same address either way."""
+        dtype, layout = _unwrap_if_constexpr(dtype), _unwrap_if_constexpr(layout)
+        tile = buf.slice(start, rows, _semantic=_semantic)
+        if dtype == buf.dtype and layout == buf.layout:
+            return tile
+        shape = [int(_unwrap_if_constexpr(n)) for n in tile.shape]
+        return tile._reinterpret(dtype, shape, layout, _semantic=_semantic)
 
     @gluon.jit
     def copy_rows(desc, row, head, WIDTH: gl.constexpr, bar, dst, pred):

@@ -17,7 +17,7 @@ if GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
     from ..bounds import allowed
-    from ..common import copy_rows, gl, gluon, tanh, thread_barrier, tma_store
+    from ..common import copy_rows, gl, gluon, leading_tile, tanh, thread_barrier, tma_store
     from ..sched import key_block_origin
     from .dq_fragments import fragment_bases
 
@@ -356,8 +356,9 @@ if GLUON_ERROR is None:
             dtype: gl.constexpr = dk_desc.dtype
             key_row, key_head = key_block_origin(seqlen_k, BLOCK_N, TOP_FIRST, HEADS_FIRST)
             store_key_tiles(dk_desc, dv_desc, dk, dv,
-                            q_smem._reinterpret(dtype, [BLOCK_N, HEAD_DIM], dk_desc.layout),
-                            do_smem._reinterpret(dtype, [BLOCK_N, HEAD_DIM_V], dv_desc.layout),
+                            leading_tile(q_smem, dtype, [BLOCK_N, HEAD_DIM], dk_desc.layout),
+                            leading_tile(do_smem, dtype, [BLOCK_N, HEAD_DIM_V],
+                                         dv_desc.layout),
                             key_row, key_head, HEAD_DIM, HEAD_DIM_V)
         else:
             store_key_rows(dk_ptr, dk, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM, BLOCK_N,

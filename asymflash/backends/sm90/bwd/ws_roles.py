@@ -15,7 +15,9 @@ if GLUON_ERROR is None:
         fence_async_shared,
         gl,
         gluon,
+        leading_tile,
         mbarrier,
+        row_tile,
         thread_barrier,
         tile_layout,
         tma,
@@ -430,16 +432,16 @@ if GLUON_ERROR is None:
                                          dk_desc.layout)
             return tiles.index(2 * WG), tiles.index(2 * WG + 1)
         elif EPI == 3:  # the keys this warpgroup owns, in the tile's K and V buffers
-            return (smem.k.slice(WG * KEYS, KEYS)._reinterpret(dtype, [KEYS, HEAD_DIM],
-                                                                dk_desc.layout),
-                    smem.v.slice(WG * KEYS, KEYS)._reinterpret(dtype, [KEYS, HEAD_DIM_V],
-                                                                dv_desc.layout))
+            return (row_tile(smem.k, WG * KEYS, KEYS, dtype, dk_desc.layout),
+                    row_tile(smem.v, WG * KEYS, KEYS, dtype, dv_desc.layout))
         elif EPI == 2:  # dQ's staging tile is 16 KB: 64 keys x 128 columns of dK
             gl.static_assert(smem.dq.shape[1] * smem.dq.shape[2] * 4 == KEYS * HEAD_DIM * 2)
             return (smem.dq.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM], dk_desc.layout),
                     dv_stage.index(WG))
-        return (smem.q.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM], dk_desc.layout),
-                smem.do.index(WG)._reinterpret(dtype, [KEYS, HEAD_DIM_V], dv_desc.layout))
+        else:  # (one return per mode: a slice's type differs from a reinterpretation's)
+            return (leading_tile(smem.q.index(WG), dtype, [KEYS, HEAD_DIM], dk_desc.layout),
+                    leading_tile(smem.do.index(WG), dtype, [KEYS, HEAD_DIM_V],
+                                 dv_desc.layout))
 
     @gluon.jit
     def ws_alloc(q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM: gl.constexpr,
