@@ -1,0 +1,179 @@
+"""The forward kernel's state as Gluon aggregates: every role of `kernel.py` gets the CTA's
+shared memory, the launch's runtime arguments and its compile-time switches as three
+arguments, (bufs, call, cfg), and a query tile as one."""
+
+from __future__ import annotations
+
+from ..common import GLUON_ERROR
+
+if GLUON_ERROR is None:
+    from ..common import aggregate, gl, gluon, tma
+
+    # Every role gets the CTA's state as three aggregates, (bufs, call, cfg): an argument
+    # tuple held in a variable would turn its constexpr entries into runtime values, so
+    # each `gl.warp_specialize` role list is written out, and aggregates keep those lists
+    # short. Values that are a constant on one grid and a runtime value on the other (ring
+    # position 0, a Q slot equal to the warpgroup, n_lo without a left window) stay
+    # separate arguments: an aggregate's field has one type.
+
+    @aggregate
+    class FwdSmem:
+        """The CTA's shared memory and mbarriers (allocated by `attn_fwd_kernel`)."""
+
+        q: gl.shared_memory_descriptor  # [Q_BUFS * NUM_WG, 64, HEAD_DIM]
+        k: gl.shared_memory_descriptor  # K ring [STAGES, BLOCK_N, HEAD_DIM]
+        v: gl.shared_memory_descriptor  # V ring [STAGES, BLOCK_N, HEAD_DIM_V]
+        # Q landed, per Q buffer; then the ping-pong turn barriers and the staging tile's
+        # turn barrier (`q_bar_count`)
+        q_bar: gl.shared_memory_descriptor
+        q_empty: gl.shared_memory_descriptor  # Q buffer released (persistent grid)
+        k_ready: gl.shared_memory_descriptor  # ring slot filled (TMA transaction count)
+        k_empty: gl.shared_memory_descriptor  # ring slot read by every consumer warpgroup
+        v_ready: gl.shared_memory_descriptor
+        v_empty: gl.shared_memory_descriptor
+        sched: gl.shared_memory_descriptor  # the persistent loader's tiles (`publish_tile`)
+        o: gl.shared_memory_descriptor  # O staging (`o_staging`)
+
+        @gluon.constexpr_function
+        def __init__(self, q, k, v, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
+                     o):
+            self.q = q
+            self.k = k
+            self.v = v
+            self.q_bar = q_bar
+            self.q_empty = q_empty
+            self.k_ready = k_ready
+            self.k_empty = k_empty
+            self.v_ready = v_ready
+            self.v_empty = v_empty
+            self.sched = sched
+            self.o = o
+
+    @aggregate
+    class FwdCall:
+        """The runtime arguments of one launch (`attn_fwd_kernel`'s, unchanged)."""
+
+        q_desc: tma.tensor_descriptor
+        k_desc: tma.tensor_descriptor
+        v_desc: tma.tensor_descriptor
+        o_desc: tma.tensor_descriptor
+        out_ptr: gl.tensor
+        lse_ptr: gl.tensor
+        cu_q_ptr: gl.tensor
+        cu_k_ptr: gl.tensor
+        used_k_ptr: gl.tensor
+        sink_ptr: gl.tensor
+        seqlen_q: gl.tensor  # the longest sequence's (varlen) or every sequence's length
+        seqlen_k: gl.tensor
+        total_q: gl.tensor
+        n_heads: gl.tensor
+        n_batch: gl.tensor
+        num_m_blocks: gl.tensor
+        group: gl.tensor
+        qk_scale: gl.tensor
+        softcap_pre: gl.tensor
+        window_left: gl.tensor
+        window_right: gl.tensor
+        num_tiles: gl.tensor
+        hb_chunk: gl.tensor
+
+        @gluon.constexpr_function
+        def __init__(self, q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+                     used_k_ptr, sink_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_batch,
+                     num_m_blocks, group, qk_scale, softcap_pre, window_left, window_right,
+                     num_tiles, hb_chunk):
+            self.q_desc = q_desc
+            self.k_desc = k_desc
+            self.v_desc = v_desc
+            self.o_desc = o_desc
+            self.out_ptr = out_ptr
+            self.lse_ptr = lse_ptr
+            self.cu_q_ptr = cu_q_ptr
+            self.cu_k_ptr = cu_k_ptr
+            self.used_k_ptr = used_k_ptr
+            self.sink_ptr = sink_ptr
+            self.seqlen_q = seqlen_q
+            self.seqlen_k = seqlen_k
+            self.total_q = total_q
+            self.n_heads = n_heads
+            self.n_batch = n_batch
+            self.num_m_blocks = num_m_blocks
+            self.group = group
+            self.qk_scale = qk_scale
+            self.softcap_pre = softcap_pre
+            self.window_left = window_left
+            self.window_right = window_right
+            self.num_tiles = num_tiles
+            self.hb_chunk = hb_chunk
+
+    @aggregate
+    class FwdConsts:
+        """The compile-time switches of one build (`attn_fwd_kernel`'s constexprs, the
+        launch's register counts aside) and BLOCK_M, the query rows of a tile."""
+
+        HEAD_DIM: gl.constexpr
+        HEAD_DIM_V: gl.constexpr
+        BLOCK_N: gl.constexpr
+        STAGES: gl.constexpr
+        UNIFORM: gl.constexpr
+        HAS_SEQUSED: gl.constexpr
+        HAS_LEFT: gl.constexpr
+        HAS_RIGHT: gl.constexpr
+        SOFTCAP: gl.constexpr
+        HAS_SINK: gl.constexpr
+        LPT: gl.constexpr
+        EMU_EVERY: gl.constexpr
+        RESCALE_THRESHOLD: gl.constexpr
+        # the persistent grid; also: consumers release their Q buffer (q_empty), the loader
+        # waits for it, and the last O store may stay in flight past the tile
+        PERSISTENT: gl.constexpr
+        PINGPONG: gl.constexpr  # warpgroups taking turns at their wgmmas (0: none)
+        NUM_WG: gl.constexpr
+        Q_BUFS: gl.constexpr
+        TAIL_SKIP: gl.constexpr
+        BLOCK_M: gl.constexpr  # 64 * NUM_WG
+
+        @gluon.constexpr_function
+        def __init__(self, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED,
+                     HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD,
+                     PERSISTENT, PINGPONG, NUM_WG, Q_BUFS, TAIL_SKIP):
+            self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+            self.HEAD_DIM_V = gl.constexpr(HEAD_DIM_V)
+            self.BLOCK_N = gl.constexpr(BLOCK_N)
+            self.STAGES = gl.constexpr(STAGES)
+            self.UNIFORM = gl.constexpr(UNIFORM)
+            self.HAS_SEQUSED = gl.constexpr(HAS_SEQUSED)
+            self.HAS_LEFT = gl.constexpr(HAS_LEFT)
+            self.HAS_RIGHT = gl.constexpr(HAS_RIGHT)
+            self.SOFTCAP = gl.constexpr(SOFTCAP)
+            self.HAS_SINK = gl.constexpr(HAS_SINK)
+            self.LPT = gl.constexpr(LPT)
+            self.EMU_EVERY = gl.constexpr(EMU_EVERY)
+            self.RESCALE_THRESHOLD = gl.constexpr(RESCALE_THRESHOLD)
+            self.PERSISTENT = gl.constexpr(PERSISTENT)
+            self.PINGPONG = gl.constexpr(PINGPONG)
+            self.NUM_WG = gl.constexpr(NUM_WG)
+            self.Q_BUFS = gl.constexpr(Q_BUFS)
+            self.TAIL_SKIP = gl.constexpr(TAIL_SKIP)
+            self.BLOCK_M = gl.constexpr(64 * NUM_WG)
+
+    @aggregate
+    class QTile:
+        """A query tile of one (sequence, head): the sequence's first packed query row, the
+        tile's first row m0 within the sequence, the sequence's lengths, the head. Its key
+        blocks (`key_blocks`) stay separate arguments: n_lo is the constant 0 without a
+        left window."""
+
+        q_start: gl.tensor
+        m0: gl.tensor
+        seqlen_q: gl.tensor
+        seqlen_k: gl.tensor
+        head: gl.tensor
+
+        @gluon.constexpr_function
+        def __init__(self, q_start, m0, seqlen_q, seqlen_k, head):
+            self.q_start = q_start
+            self.m0 = m0
+            self.seqlen_q = seqlen_q
+            self.seqlen_k = seqlen_k
+            self.head = head
