@@ -106,3 +106,19 @@ def allowed_matrix(layout: BlockLayout, batch: int, heads: int, seqlen_q: int, s
     elif layout.mask_mod is None:
         ok = ok | (kinds == PARTIAL)
     return ok
+
+
+@dataclass(frozen=True)
+class FlexProblem:
+    """One flex call as every backend sees it: the traced mods (None: identity / no mask),
+    the block layout, the softmax scale and the GQA group (query heads per kv head)."""
+    score: Optional[object]    # flex_ir.Mod of kind "score"
+    mask: Optional[object]     # flex_ir.Mod of kind "mask"
+    layout: BlockLayout
+    scale: float
+    group: int
+
+    def captured_values(self) -> tuple:
+        """(score_mod's captured tensors, mask_mod's captured tensors)."""
+        return (self.score.captured if self.score is not None else (),
+                self.mask.captured if self.mask is not None else ())

@@ -1,0 +1,180 @@
+"""asymflash.flex_attention: torch's FlexAttention programming model on asymflash.
+
+Takes the very functions users write for torch.nn.attention.flex_attention (score_mod,
+mask_mod through torch's BlockMask), traces them once into an expression tree
+(core/flex_trace.py) and runs them on the first backend that can (runtime/dispatch.py,
+pick_flex). Semantics: core/flex.py; the plain-math definition: reference.flex_attention_ref.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..core import flex_trace
+from ..core.flex import FULL, PARTIAL, BlockLayout, FlexProblem, block_layout
+from ..runtime.dispatch import pick_flex
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None,
+                   block_mask=None, scale: Optional[float] = None, enable_gqa: bool = False,
+                   return_lse: bool = False, kernel_options=None):
+    """FlexAttention with torch's signature, on (batch, heads, seqlen, dim) tensors.
+
+    query (B, Hq, L, E), key (B, Hkv, S, E), value (B, Hkv, S, Ev); fp16, bf16 or fp32.
+    score_mod(score, b, h, q_idx, kv_idx) -> score and the BlockMask's mask_mod(b, h, q_idx,
+    kv_idx) -> bool are written in plain torch ops and may index tensors they capture
+    (document ids, bias tables, slopes); captured tensors that require grad get gradients.
+    block_mask is torch's BlockMask (torch.nn.attention.flex_attention.create_block_mask):
+    empty blocks are skipped, full blocks skip mask_mod. scale defaults to 1/sqrt(E);
+    enable_gqa allows Hq a multiple of Hkv. Returns out (B, Hq, L, Ev) in query's dtype, and
+    with return_lse also lse fp32 (B, Hq, L) in natural log. A row with nothing to attend
+    to gets out = 0, lse = -inf. kernel_options is accepted for compatibility and ignored.
+
+    Raises TypeError/ValueError for bad input, flex_trace.ModTraceError (a TypeError) for a
+    mod that uses an op outside the supported set, naming the op.
+    """
+    problem = prepare(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    out, lse = run(query, key, value, problem)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------- checks
+
+def _fail(exc, what: str):
+    raise exc(f"asymflash.flex_attention: {what}")
+
+
+def check_inputs(query, key, value, enable_gqa: bool):
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            _fail(TypeError, f"{name} is a {type(t).__name__}; expected a torch.Tensor")
+        if t.dim() != 4:
+            _fail(ValueError, f"{name} has shape {tuple(t.shape)}; expected 4 dims "
+                              "(batch, heads, seqlen, dim)")
+        if t.dtype not in _DTYPES:
+            _fail(TypeError, f"{name} has dtype {t.dtype}; allowed: {_DTYPES}")
+        if t.device != query.device:
+            _fail(ValueError, f"{name} is on {t.device}, query on {query.device}: use one "
+                              "device")
+        if t.dtype != query.dtype:
+            _fail(TypeError, f"{name} has dtype {t.dtype}, query {query.dtype}: use one dtype")
+    if key.shape[-1] != query.shape[-1]:
+        _fail(ValueError, f"key has head dim {key.shape[-1]}, query {query.shape[-1]}; they "
+                          "must be equal")
+    if key.shape[:3] != value.shape[:3]:
+        _fail(ValueError, f"key {tuple(key.shape)} and value {tuple(value.shape)} must agree "
+                          "in batch, heads and seqlen")
+    if key.shape[0] != query.shape[0]:
+        _fail(ValueError, f"key has batch {key.shape[0]}, query {query.shape[0]}; they must "
+                          "be equal")
+    hq, hkv = query.shape[1], key.shape[1]
+    if hkv == 0 or hq % hkv or (hq != hkv and not enable_gqa):
+        _fail(ValueError, f"query has {hq} heads and key/value {hkv}: equal counts, or "
+                          "enable_gqa=True with query heads a multiple of key/value heads")
+
+
+def check_block_mask(block_mask, query, key):
+    if block_mask is None:
+        return
+    needed = ("kv_num_blocks", "kv_indices", "BLOCK_SIZE", "mask_mod")
+    if not all(hasattr(block_mask, a) for a in needed):
+        _fail(TypeError, f"block_mask is a {type(block_mask).__name__}; expected torch's "
+                         "BlockMask (torch.nn.attention.flex_attention.create_block_mask)")
+    seq = tuple(getattr(block_mask, "seq_lengths", (query.shape[2], key.shape[2])))
+    if seq != (query.shape[2], key.shape[2]):
+        _fail(ValueError, f"block_mask was made for (q_len, kv_len) = {seq}, the inputs have "
+                          f"{(query.shape[2], key.shape[2])}: create it for these lengths")
+    num = block_mask.kv_num_blocks
+    if num.device != query.device:
+        _fail(ValueError, f"block_mask is on {num.device}, query on {query.device}")
+    if num.shape[0] not in (1, query.shape[0]) or num.shape[1] not in (1, query.shape[1]):
+        _fail(ValueError, f"block_mask has (batch, heads) = {tuple(num.shape[:2])}; expected "
+                          f"1 or {query.shape[0]} and 1 or {query.shape[1]}")
+
+
+# ---------------------------------------------------------------- preparation
+
+def _is_noop_mask(fn) -> bool:
+    from torch.nn.attention import flex_attention as torch_flex
+
+    return fn is None or fn is getattr(torch_flex, "noop_mask", None)
+
+
+def prepare(query, key, value, score_mod, block_mask, scale, enable_gqa,
+            extra_score=None, extra_mask=None) -> FlexProblem:
+    """Check everything, trace the mods, and describe the call for the backends.
+
+    extra_score / extra_mask are built-in mods (flex_ir.Mod, e.g. flash_attn_func's softcap,
+    ALiBi, causal and window masks) applied before the user's score_mod and together with
+    the user's mask."""
+    check_inputs(query, key, value, enable_gqa)
+    check_block_mask(block_mask, query, key)
+    if score_mod is not None and not callable(score_mod):
+        _fail(TypeError, f"score_mod is a {type(score_mod).__name__}; expected a callable "
+                         "score_mod(score, b, h, q_idx, kv_idx)")
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+            or not math.isfinite(scale):
+        _fail(TypeError, f"scale is {scale!r}; expected a finite float or None")
+    layout = block_layout(block_mask, query.shape[2], key.shape[2])
+    mask = None
+    if block_mask is not None and not _is_noop_mask(block_mask.mask_mod) \
+            and bool((layout.kinds == PARTIAL).any()):
+        mask = flex_trace.traced(block_mask.mask_mod, "mask")
+    if extra_mask is not None:
+        from ..core.flex_ir import and_masks
+
+        mask = extra_mask if mask is None else and_masks(extra_mask, mask)
+        # the built-in mask applies everywhere: full blocks become partial
+        kinds = layout.kinds.clone()
+        kinds[kinds == FULL] = PARTIAL
+        layout = BlockLayout(kinds, layout.block_q, layout.block_k, None)
+    score = flex_trace.traced(score_mod, "score") if score_mod is not None else None
+    if extra_score is not None:
+        from ..core.flex_ir import compose_scores
+
+        score = extra_score if score is None else compose_scores(score, extra_score)
+    return FlexProblem(score, mask, layout, float(scale), query.shape[1] // key.shape[1])
+
+
+# ---------------------------------------------------------------- autograd
+
+class _FlexFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, problem, backend, *captured):
+        out, lse = backend.flex_forward(query, key, value, problem)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.problem = problem
+        ctx.need = [t.requires_grad for t in captured]
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        query, key, value, out, lse = ctx.saved_tensors
+        problem = ctx.problem
+        backend = pick_flex(query, key, value, problem, "backward")
+        n_score = len(problem.captured_values()[0])
+        dq, dk, dv, dcap = backend.flex_backward(
+            torch.zeros_like(out) if dout is None else dout, dlse, query, key, value, out,
+            lse, problem, ctx.need[:n_score])
+        # the mask's captured tensors (after the score_mod's) carry no gradient
+        return (dq, dk, dv, None, None, *dcap, *([None] * (len(ctx.need) - n_score)))
+
+
+def run(query, key, value, problem: FlexProblem):
+    """(out, lse) of a prepared call, differentiable in q, k, v and captured tensors."""
+    captured = problem.captured_values()
+    flat = (*captured[0], *captured[1])
+    grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (query, key, value, *captured[0]))
+    backend = pick_flex(query, key, value, problem, "forward", need_grad=grad)
+    if not grad:
+        return backend.flex_forward(query, key, value, problem)
+    return _FlexFunction.apply(query, key, value, problem, backend, *flat)
