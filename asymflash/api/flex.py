@@ -178,3 +178,97 @@ def run(query, key, value, problem: FlexProblem):
     if not grad:
         return backend.flex_forward(query, key, value, problem)
     return _FlexFunction.apply(query, key, value, problem, backend, *flat)
+
+
+# ---------------------------------------------------------------- flash_attn_func's mods
+
+def builtin_score(softcap: float, alibi_slopes, seqlen_q: int, seqlen_k: int):
+    """flash_attn_func's softcap, then its ALiBi bias, as a score mod (or None).
+
+    ALiBi as flash-attn defines it: -slope * |i + seqlen_k - seqlen_q - j| added to the
+    scaled (and soft-capped) score of query i and key j, slopes (nheads,) or (batch, nheads).
+    flash-attn's causal kernel adds slope * j instead, which differs from this by a constant
+    per row: the same output, but an lse shifted by slope * (i + seqlen_k - seqlen_q)."""
+    from ..core.flex_ir import Const, Input, Load, Mod, Op
+
+    f32, i32 = torch.float32, torch.int32
+    root = Input("score", f32)
+    captured = ()
+    if softcap > 0:
+        root = Op("mul", (Const(float(softcap), f32),
+                          Op("tanh", (Op("div", (root, Const(float(softcap), f32)), f32),), f32)),
+                  f32)
+    if alibi_slopes is not None:
+        index = (Input("h", i32),) if alibi_slopes.dim() == 1 else (Input("b", i32),
+                                                                     Input("h", i32))
+        slope = Load(0, index, alibi_slopes.dtype)
+        pos = Op("add", (Input("q_idx", i32), Const(seqlen_k - seqlen_q, torch.int64)), i32)
+        dist = Op("abs", (Op("sub", (pos, Input("kv_idx", i32)), i32),), i32)
+        root = Op("sub", (root, Op("mul", (slope, dist), f32)), f32)
+        captured = (alibi_slopes,)
+    return None if root == Input("score", f32) else Mod("score", root, captured)
+
+
+def builtin_mask(window, seqlen_q: int, seqlen_k: int):
+    """The causal / local window (core.masks' bottom-right rule) as a mask mod, or None."""
+    from ..core.flex_ir import Const, Input, Mod, Op
+
+    i32, b = torch.int32, torch.bool
+    pos = Op("add", (Input("q_idx", i32), Const(seqlen_k - seqlen_q, torch.int64)), i32)
+    kv = Input("kv_idx", i32)
+    terms = []
+    if window.window_right >= 0:
+        terms.append(Op("le", (kv, Op("add", (pos, Const(window.window_right, torch.int64)),
+                                      i32)), b))
+    if window.window_left >= 0:
+        terms.append(Op("ge", (kv, Op("sub", (pos, Const(window.window_left, torch.int64)),
+                                      i32)), b))
+    if not terms:
+        return None
+    root = terms[0] if len(terms) == 1 else Op("and", tuple(terms), b)
+    return Mod("mask", root, ())
+
+
+def _check_slopes(alibi_slopes, q):
+    batch, nheads = q.shape[0], q.shape[2]
+    if not isinstance(alibi_slopes, Tensor):
+        raise TypeError(f"asymflash: alibi_slopes is a {type(alibi_slopes).__name__}; "
+                        "expected a float32 tensor (nheads,) or (batch, nheads)")
+    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"asymflash: alibi_slopes has shape {tuple(alibi_slopes.shape)}; "
+                         f"expected ({nheads},) or ({batch}, {nheads})")
+    if alibi_slopes.dtype != torch.float32 or alibi_slopes.device != q.device:
+        raise TypeError(f"asymflash: alibi_slopes is {alibi_slopes.dtype} on "
+                        f"{alibi_slopes.device}; expected float32 on {q.device}")
+
+
+def flash_attn_with_mods(q, k, v, softmax_scale, causal, window_size, softcap,
+                         learnable_sink, return_lse, score_mod, mask_mod, alibi_slopes):
+    """flash_attn_func with score_mod / mask_mod / alibi_slopes: BSHD in and out, through
+    the flex machinery (mods see the query head h; masks combine with causal/window)."""
+    from ..core.masks import normalize_window
+    from . import validation as check
+
+    if learnable_sink is not None:
+        raise NotImplementedError("asymflash: learnable_sink together with score_mod, "
+                                  "mask_mod or alibi_slopes is not implemented")
+    if mask_mod is not None and not callable(mask_mod):
+        raise TypeError(f"asymflash: mask_mod is a {type(mask_mod).__name__}; expected a "
+                        "callable mask_mod(b, h, q_idx, kv_idx)")
+    check.check_tensors(q, k, v, 4, "(batch, seqlen, nheads, headdim)")
+    check.check_scalars(softmax_scale, window_size, softcap)
+    if alibi_slopes is not None:
+        _check_slopes(alibi_slopes, q)
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    extra_mask = builtin_mask(normalize_window(causal, window_size), seqlen_q, seqlen_k)
+    if mask_mod is not None:
+        from ..core.flex_ir import and_masks
+
+        user = flex_trace.traced(mask_mod, "mask")
+        extra_mask = user if extra_mask is None else and_masks(extra_mask, user)
+    query, key, value = (t.transpose(1, 2) for t in (q, k, v))
+    problem = prepare(query, key, value, score_mod, None, softmax_scale, True,
+                      builtin_score(softcap, alibi_slopes, seqlen_q, seqlen_k), extra_mask)
+    out, lse = run(query, key, value, problem)
+    out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out
