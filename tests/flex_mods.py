@@ -74,3 +74,16 @@ def combined(sq, sk, heads, device):
 
 MODS = {f.__name__: f for f in (causal, sliding_window, document, prefix_lm, alibi, softcap,
                                  relative_bias, block_sparse, combined)}
+
+
+# Mods covering every op of the expression form, for the tracing and emission tests.
+IR_MODS = {
+    "arith": lambda s, b, h, q, kv: (s * 2 - 1) / (1 + (q - kv).abs()) + (-s),
+    "transcendental": lambda s, b, h, q, kv: torch.exp(s / 4) + torch.exp2(s / 4)
+    + torch.log(s.abs() + 1) + torch.tanh(s) + torch.sigmoid(s),
+    "int_ops": lambda s, b, h, q, kv: s + (q - 7) // 3 + (kv - 5) % 4 + torch.floor(s),
+    "minmax_where": lambda s, b, h, q, kv: torch.where(
+        (q > kv) & ~(h == 1) | (b != 0), torch.maximum(s, s * s), torch.minimum(s, -s)),
+    "clamp_cast": lambda s, b, h, q, kv: torch.clamp(s, min=-0.5) + q.float() * 0.01
+    + (kv >= 3).to(torch.float32),
+}

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from flex_mods import BLOCK, MODS
+from flex_mods import BLOCK, IR_MODS, MODS
 
 import asymflash
 from asymflash.core import flex_ir, flex_trace
@@ -265,16 +265,6 @@ def _direct(mod, score):
     return apply_score_mod(mod, score)
 
 
-IR_MODS = {
-    "arith": lambda s, b, h, q, kv: (s * 2 - 1) / (1 + (q - kv).abs()) + (-s),
-    "transcendental": lambda s, b, h, q, kv: torch.exp(s / 4) + torch.exp2(s / 4)
-    + torch.log(s.abs() + 1) + torch.tanh(s) + torch.sigmoid(s),
-    "int_ops": lambda s, b, h, q, kv: s + (q - 7) // 3 + (kv - 5) % 4 + torch.floor(s),
-    "minmax_where": lambda s, b, h, q, kv: torch.where(
-        (q > kv) & ~(h == 1) | (b != 0), torch.maximum(s, s * s), torch.minimum(s, -s)),
-    "clamp_cast": lambda s, b, h, q, kv: torch.clamp(s, min=-0.5) + q.float() * 0.01
-    + (kv >= 3).to(torch.float32),
-}
 
 
 @pytest.mark.parametrize("name", sorted(IR_MODS))
