@@ -16,12 +16,18 @@ import triton.language as tl
 from ...core.flex import FULL, PARTIAL
 from ...core.flex_ir import shift_slots
 from ...runtime.dispatch import interpreting
-from . import candidates, head_blocks, unsupported_input
+from . import Config, head_blocks, unsupported_input
 from .common import dot, finish_rows, load_rows, online_softmax_step, store_rows
 from .flex_emit import captured_args, jit_function
 
 NAME = "portable"
 _INTERPRETER_TILE = 16  # the interpreter's cost grows with tile area
+
+# (BLOCK_M, BLOCK_N, warps, stages) per head-dim class: the first that built for sm_90a with
+# no local memory in a sweep of the compile test's mods (tests/compile/test_flex_compile.py;
+# d=64: the dense forward's 128x64/4 warps/3 stages spilled 434 instructions, 128x64 with 8
+# warps none). Not yet timed on a GPU.
+_TILES = {64: Config(128, 64, 8, 2), 128: Config(128, 32, 8, 2), 256: Config(32, 32, 8, 2)}
 
 
 @triton.jit
@@ -114,7 +120,7 @@ def flex_fwd_kernel(
 
 # ---------------------------------------------------------------- host
 
-def _tiles(q, v, problem):
+def tiles(q, v, problem):
     """(BLOCK_M, BLOCK_N, warps, stages, BQ, BK): the kernel tile divides the mask's block
     (a mask with a single block is re-cut to the tile)."""
     layout = problem.layout
@@ -123,7 +129,8 @@ def _tiles(q, v, problem):
         bm = bn = _INTERPRETER_TILE
         warps, stages = 4, 1
     else:
-        c = candidates("fwd", d, dv)[0]
+        width = max(d, dv)
+        c = _TILES[64 if width <= 64 else 128 if width <= 128 else 256]
         bm, bn, warps, stages = c.block_m, c.block_n, c.num_warps, c.num_stages
     if layout.kinds.shape[2:] == (1, 1):
         return bm, bn, warps, stages, bm, bn
@@ -168,7 +175,7 @@ def _lists(kinds, value, batch, heads):
 def flex_forward(q, k, v, problem):
     batch, heads, seqlen_q, d = q.shape
     seqlen_k, dv = k.shape[2], v.shape[-1]
-    bm, bn, warps, stages, bq, bk = _tiles(q, v, problem)
+    bm, bn, warps, stages, bq, bk = tiles(q, v, problem)
     kinds = problem.layout.kinds.to(q.device)
     if kinds.shape[2:] == (1, 1):  # one block: re-cut to the tile, all of one kind
         kinds = kinds.expand(-1, -1, triton.cdiv(seqlen_q, bq), triton.cdiv(seqlen_k, bk))

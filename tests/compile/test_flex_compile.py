@@ -1,0 +1,55 @@
+"""The portable flex forward, with mods emitted from their expression trees and passed as
+constexpr functions, builds for sm_90a (no GPU needed): tensor-core instructions, and the
+local-memory count recorded. The interpreter cannot check this part: the constexpr function
+arguments, the tuple of captured tensors and the emitted code's types under the compiler."""
+
+from __future__ import annotations
+
+import pytest
+from sass_report import sass_report
+
+_BUILD = r"""
+import sys
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from asymflash.backends.portable.flex import _TILES, flex_fwd_kernel as fn
+from asymflash.backends.portable.flex_emit import jit_function
+from asymflash.core import flex_trace
+from asymflash.core.flex_ir import shift_slots
+
+d = int(sys.argv[1])
+table = torch.randn(4, 300)
+doc = torch.zeros(300, dtype=torch.int64)
+score = flex_trace.trace(
+    lambda s, b, h, q, kv: 20 * torch.tanh(s / 20) + table[h, q - kv + 150], "score")
+mask = flex_trace.trace(lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), "mask")
+c = _TILES[d]
+cons = dict(SCORE_MOD=jit_function(score.root), MASK_MOD=jit_function(shift_slots(mask.root, 1)),
+            HAS_SCORE=True, HAS_MASK=True, D=d, DV=d, BLOCK_D=d, BLOCK_DV=d,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BQ=128, BK=128)
+sig = {}
+for arg in fn.arg_names:
+    if arg in cons:
+        sig[arg] = "constexpr"
+    elif arg in ("Q", "K", "V", "Out"):
+        sig[arg] = "*bf16"
+    elif arg == "LSE":
+        sig[arg] = "*fp32"
+    elif arg in ("PNUM", "PIDX", "FNUM", "FIDX"):
+        sig[arg] = "*i32"
+    elif arg == "C":  # (table, its sizes, its strides, doc, sizes, strides, the closing 0)
+        sig[arg] = ("*fp32", ("i32", "i32"), ("i32", "i32"), "*i64", ("i32",), ("i32",), "i32")
+    else:
+        sig[arg] = "fp32" if arg == "scale" else "i32"
+kernel = triton.compile(ASTSource(fn, sig, cons), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": c.num_warps, "num_stages": c.num_stages})
+"""
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_flex_forward_builds_for_sm90(d):
+    report = sass_report(_BUILD, str(d))
+    assert report["mma"] > 0, "no tensor-core instructions"
+    assert report["local"] == 0, f"{report['local']} local-memory (spill) instructions"
