@@ -206,6 +206,8 @@ def _why(q, reasons: list) -> str:
 #     flex_forward(q, k, v, problem) -> (out, lse)
 #     flex_backward(dout, dlse, q, k, v, out, lse, problem, captured_need_grad)
 #         -> (dq, dk, dv, [grad of each score_mod captured tensor or None])
+#     unsupported_flex_backward(q, k, v, problem) -> str | None   (optional: else
+#         unsupported_flex's answer holds for the backward too)
 # The tiled torch module ("cpu") runs on every device, so it ends every device's list.
 _FLEX_MODULES = {
     "portable": "asymflash.backends.portable.flex",
@@ -234,7 +236,11 @@ def pick_flex(q, k, v, problem, direction: str, need_grad: bool = False):
         if direction == "backward" and not hasattr(mod, "flex_backward"):
             reasons.append(f"{name}: no backward")
             continue
-        why = mod.unsupported_flex(q, k, v, problem, need_grad)
+        check = getattr(mod, "unsupported_flex_backward", None)
+        if direction == "backward" and check is not None:
+            why = check(q, k, v, problem)
+        else:
+            why = mod.unsupported_flex(q, k, v, problem, need_grad)
         if why is None:
             return mod
         reasons.append(f"{name}: {why}")

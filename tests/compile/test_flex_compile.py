@@ -1,7 +1,7 @@
-"""The portable flex forward, with mods emitted from their expression trees and passed as
-constexpr functions, builds for sm_90a (no GPU needed): tensor-core instructions, and the
-local-memory count recorded. The interpreter cannot check this part: the constexpr function
-arguments, the tuple of captured tensors and the emitted code's types under the compiler."""
+"""The portable flex kernels, with mods (and the backward's d score_mod / d score) emitted
+from their expression trees and passed as constexpr functions, build for sm_90a with no GPU.
+The interpreter cannot check this part: constexpr function arguments, the tuple of captured
+tensors and the emitted code's types under the compiler."""
 
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from asymflash.backends.portable.flex import _TILES, flex_fwd_kernel as fn
+from asymflash.backends.portable.flex import _TILES, flex_fwd_kernel
+from asymflash.backends.portable.flex_bwd import flex_bwd_dkdv_kernel, flex_bwd_dq_kernel
 from asymflash.backends.portable.flex_emit import jit_function
 from asymflash.core import flex_trace
-from asymflash.core.flex_ir import shift_slots
+from asymflash.core.flex_ir import derivative, shift_slots
 
-d = int(sys.argv[1])
+name, d = sys.argv[1], int(sys.argv[2])
+fn = {"fwd": flex_fwd_kernel, "dq": flex_bwd_dq_kernel, "dkdv": flex_bwd_dkdv_kernel}[name]
 table = torch.randn(4, 300)
 doc = torch.zeros(300, dtype=torch.int64)
 score = flex_trace.trace(
@@ -27,20 +29,19 @@ score = flex_trace.trace(
 mask = flex_trace.trace(lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), "mask")
 c = _TILES[d]
 cons = dict(SCORE_MOD=jit_function(score.root), MASK_MOD=jit_function(shift_slots(mask.root, 1)),
-            HAS_SCORE=True, HAS_MASK=True, D=d, DV=d, BLOCK_D=d, BLOCK_DV=d,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BQ=128, BK=128)
+            DMOD=jit_function(derivative(score.root)), HAS_SCORE=True, HAS_MASK=True, D=d,
+            DV=d, BLOCK_D=d, BLOCK_DV=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BQ=128, BK=128)
+cons = {k: v for k, v in cons.items() if k in fn.arg_names}
+pointers = {"LSE": "*fp32", "DELTA": "*fp32", "PNUM": "*i32", "PIDX": "*i32", "FNUM": "*i32",
+            "FIDX": "*i32", "NUM": "*i32", "IDX": "*i32"}
 sig = {}
 for arg in fn.arg_names:
     if arg in cons:
         sig[arg] = "constexpr"
-    elif arg in ("Q", "K", "V", "Out"):
-        sig[arg] = "*bf16"
-    elif arg == "LSE":
-        sig[arg] = "*fp32"
-    elif arg in ("PNUM", "PIDX", "FNUM", "FIDX"):
-        sig[arg] = "*i32"
     elif arg == "C":  # (table, its sizes, its strides, doc, sizes, strides, the closing 0)
         sig[arg] = ("*fp32", ("i32", "i32"), ("i32", "i32"), "*i64", ("i32",), ("i32",), "i32")
+    elif arg in pointers or arg[0].isupper():
+        sig[arg] = pointers.get(arg, "*bf16")
     else:
         sig[arg] = "fp32" if arg == "scale" else "i32"
 kernel = triton.compile(ASTSource(fn, sig, cons), target=GPUTarget("cuda", 90, 32),
@@ -49,7 +50,17 @@ kernel = triton.compile(ASTSource(fn, sig, cons), target=GPUTarget("cuda", 90, 3
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_flex_forward_builds_for_sm90(d):
-    report = sass_report(_BUILD, str(d))
+def test_flex_forward_builds_for_sm90_without_spills(d):
+    report = sass_report(_BUILD, "fwd", str(d))
     assert report["mma"] > 0, "no tensor-core instructions"
     assert report["local"] == 0, f"{report['local']} local-memory (spill) instructions"
+
+
+@pytest.mark.parametrize("kernel", ["dq", "dkdv"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_flex_backward_builds_for_sm90(d, kernel):
+    """The backward kernels with the derivative tree inlined; on the forward's tiles,
+    untuned, so the spill count is only recorded (a bound that shows a change)."""
+    report = sass_report(_BUILD, kernel, str(d))
+    assert report["mma"] > 0, "no tensor-core instructions"
+    assert report["local"] < 2000, f"{report['local']} local-memory (spill) instructions"

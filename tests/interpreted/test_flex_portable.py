@@ -62,8 +62,11 @@ def test_portable_forward_against_reference(mod, sizes):
     assert_lse_close(lse, ref[1])
     ref_grads = torch.autograd.grad(ref[0], wrt, dout.float())
     low_grads = torch.autograd.grad(low[0], wrt, dout)
+    # P is rounded to the input dtype before the dV / dK products (as in every FA kernel),
+    # which the plain same-dtype computation does not do: one ulp of bf16 on top
+    eps = 1e-2 if dtype == torch.bfloat16 else 2e-3
     for name, g, r, lo in zip(("dq", "dk", "dv", "dtable"), grads, ref_grads, low_grads):
-        assert_fa_close(name, g, r, lo, atol=2e-3 * max(1.0, r.abs().max().item()))
+        assert_fa_close(name, g, r, lo, atol=eps * max(1.0, r.abs().max().item()))
 
 
 @pytest.mark.parametrize("mod", ["document", "relative_bias", "combined"])
@@ -155,3 +158,18 @@ def test_emitted_captured_reads_out_of_range_give_zero():
     d = torch.arange(16, device=DEVICE)[:, None] - torch.arange(16, device=DEVICE)[None, :]
     want = torch.where((d >= 0) & (d < 8), d.float() + 1, 0.0)
     assert torch.equal(got[0, 0], want)
+
+
+def test_backward_dispatch():
+    """The portable backward takes calls without captured-tensor gradients; those with go to
+    the tiled torch backend (which computes them)."""
+    from asymflash.api.flex import prepare
+    from asymflash.runtime.dispatch import pick_flex
+
+    q, k, v = _inputs(1, 2, 2, 17, 17, 16, torch.float16)
+    plain, _, _ = MODS["alibi"](17, 17, 2, DEVICE)
+    learned, _, _ = MODS["relative_bias"](17, 17, 2, DEVICE)
+    with use_backend("portable"):
+        for mod, want in ((plain, "portable"), (learned, "cpu")):
+            problem = prepare(q, k, v, mod, None, None, False)
+            assert pick_flex(q, k, v, problem, "backward").NAME == want

@@ -4,7 +4,8 @@ One program = BLOCK_M queries of one (batch, q head). It walks the kv blocks its
 lists: partial blocks apply mask_mod, full blocks skip it, unlisted blocks are never loaded.
 The score_mod and mask_mod are triton functions emitted from their expression trees
 (flex_emit.py) and passed as constexpr arguments, so each mod compiles into the kernel.
-Forward only: the backward pairs with the tiled torch backend (runtime/dispatch.pick_flex).
+The backward is flex_bwd.py; calls that need gradients of captured tensors take the tiled
+torch backend's (runtime/dispatch.pick_flex).
 """
 
 from __future__ import annotations
@@ -172,13 +173,33 @@ def _lists(kinds, value, batch, heads):
             order.expand(batch, heads, n_q, kinds.shape[3]))
 
 
+def block_kinds(problem, device, seqlen_q, seqlen_k, bq, bk):
+    """The layout's block kinds on the device; a single block is re-cut to (bq, bk) tiles,
+    all of its kind."""
+    kinds = problem.layout.kinds.to(device)
+    if kinds.shape[2:] == (1, 1):
+        kinds = kinds.expand(-1, -1, triton.cdiv(seqlen_q, bq), triton.cdiv(seqlen_k, bk))
+    return kinds
+
+
+def unsupported_flex_backward(q, k, v, problem):
+    why = unsupported_flex(q, k, v, problem, True)
+    if why is None and any(t.requires_grad for t in problem.captured_values()[0]):
+        return "gradients of captured tensors (the tiled torch backend computes them)"
+    return why
+
+
+def flex_backward(dout, dlse, q, k, v, out, lse, problem, captured_need_grad):
+    from .flex_bwd import flex_backward as run  # flex_bwd imports this module's helpers
+
+    return run(dout, dlse, q, k, v, out, lse, problem, captured_need_grad)
+
+
 def flex_forward(q, k, v, problem):
     batch, heads, seqlen_q, d = q.shape
     seqlen_k, dv = k.shape[2], v.shape[-1]
     bm, bn, warps, stages, bq, bk = tiles(q, v, problem)
-    kinds = problem.layout.kinds.to(q.device)
-    if kinds.shape[2:] == (1, 1):  # one block: re-cut to the tile, all of one kind
-        kinds = kinds.expand(-1, -1, triton.cdiv(seqlen_q, bq), triton.cdiv(seqlen_k, bk))
+    kinds = block_kinds(problem, q.device, seqlen_q, seqlen_k, bq, bk)
     pnum, pidx = _lists(kinds, PARTIAL, batch, heads)
     fnum, fidx = _lists(kinds, FULL, batch, heads)
     score, mask = problem.score, problem.mask
