@@ -15,7 +15,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from asymflash.backends.portable.flex import _TILES, flex_fwd_kernel
-from asymflash.backends.portable.flex_bwd import flex_bwd_dkdv_kernel, flex_bwd_dq_kernel
+from asymflash.backends.portable.flex_bwd import (_DKDV_TILES, _DQ_TILES, flex_bwd_dkdv_kernel,
+                                                 flex_bwd_dq_kernel)
 from asymflash.backends.portable.flex_emit import jit_function
 from asymflash.core import flex_trace
 from asymflash.core.flex_ir import derivative, shift_slots
@@ -27,7 +28,7 @@ doc = torch.zeros(300, dtype=torch.int64)
 score = flex_trace.trace(
     lambda s, b, h, q, kv: 20 * torch.tanh(s / 20) + table[h, q - kv + 150], "score")
 mask = flex_trace.trace(lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), "mask")
-c = _TILES[d]
+c = {"fwd": _TILES, "dq": _DQ_TILES, "dkdv": _DKDV_TILES}[name][d]
 cons = dict(SCORE_MOD=jit_function(score.root), MASK_MOD=jit_function(shift_slots(mask.root, 1)),
             DMOD=jit_function(derivative(score.root)), HAS_SCORE=True, HAS_MASK=True, D=d,
             DV=d, BLOCK_D=d, BLOCK_DV=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BQ=128, BK=128)
@@ -59,8 +60,9 @@ def test_flex_forward_builds_for_sm90_without_spills(d):
 @pytest.mark.parametrize("kernel", ["dq", "dkdv"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_flex_backward_builds_for_sm90(d, kernel):
-    """The backward kernels with the derivative tree inlined; on the forward's tiles,
-    untuned, so the spill count is only recorded (a bound that shows a change)."""
+    """The backward kernels with the derivative tree inlined. dK/dV still spills on every
+    tile tried (flex_bwd.py's table): the bound records today's counts so a change shows."""
     report = sass_report(_BUILD, kernel, str(d))
     assert report["mma"] > 0, "no tensor-core instructions"
-    assert report["local"] < 2000, f"{report['local']} local-memory (spill) instructions"
+    bound = {("dq", 64): 1, ("dq", 128): 16, ("dkdv", 64): 64, ("dkdv", 128): 256}[kernel, d]
+    assert report["local"] < bound, f"{report['local']} local-memory (spill) instructions"

@@ -121,7 +121,7 @@ def flex_fwd_kernel(
 
 # ---------------------------------------------------------------- host
 
-def tiles(q, v, problem):
+def tiles(q, v, problem, table=None):
     """(BLOCK_M, BLOCK_N, warps, stages, BQ, BK): the kernel tile divides the mask's block
     (a mask with a single block is re-cut to the tile)."""
     layout = problem.layout
@@ -131,7 +131,7 @@ def tiles(q, v, problem):
         warps, stages = 4, 1
     else:
         width = max(d, dv)
-        c = _TILES[64 if width <= 64 else 128 if width <= 128 else 256]
+        c = (table or _TILES)[64 if width <= 64 else 128 if width <= 128 else 256]
         bm, bn, warps, stages = c.block_m, c.block_n, c.num_warps, c.num_stages
     if layout.kinds.shape[2:] == (1, 1):
         return bm, bn, warps, stages, bm, bn

@@ -17,10 +17,18 @@ import triton.language as tl
 
 from ...core.flex import FULL, PARTIAL
 from ...core.flex_ir import derivative, shift_slots
-from . import head_blocks
+from . import Config, head_blocks
 from .common import dot, load_rows, store_rows
 from .flex import _identity_mod, _keep_all, _lists, block_kinds, tiles
 from .flex_emit import captured_args, jit_function
+
+# (BLOCK_M, BLOCK_N, warps, stages) per head-dim class, from a sweep of sm_90a builds of the
+# compile test's mods (tests/compile/test_flex_compile.py), fewest local-memory instructions:
+# dQ d=64 64x32/4 warps: 0 (128x64/8: 8); d=128 128x32/8: 6 (64x64/8: 233). dK/dV (BLOCK_N
+# keys accumulate dK and dV) d=64 32x64/4: 29 (128x64/8: 56); d=128 32x64/8: 230 (128x32/8:
+# 405). Not yet timed on a GPU; d=256 untested.
+_DQ_TILES = {64: Config(64, 32, 4, 2), 128: Config(128, 32, 8, 2), 256: Config(32, 32, 8, 2)}
+_DKDV_TILES = {64: Config(32, 64, 4, 2), 128: Config(32, 64, 8, 2), 256: Config(32, 32, 8, 2)}
 
 
 @triton.jit
@@ -166,10 +174,6 @@ def _stacked_lists(kinds, batch, heads):
 def flex_backward(dout, dlse, q, k, v, out, lse, problem, captured_need_grad):
     batch, heads, seqlen_q, d = q.shape
     heads_kv, seqlen_k, dv = k.shape[1], k.shape[2], v.shape[-1]
-    bm, bn, warps, stages, bq, bk = tiles(q, v, problem)
-    kinds = block_kinds(problem, q.device, seqlen_q, seqlen_k, bq, bk)
-    kv_num, kv_idx = _stacked_lists(kinds, batch, heads)
-    q_num, q_idx = _stacked_lists(kinds.transpose(2, 3), batch, heads)
     delta = (dout.float() * out.float()).sum(-1)
     if dlse is not None:  # a gradient into lse adds p * dlse to dS: the same as lowering delta
         delta = delta - dlse.float()
@@ -185,19 +189,28 @@ def flex_backward(dout, dlse, q, k, v, out, lse, problem, captured_need_grad):
         DMOD=jit_function(derivative(score.root)) if score is not None else _identity_mod,
         HAS_SCORE=score is not None, HAS_MASK=mask is not None)
     block_d, block_dv = head_blocks(d, dv)
-    meta = dict(D=d, DV=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=bm, BLOCK_N=bn,
-                BQ=bq, BK=bk, num_warps=warps, num_stages=stages, **fns)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
     cap = captured_args(captured)
+
+    def plan(table):
+        """The tile meta-parameters and block kinds of one kernel."""
+        bm, bn, warps, stages, bq, bk = tiles(q, v, problem, table)
+        meta = dict(D=d, DV=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=bm,
+                    BLOCK_N=bn, BQ=bq, BK=bk, num_warps=warps, num_stages=stages, **fns)
+        return meta, block_kinds(problem, q.device, seqlen_q, seqlen_k, bq, bk)
+
+    meta, kinds = plan(_DQ_TILES)
+    num, idx = _stacked_lists(kinds, batch, heads)
     dq = torch.empty(batch, heads, seqlen_q, d, dtype=q.dtype, device=q.device)
-    flex_bwd_dq_kernel[(triton.cdiv(seqlen_q, bm), batch * heads)](
-        q, k, v, dout, lse, delta, dq, kv_num, kv_idx, cap, *strides, *kv_num.stride(),
-        *kv_idx.stride()[:4], heads, problem.group, seqlen_q, seqlen_k, problem.scale,
-        **meta)
+    flex_bwd_dq_kernel[(triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * heads)](
+        q, k, v, dout, lse, delta, dq, num, idx, cap, *strides, *num.stride(),
+        *idx.stride()[:4], heads, problem.group, seqlen_q, seqlen_k, problem.scale, **meta)
+    meta, kinds = plan(_DKDV_TILES)
+    num, idx = _stacked_lists(kinds.transpose(2, 3), batch, heads)
     dk = torch.empty(batch, heads_kv, seqlen_k, d, dtype=k.dtype, device=q.device)
     dvt = torch.empty(batch, heads_kv, seqlen_k, dv, dtype=v.dtype, device=q.device)
-    flex_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, bn), batch * heads_kv)](
-        q, k, v, dout, lse, delta, dk, dvt, q_num, q_idx, cap, *strides, *q_num.stride(),
-        *q_idx.stride()[:4], heads, heads_kv, problem.group, seqlen_q, seqlen_k,
-        problem.scale, **meta)
+    flex_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * heads_kv)](
+        q, k, v, dout, lse, delta, dk, dvt, num, idx, cap, *strides, *num.stride(),
+        *idx.stride()[:4], heads, heads_kv, problem.group, seqlen_q, seqlen_k, problem.scale,
+        **meta)
     return dq, dk, dvt, [None] * len(problem.captured_values()[0])
