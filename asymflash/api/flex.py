@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..core import flex_trace
-from ..core.flex import FULL, PARTIAL, BlockLayout, FlexProblem, block_layout
+from ..core.flex import FULL, PARTIAL, BlockLayout, FlexProblem, block_layout, memo_by_identity
 from ..runtime.dispatch import pick_flex
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -126,22 +126,37 @@ def prepare(query, key, value, score_mod, block_mask, scale, enable_gqa,
     layout = block_layout(block_mask, query.shape[2], key.shape[2])
     mask = None
     if block_mask is not None and not _is_noop_mask(block_mask.mask_mod) \
-            and bool((layout.kinds == PARTIAL).any()):
+            and layout.has_partial:
         mask = flex_trace.traced(block_mask.mask_mod, "mask")
     if extra_mask is not None:
-        from ..core.flex_ir import and_masks
-
-        mask = extra_mask if mask is None else and_masks(extra_mask, mask)
-        # the built-in mask applies everywhere: full blocks become partial
-        kinds = layout.kinds.clone()
-        kinds[kinds == FULL] = PARTIAL
-        layout = BlockLayout(kinds, layout.block_q, layout.block_k, None)
+        mask = extra_mask if mask is None else _and_masks(extra_mask, mask)
+        layout = _all_partial(layout)
     score = flex_trace.traced(score_mod, "score") if score_mod is not None else None
     if extra_score is not None:
-        from ..core.flex_ir import compose_scores
-
-        score = extra_score if score is None else compose_scores(score, extra_score)
+        score = extra_score if score is None else _compose_scores(score, extra_score)
     return FlexProblem(score, mask, layout, float(scale), query.shape[1] // key.shape[1])
+
+
+@memo_by_identity(64)
+def _and_masks(first, second):
+    from ..core.flex_ir import and_masks
+
+    return and_masks(first, second)
+
+
+@memo_by_identity(64)
+def _compose_scores(outer, inner):
+    from ..core.flex_ir import compose_scores
+
+    return compose_scores(outer, inner)
+
+
+@memo_by_identity(64)
+def _all_partial(layout):
+    """A built-in mask applies everywhere: full blocks become partial."""
+    kinds = layout.kinds.clone()
+    kinds[kinds == FULL] = PARTIAL
+    return BlockLayout(kinds, layout.block_q, layout.block_k, None)
 
 
 # ---------------------------------------------------------------- autograd
@@ -182,6 +197,7 @@ def run(query, key, value, problem: FlexProblem):
 
 # ---------------------------------------------------------------- flash_attn_func's mods
 
+@memo_by_identity(64)
 def builtin_score(softcap: float, alibi_slopes, seqlen_q: int, seqlen_k: int):
     """flash_attn_func's softcap, then its ALiBi bias, as a score mod (or None).
 
@@ -209,6 +225,7 @@ def builtin_score(softcap: float, alibi_slopes, seqlen_q: int, seqlen_k: int):
     return None if root == Input("score", f32) else Mod("score", root, captured)
 
 
+@memo_by_identity(64)
 def builtin_mask(window, seqlen_q: int, seqlen_k: int):
     """The causal / local window (core.masks' bottom-right rule) as a mask mod, or None."""
     from ..core.flex_ir import Const, Input, Mod, Op

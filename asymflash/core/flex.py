@@ -31,6 +31,7 @@ class BlockLayout:
     block_q: int
     block_k: int
     mask_mod: Optional[Callable]
+    has_partial: bool = True   # whether any block is PARTIAL (mask_mod is ever evaluated)
 
     def element_kinds(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """(Bm, Hm, len(rows), len(cols)) kinds of the given query rows and key columns."""
@@ -53,7 +54,7 @@ def block_layout(block_mask, seqlen_q: int, seqlen_k: int) -> BlockLayout:
     """The BlockLayout of a torch BlockMask (or of None: one full block)."""
     if block_mask is None:
         kinds = torch.full((1, 1, 1, 1), FULL, dtype=torch.uint8)
-        return BlockLayout(kinds, max(seqlen_q, 1), max(seqlen_k, 1), None)
+        return BlockLayout(kinds, max(seqlen_q, 1), max(seqlen_k, 1), None, False)
     block_q, block_k = (int(x) for x in block_mask.BLOCK_SIZE)
     num = block_mask.kv_num_blocks
     n_q = -(-seqlen_q // block_q)
@@ -63,8 +64,9 @@ def block_layout(block_mask, seqlen_q: int, seqlen_k: int) -> BlockLayout:
                         dtype=torch.uint8, device=num.device)
     _mark(kinds, num, block_mask.kv_indices, PARTIAL)
     _mark(kinds, block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL)
-    return BlockLayout(kinds[:, :, :n_q, :n_k].contiguous(), block_q, block_k,
-                       block_mask.mask_mod)
+    kinds = kinds[:, :, :n_q, :n_k].contiguous()
+    return BlockLayout(kinds, block_q, block_k, block_mask.mask_mod,
+                       bool((kinds == PARTIAL).any()))
 
 
 def _vmap_bhqk(fn, score: bool):
@@ -122,3 +124,49 @@ class FlexProblem:
         """(score_mod's captured tensors, mask_mod's captured tensors)."""
         return (self.score.captured if self.score is not None else (),
                 self.mask.captured if self.mask is not None else ())
+
+
+def memo_by_identity(maxsize: int = 128):
+    """Cache a function on its arguments: scalars (and frozen specs) by value, everything
+    else (tensors, mods, BlockMasks, callables) by identity, the entry keeping those objects
+    alive so an id cannot be reused while it is cached. For the per-call host work of the
+    flex path (block layouts, composed mods, emitted kernels), which a repeated call would
+    otherwise redo; a mutated-in-place BlockMask is not noticed (rebuild it instead)."""
+    import collections
+    import functools
+
+    simple = (type(None), bool, int, float, str, torch.dtype)
+
+    def part(x):
+        if isinstance(x, simple):
+            return x
+        if isinstance(x, tuple) and all(isinstance(y, simple) for y in x):
+            return x
+        if type(x).__name__ == "MaskSpec":
+            return (int(x.window_left), int(x.window_right))
+        return ("id", id(x))
+
+    def wrap(fn):
+        cache: collections.OrderedDict = collections.OrderedDict()
+
+        @functools.wraps(fn)
+        def cached(*args):
+            key = tuple(part(a) for a in args)
+            hit = cache.get(key)
+            if hit is not None:
+                cache.move_to_end(key)
+                return hit[1]
+            value = fn(*args)
+            cache[key] = (args, value)
+            if len(cache) > maxsize:
+                cache.popitem(last=False)
+            return value
+
+        cached.cache_clear = cache.clear
+        return cached
+
+    return wrap
+
+
+# block_layout runs per call on the user's BlockMask (a few tensor ops): cached per mask.
+block_layout = memo_by_identity(64)(block_layout)

@@ -306,3 +306,30 @@ def test_mask_with_captured_requires_grad_gets_no_grad():
     out = asymflash.flex_attention(q, k, v, block_mask=bm)
     out.sum().backward()
     assert doc.grad is None and q.grad is not None
+
+
+def test_repeated_calls_reuse_host_work():
+    """A repeated call finds its traced mods, block layout and composed built-ins cached
+    (identity, not a re-trace), and rebuilding the BlockMask is noticed."""
+    from asymflash.api.flex import builtin_mask, builtin_score, prepare
+    from asymflash.core.masks import normalize_window
+
+    q, k, v = _inputs(1, 2, 2, 40, 40, 16)
+    doc = torch.randint(0, 3, (40,)).sort().values
+
+    def mask(b, h, i, j):
+        return doc[i] == doc[j]
+
+    bm = _block_mask(mask, 1, 2, 40, 40)
+    first = prepare(q, k, v, None, bm, None, False)
+    again = prepare(q, k, v, None, bm, None, False)
+    assert again.layout is first.layout and again.mask is first.mask
+    rebuilt = prepare(q, k, v, None, _block_mask(mask, 1, 2, 40, 40), None, False)
+    assert rebuilt.layout is not first.layout
+    assert torch.equal(rebuilt.layout.kinds, first.layout.kinds)
+    slopes = torch.rand(2)
+    assert builtin_score(0.0, slopes, 40, 40) is builtin_score(0.0, slopes, 40, 40)
+    assert builtin_score(0.0, torch.rand(2), 40, 40) is not builtin_score(0.0, slopes, 40, 40)
+    window = normalize_window(True, (-1, -1))
+    assert builtin_mask(window, 40, 40) is builtin_mask(normalize_window(True, (-1, -1)), 40, 40)
+    assert builtin_mask(window, 40, 41) is not builtin_mask(window, 40, 40)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...core.flex import FULL, PARTIAL
+from ...core.flex import FULL, PARTIAL, memo_by_identity
 from ...core.flex_ir import shift_slots
 from ...runtime.dispatch import interpreting
 from . import Config, head_blocks, unsupported_input
@@ -173,13 +173,36 @@ def _lists(kinds, value, batch, heads):
             order.expand(batch, heads, n_q, kinds.shape[3]))
 
 
-def block_kinds(problem, device, seqlen_q, seqlen_k, bq, bk):
-    """The layout's block kinds on the device; a single block is re-cut to (bq, bk) tiles,
-    all of its kind."""
-    kinds = problem.layout.kinds.to(device)
+@memo_by_identity(128)
+def mod_functions(score, mask, derivative_too: bool):
+    """The triton functions of a call's mods: (score_mod, mask_mod, d score_mod / d score);
+    the mask's captured slots follow the score_mod's (one C tuple for both)."""
+    from ...core.flex_ir import derivative
+
+    n_score = len(score.captured) if score is not None else 0
+    score_fn = jit_function(score.root) if score is not None else _identity_mod
+    mask_fn = (jit_function(shift_slots(mask.root, n_score)) if mask is not None
+               else _keep_all)
+    dmod_fn = (jit_function(derivative(score.root)) if derivative_too and score is not None
+               else _identity_mod)
+    return score_fn, mask_fn, dmod_fn
+
+
+@memo_by_identity(128)
+def block_lists(layout, device: str, seqlen_q, seqlen_k, bq, bk, batch, heads,
+                transpose: bool):
+    """NUM (B, H, 2, n) and IDX (B, H, 2, n, m): the partial (0) and full (1) block lists
+    per query block (per kv block if transpose), on the device. A single-block layout is
+    re-cut to (bq, bk) tiles, all of its kind. Cached per layout: a repeated call does no
+    tensor work here."""
+    kinds = layout.kinds.to(device)
     if kinds.shape[2:] == (1, 1):
         kinds = kinds.expand(-1, -1, triton.cdiv(seqlen_q, bq), triton.cdiv(seqlen_k, bk))
-    return kinds
+    if transpose:
+        kinds = kinds.transpose(2, 3)
+    pnum, pidx = _lists(kinds, PARTIAL, batch, heads)
+    fnum, fidx = _lists(kinds, FULL, batch, heads)
+    return torch.stack((pnum, fnum), 2), torch.stack((pidx, fidx), 2)
 
 
 def unsupported_flex_backward(q, k, v, problem):
@@ -199,15 +222,13 @@ def flex_forward(q, k, v, problem):
     batch, heads, seqlen_q, d = q.shape
     seqlen_k, dv = k.shape[2], v.shape[-1]
     bm, bn, warps, stages, bq, bk = tiles(q, v, problem)
-    kinds = block_kinds(problem, q.device, seqlen_q, seqlen_k, bq, bk)
-    pnum, pidx = _lists(kinds, PARTIAL, batch, heads)
-    fnum, fidx = _lists(kinds, FULL, batch, heads)
+    num, idx = block_lists(problem.layout, str(q.device), seqlen_q, seqlen_k, bq, bk, batch,
+                           heads, False)
+    pnum, fnum = num[:, :, 0], num[:, :, 1]
+    pidx, fidx = idx[:, :, 0], idx[:, :, 1]
     score, mask = problem.score, problem.mask
-    n_score = len(score.captured) if score is not None else 0
     captured = problem.captured_values()[0] + problem.captured_values()[1]
-    score_fn = jit_function(score.root) if score is not None else _identity_mod
-    mask_fn = (jit_function(shift_slots(mask.root, n_score)) if mask is not None
-               else _keep_all)
+    score_fn, mask_fn, _ = mod_functions(score, mask, False)
     out = torch.empty(batch, heads, seqlen_q, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
     block_d, block_dv = head_blocks(d, dv)

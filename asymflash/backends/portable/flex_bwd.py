@@ -15,12 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ...core.flex import FULL, PARTIAL
-from ...core.flex_ir import derivative, shift_slots
 from . import Config, head_blocks
 from .common import dot, load_rows, store_rows
-from .flex import _identity_mod, _keep_all, _lists, block_kinds, tiles
-from .flex_emit import captured_args, jit_function
+from .flex import block_lists, mod_functions, tiles
+from .flex_emit import captured_args
 
 # (BLOCK_M, BLOCK_N, warps, stages) per head-dim class, from a sweep of sm_90a builds of the
 # compile test's mods (tests/compile/test_flex_compile.py), fewest local-memory instructions:
@@ -164,13 +162,6 @@ def flex_bwd_dkdv_kernel(
                dv.to(DV_OUT.dtype.element_ty))
 
 
-def _stacked_lists(kinds, batch, heads):
-    """NUM (B, H, 2, n) and IDX (B, H, 2, n, m): the partial and full lists stacked."""
-    pnum, pidx = _lists(kinds, PARTIAL, batch, heads)
-    fnum, fidx = _lists(kinds, FULL, batch, heads)
-    return torch.stack((pnum, fnum), 2), torch.stack((pidx, fidx), 2)
-
-
 def flex_backward(dout, dlse, q, k, v, out, lse, problem, captured_need_grad):
     batch, heads, seqlen_q, d = q.shape
     heads_kv, seqlen_k, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -180,33 +171,30 @@ def flex_backward(dout, dlse, q, k, v, out, lse, problem, captured_need_grad):
     lse = lse.contiguous()
     delta = delta.contiguous()
     score, mask = problem.score, problem.mask
-    n_score = len(score.captured) if score is not None else 0
     captured = problem.captured_values()[0] + problem.captured_values()[1]
-    fns = dict(
-        SCORE_MOD=jit_function(score.root) if score is not None else _identity_mod,
-        MASK_MOD=(jit_function(shift_slots(mask.root, n_score)) if mask is not None
-                  else _keep_all),
-        DMOD=jit_function(derivative(score.root)) if score is not None else _identity_mod,
-        HAS_SCORE=score is not None, HAS_MASK=mask is not None)
+    score_fn, mask_fn, dmod_fn = mod_functions(score, mask, True)
+    fns = dict(SCORE_MOD=score_fn, MASK_MOD=mask_fn, DMOD=dmod_fn,
+               HAS_SCORE=score is not None, HAS_MASK=mask is not None)
     block_d, block_dv = head_blocks(d, dv)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
     cap = captured_args(captured)
 
     def plan(table):
-        """The tile meta-parameters and block kinds of one kernel."""
+        """The tile meta-parameters and the mask's block size for one kernel."""
         bm, bn, warps, stages, bq, bk = tiles(q, v, problem, table)
         meta = dict(D=d, DV=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=bm,
                     BLOCK_N=bn, BQ=bq, BK=bk, num_warps=warps, num_stages=stages, **fns)
-        return meta, block_kinds(problem, q.device, seqlen_q, seqlen_k, bq, bk)
+        return meta, (bq, bk)
 
-    meta, kinds = plan(_DQ_TILES)
-    num, idx = _stacked_lists(kinds, batch, heads)
+    where = (str(q.device), seqlen_q, seqlen_k)
+    meta, blocks = plan(_DQ_TILES)
+    num, idx = block_lists(problem.layout, *where, *blocks, batch, heads, False)
     dq = torch.empty(batch, heads, seqlen_q, d, dtype=q.dtype, device=q.device)
     flex_bwd_dq_kernel[(triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * heads)](
         q, k, v, dout, lse, delta, dq, num, idx, cap, *strides, *num.stride(),
         *idx.stride()[:4], heads, problem.group, seqlen_q, seqlen_k, problem.scale, **meta)
-    meta, kinds = plan(_DKDV_TILES)
-    num, idx = _stacked_lists(kinds.transpose(2, 3), batch, heads)
+    meta, blocks = plan(_DKDV_TILES)
+    num, idx = block_lists(problem.layout, *where, *blocks, batch, heads, True)
     dk = torch.empty(batch, heads_kv, seqlen_k, d, dtype=k.dtype, device=q.device)
     dvt = torch.empty(batch, heads_kv, seqlen_k, dv, dtype=v.dtype, device=q.device)
     flex_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * heads_kv)](
