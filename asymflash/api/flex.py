@@ -127,13 +127,19 @@ def prepare(query, key, value, score_mod, block_mask, scale, enable_gqa,
     mask = None
     if block_mask is not None and not _is_noop_mask(block_mask.mask_mod) \
             and layout.has_partial:
-        mask = flex_trace.traced(block_mask.mask_mod, "mask")
+        mask = flex_trace.traced(block_mask.mask_mod, "mask", query.device)
     if extra_mask is not None:
         mask = extra_mask if mask is None else _and_masks(extra_mask, mask)
         layout = _all_partial(layout)
-    score = flex_trace.traced(score_mod, "score") if score_mod is not None else None
+    score = (flex_trace.traced(score_mod, "score", query.device) if score_mod is not None
+             else None)
     if extra_score is not None:
         score = extra_score if score is None else _compose_scores(score, extra_score)
+    for mod in (score, mask):
+        for t in (mod.captured if mod is not None else ()):
+            if t.device != query.device:
+                _fail(ValueError, f"a tensor the mods capture (shape {tuple(t.shape)}) is on "
+                                  f"{t.device}, query on {query.device}: move it to one device")
     return FlexProblem(score, mask, layout, float(scale), query.shape[1] // key.shape[1])
 
 
@@ -281,7 +287,7 @@ def flash_attn_with_mods(q, k, v, softmax_scale, causal, window_size, softcap,
     if mask_mod is not None:
         from ..core.flex_ir import and_masks
 
-        user = flex_trace.traced(mask_mod, "mask")
+        user = flex_trace.traced(mask_mod, "mask", q.device)
         extra_mask = user if extra_mask is None else and_masks(extra_mask, user)
     query, key, value = (t.transpose(1, 2) for t in (q, k, v))
     problem = prepare(query, key, value, score_mod, None, softmax_scale, True,

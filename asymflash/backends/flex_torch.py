@@ -25,6 +25,8 @@ def unsupported_flex(q, k, v, problem, need_grad: bool):
 
 def _chunks(problem, seqlen_q: int, seqlen_k: int, batch_heads: int, device):
     """(rows, cols) index tensors: the query rows of a chunk and the keys it may see."""
+    if seqlen_k == 0:
+        return  # no keys: every row keeps out 0, lse -inf
     layout = problem.layout
     kinds = layout.kinds.to(device)
     n_q = kinds.shape[2]

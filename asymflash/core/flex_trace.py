@@ -51,13 +51,16 @@ class ModTraceError(TypeError):
     control flow...)."""
 
 
-def _example_inputs(kind: str):
-    idx = [torch.zeros(1, dtype=torch.int32) for _ in range(4)]
-    return ([torch.zeros(1, dtype=torch.float32)] + idx) if kind == "score" else idx
+def _example_inputs(kind: str, device):
+    idx = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(4)]
+    return ([torch.zeros(1, dtype=torch.float32, device=device)] + idx) if kind == "score" \
+        else idx
 
 
-def trace(fn, kind: str) -> Mod:
-    """The expression form of `fn` (a score_mod if kind == "score", else a mask_mod)."""
+def trace(fn, kind: str, device="cpu") -> Mod:
+    """The expression form of `fn` (a score_mod if kind == "score", else a mask_mod), traced
+    on `device`, where the tensors it captures live (one-element tensors cannot mix
+    devices)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     names = INPUTS if kind == "score" else INPUTS[1:]
@@ -65,14 +68,14 @@ def trace(fn, kind: str) -> Mod:
     try:
         # no_grad: the graph holds the forward ops only (no autograd detach nodes)
         with torch.no_grad():
-            gm = make_fx(fn)(*_example_inputs(kind))
+            gm = make_fx(fn)(*_example_inputs(kind, device))
     except Exception as exc:  # noqa: BLE001 - any tracing failure gets one clear message
         raise ModTraceError(
             f"asymflash: {what} {_name(fn)} could not be traced with one-element tensors "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); a mod "
             "must be a pure function of its arguments in torch ops, with no Python control "
             "flow on tensor values and no .item()") from exc
-    return _Converter(gm, names, kind, what, _name(fn)).run()
+    return _Converter(gm, names, kind, what, _name(fn), device).run()
 
 
 def _name(fn) -> str:
@@ -80,8 +83,9 @@ def _name(fn) -> str:
 
 
 class _Converter:
-    def __init__(self, gm, names, kind, what, fn_name):
+    def __init__(self, gm, names, kind, what, fn_name, device):
         self.gm, self.names, self.kind, self.what, self.fn_name = gm, names, kind, what, fn_name
+        self.device = device
         self.env: dict = {}      # fx node -> IR node, or ("tensor", t) for a captured tensor
         self.slots: list = []    # captured tensors in slot order
 
@@ -209,7 +213,7 @@ class _Converter:
             v = self.env[a]
             if isinstance(v, tuple):
                 return v[1]
-            return torch.zeros(1, dtype=v.dtype)
+            return torch.zeros(1, dtype=v.dtype, device=self.device)
         return a
 
     def index(self, args):
@@ -268,24 +272,31 @@ def _closure_tensors(fn) -> list:
     return found
 
 
-def _key(fn, kind):
+def _key(fn, kind, device):
     tensors = _closure_tensors(fn)
-    return (kind, fn, tuple((id(t), t.dtype, tuple(t.shape), t.device) for t in tensors)), \
-        tensors
+    return (kind, fn, str(device),
+            tuple((id(t), t.dtype, tuple(t.shape), t.device) for t in tensors)), tensors
 
 
-def traced(fn, kind: str) -> Mod:
-    """trace(fn, kind), cached per function and captured-tensor signature."""
+def traced(fn, kind: str, device="cpu") -> Mod:
+    """trace(fn, kind, device), cached per function, device and captured-tensor signature.
+    A tensor the function visibly captures on another device is refused before tracing."""
     try:
-        key, tensors = _key(fn, kind)
+        key, tensors = _key(fn, kind, device)
         hash(key)
     except TypeError:  # an unhashable callable: trace every call
-        return trace(fn, kind)
+        return trace(fn, kind, device)
+    for t in tensors:
+        if t.device != torch.device(device):
+            what = "score_mod" if kind == "score" else "mask_mod"
+            raise ValueError(f"asymflash: {what} {_name(fn)} captures a tensor of shape "
+                             f"{tuple(t.shape)} on {t.device}, the inputs are on {device}: "
+                             "move it to one device")
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
         return hit[0]
-    mod = trace(fn, kind)
+    mod = trace(fn, kind, device)
     # keep the closure tensors alive with the entry: their ids are in the key
     _CACHE[key] = (mod, tensors)
     if len(_CACHE) > _CACHE_SIZE:

@@ -333,3 +333,20 @@ def test_repeated_calls_reuse_host_work():
     window = normalize_window(True, (-1, -1))
     assert builtin_mask(window, 40, 40) is builtin_mask(normalize_window(True, (-1, -1)), 40, 40)
     assert builtin_mask(window, 40, 41) is not builtin_mask(window, 40, 40)
+
+
+@pytest.mark.parametrize("sq,sk", [(0, 5), (5, 0)])
+def test_empty_sequences(sq, sk):
+    q, k, v = _inputs(1, 2, 2, sq, sk, 16)
+    out, lse = asymflash.flex_attention(q, k, v, lambda s, b, h, i, j: s * 2, return_lse=True)
+    assert out.shape == (1, 2, sq, 16) and torch.all(out == 0)
+    assert torch.all(lse == float("-inf"))
+    dq, dk, dv = torch.autograd.grad(out.sum(), [q, k, v])
+    assert torch.all(dq == 0) and dk.shape == k.shape and torch.all(dv == 0)
+
+
+def test_captured_tensor_on_another_device_is_refused():
+    q, k, v = _inputs(1, 2, 2, 8, 8, 16)
+    table = torch.randn(8, device="meta")
+    with pytest.raises(ValueError, match="capture"):
+        asymflash.flex_attention(q, k, v, lambda s, b, h, i, j: s + table[j])
