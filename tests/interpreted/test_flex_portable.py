@@ -146,18 +146,20 @@ def test_emitted_mod_and_derivative_match_the_tree(name):
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
 
 
-def test_emitted_captured_reads_out_of_range_give_zero():
+def test_emitted_captured_reads_wrap_negatives_and_zero_out_of_range():
     table = torch.arange(1.0, 9.0, device=DEVICE)
 
     def score_mod(s, b, h, q, kv):
-        return s * 0 + table[q - kv]  # negative and too-large indices for many (q, kv)
+        return s * 0 + table[q - kv]  # indices from -15 to 15 into 8 entries
 
-    mod = flex_trace.trace(score_mod, "score")
+    mod = flex_trace.trace(score_mod, "score", DEVICE)
     score = torch.zeros(1, 1, 16, 16, device=DEVICE)
     got = _run_emitted(mod.root, mod.captured, score)
     d = torch.arange(16, device=DEVICE)[:, None] - torch.arange(16, device=DEVICE)[None, :]
-    want = torch.where((d >= 0) & (d < 8), d.float() + 1, 0.0)
-    assert torch.equal(got[0, 0], want)
+    inside = (d >= -8) & (d < 8)  # where torch's indexing is defined: the same values
+    want = table[torch.where(inside, d, 0)]
+    assert torch.equal(got[0, 0][inside], want[inside])
+    assert torch.all(got[0, 0][~inside] == 0)
 
 
 def test_backward_dispatch():

@@ -6,8 +6,8 @@ The emitted function has the signature
 
 score an fp32 tile, b and h scalars, q_idx (BLOCK_M, 1) and kv_idx (1, BLOCK_N) int32, inb
 the tile's in-bounds mask and C the tuple (ptr_0, sizes_0, strides_0, ptr_1, ...) of the
-captured tensors; it returns a tile of inb's shape. A captured tensor read out of its range
-gives 0, never a stray address. Triton needs a
+captured tensors; it returns a tile of inb's shape. Negative indices count from the end (as
+in torch); a read out of range (an error in torch) gives 0, never a stray address. Triton needs a
 function's source in a file, so each distinct tree becomes a small module in a cache
 directory, named by the hash of its source, and is imported from there once per process.
 """
@@ -153,13 +153,17 @@ class _Emitter:
         base = 3 * node.slot  # C = (ptr, sizes, strides) per captured tensor
         if not node.index:
             return f"tl.load(C[{base}])"
-        # the range check alone keeps every address inside the tensor: padded rows and
-        # columns read some valid element, which the kernel's own mask discards
+        # Negative indices count from the end, as torch's indexing does. The range check
+        # alone keeps every address inside the tensor: padded rows and columns read some
+        # valid element, which the kernel's own mask discards.
         offset, ok = [], []
         for dim, idx in enumerate(node.index):
-            i = self.value(idx)
-            offset.append(f"({i}) * C[{base + 2}][{dim}]")
-            ok.append(f"(({i}) >= 0) & (({i}) < C[{base + 1}][{dim}])")
+            size = f"C[{base + 1}][{dim}]"
+            i = f"t{len(self.lines)}"
+            self.lines.append(f"    {i} = tl.where(({self.value(idx)}) < 0, "
+                              f"({self.value(idx)}) + {size}, {self.value(idx)})")
+            offset.append(f"{i} * C[{base + 2}][{dim}]")
+            ok.append(f"({i} >= 0) & ({i} < {size})")
         return (f"tl.load(C[{base}] + {' + '.join(offset)}, mask={' & '.join(ok)}, "
                 "other=0)")
 
