@@ -24,7 +24,8 @@ from .flex_emit import captured_args
 # compile test's mods (tests/compile/test_flex_compile.py), fewest local-memory instructions:
 # dQ d=64 64x32/4 warps: 0 (128x64/8: 8); d=128 128x32/8: 6 (64x64/8: 233). dK/dV (BLOCK_N
 # keys accumulate dK and dV) d=64 32x64/4: 29 (128x64/8: 56); d=128 32x64/8: 230 (128x32/8:
-# 405). Not yet timed on a GPU; d=256 untested.
+# 405); wrapping negative indices into captured tensors (as torch does) added some: dQ d=128
+# 31, dK/dV d=64 73. Not yet timed on a GPU; d=256 untested.
 _DQ_TILES = {64: Config(64, 32, 4, 2), 128: Config(128, 32, 8, 2), 256: Config(32, 32, 8, 2)}
 _DKDV_TILES = {64: Config(32, 64, 4, 2), 128: Config(32, 64, 8, 2), 256: Config(32, 32, 8, 2)}
 
