@@ -27,7 +27,8 @@ _INTERPRETER_TILE = 16  # the interpreter's cost grows with tile area
 # (BLOCK_M, BLOCK_N, warps, stages) per head-dim class: the first that built for sm_90a with
 # no local memory in a sweep of the compile test's mods (tests/compile/test_flex_compile.py;
 # d=64: the dense forward's 128x64/4 warps/3 stages spilled 434 instructions, 128x64 with 8
-# warps none). Not yet timed on a GPU.
+# warps none; d=128: 2 since the negative-index wrap of captured reads). Not yet timed on a
+# GPU.
 _TILES = {64: Config(128, 64, 8, 2), 128: Config(128, 32, 8, 2), 256: Config(32, 32, 8, 2)}
 
 
