@@ -3,6 +3,7 @@
 from .api.backward import attention_backward
 from .api.combine import flash_attn_combine
 from .api.dense import flash_attn_func, flash_attn_varlen_func
+from .api.flex import flex_attention
 from .api.kvcache import flash_attn_with_kvcache
 from .api.packed import (
     flash_attn_kvpacked_func,
@@ -17,5 +18,5 @@ __all__ = [
     "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "attention_ref",
     "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
     "flash_attn_varlen_kvpacked_func", "flash_attn_combine", "attention_backward",
-    "__version__",
+    "flex_attention", "__version__",
 ]

@@ -122,3 +122,35 @@ def attention_varlen_ref(
         dtype = outs[0].dtype if outs else (torch.float32 if kw.get("upcast", True) else q.dtype)
         gap(q.shape[0] - row, dtype, lses[0].dtype if lses else torch.float32)
     return torch.cat(outs), torch.cat(lses, dim=1)
+def flex_attention_ref(query, key, value, score_mod=None, block_mask=None, scale=None,
+                       enable_gqa: bool = False, compute_dtype: torch.dtype = torch.float32):
+    """torch FlexAttention's semantics (core/flex.py), on (batch, heads, seqlen, dim) tensors.
+
+    The mods are called directly (vectorised with torch.vmap), never through asymflash's
+    traced form, so this checks the tracing too. Returns (out, lse) in compute_dtype, lse
+    (batch, heads_q, seqlen_q) in natural log; differentiable in q, k, v and in tensors the
+    mods captured.
+    """
+    from .core import flex
+
+    batch, heads_q, seqlen_q, d = query.shape
+    heads_kv, seqlen_k = key.shape[1], key.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    qf, kf, vf = (t.to(compute_dtype) for t in (query, key, value))
+    if heads_q != heads_kv:
+        kf = kf.repeat_interleave(heads_q // heads_kv, dim=1)
+        vf = vf.repeat_interleave(heads_q // heads_kv, dim=1)
+    scores = torch.einsum("bhqd,bhkd->bhqk", qf, kf) * scale
+    scores = flex.apply_score_mod(score_mod, scores).to(compute_dtype)
+    layout = flex.block_layout(block_mask, seqlen_q, seqlen_k)
+    ok = flex.allowed_matrix(layout, batch, heads_q, seqlen_q, seqlen_k, query.device)
+    scores = scores.masked_fill(~ok, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True) if seqlen_k else torch.full(
+        (batch, heads_q, seqlen_q, 1), float("-inf"), dtype=compute_dtype, device=query.device)
+    # A row with no allowed key has max -inf: shift by 0 instead so exp gives 0, not NaN.
+    safe_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    p = torch.exp(scores - safe_max)
+    denom = p.sum(dim=-1, keepdim=True)
+    lse = (safe_max + torch.log(denom)).squeeze(-1)
+    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return torch.einsum("bhqk,bhkd->bhqd", p, vf), lse

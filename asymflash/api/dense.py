@@ -29,7 +29,7 @@ def flash_attn_func(
     causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
     learnable_sink: Optional[Tensor] = None, deterministic: bool = False,
     return_lse: bool = False, *, dropout_p: float = 0.0, alibi_slopes=None,
-    return_attn_probs: bool = False,
+    return_attn_probs: bool = False, score_mod=None, mask_mod=None,
 ):
     """Exact attention on (batch, seqlen, nheads, headdim) tensors, flash-attn compatible.
 
@@ -44,12 +44,25 @@ def flash_attn_func(
     (out, lse) with lse fp32 (batch, nheads_q, seqlen_q) in natural log if return_lse.
     A query with nothing to attend to gets out = 0 and lse = -inf.
 
-    flash-attn 2's keywords: dropout_p must be 0 and alibi_slopes None (neither is
-    implemented: NotImplementedError otherwise); return_attn_probs=True returns
-    (out, lse, None), its (out, softmax_lse, S_dmask) without the probabilities.
+    flash-attn 2's keywords: dropout_p must be 0 (NotImplementedError otherwise);
+    alibi_slopes (fp32, (nheads,) or (batch, nheads)) adds -slope * |i + seqlen_k - seqlen_q
+    - j| to the scaled, soft-capped score; return_attn_probs=True returns (out, lse, None),
+    its (out, softmax_lse, S_dmask) without the probabilities.
+    score_mod(score, b, h, q_idx, kv_idx) and mask_mod(b, h, q_idx, kv_idx) are
+    FlexAttention's mods (asymflash.flex_attention), applied after softcap and ALiBi and
+    together with causal/window_size; h is the query head.
     """
-    if dropout_p or alibi_slopes is not None:
-        _refuse_fa2_features(dropout_p, alibi_slopes)
+    if dropout_p:
+        _refuse_fa2_features(dropout_p, None)
+    if score_mod is not None or mask_mod is not None or alibi_slopes is not None:
+        from .flex import flash_attn_with_mods
+
+        out = flash_attn_with_mods(q, k, v, softmax_scale, causal, window_size, softcap,
+                                   learnable_sink, return_lse or return_attn_probs,
+                                   score_mod, mask_mod, alibi_slopes)
+        if return_attn_probs:
+            return (*out, None)
+        return out
     # A repeated signature runs its plan (plans.py: checks, dispatch and launch decisions
     # made by the first call of that signature); a new one takes the full path.
     key = plans.dense_key(q, k, v, softmax_scale, causal, window_size, softcap,

@@ -232,3 +232,52 @@ def _why(q, reasons: list) -> str:
         return "; ".join(reasons)
     return (f"no backend runs on {q.device.type} tensors (asymflash runs on cuda and cpu; "
             "under torch.compile, meta tensors are traced through the custom ops instead)")
+
+
+# FlexAttention (score_mod / mask_mod / BlockMask, api/flex.py) has a calling convention of
+# its own over core.flex.FlexProblem; each module has
+#     unsupported_flex(q, k, v, problem, need_grad) -> str | None
+#     flex_forward(q, k, v, problem) -> (out, lse)
+#     flex_backward(dout, dlse, q, k, v, out, lse, problem, captured_need_grad)
+#         -> (dq, dk, dv, [grad of each score_mod captured tensor or None])
+#     unsupported_flex_backward(q, k, v, problem) -> str | None   (optional: else
+#         unsupported_flex's answer holds for the backward too)
+# The tiled torch module ("cpu") runs on every device, so it ends every device's list.
+_FLEX_MODULES = {
+    "portable": "asymflash.backends.portable.flex",
+    "cpu": "asymflash.backends.flex_torch",
+}
+_LOADED_FLEX: dict = {}
+
+
+def flex_names(device) -> list:
+    names = [n for n in backend_names(device) if n in _FLEX_MODULES]
+    return names + ([] if "cpu" in names else ["cpu"])
+
+
+def pick_flex(q, k, v, problem, direction: str, need_grad: bool = False):
+    """The flex backend for a forward or a backward (any forward pairs with any backward:
+    they compute the same semantics). need_grad tells a forward that a backward follows."""
+    forced = _forced.get()
+    names = [forced] if forced in _FLEX_MODULES else flex_names(q.device)
+    if direction == "backward" and forced in _FLEX_MODULES:
+        names += [n for n in flex_names(q.device) if n != forced]
+    reasons = []
+    for name in names:
+        mod = _LOADED_FLEX.get(name)
+        if mod is None:
+            mod = _LOADED_FLEX[name] = importlib.import_module(_FLEX_MODULES[name])
+        if direction == "backward" and not hasattr(mod, "flex_backward"):
+            reasons.append(f"{name}: no backward")
+            continue
+        check = getattr(mod, "unsupported_flex_backward", None)
+        if direction == "backward" and check is not None:
+            why = check(q, k, v, problem)
+        else:
+            why = mod.unsupported_flex(q, k, v, problem, need_grad)
+        if why is None:
+            return mod
+        reasons.append(f"{name}: {why}")
+    raise NotImplementedError(
+        f"asymflash: no backend can run this flex {direction} on {q.device}: "
+        + _why(q, reasons))

@@ -1,0 +1,89 @@
+"""The suite of FlexAttention mods the flex tests run: each a factory of fresh random
+captured tensors for given sizes, returning (score_mod, mask_mod, tensors that get grads)."""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 16  # BlockMask block size of the tests: several blocks at seqlen 17 and 113
+
+
+def causal(sq, sk, heads, device):
+    return None, lambda b, h, q, kv: q >= kv, []
+
+
+def sliding_window(sq, sk, heads, device):
+    return None, lambda b, h, q, kv: (q - kv <= 8) & (kv - q <= 3), []
+
+
+def document(sq, sk, heads, device):
+    n = max(sq, sk)
+    doc = torch.randint(0, 4, (n,), device=device).sort().values
+
+    def mask(b, h, q, kv):
+        return doc[q] == doc[kv]
+    return None, mask, []
+
+
+def prefix_lm(sq, sk, heads, device):
+    prefix = max(1, sk // 3)
+    return None, lambda b, h, q, kv: (kv < prefix) | (q >= kv), []
+
+
+def alibi(sq, sk, heads, device):
+    slopes = torch.rand(heads, device=device)
+
+    def score(s, b, h, q, kv):
+        return s - slopes[h] * (q - kv).abs()
+    return score, None, []
+
+
+def softcap(sq, sk, heads, device):
+    return (lambda s, b, h, q, kv: 0.5 * torch.tanh(s / 0.5)), None, []
+
+
+def relative_bias(sq, sk, heads, device):
+    table = (0.5 * torch.randn(heads, sq + sk, device=device)).requires_grad_(True)
+
+    def score(s, b, h, q, kv):
+        return s + table[h, q - kv + sk]
+    return score, (lambda b, h, q, kv: q >= kv), [table]
+
+
+def block_sparse(sq, sk, heads, device):
+    nq, nk = -(-sq // BLOCK), -(-sk // BLOCK)
+    keep = torch.rand(nq, nk, device=device) < 0.5
+
+    def mask(b, h, q, kv):
+        return keep[q // BLOCK, kv // BLOCK]
+    return None, mask, []
+
+
+def combined(sq, sk, heads, device):
+    """Several ops at once: where, exp, sigmoid, min/max, remainder, a batch-dependent mask."""
+    scale = torch.rand(2, heads, device=device) + 0.5
+
+    def score(s, b, h, q, kv):
+        t = torch.where(q % 3 == 0, s * scale[b, h], torch.clamp(s, -1.0, 2.0))
+        return t + torch.sigmoid(s) - torch.exp(-((q - kv).abs().float()) / 16)
+
+    def mask(b, h, q, kv):
+        return ((q + b) // 2 >= kv // 2) | ~(kv % 5 != 0)
+    return score, mask, []
+
+
+MODS = {f.__name__: f for f in (causal, sliding_window, document, prefix_lm, alibi, softcap,
+                                 relative_bias, block_sparse, combined)}
+
+
+# Mods covering every op of the expression form, for the tracing and emission tests.
+IR_MODS = {
+    "arith": lambda s, b, h, q, kv: (s * 2 - 1) / (1 + (q - kv).abs()) + (-s),
+    "transcendental": lambda s, b, h, q, kv: torch.exp(s / 4) + torch.exp2(s / 4)
+    + torch.log(s.abs() + 1) + torch.tanh(s) + torch.sigmoid(s),
+    "int_ops": lambda s, b, h, q, kv: s + (q - 7) // 3 + (kv - 5) % 4 + torch.floor(s),
+    "minmax_where": lambda s, b, h, q, kv: torch.where(
+        (q > kv) & ~(h == 1) | (b != 0), torch.maximum(s, s * s), torch.minimum(s, -s)),
+    "clamp_cast": lambda s, b, h, q, kv: torch.clamp(s, min=-0.5) + q.float() * 0.01
+    + (kv >= 3).to(torch.float32),
+}
