@@ -19,6 +19,7 @@ from .common import (
     log2_scores,
     query_block_range,
     query_tile,
+    query_tile_operands,
     seq_bounds,
     store_rows,
     tile_valid,
@@ -181,15 +182,11 @@ def attn_bwd_dq_kernel(
         CU_Q, CU_K, USED_K, nheads_q, max_seqlen_q, BLOCK_M, HAS_USED_K)
     if m_lo >= seqlen_q:
         return
-    rows = m_lo + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = load_rows(Q + h * stride_qh, q_start, rows, seqlen_q, stride_qt, offs_d, D)
+    rows, offs_n, offs_d, offs_dv, q, k_base, v_base = query_tile_operands(
+        Q, K, V, h, group, q_start, m_lo, seqlen_q, stride_qt, stride_qh, stride_kh,
+        stride_vh, D, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
     do = load_rows(DO + h * stride_doh, q_start, rows, seqlen_q, stride_dot, offs_dv, DV)
     lse2, delta = _row_stats(LSE, DELTA, h, stride_lse_h, q_start, rows, seqlen_q)
-    k_base = K + (h // group) * stride_kh
-    v_base = V + (h // group) * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = key_block_range(m_lo, m_lo + BLOCK_M, seqlen_q, seqlen_k, window_left,
                              window_right, LEFT, RIGHT, BLOCK_N)

@@ -63,6 +63,21 @@ def query_tile(CU_Q, CU_K, USED_K, nheads_q, max_seqlen_q, BLOCK_M: tl.constexpr
 
 
 @triton.jit
+def query_tile_operands(Q, K, V, h, group, q_start, m_lo, seqlen_q, stride_qt, stride_qh,
+                        stride_kh, stride_vh, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """What a query tile's program loads first: its rows, the key/dim offsets, its Q tile
+    and the bases of its kv head's K and V."""
+    rows = m_lo + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = load_rows(Q + h * stride_qh, q_start, rows, seqlen_q, stride_qt, offs_d, D)
+    return rows, offs_n, offs_d, offs_dv, q, K + (h // group) * stride_kh, \
+        V + (h // group) * stride_vh
+
+
+@triton.jit
 def key_block_range(m_lo, m_hi, seqlen_q, seqlen_k, window_left, window_right,
                     LEFT: tl.constexpr, RIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key blocks [lo, hi) that queries [m_lo, m_hi) may see (core.masks.key_range)."""
@@ -80,16 +95,10 @@ def key_block_range(m_lo, m_hi, seqlen_q, seqlen_k, window_left, window_right,
 @triton.jit
 def query_block_range(n_lo, n_hi, seqlen_q, seqlen_k, window_left, window_right,
                       LEFT: tl.constexpr, RIGHT: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Query blocks [lo, hi) that may see keys [n_lo, n_hi) (core.masks.query_range)."""
-    shift = seqlen_k - seqlen_q
-    lo = 0
-    hi = seqlen_q
-    if RIGHT:
-        lo = tl.maximum(n_lo - shift - window_right, 0)
-        lo = (lo // BLOCK_M) * BLOCK_M
-    if LEFT:
-        hi = tl.minimum(n_hi - shift + window_left, seqlen_q)
-    return lo, hi
+    """Query blocks [lo, hi) that may see keys [n_lo, n_hi) (core.masks.query_range): the
+    key range of the transposed mask (queries and keys, left and right swapped)."""
+    return key_block_range(n_lo, n_hi, seqlen_k, seqlen_q, window_right, window_left, RIGHT,
+                           LEFT, BLOCK_M)
 
 
 @triton.jit

@@ -18,6 +18,7 @@ from .common import (
     log2_scores,
     online_softmax_step,
     query_tile,
+    query_tile_operands,
     store_rows,
     tile_valid,
 )
@@ -56,13 +57,9 @@ def attn_fwd_kernel(
         CU_Q, CU_K, USED_K, nheads_q, max_seqlen_q, BLOCK_M, HAS_USED_K)
     if m_lo >= seqlen_q:
         return
-    rows = m_lo + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = load_rows(Q + h * stride_qh, q_start, rows, seqlen_q, stride_qt, offs_d, D)
-    k_base = K + (h // group) * stride_kh
-    v_base = V + (h // group) * stride_vh
+    rows, offs_n, offs_d, offs_dv, q, k_base, v_base = query_tile_operands(
+        Q, K, V, h, group, q_start, m_lo, seqlen_q, stride_qt, stride_qh, stride_kh,
+        stride_vh, D, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
