@@ -1,46 +1,24 @@
 """The sm90 kernels' mask bounds (`backends/sm90/bounds.py`, Gluon) against `core/masks.py`.
 
-The device functions themselves run here, on the CPU: their Python bodies are called with
-`gl` replaced by scalar stand-ins (min/max) and integers whose `//` truncates toward zero as
-the GPU's does, so what is checked is the kernels' own arithmetic, not a transcription.
+The device functions themselves run here, on the CPU (`tests/kernel_code.py`): their Python
+bodies are called with `gl` replaced by scalar stand-ins (min/max) and integers whose `//`
+truncates toward zero as the GPU's does, so what is checked is the kernels' own arithmetic,
+not a transcription.
 """
 
 from __future__ import annotations
 
 import itertools
-import types
 
 import pytest
+from kernel_code import I32 as _I32
+from kernel_code import python_body as _on_cpu
 
 from asymflash.backends.sm90 import bounds
 from asymflash.core import masks
 from asymflash.core.params import MaskSpec
 
 pytestmark = pytest.mark.skipif(bounds.GLUON_ERROR is not None, reason=str(bounds.GLUON_ERROR))
-
-
-class _I32(int):
-    """An int with the device's integer division (toward zero) and closed arithmetic."""
-
-    def _wrap(op):
-        return lambda a, b: _I32(op(int(a), int(b)))
-
-    __add__ = __radd__ = _wrap(lambda a, b: a + b)
-    __sub__ = _wrap(lambda a, b: a - b)
-    __rsub__ = _wrap(lambda a, b: b - a)
-    __mul__ = __rmul__ = _wrap(lambda a, b: a * b)
-    __floordiv__ = _wrap(lambda a, b: abs(a) // abs(b) * (1 if (a >= 0) == (b > 0) else -1))
-
-
-_GL = types.SimpleNamespace(minimum=lambda a, b: _I32(min(a, b)),
-                            maximum=lambda a, b: _I32(max(a, b)))
-
-
-def _on_cpu(jit_fn):
-    """The Python body of a Gluon function, its `gl` replaced by the scalar stand-ins."""
-    fn = jit_fn.fn
-    return types.FunctionType(fn.__code__, {**fn.__globals__, "gl": _GL}, fn.__name__,
-                              fn.__defaults__, fn.__closure__)
 
 
 key_blocks = _on_cpu(bounds.key_blocks) if bounds.GLUON_ERROR is None else None

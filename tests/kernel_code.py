@@ -4,7 +4,8 @@ The protocol tests model the kernels' scheduling arithmetic (turns, walks, ping-
 barriers). Rather than a hand copy of that arithmetic, they call the very functions the
 kernels call: a `@gluon.jit` function keeps its Python function as `.fn`; `on_ints` runs it
 with the Gluon names it uses (`gl`, `mbarrier`) replaced by integer stand-ins, so a change
-to the kernel's arithmetic changes what the tests see.
+to the kernel's arithmetic changes what the tests see. `I32` divides as the device does
+(toward zero), for the mask bounds' negative offsets.
 """
 
 from __future__ import annotations
@@ -14,12 +15,25 @@ import types
 import pytest
 
 
+class I32(int):
+    """An int with the device's integer division (toward zero) and closed arithmetic."""
+
+    def _wrap(op):
+        return lambda a, b: I32(op(int(a), int(b)))
+
+    __add__ = __radd__ = _wrap(lambda a, b: a + b)
+    __sub__ = _wrap(lambda a, b: a - b)
+    __rsub__ = _wrap(lambda a, b: b - a)
+    __mul__ = __rmul__ = _wrap(lambda a, b: a * b)
+    __floordiv__ = _wrap(lambda a, b: abs(a) // abs(b) * (1 if (a >= 0) == (b > 0) else -1))
+
+
 class _Gl:
-    """The `gl` calls the scheduling arithmetic makes, on Python ints."""
+    """The `gl` calls the scheduling and mask arithmetic makes, on Python ints."""
 
     constexpr = staticmethod(lambda x: x)
-    maximum = staticmethod(max)
-    minimum = staticmethod(min)
+    maximum = staticmethod(lambda a, b: I32(max(a, b)) if isinstance(a, I32) else max(a, b))
+    minimum = staticmethod(lambda a, b: I32(min(a, b)) if isinstance(a, I32) else min(a, b))
 
 
 class BarrierLog:
@@ -44,13 +58,18 @@ class Indices:
         return i
 
 
-def on_ints(jit_fn, *args, mbarrier=None):
-    """Call `jit_fn`'s Python body with `args` (ints; constexprs as plain values)."""
+def python_body(jit_fn, mbarrier=None):
+    """`jit_fn`'s Python function, its Gluon names replaced by the integer stand-ins."""
     fn = getattr(jit_fn, "fn", None)
     if fn is None:
         pytest.skip("triton's Gluon (the kernels' source) is not importable here")
     env = dict(fn.__globals__, gl=_Gl)
     if mbarrier is not None:
         env["mbarrier"] = mbarrier
-    body = types.FunctionType(fn.__code__, env, fn.__name__, fn.__defaults__, fn.__closure__)
-    return body(*args)
+    return types.FunctionType(fn.__code__, env, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def on_ints(jit_fn, *args, mbarrier=None):
+    """Call `jit_fn`'s Python body with `args` (ints, or I32 where the device's division of
+    negative values matters; constexprs as plain values)."""
+    return python_body(jit_fn, mbarrier)(*args)
