@@ -47,6 +47,7 @@ import logging
 from collections import Counter
 
 import torch
+import torch.nn.attention
 
 from ..api.backward import attention_backward
 from ..api.dense import flash_attn_func
@@ -191,9 +192,12 @@ class _Handle:
         self.library.impl(_BACKWARD_OP, sdpa_flash_backward, dispatch_key)
 
     def remove(self):
+        # torch's restore_flash_attention_impl() (or activating another impl) calls this:
+        # the priority order register() changed goes back with the kernels.
         if self.library is not None:
             self.library._destroy()
             self.library = None
+            _restore_priority()
 
 
 _direct_handle = None       # torch without the registry: our own handle
@@ -220,7 +224,10 @@ def _prefer_flash():
         # The first backend choice sets torch's default order (cuDNN first on sm90/sm100):
         # make it now so that it does not overwrite ours later.
         t = torch.zeros(1, 1, 1, 8, dtype=torch.float16, device="cuda")
-        torch._fused_sdp_choice(t, t, t)
+        try:
+            torch._fused_sdp_choice(t, t, t)
+        except RuntimeError:  # every backend disabled by the user: nothing chosen
+            pass
     order = list(get())
     flash = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
     if _saved_priority is None:

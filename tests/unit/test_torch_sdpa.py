@@ -235,5 +235,12 @@ def test_priority_order_change_is_undone():
         torch_sdpa.register(prefer_flash=False)
         assert list(torch._C._get_sdp_priority_order()) == order
         torch_sdpa.unregister()
+        if hasattr(torch.nn.attention, "restore_flash_attention_impl"):
+            # torch's own restore undoes the registration and the order alike
+            torch_sdpa.register()
+            assert list(torch._C._get_sdp_priority_order())[0] == order[2]
+            torch.nn.attention.restore_flash_attention_impl()
+            assert not torch_sdpa.is_registered()
+            assert list(torch._C._get_sdp_priority_order()) == order
     finally:
         torch._C._set_sdp_priority_order(before)
