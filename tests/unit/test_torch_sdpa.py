@@ -6,6 +6,8 @@ unregister() round trips. The CUDA dispatch itself is tests/gpu/test_torch_sdpa_
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -244,3 +246,65 @@ def test_priority_order_change_is_undone():
             assert list(torch._C._get_sdp_priority_order()) == order
     finally:
         torch._C._set_sdp_priority_order(before)
+
+
+class _FlashRoute(torch.overrides.TorchFunctionMode):
+    """What torch's CUDA SDPA does with a call its flash backend accepts (no mask, no
+    dropout, causal only when square): the flash op's output. Here on the CPU key."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            causal = kwargs.get("is_causal", False)
+            if (kwargs.get("attn_mask") is None and not kwargs.get("dropout_p")
+                    and (not causal or q.shape[2] == k.shape[2])):
+                return aten._scaled_dot_product_flash_attention(
+                    q, k, v, 0.0, causal, False, scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, dim=32, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.q = torch.nn.Linear(dim, dim)
+        self.kv = torch.nn.Linear(dim, 2 * kv_heads * self.hd)
+        self.o = torch.nn.Linear(dim, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        h = self.norm(x)
+        q = self.q(h).view(b, s, self.heads, self.hd).transpose(1, 2)
+        k, v = self.kv(h).view(b, s, 2, self.kv_heads, self.hd).unbind(2)
+        a = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, enable_gqa=True)
+        return x + self.o(a.transpose(1, 2).reshape(b, s, -1))
+
+
+def _train(route):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block(), _Block())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(4):
+        x = torch.randn(2, 17, 32, generator=g)
+        with _FlashRoute() if route else contextlib.nullcontext():
+            loss = (model(x) - x.roll(1, 1)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_model_written_for_sdpa_trains_the_same(on_cpu_key):
+    """A GQA causal block trained through the flash op (asymflash, fp32 on the CPU) and
+    through torch's own SDPA: the same losses step by step."""
+    base = _train(route=False)
+    got = _train(route=True)
+    assert torch_sdpa.stats == {"asymflash_forward": 8, "asymflash_backward": 8}
+    assert base[-1] < base[0]
+    torch.testing.assert_close(got, base, atol=1e-5, rtol=1e-5)
