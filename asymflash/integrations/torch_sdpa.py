@@ -44,6 +44,7 @@ On torch without the registry (< 2.11) register() installs the same kernels dire
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import Counter
 
 import torch
@@ -188,8 +189,10 @@ class _Handle:
 
     def __init__(self, dispatch_key):
         self.library = torch.library.Library("aten", "IMPL", dispatch_key)
-        self.library.impl(_FORWARD_OP, sdpa_flash_forward, dispatch_key)
-        self.library.impl(_BACKWARD_OP, sdpa_flash_backward, dispatch_key)
+        with warnings.catch_warnings():  # replacing torch's CUDA kernels is the point
+            warnings.filterwarnings("ignore", message=".*[Oo]verrid")
+            self.library.impl(_FORWARD_OP, sdpa_flash_forward, dispatch_key)
+            self.library.impl(_BACKWARD_OP, sdpa_flash_backward, dispatch_key)
 
     def remove(self):
         # torch's restore_flash_attention_impl() (or activating another impl) calls this:

@@ -57,15 +57,20 @@ def math32(q, k, v, **kw):
     return torch_run(*(t.detach().float() for t in (q, k, v)), SDPBackend.MATH, **kw)
 
 
+def _atol(name, ref):
+    return 1e-3 if name == "out" else 1e-2 * max(1.0, ref.abs().max().item())
+
+
 def test_register_puts_flash_first_and_unregister_restores():
+    t = torch.zeros(1, 1, 1, 8, device=DEV, dtype=torch.float16)
+    torch._fused_sdp_choice(t, t, t)  # torch's default order is set on the first choice
     before = list(torch._C._get_sdp_priority_order())
     torch_sdpa.register()
     try:
         assert torch._C._get_sdp_priority_order()[0] == int(SDPBackend.FLASH_ATTENTION)
     finally:
         torch_sdpa.unregister()
-    after = list(torch._C._get_sdp_priority_order())
-    assert after == before or before[0] == int(SDPBackend.FLASH_ATTENTION)
+    assert list(torch._C._get_sdp_priority_order()) == before
 
 
 # (batch, hq, hk, seqlen_q, seqlen_k, d, is_causal, bshd layout)
@@ -90,7 +95,29 @@ def test_sdpa_runs_asymflash_and_matches_torch(registered, case):
                               SDPBackend.MATH], **kw)  # torch's own bf16 kernels
     for name, x, r, lo in zip(("out", "dq", "dk", "dv"), got, ref32, low):
         assert x.shape == lo.shape and x.dtype == lo.dtype
-        assert_fa_close(name, x, r, lo, 1e-3 if name == "out" else 5e-3)
+        assert_fa_close(name, x, r, lo, _atol(name, r))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_op_outputs_as_torchs(causal):
+    """The flash op's tuple as torch's kernel gives it: out, logsumexp fp32 (b, h, sq)
+    contiguous in natural log (what context parallel merges by), max_q/max_k, rng state."""
+    q, k, v = (t.detach() for t in qkv(2, 8, 2, 1000, 1000, 128))
+    op = torch.ops.aten._scaled_dot_product_flash_attention
+    want = op(q, k, v, 0.0, causal, False, scale=0.1)
+    torch_sdpa.register()
+    torch_sdpa.stats.clear()
+    try:
+        got = op(q, k, v, 0.0, causal, False, scale=0.1)
+    finally:
+        torch_sdpa.unregister()
+    assert torch_sdpa.stats["asymflash_forward"] == 1
+    assert got[1].shape == want[1].shape == (2, 8, 1000) and got[1].dtype == torch.float32
+    assert got[1].is_contiguous()
+    torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
+    assert got[4:6] == want[4:6] == (1000, 1000)
+    assert got[6].shape == (2,) and got[6].dtype == torch.uint64  # as torch's meta function
 
 
 def test_scale_and_head_dim_padding(registered):
@@ -103,7 +130,7 @@ def test_scale_and_head_dim_padding(registered):
     torch_sdpa.unregister()
     low = torch_run(q, k, v, SDPBackend.FLASH_ATTENTION, scale=0.2)
     for name, x, r, lo in zip(("out", "dq", "dk", "dv"), got, ref32, low):
-        assert_fa_close(name, x, r, lo, 1e-3 if name == "out" else 5e-3)
+        assert_fa_close(name, x, r, lo, _atol(name, r))
 
 
 FLASH_FIRST = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
@@ -140,8 +167,9 @@ def test_what_asymflash_does_not_take_gives_torchs_result(kw):
     assert torch_sdpa.stats["asymflash_forward"] == 0
     if kw.get("dropout_p"):
         assert torch_sdpa.stats["torch_forward"] == torch_sdpa.stats["torch_backward"] == 1
-    for x, y in zip(got, want):
-        torch.testing.assert_close(x, y, atol=0, rtol=0)
+    torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)  # forwards: deterministic
+    for x, y in zip(got[1:], want[1:]):  # backwards accumulate with atomics
+        torch.testing.assert_close(x, y)
 
 
 class Block(torch.nn.Module):
@@ -199,8 +227,9 @@ def test_transformer_trains_the_same(compile_):
         got = train(compile_=compile_)
     finally:
         torch_sdpa.unregister()
-    assert torch_sdpa.stats["asymflash_forward"] == 8 * 2
+    assert torch_sdpa.stats["asymflash_forward"] >= 8 * 2  # more if compile recomputes it
     assert torch_sdpa.stats["asymflash_backward"] == 8 * 2
+    assert torch_sdpa.stats["torch_forward"] == 0
     assert base[-1] < base[0]
     for a, b in zip(got, base):
         assert abs(a - b) <= 2e-2 * abs(b), (got, base)
