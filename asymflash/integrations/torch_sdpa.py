@@ -188,6 +188,7 @@ class _Handle:
     """The dispatcher registration; remove() gives the ops back to torch's kernels."""
 
     def __init__(self, dispatch_key):
+        self.dispatch_key = dispatch_key
         self.library = torch.library.Library("aten", "IMPL", dispatch_key)
         with warnings.catch_warnings():  # replacing torch's CUDA kernels is the point
             warnings.filterwarnings("ignore", message=".*[Oo]verrid")
@@ -200,7 +201,8 @@ class _Handle:
         if self.library is not None:
             self.library._destroy()
             self.library = None
-            _restore_priority()
+            if self.dispatch_key == "CUDA":
+                _restore_priority()
 
 
 _direct_handle = None       # torch without the registry: our own handle
