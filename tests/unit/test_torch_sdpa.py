@@ -308,3 +308,26 @@ def test_a_model_written_for_sdpa_trains_the_same(on_cpu_key):
     assert torch_sdpa.stats == {"asymflash_forward": 8, "asymflash_backward": 8}
     assert base[-1] < base[0]
     torch.testing.assert_close(got, base, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_compile_runs_the_registered_kernels(on_cpu_key):
+    """torch.compile traces the op with torch's meta function and calls the registered
+    kernels at run time: their outputs must fit what the meta function promised."""
+    def f(q, k, v):
+        out = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False,
+                                                       scale=0.25)[0]
+        return (out * out).sum()
+
+    torch._dynamo.reset()
+    q, k, v = qkv(2, 4, 2, 17, 17, 16)
+    loss = torch.compile(f)(q, k, v)
+    loss.backward()
+    assert torch_sdpa.stats["asymflash_forward"] >= 1
+    assert torch_sdpa.stats["asymflash_backward"] == 1
+    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = math_sdpa(qr, kr, vr, is_causal=True, scale=0.25, enable_gqa=True)
+    ref = (out * out).sum()
+    ref.backward()
+    torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-5)
+    for got, want in ((q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)):
+        torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
