@@ -50,7 +50,10 @@ try:  # Gluon is optional: a CPU-only or older triton must still import this mod
         modules use `from __future__ import annotations`, which leaves them strings, and the
         aggregate checks each field's value against its annotation's type."""
         cls.__annotations__ = typing.get_type_hints(cls)
-        return _aggregate(cls)
+        agg = _aggregate(cls)
+        # the fields in order: constructors that take them positionally set them in a loop
+        agg.field_names = tuple(cls.__annotations__)
+        return agg
 
     GLUON_ERROR: str | None = None
 except Exception as exc:  # noqa: BLE001 - any import failure means: no fast path

@@ -67,17 +67,17 @@ from ..common import GLUON_ERROR
 
 if GLUON_ERROR is None:
     from ..bounds import (
-        key_block_walk,
         mask_edges,
         query_range,
     )
     from ..common import fence_async_shared, gl, gluon, mbarrier
     from ..sched import (
-        key_block,
         walk_start,
     )
     from .parts import (
         in_fragments,
+        key_tile,
+        key_walk,
     )
     from .ws_roles import (
         COMPUTE_REGS,
@@ -258,17 +258,7 @@ if GLUON_ERROR is None:
                 t = _take_tile(tile_smem, tile_full, tile_empty, tile, 1)
 
     @gluon.jit
-    def _ws_tiles(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
-                  delta_ptr, dk_ptr, dv_ptr, sem_ptr, seqlen_q, seqlen_k, total_q, n_heads,
-                  n_kv_heads, group, num_m_blocks, qk_scale, softmax_scale, softcap_pre,
-                  window_left, window_right, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                  HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
-                  DP_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr,
-                  RING: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
-                  HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr,
-                  DETERMINISTIC: gl.constexpr, KV_BUFS: gl.constexpr = 1,
-                  MASK_MODE: gl.constexpr = 0, FIRST_STORES: gl.constexpr = False):
+    def _ws_tiles(call, cfg):
         """A persistent CTA (BwdConfig.ws_persistent; dense lengths): the
         grid's (key block, kv head, sequence) tiles, the program's own number first and then
         the next of a counter's (`_ws_loader_tiles`, which hands each to the other roles),
@@ -289,13 +279,16 @@ if GLUON_ERROR is None:
         tiles number key blocks), and causal tiles numbered top-first (descending turns).
         The semaphores and the tile counter share one zeroed buffer: the counter is the word
         after the (sequence, q head, query block) semaphores."""
-        HAND_OVER: gl.constexpr = DQ_WARP or DETERMINISTIC  # the dQ warp issues the reduces
-        TOP_FIRST: gl.constexpr = HAS_RIGHT and DETERMINISTIC
-        smem = ws_alloc(q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
-                        BLOCK_N, RING, HAND_OVER, KV_BUFS)
-        kv_free = gl.allocate_shared_memory(gl.int64, [KV_BUFS, 1], mbarrier.MBarrierLayout())
+        # the dQ warp issues the reduces
+        HAND_OVER: gl.constexpr = cfg.DQ_WARP or cfg.DETERMINISTIC
+        TOP_FIRST: gl.constexpr = cfg.HAS_RIGHT and cfg.DETERMINISTIC
+        smem = ws_alloc(call.q_desc, call.k_desc, call.v_desc, call.do_desc, call.dq_desc,
+                        cfg.HEAD_DIM, cfg.HEAD_DIM_V, cfg.BLOCK_M, cfg.BLOCK_N, cfg.RING, HAND_OVER,
+                        cfg.KV_BUFS)
+        kv_free = gl.allocate_shared_memory(gl.int64, [cfg.KV_BUFS, 1],
+                                            mbarrier.MBarrierLayout())
         epi_done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        for st in gl.static_range(KV_BUFS):
+        for st in gl.static_range(cfg.KV_BUFS):
             mbarrier.init(kv_free.index(st), count=2)
         mbarrier.init(epi_done.index(0), count=2)
         # the tile numbers the load warp hands out (_give_tile): two slots
@@ -306,65 +299,55 @@ if GLUON_ERROR is None:
         for st in gl.static_range(2):
             mbarrier.init(tile_full.index(st), count=1)
             mbarrier.init(tile_empty.index(st), count=3 if HAND_OVER else 2)
-        if epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, HAND_OVER, KV_BUFS) == 2:
-            dv_stage = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N // 2, HEAD_DIM_V],
-                                                 dv_desc.layout)
+        if epilogue_mode(cfg.BLOCK_M, cfg.HEAD_DIM, cfg.HEAD_DIM_V, HAND_OVER, cfg.KV_BUFS) == 2:
+            dv_stage = gl.allocate_shared_memory(call.q_desc.dtype,
+                                                 [2, cfg.BLOCK_N // 2, cfg.HEAD_DIM_V],
+                                                 call.dv_desc.layout)
         else:
             dv_stage = smem.dq  # not read
         fence_async_shared()
-        n_blocks = (seqlen_k + BLOCK_N - 1) // BLOCK_N
-        n_seqs = total_q // gl.maximum(seqlen_q, 1)
-        n_tiles = n_blocks * n_kv_heads * n_seqs
-        counter_ptr = sem_ptr
-        if DETERMINISTIC:
-            counter_ptr = sem_ptr + n_seqs * n_heads * num_m_blocks
-        shared = (smem, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, seqlen_q, seqlen_k,
-                  n_kv_heads, group,
-                  qk_scale, softmax_scale, softcap_pre, window_left, window_right, n_blocks,
-                  kv_free, epi_done, tile_smem, tile_full, tile_empty, dv_stage)
+        n_blocks = (call.seqlen_k + cfg.BLOCK_N - 1) // cfg.BLOCK_N
+        n_seqs = call.total_q // gl.maximum(call.seqlen_q, 1)
+        n_tiles = n_blocks * call.n_kv_heads * n_seqs
+        counter_ptr = call.sem_ptr
+        if cfg.DETERMINISTIC:
+            counter_ptr = call.sem_ptr + n_seqs * call.n_heads * call.num_m_blocks
+        shared = (smem, call.dq_desc, call.dk_desc, call.dv_desc, call.dk_ptr, call.dv_ptr,
+                  call.seqlen_q, call.seqlen_k, call.n_kv_heads, call.group, call.qk_scale,
+                  call.softmax_scale, call.softcap_pre, call.window_left, call.window_right,
+                  n_blocks, kv_free, epi_done, tile_smem, tile_full, tile_empty, dv_stage)
         gl.warp_specialize([
-            (_ws_compute_tiles, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                 HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                                 HAND_OVER, DV_OVERLAP, DK_AFTER_DQ, HEADS_FIRST,
-                                 TOP_FIRST, KV_BUFS, MASK_MODE)),
-            (_ws_compute_tiles, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                 HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                                 HAND_OVER, DV_OVERLAP, DK_AFTER_DQ, HEADS_FIRST,
-                                 TOP_FIRST, KV_BUFS, MASK_MODE)),
-            (_ws_loader_tiles, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, smem,
-                                kv_free, epi_done, tile_smem, tile_full, tile_empty,
-                                counter_ptr, seqlen_q, seqlen_k, total_q,
-                                n_kv_heads, group, window_left, window_right, n_blocks,
-                                n_tiles, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                HAS_RIGHT, RING, HEADS_FIRST, HAND_OVER, TOP_FIRST,
-                                KV_BUFS)),
-            (_ws_dq_tiles, (smem, dq_desc, tile_smem, tile_full, tile_empty, sem_ptr, seqlen_q,
-             seqlen_k, n_heads, n_kv_heads, group, num_m_blocks, window_left, window_right,
-             n_blocks, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DQ_WARP, HEADS_FIRST,
-             DETERMINISTIC, TOP_FIRST, FIRST_STORES)),
+            (_ws_compute_tiles, (shared, 0, cfg.HEAD_DIM, cfg.HEAD_DIM_V, cfg.BLOCK_M,
+                                 cfg.BLOCK_N, cfg.HAS_LEFT, cfg.HAS_RIGHT, cfg.SOFTCAP,
+                                 cfg.DP_EARLY, cfg.KV_TMA_STORE, cfg.LATE_WG, cfg.RING,
+                                 HAND_OVER, cfg.DV_OVERLAP, cfg.DK_AFTER_DQ, cfg.HEADS_FIRST,
+                                 TOP_FIRST, cfg.KV_BUFS, cfg.MASK_MODE)),
+            (_ws_compute_tiles, (shared, 1, cfg.HEAD_DIM, cfg.HEAD_DIM_V, cfg.BLOCK_M,
+                                 cfg.BLOCK_N, cfg.HAS_LEFT, cfg.HAS_RIGHT, cfg.SOFTCAP,
+                                 cfg.DP_EARLY, cfg.KV_TMA_STORE, cfg.LATE_WG, cfg.RING,
+                                 HAND_OVER, cfg.DV_OVERLAP, cfg.DK_AFTER_DQ, cfg.HEADS_FIRST,
+                                 TOP_FIRST, cfg.KV_BUFS, cfg.MASK_MODE)),
+            (_ws_loader_tiles, (call.q_desc, call.k_desc, call.v_desc, call.do_desc,
+                                call.lse_ptr, call.delta_ptr, smem, kv_free, epi_done, tile_smem,
+                                tile_full, tile_empty, counter_ptr, call.seqlen_q, call.seqlen_k,
+                                call.total_q, call.n_kv_heads, call.group, call.window_left,
+                                call.window_right, n_blocks, n_tiles, cfg.HEAD_DIM,
+                                cfg.HEAD_DIM_V, cfg.BLOCK_M, cfg.BLOCK_N, cfg.HAS_LEFT,
+                                cfg.HAS_RIGHT, cfg.RING, cfg.HEADS_FIRST, HAND_OVER, TOP_FIRST,
+                                cfg.KV_BUFS)),
+            (_ws_dq_tiles, (smem, call.dq_desc, tile_smem, tile_full, tile_empty, call.sem_ptr,
+                            call.seqlen_q, call.seqlen_k, call.n_heads, call.n_kv_heads,
+                            call.group, call.num_m_blocks, call.window_left, call.window_right,
+                            n_blocks, cfg.HEAD_DIM, cfg.BLOCK_M, cfg.BLOCK_N, cfg.HAS_LEFT,
+                            cfg.HAS_RIGHT, cfg.DQ_WARP, cfg.HEADS_FIRST, cfg.DETERMINISTIC,
+                            TOP_FIRST, cfg.FIRST_STORES)),
         ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])
 
-    @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
-                                  "group", "window_left", "window_right", "num_m_blocks"])
-    def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
-                           delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
-                           sem_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_kv_heads, group,
-                           num_m_blocks, qk_scale, softmax_scale, softcap_pre, window_left,
-                           window_right, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-                           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                           SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
-                           DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                           STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
-                           KV_TMA_STORE: gl.constexpr,
-                           DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr,
-                           LATE_WG: gl.constexpr, RING: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
-                           HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr,
-                           PERSISTENT: gl.constexpr = False, KV_BUFS: gl.constexpr = 1,
-                           MASK_MODE: gl.constexpr = 0, FIRST_STORES: gl.constexpr = False):
-        # Same arguments as kernel._attn_bwd_kernel (one host path); DK_LATE, STATS_LATE and
-        # RELEASE_AT belong to that kernel's schedule. DV_OVERLAP:
+    @gluon.jit
+    def attn_bwd_ws(call, cfg):
+        """The body `entry.attn_bwd_kernel` runs for the warp-specialised kernel."""
+        # Of the launch's switches, DK_LATE, STATS_LATE, RELEASE_AT, DQ_IN_OPS and HI_LATE
+        # belong to the synchronous kernels' schedules. DV_OVERLAP:
         # dV = Pᵀ·dO stays in flight while dSᵀ is formed (BwdConfig.dv_overlap).
         # DETERMINISTIC: the dQ warp adds the tiles in kernel.py's turn order (causal masks:
         # the grid runs from the top key block down, as there). DQ_WARP: without
@@ -373,32 +356,22 @@ if GLUON_ERROR is None:
         # (BwdConfig.ws_kv_buffers). MASK_MODE: how masked steps mask (parts.probabilities;
         # BwdConfig.step_cols, mask_scores). FIRST_STORES: deterministic mode's first dQ turn
         # of each query block stores instead of adding (bwd.first_stores).
-        if PERSISTENT:
-            _ws_tiles(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
-                      delta_ptr, dk_ptr, dv_ptr, sem_ptr, seqlen_q, seqlen_k, total_q, n_heads,
-                      n_kv_heads, group, num_m_blocks, qk_scale, softmax_scale, softcap_pre,
-                      window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N,
-                      HAS_LEFT, HAS_RIGHT, SOFTCAP, DV_OVERLAP, DP_EARLY, KV_TMA_STORE, LATE_WG,
-                      RING, DK_AFTER_DQ, HEADS_FIRST, DQ_WARP, DETERMINISTIC,
-                      KV_BUFS, MASK_MODE, FIRST_STORES)
+        if cfg.PERSISTENT:
+            _ws_tiles(call, cfg)
         else:
-            n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
-                cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
-                HAS_RIGHT and DETERMINISTIC, HEADS_FIRST)
-            n0 = n_blk * BLOCK_N
-            # Top-first order (deterministic causal) numbers the key blocks down from the
-            # sequence's own count: grid columns beyond a shorter varlen sequence get n0 < 0.
+            n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k, n0 = key_tile(call,
+                                                                                          cfg)
             if (n0 >= 0) & (n0 < seqlen_k):
                 (shift, m_lo, group_blocks, n_steps, keys_oob, m_full_lo,
-                 m_full_hi) = key_block_walk(n0, seqlen_q, seqlen_k, group, window_left,
-                                             window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-                h_first = hk * group
+                 m_full_hi) = key_walk(call, cfg, n0, seqlen_q, seqlen_k)
+                h_first = hk * call.group
                 h, m0, stride = walk_start(n_blk, n_seq, n_steps, group_blocks, h_first, m_lo,
-                                           STAGGER, BLOCK_M)
-                m_end = m_lo + group_blocks * BLOCK_M
+                                           cfg.STAGGER, cfg.BLOCK_M)
+                m_end = m_lo + group_blocks * cfg.BLOCK_M
 
-                smem = ws_alloc(q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM, HEAD_DIM_V,
-                                BLOCK_M, BLOCK_N, RING, DETERMINISTIC or DQ_WARP)
+                smem = ws_alloc(call.q_desc, call.k_desc, call.v_desc, call.do_desc, call.dq_desc,
+                                cfg.HEAD_DIM, cfg.HEAD_DIM_V, cfg.BLOCK_M, cfg.BLOCK_N, cfg.RING,
+                                cfg.DETERMINISTIC or cfg.DQ_WARP)
                 fence_async_shared()
 
                 # What the two compute warpgroups share travels as one tuple of runtime values;
@@ -406,27 +379,32 @@ if GLUON_ERROR is None:
                 # turn them into runtime values). The dQ warp (deterministic mode) shares the
                 # load warp's padded warpgroup and register count; without DETERMINISTIC it
                 # returns at once.
-                shared = (smem, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, q_start, k_start,
-                          seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h, m0, m_lo, m_end,
-                          h_first, group, keys_oob, m_full_lo, m_full_hi, qk_scale, softmax_scale,
-                          softcap_pre, window_left, window_right)
+                shared = (smem, call.dq_desc, call.dk_desc, call.dv_desc, call.dk_ptr,
+                          call.dv_ptr, q_start, k_start, seqlen_q, seqlen_k, call.n_kv_heads, hk,
+                          n0, n_steps, h, m0, m_lo, m_end, h_first, call.group, keys_oob,
+                          m_full_lo, m_full_hi, call.qk_scale, call.softmax_scale,
+                          call.softcap_pre, call.window_left, call.window_right)
                 gl.warp_specialize([
-                    (ws_compute, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                   HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                                   DETERMINISTIC or DQ_WARP, DV_OVERLAP, DK_AFTER_DQ,
-                                   MASK_MODE)),
-                    (ws_compute, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                   HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                                   DETERMINISTIC or DQ_WARP, DV_OVERLAP, DK_AFTER_DQ,
-                                   MASK_MODE)),
-                    (ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, smem,
-                                  k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
-                                  m0, m_lo, m_end, h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
-                                  RING)),
-                    (ws_dq_turns, (smem, dq_desc, sem_ptr, q_start,
-                                    n_steps, h, m0, m_lo, m_end, h_first, group, batch, n_heads,
-                                    num_m_blocks, n_blk, n_seq, shift, window_left, window_right,
-                                    group_blocks, stride, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                    HAS_RIGHT, STAGGER, DETERMINISTIC or DQ_WARP, DETERMINISTIC,
-                                    0, FIRST_STORES)),
+                    (ws_compute, (shared, 0, cfg.HEAD_DIM, cfg.HEAD_DIM_V, cfg.BLOCK_M,
+                                  cfg.BLOCK_N, cfg.HAS_LEFT, cfg.HAS_RIGHT, cfg.SOFTCAP,
+                                  cfg.DP_EARLY, cfg.KV_TMA_STORE, cfg.LATE_WG, cfg.RING,
+                                  cfg.DETERMINISTIC or cfg.DQ_WARP, cfg.DV_OVERLAP,
+                                  cfg.DK_AFTER_DQ, cfg.MASK_MODE)),
+                    (ws_compute, (shared, 1, cfg.HEAD_DIM, cfg.HEAD_DIM_V, cfg.BLOCK_M,
+                                  cfg.BLOCK_N, cfg.HAS_LEFT, cfg.HAS_RIGHT, cfg.SOFTCAP,
+                                  cfg.DP_EARLY, cfg.KV_TMA_STORE, cfg.LATE_WG, cfg.RING,
+                                  cfg.DETERMINISTIC or cfg.DQ_WARP, cfg.DV_OVERLAP,
+                                  cfg.DK_AFTER_DQ, cfg.MASK_MODE)),
+                    (ws_loader, (call.q_desc, call.k_desc, call.v_desc, call.do_desc,
+                                 call.lse_ptr, call.delta_ptr, smem, k_start + n0, hk, q_start,
+                                 seqlen_q, call.total_q, n_steps, h, m0, m_lo, m_end, h_first,
+                                 call.group, cfg.HEAD_DIM, cfg.HEAD_DIM_V, cfg.BLOCK_M,
+                                 cfg.RING)),
+                    (ws_dq_turns, (smem, call.dq_desc, call.sem_ptr, q_start, n_steps, h, m0,
+                                   m_lo, m_end, h_first, call.group, batch, call.n_heads,
+                                   call.num_m_blocks, n_blk, n_seq, shift, call.window_left,
+                                   call.window_right, group_blocks, stride, cfg.HEAD_DIM,
+                                   cfg.BLOCK_M, cfg.BLOCK_N, cfg.HAS_LEFT, cfg.HAS_RIGHT,
+                                   cfg.STAGGER, cfg.DETERMINISTIC or cfg.DQ_WARP,
+                                   cfg.DETERMINISTIC, 0, cfg.FIRST_STORES)),
                 ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])
