@@ -22,7 +22,8 @@ if GLUON_ERROR is None:
 
     @aggregate
     class BwdCall:
-        """The runtime arguments of one launch, in the launch's order."""
+        """The runtime arguments of one launch, in the launch's order (the constructor takes
+        the fields in order: `common.aggregate`)."""
 
         q_desc: tma.tensor_descriptor  # [rows, d] (or [rows, heads, d]: common.tma_heads)
         k_desc: tma.tensor_descriptor
@@ -51,11 +52,6 @@ if GLUON_ERROR is None:
         softcap_pre: gl.tensor
         window_left: gl.tensor
         window_right: gl.tensor
-
-        @gluon.constexpr_function
-        def __init__(self, *values):
-            for name, value in zip(BwdCall.field_names, values, strict=True):
-                setattr(self, name, value)
 
     @aggregate
     class BwdConsts:
@@ -90,11 +86,6 @@ if GLUON_ERROR is None:
         MASK_MODE: gl.constexpr
         PERSISTENT: gl.constexpr
         KV_BUFS: gl.constexpr
-
-        @gluon.constexpr_function
-        def __init__(self, *values):
-            for name, value in zip(BwdConsts.field_names, values, strict=True):
-                setattr(self, name, gl.constexpr(value))
 
     # Lengths, head counts and windows stay runtime values: Triton would otherwise compile a
     # variant per value 1 (and per divisibility by 16), and with seqlen_q = group = 1 folded

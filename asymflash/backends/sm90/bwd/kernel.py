@@ -12,30 +12,33 @@ if GLUON_ERROR is None:
         gluon,
         mbarrier,
         thread_barrier,
-        tile_layout,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
     from ..sched import (
         next_step,
-        walk_start,
     )
     from .parts import (
         after_dq_reduce,
+        finish_dq,
         fragment_block,
         in_fragments,
+        key_operands,
         key_tile,
         key_walk,
         load_kv,
         load_qdo,
+        mask_coords,
         release_dq_turn_after_tma,
         stage_dq,
+        stat_buffers,
         step_probabilities,
         step_stats,
         store_key_grads,
         take_dq_turn,
         tma_reduce_add,
+        walk,
     )
 
 
@@ -79,14 +82,7 @@ if GLUON_ERROR is None:
             (shift, m_lo, group_blocks, n_steps, keys_oob, m_full_lo,
              m_full_hi) = key_walk(call, cfg, n0, seqlen_q, seqlen_k)
 
-            k_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.HEAD_DIM],
-                                               tile_layout(call.k_desc.layout))
-            v_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.HEAD_DIM_V],
-                                               tile_layout(call.v_desc.layout))
-            q_smem = gl.allocate_shared_memory(dtype, [2, cfg.BLOCK_M, cfg.HEAD_DIM],
-                                               tile_layout(call.q_desc.layout))
-            do_smem = gl.allocate_shared_memory(dtype, [2, cfg.BLOCK_M, cfg.HEAD_DIM_V],
-                                                tile_layout(call.do_desc.layout))
+            k_smem, v_smem, q_smem, do_smem = key_operands(call, cfg, 2)
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
                 [cfg.BLOCK_N, cfg.BLOCK_M], dtype)
             ds_smem = gl.allocate_shared_memory(dtype, [2, cfg.BLOCK_N, cfg.BLOCK_M], ds_layout)
@@ -102,32 +98,21 @@ if GLUON_ERROR is None:
 
             load_kv(call.k_desc, call.v_desc, k_smem, v_smem, kv_bar.index(0), k_start + n0, hk,
                     cfg.HEAD_DIM, cfg.HEAD_DIM_V)
-            # Steps walk (q head of the group, query block) in order; (h, m0) is the current
-            # step's pair, carried rather than divided out of the step counter.
-            h_first = hk * call.group
-            h, m0, stride = walk_start(n_blk, n_seq, n_steps, group_blocks, h_first, m_lo,
-                                       cfg.STAGGER, cfg.BLOCK_M)
-            m_end = m_lo + group_blocks * cfg.BLOCK_M
+            h_first, h, m0, stride, m_end = walk(call, cfg, hk, n_blk, n_seq, n_steps,
+                                                 group_blocks, m_lo)
             held = call.sem_ptr  # deferred release: the dQ turn this CTA still holds
             load_qdo(call.q_desc, call.do_desc, q_smem, do_smem, ready, 0, h, q_start + m0,
                      cfg.HEAD_DIM, cfg.HEAD_DIM_V, n_steps > 0)
 
-            kloc = gl.arange(0, cfg.BLOCK_N, layout=key_layout)
-            n_valid = seqlen_k - n0
-            diag_right = shift + call.window_right - n0  # key <= row + shift + window_right
-            diag_left = shift - call.window_left - n0  # key >= row + shift - window_left
-            cols = gl.arange(0, cfg.BLOCK_M, layout=col_layout)
+            kloc, n_valid, diag_right, diag_left, cols = mask_coords(call, cfg, shift, n0, seqlen_k,
+                                                                     key_layout, col_layout)
             dk = gl.zeros([cfg.BLOCK_N, cfg.HEAD_DIM], gl.float32, dk_layout)
             dv = gl.zeros([cfg.BLOCK_N, cfg.HEAD_DIM_V], gl.float32, dv_layout)
             s_zero = gl.zeros([cfg.BLOCK_N, cfg.BLOCK_M], gl.float32, s_layout)
             dq_zero = gl.zeros([cfg.BLOCK_M, cfg.HEAD_DIM], gl.float32, dq_layout)
-            stat_layout: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
-            stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-            lse_smem = gl.allocate_shared_memory(gl.float32, [2, cfg.BLOCK_M], stat_smem_layout)
-            delta_smem = gl.allocate_shared_memory(gl.float32, [2, cfg.BLOCK_M], stat_smem_layout)
+            lse_smem, delta_smem = stat_buffers(cfg)
             if n_steps > 0:
-                step_stats(call, cfg, lse_smem, delta_smem, 0, h, m0, q_start, seqlen_q,
-                           stat_layout)
+                step_stats(call, cfg, lse_smem, delta_smem, 0, h, m0, q_start, seqlen_q)
             thread_barrier()
             mbarrier.wait(kv_bar.index(0), 0)
 
@@ -150,7 +135,7 @@ if GLUON_ERROR is None:
                     # read in step it-1, before the barrier every warp has passed since.
                     if it + 1 < n_steps:
                         step_stats(call, cfg, lse_smem, delta_smem, 1 - slot, h_next, m0_next,
-                                   q_start, seqlen_q, stat_layout)
+                                   q_start, seqlen_q)
                 if cfg.DP_EARLY:
                     s = warpgroup_mma_wait(1, deps=[s_tok])
                 else:
@@ -205,7 +190,7 @@ if GLUON_ERROR is None:
                     # more; the barrier before the dQ reduce publishes it.
                     if it + 1 < n_steps:
                         step_stats(call, cfg, lse_smem, delta_smem, 1 - slot, h_next, m0_next,
-                                   q_start, seqlen_q, stat_layout)
+                                   q_start, seqlen_q)
                 if cfg.DETERMINISTIC:  # the semaphore's round trip under the dK/dQ MMAs
                     sem, _ = take_dq_turn(call, cfg, held, it, batch, h, m0, n_blk, n_seq, shift,
                                           h_first, m_lo, group_blocks, stride, WARP_SPIN)
@@ -239,11 +224,7 @@ if GLUON_ERROR is None:
                 h = h_next
                 m0 = m0_next
 
-            if cfg.DETERMINISTIC:
-                if cfg.RELEASE_AT != 0:
-                    if n_steps > 0:
-                        release_dq_turn_after_tma(held, n_steps)
-            tma.store_wait(0)  # the last reduce reads dq_smem
+            finish_dq(cfg, held, n_steps)  # (the last reduce reads dq_smem)
             for st in gl.static_range(2):
                 mbarrier.invalidate(ready.index(st))
             mbarrier.invalidate(kv_bar.index(0))

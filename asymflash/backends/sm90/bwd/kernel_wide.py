@@ -50,30 +50,33 @@ if GLUON_ERROR is None:
         gluon,
         mbarrier,
         thread_barrier,
-        tile_layout,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
     from ..sched import (
         next_step,
-        walk_start,
     )
     from .parts import (
         add_dq_tile,
         after_dq_reduce,
+        finish_dq,
         fragment_block,
         in_fragments,
+        key_operands,
         key_tile,
         key_walk,
         load_kv,
         load_rows,
+        mask_coords,
         release_dq_turn_after_tma,
         stage_dq,
+        stat_buffers,
         step_probabilities,
         step_stats,
         store_key_grads,
         take_dq_turn,
+        walk,
     )
 
     @gluon.jit
@@ -108,19 +111,12 @@ if GLUON_ERROR is None:
             (shift, m_lo, group_blocks, n_steps, keys_oob, m_full_lo,
              m_full_hi) = key_walk(call, cfg, n0, seqlen_q, seqlen_k)
 
-            k_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.HEAD_DIM],
-                                               tile_layout(call.k_desc.layout))
-            v_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.HEAD_DIM_V],
-                                               tile_layout(call.v_desc.layout))
-            q_smem = gl.allocate_shared_memory(dtype, [2, cfg.BLOCK_M, cfg.HEAD_DIM],
-                                               tile_layout(call.q_desc.layout))
             # Without DQ_IN_OPS dO has one buffer: its readers (dPᵀ, dV) are retired by
             # barrier 2, so the next step's dO lands while dK and dQ run, and the 32 KB saved
             # hold the dQ staging tile. With it (BwdConfig.dq_in_operands) two dO buffers and
             # no staging tile: each step stages its dQ halves in its own dO buffer and Q slot.
             DO_BUFS: gl.constexpr = 2 if cfg.DQ_IN_OPS else 1
-            do_smem = gl.allocate_shared_memory(dtype, [DO_BUFS, cfg.BLOCK_M, cfg.HEAD_DIM_V],
-                                                tile_layout(call.do_desc.layout))
+            k_smem, v_smem, q_smem, do_smem = key_operands(call, cfg, DO_BUFS)
             pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
                 [cfg.BLOCK_N, cfg.BLOCK_M], dtype)
             pt_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.BLOCK_M], pt_layout)
@@ -141,32 +137,23 @@ if GLUON_ERROR is None:
 
             load_kv(call.k_desc, call.v_desc, k_smem, v_smem, kv_bar.index(0), k_start + n0, hk,
                     cfg.HEAD_DIM, cfg.HEAD_DIM_V)
-            h_first = hk * call.group
-            h, m0, stride = walk_start(n_blk, n_seq, n_steps, group_blocks, h_first, m_lo,
-                                       cfg.STAGGER, cfg.BLOCK_M)
-            m_end = m_lo + group_blocks * cfg.BLOCK_M
+            h_first, h, m0, stride, m_end = walk(call, cfg, hk, n_blk, n_seq, n_steps,
+                                                 group_blocks, m_lo)
             held = call.sem_ptr  # deferred release: the dQ turn this CTA still holds
             load_rows(call.q_desc, q_smem.index(0), q_ready.index(0), q_start + m0, h, cfg.HEAD_DIM,
                       n_steps > 0)
             load_rows(call.do_desc, do_smem.index(0), do_ready.index(0), q_start + m0, h,
                       cfg.HEAD_DIM_V, n_steps > 0)
 
-            kloc = gl.arange(0, cfg.BLOCK_N, layout=key_layout)
-            n_valid = seqlen_k - n0
-            diag_right = shift + call.window_right - n0
-            diag_left = shift - call.window_left - n0
-            cols = gl.arange(0, cfg.BLOCK_M, layout=col_layout)
+            kloc, n_valid, diag_right, diag_left, cols = mask_coords(call, cfg, shift, n0, seqlen_k,
+                                                                     key_layout, col_layout)
             dk = gl.zeros([cfg.BLOCK_N, cfg.HEAD_DIM], gl.float32, dk_layout)
             dv = gl.zeros([cfg.BLOCK_N, cfg.HEAD_DIM_V], gl.float32, dv_layout)
             s_zero = gl.zeros([cfg.BLOCK_N, cfg.BLOCK_M], gl.float32, s_layout)
             dq_zero = gl.zeros([cfg.BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-            stat_layout: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
-            stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-            lse_smem = gl.allocate_shared_memory(gl.float32, [2, cfg.BLOCK_M], stat_smem_layout)
-            delta_smem = gl.allocate_shared_memory(gl.float32, [2, cfg.BLOCK_M], stat_smem_layout)
+            lse_smem, delta_smem = stat_buffers(cfg)
             if n_steps > 0:
-                step_stats(call, cfg, lse_smem, delta_smem, 0, h, m0, q_start, seqlen_q,
-                           stat_layout)
+                step_stats(call, cfg, lse_smem, delta_smem, 0, h, m0, q_start, seqlen_q)
             thread_barrier()
             mbarrier.wait(kv_bar.index(0), 0)
             # HI_LATE (BwdConfig.dq_hi_late): the previous step's high dQ half, staged in its Q
@@ -197,7 +184,7 @@ if GLUON_ERROR is None:
                 if not cfg.STATS_LATE:  # next step's statistics (published by barrier 1)
                     if it + 1 < n_steps:
                         step_stats(call, cfg, lse_smem, delta_smem, 1 - slot, h_next, m0_next,
-                                   q_start, seqlen_q, stat_layout)
+                                   q_start, seqlen_q)
                 s = warpgroup_mma_wait(1, deps=[s_tok])
                 lse2 = lse_smem.index(slot).load(col_layout)
                 p, p_ds = step_probabilities(call, cfg, s, lse2, m0, keys_oob, m_full_lo, m_full_hi,
@@ -249,7 +236,7 @@ if GLUON_ERROR is None:
                     # buffer 1 - slot was last read before barrier 2.
                     if it + 1 < n_steps:
                         step_stats(call, cfg, lse_smem, delta_smem, 1 - slot, h_next, m0_next,
-                                   q_start, seqlen_q, stat_layout)
+                                   q_start, seqlen_q)
                 if cfg.DETERMINISTIC:  # the semaphore's round trip under the MMAs (kernel.py)
                     sem, first = take_dq_turn(call, cfg, held, it, batch, h, m0, n_blk, n_seq,
                                               shift, h_first, m_lo, group_blocks, stride, True)
@@ -308,11 +295,7 @@ if GLUON_ERROR is None:
                     add_dq_tile(call.dq_desc, pend_row, pend_col,
                                 _dq_tile_in(q_smem.index((n_steps - 1) % 2), call.dq_desc),
                                 cfg.FIRST_STORES, pend_first)
-            if cfg.DETERMINISTIC:
-                if cfg.RELEASE_AT != 0:
-                    if n_steps > 0:
-                        release_dq_turn_after_tma(held, n_steps)
-            tma.store_wait(0)
+            finish_dq(cfg, held, n_steps)
             for st in gl.static_range(2):
                 mbarrier.invalidate(q_ready.index(st))
             for st in gl.static_range(DO_BUFS):

@@ -71,13 +71,11 @@ if GLUON_ERROR is None:
         query_range,
     )
     from ..common import fence_async_shared, gl, gluon, mbarrier
-    from ..sched import (
-        walk_start,
-    )
     from .parts import (
         in_fragments,
         key_tile,
         key_walk,
+        walk,
     )
     from .ws_roles import (
         COMPUTE_REGS,
@@ -115,9 +113,7 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left, window_right,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                 HAS_RIGHT: gl.constexpr, HEADS_FIRST: gl.constexpr,
-                 TOP_FIRST: gl.constexpr = False):
+                 cfg, TOP_FIRST: gl.constexpr):
         """Tile t of a persistent CTA's walk (dense lengths): the key block, kv head and
         sequence the grid's CTA number t would take (`key_block`'s order; TOP_FIRST: a
         sequence's key blocks from the last down, as deterministic causal grids run), and its
@@ -126,8 +122,8 @@ if GLUON_ERROR is None:
         fragment-order tiles, q_start + 128 · sequence, since `fragment_block` reads the
         sequence from the grid's third index, which a persistent grid does not have (its
         2 · sequence is 2 · 0 there)."""
-        gl.static_assert(HEADS_FIRST <= 1, "chunked head order: plain grids only")
-        if HEADS_FIRST:
+        gl.static_assert(cfg.HEADS_FIRST <= 1, "chunked head order: plain grids only")
+        if cfg.HEADS_FIRST:
             hk = t % n_kv_heads
             n_blk = (t // n_kv_heads) % n_blocks
         else:
@@ -136,52 +132,45 @@ if GLUON_ERROR is None:
         if TOP_FIRST:
             n_blk = n_blocks - 1 - n_blk
         batch = t // (n_blocks * n_kv_heads)
-        n0 = n_blk * BLOCK_N
+        n0 = n_blk * cfg.BLOCK_N
         m_lo, group_blocks = query_range(n0, seqlen_q, seqlen_k - seqlen_q, window_left,
-                                         window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                                         window_right, cfg.BLOCK_M, cfg.BLOCK_N, cfg.HAS_LEFT,
+                                         cfg.HAS_RIGHT)
         return (n0, hk, batch * seqlen_q, batch * seqlen_k, group_blocks * group, hk * group,
-                m_lo, m_lo + group_blocks * BLOCK_M, batch * (seqlen_q + 128), n_blk, batch,
+                m_lo, m_lo + group_blocks * cfg.BLOCK_M, batch * (seqlen_q + 128), n_blk, batch,
                 group_blocks)
 
     @gluon.jit
-    def _ws_compute_tiles(shared, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                          HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
-                          BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                          HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                          DP_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
-                          LATE_WG: gl.constexpr, RING: gl.constexpr, DET: gl.constexpr,
-                          DV_OVERLAP: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
-                          HEADS_FIRST: gl.constexpr,
-                          TOP_FIRST: gl.constexpr, KV_BUFS: gl.constexpr,
-                          MASK_MODE: gl.constexpr):
+    def _ws_compute_tiles(shared, cfg, WG: gl.constexpr, DET: gl.constexpr,
+                          TOP_FIRST: gl.constexpr):
         """A compute warpgroup of a persistent CTA: `ws_compute` per tile (DET: its dQ
         tiles go to the dQ warp)."""
         (smem, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_kv_heads, group,
          qk_scale, softmax_scale, softcap_pre, window_left, window_right, n_blocks, kv_free,
          epi_done, tile_smem, tile_full, tile_empty, dv_stage) = shared
-        EPI: gl.constexpr = epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, DET, KV_BUFS)
+        EPI: gl.constexpr = epilogue_mode(cfg.BLOCK_M, cfg.HEAD_DIM, cfg.HEAD_DIM_V, DET,
+                                          cfg.KV_BUFS)
         it0 = 0
         tile = 0
         t = _take_tile(tile_smem, tile_full, tile_empty, 0, 4)
         while t >= 0:
             (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start, _n_blk, _batch,
              _group_blocks) = _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group,
-                                       window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                       HAS_RIGHT, HEADS_FIRST, TOP_FIRST)
+                                       window_left, window_right, cfg, TOP_FIRST)
             if not in_fragments(dq_desc.layout):  # row-major dQ: the rows themselves
                 dq_start = q_start
             keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, seqlen_k - seqlen_q,
-                                                        window_left, window_right, BLOCK_M,
-                                                        BLOCK_N)
-            tile_shared = (smem.for_tile(tile, KV_BUFS), dq_desc, dk_desc, dv_desc, dk_ptr,
+                                                        window_left, window_right, cfg.BLOCK_M,
+                                                        cfg.BLOCK_N)
+            tile_shared = (smem.for_tile(tile, cfg.KV_BUFS), dq_desc, dk_desc, dv_desc, dk_ptr,
                            dv_ptr, dq_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
                            n_steps, h_first, m_lo, m_lo, m_end, h_first, group, keys_oob,
                            m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
                            window_left, window_right)
-            ws_compute(tile_shared, WG, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
-                        HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DET,
-                        DV_OVERLAP, DK_AFTER_DQ, MASK_MODE, it0, tile, kv_free,
-                        epi_done, True, EPI, dv_stage, KV_BUFS)
+            ws_compute(tile_shared, WG, cfg.HEAD_DIM, cfg.HEAD_DIM_V, cfg.BLOCK_M, cfg.BLOCK_N,
+                       cfg.HAS_LEFT, cfg.HAS_RIGHT, cfg.SOFTCAP, cfg.DP_EARLY, cfg.KV_TMA_STORE,
+                       cfg.LATE_WG, cfg.RING, DET, cfg.DV_OVERLAP, cfg.DK_AFTER_DQ, cfg.MASK_MODE,
+                       it0, tile, kv_free, epi_done, True, EPI, dv_stage, cfg.KV_BUFS)
             it0 += n_steps
             tile += 1
             t = _take_tile(tile_smem, tile_full, tile_empty, tile, 4)
@@ -189,13 +178,9 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _ws_loader_tiles(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, smem, kv_free,
                          epi_done, tile_smem, tile_full, tile_empty, counter_ptr, seqlen_q,
-                         seqlen_k, total_q, n_kv_heads, group, window_left,
-                         window_right, n_blocks, n_tiles, HEAD_DIM: gl.constexpr,
-                         HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                         HAS_RIGHT: gl.constexpr, RING: gl.constexpr,
-                         HEADS_FIRST: gl.constexpr, HAND_OVER: gl.constexpr,
-                         TOP_FIRST: gl.constexpr, KV_BUFS: gl.constexpr):
+                         seqlen_k, total_q, n_kv_heads, group, window_left, window_right,
+                         n_blocks, n_tiles, cfg, HAND_OVER: gl.constexpr,
+                         TOP_FIRST: gl.constexpr):
         """The load warp of a persistent CTA: `ws_loader` per tile. Tiles after the first
         (the program's number) come from a counter (zeroed by the preprocess) in the grid's
         order, as the hardware hands out a plain grid's CTAs: uneven causal tiles balance
@@ -207,14 +192,13 @@ if GLUON_ERROR is None:
         while t < n_tiles:
             (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start, _n_blk, _batch,
              _group_blocks) = _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group,
-                                       window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                       HAS_RIGHT, HEADS_FIRST, TOP_FIRST)
+                                       window_left, window_right, cfg, TOP_FIRST)
             ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr,
-                      smem.for_tile(tile, KV_BUFS), k_start + n0, hk, q_start, seqlen_q,
-                      total_q, n_steps, h_first, m_lo, m_lo, m_end, h_first, group, HEAD_DIM,
-                      HEAD_DIM_V, BLOCK_M, RING, it0, tile, kv_free, epi_done, True,
-                      epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, HAND_OVER, KV_BUFS),
-                      KV_BUFS)
+                      smem.for_tile(tile, cfg.KV_BUFS), k_start + n0, hk, q_start, seqlen_q,
+                      total_q, n_steps, h_first, m_lo, m_lo, m_end, h_first, group, cfg.HEAD_DIM,
+                      cfg.HEAD_DIM_V, cfg.BLOCK_M, cfg.RING, it0, tile, kv_free, epi_done, True,
+                      epilogue_mode(cfg.BLOCK_M, cfg.HEAD_DIM, cfg.HEAD_DIM_V, HAND_OVER,
+                                    cfg.KV_BUFS), cfg.KV_BUFS)
             # The next tile is taken once this one's loads are issued, not when it starts:
             # the tile a CTA holds but has not begun then waits only the ring's steps and
             # this tile's end (deterministic turns wait on tiles in the order taken).
@@ -226,33 +210,27 @@ if GLUON_ERROR is None:
             t = t_next
 
     @gluon.jit
-    def _ws_dq_tiles(smem, dq_desc, tile_smem, tile_full, tile_empty,
-                     sem_ptr, seqlen_q, seqlen_k, n_heads, n_kv_heads, group, num_m_blocks,
-                     window_left, window_right, n_blocks, HEAD_DIM: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                     HAS_RIGHT: gl.constexpr, DQ_WARP: gl.constexpr, HEADS_FIRST: gl.constexpr,
-                     DETERMINISTIC: gl.constexpr, TOP_FIRST: gl.constexpr,
-                     FIRST_STORES: gl.constexpr):
+    def _ws_dq_tiles(smem, dq_desc, tile_smem, tile_full, tile_empty, sem_ptr, seqlen_q,
+                     seqlen_k, n_heads, n_kv_heads, group, num_m_blocks, window_left,
+                     window_right, n_blocks, cfg, TOP_FIRST: gl.constexpr):
         """The dQ warp of a persistent CTA per tile: the reduces (ws_dq_warp), or in
         deterministic mode the reduces in turn (`ws_dq_turns`, unstaggered: `_ws_tiles`)."""
-        if DQ_WARP or DETERMINISTIC:
+        if cfg.DQ_WARP or cfg.DETERMINISTIC:
             it0 = 0
             tile = 0
             t = _take_tile(tile_smem, tile_full, tile_empty, 0, 1)
             while t >= 0:
                 (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start, n_blk,
                  batch, group_blocks) = _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k,
-                                                 group, window_left, window_right, BLOCK_M,
-                                                 BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST,
-                                                 TOP_FIRST)
+                                                 group, window_left, window_right, cfg, TOP_FIRST)
                 if not in_fragments(dq_desc.layout):  # row-major dQ: the rows themselves
                     dq_start = q_start
                 ws_dq_turns(smem, dq_desc, sem_ptr, dq_start, n_steps,
                              h_first, m_lo, m_lo, m_end, h_first, group, batch, n_heads,
                              num_m_blocks, n_blk, n_blocks, seqlen_k - seqlen_q, window_left,
-                             window_right, group_blocks, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
-                             HAS_LEFT, HAS_RIGHT, False, True, DETERMINISTIC, it0,
-                             FIRST_STORES)
+                             window_right, group_blocks, 0, cfg.HEAD_DIM, cfg.BLOCK_M, cfg.BLOCK_N,
+                             cfg.HAS_LEFT, cfg.HAS_RIGHT, False, True, cfg.DETERMINISTIC, it0,
+                             cfg.FIRST_STORES)
                 it0 += n_steps
                 tile += 1
                 t = _take_tile(tile_smem, tile_full, tile_empty, tile, 1)
@@ -317,30 +295,18 @@ if GLUON_ERROR is None:
                   call.softmax_scale, call.softcap_pre, call.window_left, call.window_right,
                   n_blocks, kv_free, epi_done, tile_smem, tile_full, tile_empty, dv_stage)
         gl.warp_specialize([
-            (_ws_compute_tiles, (shared, 0, cfg.HEAD_DIM, cfg.HEAD_DIM_V, cfg.BLOCK_M,
-                                 cfg.BLOCK_N, cfg.HAS_LEFT, cfg.HAS_RIGHT, cfg.SOFTCAP,
-                                 cfg.DP_EARLY, cfg.KV_TMA_STORE, cfg.LATE_WG, cfg.RING,
-                                 HAND_OVER, cfg.DV_OVERLAP, cfg.DK_AFTER_DQ, cfg.HEADS_FIRST,
-                                 TOP_FIRST, cfg.KV_BUFS, cfg.MASK_MODE)),
-            (_ws_compute_tiles, (shared, 1, cfg.HEAD_DIM, cfg.HEAD_DIM_V, cfg.BLOCK_M,
-                                 cfg.BLOCK_N, cfg.HAS_LEFT, cfg.HAS_RIGHT, cfg.SOFTCAP,
-                                 cfg.DP_EARLY, cfg.KV_TMA_STORE, cfg.LATE_WG, cfg.RING,
-                                 HAND_OVER, cfg.DV_OVERLAP, cfg.DK_AFTER_DQ, cfg.HEADS_FIRST,
-                                 TOP_FIRST, cfg.KV_BUFS, cfg.MASK_MODE)),
+            (_ws_compute_tiles, (shared, cfg, 0, HAND_OVER, TOP_FIRST)),
+            (_ws_compute_tiles, (shared, cfg, 1, HAND_OVER, TOP_FIRST)),
             (_ws_loader_tiles, (call.q_desc, call.k_desc, call.v_desc, call.do_desc,
                                 call.lse_ptr, call.delta_ptr, smem, kv_free, epi_done, tile_smem,
                                 tile_full, tile_empty, counter_ptr, call.seqlen_q, call.seqlen_k,
                                 call.total_q, call.n_kv_heads, call.group, call.window_left,
-                                call.window_right, n_blocks, n_tiles, cfg.HEAD_DIM,
-                                cfg.HEAD_DIM_V, cfg.BLOCK_M, cfg.BLOCK_N, cfg.HAS_LEFT,
-                                cfg.HAS_RIGHT, cfg.RING, cfg.HEADS_FIRST, HAND_OVER, TOP_FIRST,
-                                cfg.KV_BUFS)),
+                                call.window_right, n_blocks, n_tiles, cfg, HAND_OVER,
+                                TOP_FIRST)),
             (_ws_dq_tiles, (smem, call.dq_desc, tile_smem, tile_full, tile_empty, call.sem_ptr,
                             call.seqlen_q, call.seqlen_k, call.n_heads, call.n_kv_heads,
                             call.group, call.num_m_blocks, call.window_left, call.window_right,
-                            n_blocks, cfg.HEAD_DIM, cfg.BLOCK_M, cfg.BLOCK_N, cfg.HAS_LEFT,
-                            cfg.HAS_RIGHT, cfg.DQ_WARP, cfg.HEADS_FIRST, cfg.DETERMINISTIC,
-                            TOP_FIRST, cfg.FIRST_STORES)),
+                            n_blocks, cfg, TOP_FIRST)),
         ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])
 
     @gluon.jit
@@ -364,10 +330,8 @@ if GLUON_ERROR is None:
             if (n0 >= 0) & (n0 < seqlen_k):
                 (shift, m_lo, group_blocks, n_steps, keys_oob, m_full_lo,
                  m_full_hi) = key_walk(call, cfg, n0, seqlen_q, seqlen_k)
-                h_first = hk * call.group
-                h, m0, stride = walk_start(n_blk, n_seq, n_steps, group_blocks, h_first, m_lo,
-                                           cfg.STAGGER, cfg.BLOCK_M)
-                m_end = m_lo + group_blocks * cfg.BLOCK_M
+                h_first, h, m0, stride, m_end = walk(call, cfg, hk, n_blk, n_seq, n_steps,
+                                                     group_blocks, m_lo)
 
                 smem = ws_alloc(call.q_desc, call.k_desc, call.v_desc, call.do_desc, call.dq_desc,
                                 cfg.HEAD_DIM, cfg.HEAD_DIM_V, cfg.BLOCK_M, cfg.BLOCK_N, cfg.RING,

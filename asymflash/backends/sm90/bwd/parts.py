@@ -17,8 +17,17 @@ if GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
     from ..bounds import allowed, key_block_walk, step_needs_mask
-    from ..common import copy_rows, gl, gluon, leading_tile, tanh, thread_barrier, tma_store
-    from ..sched import key_block, key_block_origin
+    from ..common import (
+        copy_rows,
+        gl,
+        gluon,
+        leading_tile,
+        tanh,
+        thread_barrier,
+        tile_layout,
+        tma_store,
+    )
+    from ..sched import key_block, key_block_origin, walk_start
     from .dq_fragments import fragment_bases
 
     @gluon.constexpr_function
@@ -385,12 +394,71 @@ if GLUON_ERROR is None:
                               cfg.HAS_RIGHT)
 
     @gluon.jit
-    def step_stats(call, cfg, lse_smem, delta_smem, buf, h, m0, q_start, seqlen_q,
-                   layout: gl.constexpr):
-        """`stage_stats` of the synchronous kernels: query block m0 of head h into buffer
-        `buf` of their two."""
+    def key_operands(call, cfg, DO_BUFS: gl.constexpr):
+        """The synchronous kernels' K and V tiles, their two-slot Q ring and DO_BUFS dO
+        buffers, in that order in shared memory: (k_smem, v_smem, q_smem, do_smem)."""
+        dtype: gl.constexpr = call.q_desc.dtype
+        k_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.HEAD_DIM],
+                                           tile_layout(call.k_desc.layout))
+        v_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.HEAD_DIM_V],
+                                           tile_layout(call.v_desc.layout))
+        q_smem = gl.allocate_shared_memory(dtype, [2, cfg.BLOCK_M, cfg.HEAD_DIM],
+                                           tile_layout(call.q_desc.layout))
+        do_smem = gl.allocate_shared_memory(dtype, [DO_BUFS, cfg.BLOCK_M, cfg.HEAD_DIM_V],
+                                            tile_layout(call.do_desc.layout))
+        return k_smem, v_smem, q_smem, do_smem
+
+    @gluon.jit
+    def walk(call, cfg, hk, n_blk, n_seq, n_steps, group_blocks, m_lo):
+        """The key block's walk over (q head of the group, query block) steps: (h_first, h,
+        m0, stride, m_end), its first step (h, m0) from `sched.walk_start`; the steps carry
+        (h, m0) from one to the next (`sched.next_step`) rather than divide them out of the
+        step counter."""
+        h_first = hk * call.group
+        h, m0, stride = walk_start(n_blk, n_seq, n_steps, group_blocks, h_first, m_lo,
+                                   cfg.STAGGER, cfg.BLOCK_M)
+        return h_first, h, m0, stride, m_lo + group_blocks * cfg.BLOCK_M
+
+    @gluon.jit
+    def mask_coords(call, cfg, shift, n0, seqlen_k, key_layout: gl.constexpr,
+                    col_layout: gl.constexpr):
+        """What `probabilities` masks a step with: (kloc, n_valid, diag_right, diag_left,
+        cols), the block's keys and a step's rows (Sᵀ's row and column slices), the valid
+        keys, and the diagonals key <= row + shift + window_right and key >= row + shift -
+        window_left relative to n0."""
+        kloc = gl.arange(0, cfg.BLOCK_N, layout=key_layout)
+        n_valid = seqlen_k - n0
+        diag_right = shift + call.window_right - n0
+        diag_left = shift - call.window_left - n0
+        cols = gl.arange(0, cfg.BLOCK_M, layout=col_layout)
+        return kloc, n_valid, diag_right, diag_left, cols
+
+    @gluon.jit
+    def stat_buffers(cfg):
+        """The synchronous kernels' two buffers of row statistics, (lse, delta), each
+        [2, BLOCK_M] (`step_stats`)."""
+        layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        lse_smem = gl.allocate_shared_memory(gl.float32, [2, cfg.BLOCK_M], layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [2, cfg.BLOCK_M], layout)
+        return lse_smem, delta_smem
+
+    @gluon.jit
+    def step_stats(call, cfg, lse_smem, delta_smem, buf, h, m0, q_start, seqlen_q):
+        """`stage_stats` of the synchronous kernels (eight warps): query block m0 of head h
+        into buffer `buf` of `stat_buffers`."""
         stage_stats(call.lse_ptr, call.delta_ptr, lse_smem, delta_smem, buf, h, m0, q_start,
-                    seqlen_q, call.total_q, cfg.BLOCK_M, layout)
+                    seqlen_q, call.total_q, cfg.BLOCK_M, gl.BlockedLayout([1], [32], [8], [0]))
+
+    @gluon.jit
+    def finish_dq(cfg, held, n_steps):
+        """After a synchronous kernel's step loop: pass on the turn still held (deterministic
+        mode, turns released a step late), and wait until the last dQ reduce has read its
+        staging buffer."""
+        if cfg.DETERMINISTIC:
+            if cfg.RELEASE_AT != 0:
+                if n_steps > 0:
+                    release_dq_turn_after_tma(held, n_steps)
+        tma.store_wait(0)
 
     @gluon.jit
     def step_probabilities(call, cfg, s, lse2, m0, keys_oob, m_full_lo, m_full_hi, kloc, cols,
