@@ -167,10 +167,8 @@ if GLUON_ERROR is None:
                            n_steps, h_first, m_lo, m_lo, m_end, h_first, group, keys_oob,
                            m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
                            window_left, window_right)
-            ws_compute(tile_shared, WG, cfg.HEAD_DIM, cfg.HEAD_DIM_V, cfg.BLOCK_M, cfg.BLOCK_N,
-                       cfg.HAS_LEFT, cfg.HAS_RIGHT, cfg.SOFTCAP, cfg.DP_EARLY, cfg.KV_TMA_STORE,
-                       cfg.LATE_WG, cfg.RING, DET, cfg.DV_OVERLAP, cfg.DK_AFTER_DQ, cfg.MASK_MODE,
-                       it0, tile, kv_free, epi_done, True, EPI, dv_stage, cfg.KV_BUFS)
+            ws_compute(tile_shared, cfg, WG, DET, it0, tile, kv_free, epi_done, True, EPI,
+                       dv_stage)
             it0 += n_steps
             tile += 1
             t = _take_tile(tile_smem, tile_full, tile_empty, tile, 4)
@@ -195,10 +193,10 @@ if GLUON_ERROR is None:
                                        window_left, window_right, cfg, TOP_FIRST)
             ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr,
                       smem.for_tile(tile, cfg.KV_BUFS), k_start + n0, hk, q_start, seqlen_q,
-                      total_q, n_steps, h_first, m_lo, m_lo, m_end, h_first, group, cfg.HEAD_DIM,
-                      cfg.HEAD_DIM_V, cfg.BLOCK_M, cfg.RING, it0, tile, kv_free, epi_done, True,
+                      total_q, n_steps, h_first, m_lo, m_lo, m_end, h_first, group, cfg, it0,
+                      tile, kv_free, epi_done, True,
                       epilogue_mode(cfg.BLOCK_M, cfg.HEAD_DIM, cfg.HEAD_DIM_V, HAND_OVER,
-                                    cfg.KV_BUFS), cfg.KV_BUFS)
+                                    cfg.KV_BUFS))
             # The next tile is taken once this one's loads are issued, not when it starts:
             # the tile a CTA holds but has not begun then waits only the ring's steps and
             # this tile's end (deterministic turns wait on tiles in the order taken).
@@ -226,11 +224,10 @@ if GLUON_ERROR is None:
                 if not in_fragments(dq_desc.layout):  # row-major dQ: the rows themselves
                     dq_start = q_start
                 ws_dq_turns(smem, dq_desc, sem_ptr, dq_start, n_steps,
-                             h_first, m_lo, m_lo, m_end, h_first, group, batch, n_heads,
-                             num_m_blocks, n_blk, n_blocks, seqlen_k - seqlen_q, window_left,
-                             window_right, group_blocks, 0, cfg.HEAD_DIM, cfg.BLOCK_M, cfg.BLOCK_N,
-                             cfg.HAS_LEFT, cfg.HAS_RIGHT, False, True, cfg.DETERMINISTIC, it0,
-                             cfg.FIRST_STORES)
+                            h_first, m_lo, m_lo, m_end, h_first, group, batch, n_heads,
+                            num_m_blocks, n_blk, n_blocks, seqlen_k - seqlen_q, window_left,
+                            window_right, group_blocks, 0, cfg, False, True, cfg.DETERMINISTIC,
+                            it0)
                 it0 += n_steps
                 tile += 1
                 t = _take_tile(tile_smem, tile_full, tile_empty, tile, 1)
@@ -349,26 +346,15 @@ if GLUON_ERROR is None:
                           m_full_lo, m_full_hi, call.qk_scale, call.softmax_scale,
                           call.softcap_pre, call.window_left, call.window_right)
                 gl.warp_specialize([
-                    (ws_compute, (shared, 0, cfg.HEAD_DIM, cfg.HEAD_DIM_V, cfg.BLOCK_M,
-                                  cfg.BLOCK_N, cfg.HAS_LEFT, cfg.HAS_RIGHT, cfg.SOFTCAP,
-                                  cfg.DP_EARLY, cfg.KV_TMA_STORE, cfg.LATE_WG, cfg.RING,
-                                  cfg.DETERMINISTIC or cfg.DQ_WARP, cfg.DV_OVERLAP,
-                                  cfg.DK_AFTER_DQ, cfg.MASK_MODE)),
-                    (ws_compute, (shared, 1, cfg.HEAD_DIM, cfg.HEAD_DIM_V, cfg.BLOCK_M,
-                                  cfg.BLOCK_N, cfg.HAS_LEFT, cfg.HAS_RIGHT, cfg.SOFTCAP,
-                                  cfg.DP_EARLY, cfg.KV_TMA_STORE, cfg.LATE_WG, cfg.RING,
-                                  cfg.DETERMINISTIC or cfg.DQ_WARP, cfg.DV_OVERLAP,
-                                  cfg.DK_AFTER_DQ, cfg.MASK_MODE)),
+                    (ws_compute, (shared, cfg, 0, cfg.DETERMINISTIC or cfg.DQ_WARP)),
+                    (ws_compute, (shared, cfg, 1, cfg.DETERMINISTIC or cfg.DQ_WARP)),
                     (ws_loader, (call.q_desc, call.k_desc, call.v_desc, call.do_desc,
                                  call.lse_ptr, call.delta_ptr, smem, k_start + n0, hk, q_start,
                                  seqlen_q, call.total_q, n_steps, h, m0, m_lo, m_end, h_first,
-                                 call.group, cfg.HEAD_DIM, cfg.HEAD_DIM_V, cfg.BLOCK_M,
-                                 cfg.RING)),
+                                 call.group, cfg)),
                     (ws_dq_turns, (smem, call.dq_desc, call.sem_ptr, q_start, n_steps, h, m0,
                                    m_lo, m_end, h_first, call.group, batch, call.n_heads,
                                    call.num_m_blocks, n_blk, n_seq, shift, call.window_left,
-                                   call.window_right, group_blocks, stride, cfg.HEAD_DIM,
-                                   cfg.BLOCK_M, cfg.BLOCK_N, cfg.HAS_LEFT, cfg.HAS_RIGHT,
-                                   cfg.STAGGER, cfg.DETERMINISTIC or cfg.DQ_WARP,
-                                   cfg.DETERMINISTIC, 0, cfg.FIRST_STORES)),
+                                   call.window_right, group_blocks, stride, cfg, cfg.STAGGER,
+                                   cfg.DETERMINISTIC or cfg.DQ_WARP, cfg.DETERMINISTIC, 0)),
                 ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])
