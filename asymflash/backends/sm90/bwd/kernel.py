@@ -30,6 +30,7 @@ if GLUON_ERROR is None:
         load_kv,
         load_qdo,
         mask_coords,
+        mma_layout,
         release_dq_turn_after_tma,
         stage_dq,
         stat_buffers,
@@ -49,21 +50,16 @@ if GLUON_ERROR is None:
         """Accumulator layout of dQ = dS·K [block_m rows, head_dim]: with 64 rows (one wgmma
         M) the two warpgroups split its columns, with 128 its rows."""
         if block_m == 64:
-            return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                             instr_shape=[16, head_dim // 2, 16])
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                         instr_shape=[16, head_dim, 16])
+            return mma_layout(4, 2, head_dim // 2)
+        return mma_layout(8, 1, head_dim)
 
     @gluon.jit
     def attn_bwd_sync(call, cfg):
         """The body `entry.attn_bwd_kernel` runs for d <= 128 without warp specialisation."""
         # Keys on the M axis: warpgroup w owns keys [w·64, w·64 + 64) of the block.
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                           instr_shape=[16, cfg.BLOCK_M, 16])
-        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                            instr_shape=[16, cfg.HEAD_DIM, 16])
-        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                            instr_shape=[16, cfg.HEAD_DIM_V, 16])
+        s_layout: gl.constexpr = mma_layout(8, 1, cfg.BLOCK_M)
+        dk_layout: gl.constexpr = mma_layout(8, 1, cfg.HEAD_DIM)
+        dv_layout: gl.constexpr = mma_layout(8, 1, cfg.HEAD_DIM_V)
         dq_layout: gl.constexpr = _dq_mma_layout(cfg.BLOCK_M, cfg.HEAD_DIM)
         pv_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout,
                                                          k_width=2)

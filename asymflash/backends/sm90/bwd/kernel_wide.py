@@ -69,6 +69,7 @@ if GLUON_ERROR is None:
         load_kv,
         load_rows,
         mask_coords,
+        mma_layout,
         release_dq_turn_after_tma,
         stage_dq,
         stat_buffers,
@@ -94,14 +95,10 @@ if GLUON_ERROR is None:
         # halves (dq_desc's box).
         DQ_COLS: gl.constexpr = cfg.HEAD_DIM // 2
         # All four tiles split over the warpgroups by columns (warps_per_cta [4, 2]).
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                           instr_shape=[16, cfg.BLOCK_M // 2, 16])
-        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, cfg.HEAD_DIM // 2, 16])
-        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, cfg.HEAD_DIM_V // 2, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                            instr_shape=[16, DQ_COLS // 2, 16])
+        s_layout: gl.constexpr = mma_layout(4, 2, cfg.BLOCK_M // 2)
+        dk_layout: gl.constexpr = mma_layout(4, 2, cfg.HEAD_DIM // 2)
+        dv_layout: gl.constexpr = mma_layout(4, 2, cfg.HEAD_DIM_V // 2)
+        dq_layout: gl.constexpr = mma_layout(4, 2, DQ_COLS // 2)
         key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
         dtype: gl.constexpr = call.q_desc.dtype

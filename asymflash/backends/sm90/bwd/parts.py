@@ -36,6 +36,13 @@ if GLUON_ERROR is None:
         return gl.SharedLinearLayout(fragment_bases(int(cols), int(rows)))
 
     @gluon.constexpr_function
+    def mma_layout(warp_rows, warp_cols, cols):
+        """A wgmma accumulator's layout: instructions 16 rows by `cols` columns, the warps
+        arranged warp_rows x warp_cols (four warps of a warpgroup along the rows)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warp_rows, warp_cols],
+                                         instr_shape=[16, cols, 16])
+
+    @gluon.constexpr_function
     def in_fragments(layout):
         """dQ tiles in the accumulator's order: the host gives their descriptor an unswizzled
         layout, the row-major tiles a swizzled one."""

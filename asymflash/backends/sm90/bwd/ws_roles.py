@@ -33,6 +33,7 @@ if GLUON_ERROR is None:
         in_fragments,
         load_kv,
         load_qdo,
+        mma_layout,
         probabilities,
         release_dq_turn_after_tma,
         stage_dq,
@@ -256,14 +257,10 @@ if GLUON_ERROR is None:
         KEYS: gl.constexpr = cfg.BLOCK_N // 2
         DQ_ROWS: gl.constexpr = 64  # dQ = dS·K by halves of its columns or rows (ws_dq)
         DQ_COLS: gl.constexpr = cfg.HEAD_DIM // 2 if cfg.BLOCK_M == 64 else cfg.HEAD_DIM
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, cfg.BLOCK_M, 16])
-        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, cfg.HEAD_DIM, 16])
-        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, cfg.HEAD_DIM_V, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, DQ_COLS, 16])
+        s_layout: gl.constexpr = mma_layout(4, 1, cfg.BLOCK_M)
+        dk_layout: gl.constexpr = mma_layout(4, 1, cfg.HEAD_DIM)
+        dv_layout: gl.constexpr = mma_layout(4, 1, cfg.HEAD_DIM_V)
+        dq_layout: gl.constexpr = mma_layout(4, 1, DQ_COLS)
         pv_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout,
                                                          k_width=2)
         dsq_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout,
