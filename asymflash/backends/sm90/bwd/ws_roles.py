@@ -51,8 +51,9 @@ if GLUON_ERROR is None:
 
     @aggregate
     class WsSmem:
-        """A bwd_ws CTA's shared memory and mbarriers (`ws_alloc`). Rings and their
-        barriers are indexed by a step's slot; K and V hold one tile's keys (`for_tile`)."""
+        """A bwd_ws CTA's shared memory and mbarriers (`ws_alloc`; the constructor takes the
+        fields in order). Rings and their barriers are indexed by a step's slot; K and V hold
+        one tile's keys (`for_tile`)."""
 
         q: gl.shared_memory_descriptor  # [RING, BLOCK_M, HEAD_DIM]
         k: gl.shared_memory_descriptor  # [BLOCK_N, HEAD_DIM] (persistent: [KV_BUFS, ...])
@@ -70,26 +71,6 @@ if GLUON_ERROR is None:
         dq_full: gl.shared_memory_descriptor  # warpgroup w's dQ tile staged (dQ warp)
         dq_empty: gl.shared_memory_descriptor  # ... and read by the dQ warp's reduce
         done: gl.shared_memory_descriptor  # both warpgroups past their last MMA
-
-        @gluon.constexpr_function
-        def __init__(self, q, k, v, do, ds, dq, lse, delta, kv_bar, ready, empty, ds_ready,
-                     ds_free, dq_full, dq_empty, done):
-            self.q = q
-            self.k = k
-            self.v = v
-            self.do = do
-            self.ds = ds
-            self.dq = dq
-            self.lse = lse
-            self.delta = delta
-            self.kv_bar = kv_bar
-            self.ready = ready
-            self.empty = empty
-            self.ds_ready = ds_ready
-            self.ds_free = ds_free
-            self.dq_full = dq_full
-            self.dq_empty = dq_empty
-            self.done = done
 
         @gluon.jit
         def for_tile(self, tile, KV_BUFS: gl.constexpr):
