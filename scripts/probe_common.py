@@ -78,8 +78,9 @@ def backward_cell(d: int, seqlen: int, causal: bool):
 
 
 def time_stamped_ws(ws_kernel, stamps, args, cfg=None) -> tuple[float, float]:
-    """`bwd.backward(*args, cfg=cfg)` timed as it is and with bwd_ws's kernel swapped for
-    `ws_kernel` (a stamped copy: `patched_module`), the stamp buffer passed where the
+    """`bwd.backward(*args, cfg=cfg)` timed as it is and with the launch entry of bwd_ws
+    calls swapped for `ws_kernel` (a stamped copy of `entry.attn_bwd_kernel`, one whose
+    bwd_ws body is stamped: `patched_module`), the stamp buffer passed where the
     semaphore goes (read by neither deterministic calls nor persistent grids, which `cfg`
     must rule out); (plain, stamped) milliseconds. `stamps` holds one call's stamps
     afterwards."""

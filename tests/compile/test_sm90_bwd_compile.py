@@ -401,14 +401,13 @@ def test_unsupported_backward_reports_reason_on_cpu():
     assert isinstance(why, str) and why
 
 
-@pytest.mark.parametrize("kernel", ["bwd", "bwd_wide", "fwd"])
+@pytest.mark.parametrize("kernel", ["bwd", "fwd"])
 def test_lengths_and_counts_are_not_specialised(kernel):
     # With seqlen_q = group = 1 specialised into constants triton 3.6 crashes lowering the
     # backward (H200, 2026-11-29); runtime lengths also keep one compile per feature set.
     from asymflash.backends.sm90.fwd import kernel as fwd_kernel
 
-    fn = {"bwd": bwd._attn_bwd_kernel, "bwd_wide": bwd.kernel_wide.attn_bwd_wide_kernel,
-          "fwd": fwd_kernel.attn_fwd_kernel}[kernel]
+    fn = {"bwd": bwd.entry.attn_bwd_kernel, "fwd": fwd_kernel.attn_fwd_kernel}[kernel]
     runtime_ints = {"seqlen_q", "seqlen_k", "total_q", "n_heads", "group", "window_left",
                     "window_right"}
     unspecialised = {p.name for p in fn.params if p.do_not_specialize}
@@ -434,7 +433,8 @@ def test_dk_dv_tma_store_only_where_no_key_block_straddles_sequences():
 
 def test_every_backward_kernel_skips_key_blocks_numbered_below_zero():
     """Deterministic causal calls number key blocks top-first from the sequence's own count
-    (`bwd_parts.key_block`), so grid columns beyond a shorter varlen sequence get n_blk < 0.
+    (`sched.key_block`, through `parts.key_tile`), so grid columns beyond a shorter varlen
+    sequence get n_blk < 0.
     Each kernel must skip them before touching memory: bwd_ws once did not, and summed rows
     of the previous sequence into dQ (H200, 2026-11-30, dQ error 282)."""
     import re
@@ -443,12 +443,12 @@ def test_every_backward_kernel_skips_key_blocks_numbered_below_zero():
     sm90 = Path(bwd.__file__).parent
     for name in ("kernel.py", "kernel_ws.py", "kernel_wide.py"):
         src = (sm90 / name).read_text()
-        calls = [m.end() for m in re.finditer(r"= key_block\(", src)]
+        calls = [m.end() for m in re.finditer(r"= key_tile\(", src)]
         assert calls, name
         for at in calls:
             body = src[at:at + 800]
             guard = re.search(r"\n\s*if \(n0 >= 0\) & \(n0 < seqlen_k\):", body)
-            assert guard, f"{name}: no `n0 >= 0` guard right after key_block"
+            assert guard, f"{name}: no `n0 >= 0` guard right after key_tile"
 
 
 def test_heads_first_grid_where_all_heads_fit_l2():
@@ -580,8 +580,8 @@ def test_d256_dq_staging_in_the_operand_buffers_only_where_it_fits():
     c = bwd._constexprs(256, 256, replace(det, dq_hi_late=True, turn_release=0),
                         deterministic=True, **feats)
     assert c["RELEASE_AT"] == 0 and c["DQ_IN_OPS"] and not c["HI_LATE"]
-    # head dims <= 128 run other kernels: no such switches
-    assert "DQ_IN_OPS" not in bwd._constexprs(128, 128, bwd.select_config(128), **feats)
+    # head dims <= 128 run other kernels: the switches stay off
+    assert not bwd._constexprs(128, 128, bwd.select_config(128), **feats)["DQ_IN_OPS"]
 
 
 def test_turn_release_by_warp_zero_only_in_the_wide_kernel():
@@ -620,7 +620,7 @@ def test_short_causal_deterministic_calls_run_the_persistent_grid(d):
 def test_mask_mode_reaches_only_the_warp_specialised_kernel():
     """bwd_ws's MASK_MODE: bit 0 forms a masked step's column indices in the step
     (BwdConfig.step_cols), bit 1 masks Sᵀ before the exponentials (mask_scores); both are
-    masked d=64 calls' default, neither d=128's. The other kernels have no such constexpr."""
+    masked d=64 calls' default, neither d=128's. The other kernels get it as 0."""
     feats = {"uniform": True, "has_seqused": False, "has_left": False, "has_right": True,
              "softcap": False}
 
@@ -637,7 +637,7 @@ def test_mask_mode_reaches_only_the_warp_specialised_kernel():
         .mask_scores
     assert not bwd.select_config(64, masked=True, softcap=True).mask_scores
     for d in (64, 128, 256):
-        assert "MASK_MODE" not in bwd._constexprs(d, d, bwd.select_config(d), **feats)
+        assert bwd._constexprs(d, d, bwd.select_config(d), **feats)["MASK_MODE"] == 0
 
 
 # Deterministic mode's first dQ turns store (bwd.first_stores, FIRST_STORES): the dQ warp
@@ -694,7 +694,7 @@ def test_first_stores_only_where_every_query_block_gets_a_first_turn():
     # bwd.py's kernel for d <= 128 (deterministic d=64 with softcap) always adds
     plan = bwd.launch_plan(64, 64, 512, 512, True, False, -1, -1, True, True, 2, 4, 132,
                            None, hq=4)
-    assert not plan.split and "FIRST_STORES" not in plan.constexprs
+    assert not plan.split and plan.constexprs["FIRST_STORES"] is False
 
 
 @pytest.mark.parametrize("d,causal,det,softcap,seqlen", [

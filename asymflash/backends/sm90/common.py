@@ -48,9 +48,21 @@ try:  # Gluon is optional: a CPU-only or older triton must still import this mod
     def aggregate(cls):
         """Gluon's aggregate of `cls`, its field annotations resolved first: the kernel
         modules use `from __future__ import annotations`, which leaves them strings, and the
-        aggregate checks each field's value against its annotation's type."""
+        aggregate checks each field's value against its annotation's type. A class without
+        an `__init__` gets one that takes the fields in order (constexpr fields wrapped as
+        constexprs), as Gluon's own aggregate does from triton 3.8."""
         cls.__annotations__ = typing.get_type_hints(cls)
+        if "__init__" not in cls.__dict__:
+            cls.__init__ = _positional_init(cls.__annotations__)
         return _aggregate(cls)
+
+    def _positional_init(fields: dict):
+        def __init__(self, *values):
+            if len(values) != len(fields):
+                raise TypeError(f"{len(fields)} fields, {len(values)} values")
+            for name, value in zip(fields, values):
+                setattr(self, name, gl.constexpr(value) if fields[name] is gl.constexpr else value)
+        return gluon.constexpr_function(__init__)
 
     GLUON_ERROR: str | None = None
 except Exception as exc:  # noqa: BLE001 - any import failure means: no fast path

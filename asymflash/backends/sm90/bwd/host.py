@@ -85,7 +85,7 @@ from asymflash.core.params import AttnParams, SeqInfo, cdiv
 from ....runtime.launch import DirectLaunch, LaunchSite, sm_count
 from .. import common
 from ..common import GLUON_ERROR
-from . import dq_fragments, kernel_wide, kernel_ws
+from . import dq_fragments, entry
 from .config import (  # noqa: F401 - re-exported: tests and scripts read them here
     _DEFAULT_CONFIGS,
     HEADS_FIRST_L2_BYTES,
@@ -100,9 +100,8 @@ if GLUON_ERROR is None:
     import triton
     from triton.experimental.gluon import language as gl
 
-    from .kernel import _attn_bwd_kernel
-
-# 64 and 128 run `_attn_bwd_kernel` below, 256 `bwd_wide` (the warpgroups split the head dim).
+# 64 and 128 run kernel.py's body (or kernel_ws.py's), 256 kernel_wide.py's (the warpgroups
+# split the head dim): `_kind`.
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
@@ -113,9 +112,15 @@ def _launcher_for(head_dim: int, split: bool = False) -> DirectLaunch:
 
 
 def _kernel_for(head_dim: int, split: bool = False):
+    """The launch entry; which body it runs is the KIND constexpr (`_kind`). One binary per
+    distinct set of constexprs, KIND among them, as with a JIT function per body."""
+    return entry.attn_bwd_kernel
+
+
+def _kind(head_dim: int, split: bool) -> int:
     if split:
-        return kernel_ws.attn_bwd_ws_kernel
-    return kernel_wide.attn_bwd_wide_kernel if head_dim == 256 else _attn_bwd_kernel
+        return entry.KIND_WS
+    return entry.KIND_WIDE if head_dim == 256 else entry.KIND_SYNC
 
 
 def _launch_options(split: bool, cfg: BwdConfig) -> dict:
@@ -140,14 +145,20 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
     # turns, where a CTA only waits for CTAs launched before it.
     stagger = (not has_left and not has_right
                and (not deterministic or max_key_blocks <= resident_ctas))
+    # Every constexpr of the entry, each body's own switches and neutral values for the
+    # others: a defaulted parameter left out would send every launch down Triton's own
+    # launch path (DirectLaunch keeps binaries of full calls only).
     consts = {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim_v, "BLOCK_M": cfg.block_m,
-            "BLOCK_N": cfg.block_n, "UNIFORM": uniform,
-            "HAS_SEQUSED": has_seqused, "HAS_LEFT": has_left, "HAS_RIGHT": has_right,
-            "SOFTCAP": softcap, "DV_OVERLAP": cfg.dv_overlap,
-            "DP_EARLY": cfg.dp_early, "DETERMINISTIC": deterministic,
-            "STAGGER": stagger, "RELEASE_AT": cfg.turn_release,
-            "KV_TMA_STORE": kv_tma_store,
-            "HEADS_FIRST": heads_first_grid}
+              "BLOCK_N": cfg.block_n, "UNIFORM": uniform,
+              "HAS_SEQUSED": has_seqused, "HAS_LEFT": has_left, "HAS_RIGHT": has_right,
+              "SOFTCAP": softcap, "DV_OVERLAP": cfg.dv_overlap,
+              "DP_EARLY": cfg.dp_early, "DETERMINISTIC": deterministic,
+              "STAGGER": stagger, "RELEASE_AT": cfg.turn_release,
+              "KV_TMA_STORE": kv_tma_store, "HEADS_FIRST": heads_first_grid,
+              "DK_LATE": False, "STATS_LATE": cfg.stats_late, "DQ_IN_OPS": False,
+              "HI_LATE": False, "FIRST_STORES": False, "LATE_WG": 0, "RING": 0,
+              "DK_AFTER_DQ": False, "DQ_WARP": False, "MASK_MODE": 0, "PERSISTENT": False,
+              "KV_BUFS": 1, "KIND": _kind(head_dim, split)}
     if head_dim != 256:  # bwd_wide splits dK/dQ by columns: its schedule has no such choice
         consts["DK_LATE"] = cfg.dk_late
     else:
@@ -158,7 +169,6 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
         # issue, it waits for that reduce too (wait_group 0 covers every reduce issued).
         consts["HI_LATE"] = cfg.dq_hi_late and consts["DQ_IN_OPS"] and not (
             deterministic and consts["RELEASE_AT"] == 0)
-    consts["STATS_LATE"] = cfg.stats_late
     if split:
         consts["LATE_WG"] = 0  # the warpgroup that computes dQ one step late (ws_roles)
         consts["RING"] = cfg.ring_slots
@@ -169,8 +179,6 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
         consts["PERSISTENT"] = persists(cfg, uniform and not has_seqused, softcap)
         consts["KV_BUFS"] = cfg.ws_kv_buffers if consts["PERSISTENT"] else 1
     if split or head_dim == 256:  # bwd_ws, bwd_wide (kernel.py's kernel for d <= 128 always adds)
-        # Passed even where False: a defaulted parameter left out would send every launch
-        # down Triton's own launch path (DirectLaunch keeps binaries of full calls only).
         consts["FIRST_STORES"] = first_stores and deterministic
     return consts
 

@@ -6,39 +6,40 @@ from __future__ import annotations
 from ..common import GLUON_ERROR
 
 if GLUON_ERROR is None:
-    from ..bounds import (
-        key_block_walk,
-        step_needs_mask,
-    )
     from ..common import (
         fence_async_shared,
         gl,
         gluon,
         mbarrier,
         thread_barrier,
-        tile_layout,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
     from ..sched import (
-        key_block,
         next_step,
-        walk_start,
     )
     from .parts import (
         after_dq_reduce,
+        finish_dq,
         fragment_block,
         in_fragments,
+        key_operands,
+        key_tile,
+        key_walk,
         load_kv,
         load_qdo,
-        probabilities,
+        mask_coords,
+        mma_layout,
         release_dq_turn_after_tma,
         stage_dq,
-        stage_stats,
+        stat_buffers,
+        step_probabilities,
+        step_stats,
         store_key_grads,
         take_dq_turn,
         tma_reduce_add,
+        walk,
     )
 
 
@@ -49,40 +50,17 @@ if GLUON_ERROR is None:
         """Accumulator layout of dQ = dS·K [block_m rows, head_dim]: with 64 rows (one wgmma
         M) the two warpgroups split its columns, with 128 its rows."""
         if block_m == 64:
-            return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                             instr_shape=[16, head_dim // 2, 16])
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                         instr_shape=[16, head_dim, 16])
+            return mma_layout(4, 2, head_dim // 2)
+        return mma_layout(8, 1, head_dim)
 
-    # Lengths, head counts and windows stay runtime values: Triton would otherwise compile a
-    # variant per value 1 (and per divisibility by 16), and with seqlen_q = group = 1 folded
-    # to constants the step loop collapses into a form triton 3.6's LLVM lowering crashes on
-    # (tests/test_sm90_bwd_compile.py).
-    @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
-                                  "group", "window_left", "window_right", "num_m_blocks"])
-    def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
-                         delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
-                         sem_ptr, seqlen_q,
-                         seqlen_k, total_q, n_heads, n_kv_heads, group, num_m_blocks, qk_scale,
-                         softmax_scale, softcap_pre, window_left, window_right,
-                         HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
-                         DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                         STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
-                         KV_TMA_STORE: gl.constexpr,
-                         DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr,
-                         HEADS_FIRST: gl.constexpr):
+    @gluon.jit
+    def attn_bwd_sync(call, cfg):
+        """The body `entry.attn_bwd_kernel` runs for d <= 128 without warp specialisation."""
         # Keys on the M axis: warpgroup w owns keys [w·64, w·64 + 64) of the block.
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                           instr_shape=[16, BLOCK_M, 16])
-        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                            instr_shape=[16, HEAD_DIM, 16])
-        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                            instr_shape=[16, HEAD_DIM_V, 16])
-        dq_layout: gl.constexpr = _dq_mma_layout(BLOCK_M, HEAD_DIM)
+        s_layout: gl.constexpr = mma_layout(8, 1, cfg.BLOCK_M)
+        dk_layout: gl.constexpr = mma_layout(8, 1, cfg.HEAD_DIM)
+        dv_layout: gl.constexpr = mma_layout(8, 1, cfg.HEAD_DIM_V)
+        dq_layout: gl.constexpr = _dq_mma_layout(cfg.BLOCK_M, cfg.HEAD_DIM)
         pv_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout,
                                                          k_width=2)
         dsq_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout,
@@ -90,34 +68,23 @@ if GLUON_ERROR is None:
         # Deterministic mode, how the dQ turn is polled (parts.wait_dq_turn): by every
         # warp at d=128 (local-memory instructions, ptxas: causal 47 -> 6,
         # non-causal 18 -> 0), by thread 0 at d=64 (there the windowed build went 22 -> 30).
-        WARP_SPIN: gl.constexpr = HEAD_DIM == 128
+        WARP_SPIN: gl.constexpr = cfg.HEAD_DIM == 128
         key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-        dtype: gl.constexpr = q_desc.dtype
+        dtype: gl.constexpr = call.q_desc.dtype
 
-        n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
-            cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
-            HAS_RIGHT and DETERMINISTIC, HEADS_FIRST)
-        n0 = n_blk * BLOCK_N
+        n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k, n0 = key_tile(call, cfg)
         if (n0 >= 0) & (n0 < seqlen_k):
             (shift, m_lo, group_blocks, n_steps, keys_oob, m_full_lo,
-             m_full_hi) = key_block_walk(n0, seqlen_q, seqlen_k, group, window_left,
-                                         window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+             m_full_hi) = key_walk(call, cfg, n0, seqlen_q, seqlen_k)
 
-            k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM],
-                                               tile_layout(k_desc.layout))
-            v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V],
-                                               tile_layout(v_desc.layout))
-            q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM],
-                                               tile_layout(q_desc.layout))
-            do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM_V],
-                                                tile_layout(do_desc.layout))
-            ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
-                                                                           dtype)
-            ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+            k_smem, v_smem, q_smem, do_smem = key_operands(call, cfg, 2)
+            ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+                [cfg.BLOCK_N, cfg.BLOCK_M], dtype)
+            ds_smem = gl.allocate_shared_memory(dtype, [2, cfg.BLOCK_N, cfg.BLOCK_M], ds_layout)
             # dQ partials leave through one TMA reduce-add per step from here.
-            dq_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape,
-                                                dq_desc.layout)
+            dq_smem = gl.allocate_shared_memory(gl.float32, call.dq_desc.block_type.shape,
+                                                call.dq_desc.layout)
             kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
             ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             mbarrier.init(kv_bar.index(0), count=1)
@@ -125,67 +92,54 @@ if GLUON_ERROR is None:
                 mbarrier.init(ready.index(st), count=1)
             fence_async_shared()
 
-            load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(0), k_start + n0, hk, HEAD_DIM,
-                    HEAD_DIM_V)
-            # Steps walk (q head of the group, query block) in order; (h, m0) is the current
-            # step's pair, carried rather than divided out of the step counter.
-            h_first = hk * group
-            h, m0, stride = walk_start(n_blk, n_seq, n_steps, group_blocks, h_first, m_lo,
-                                       STAGGER, BLOCK_M)
-            m_end = m_lo + group_blocks * BLOCK_M
-            held = sem_ptr  # deferred release: the dQ turn this CTA still holds
-            load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 0, h, q_start + m0, HEAD_DIM,
-                      HEAD_DIM_V, n_steps > 0)
+            load_kv(call.k_desc, call.v_desc, k_smem, v_smem, kv_bar.index(0), k_start + n0, hk,
+                    cfg.HEAD_DIM, cfg.HEAD_DIM_V)
+            h_first, h, m0, stride, m_end = walk(call, cfg, hk, n_blk, n_seq, n_steps,
+                                                 group_blocks, m_lo)
+            held = call.sem_ptr  # deferred release: the dQ turn this CTA still holds
+            load_qdo(call.q_desc, call.do_desc, q_smem, do_smem, ready, 0, h, q_start + m0,
+                     cfg.HEAD_DIM, cfg.HEAD_DIM_V, n_steps > 0)
 
-            kloc = gl.arange(0, BLOCK_N, layout=key_layout)
-            n_valid = seqlen_k - n0
-            diag_right = shift + window_right - n0  # key <= row + shift + window_right
-            diag_left = shift - window_left - n0  # key >= row + shift - window_left
-            cols = gl.arange(0, BLOCK_M, layout=col_layout)
-            dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, dk_layout)
-            dv = gl.zeros([BLOCK_N, HEAD_DIM_V], gl.float32, dv_layout)
-            s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-            dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
-            stat_layout: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
-            stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-            lse_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stat_smem_layout)
-            delta_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stat_smem_layout)
+            kloc, n_valid, diag_right, diag_left, cols = mask_coords(call, cfg, shift, n0, seqlen_k,
+                                                                     key_layout, col_layout)
+            dk = gl.zeros([cfg.BLOCK_N, cfg.HEAD_DIM], gl.float32, dk_layout)
+            dv = gl.zeros([cfg.BLOCK_N, cfg.HEAD_DIM_V], gl.float32, dv_layout)
+            s_zero = gl.zeros([cfg.BLOCK_N, cfg.BLOCK_M], gl.float32, s_layout)
+            dq_zero = gl.zeros([cfg.BLOCK_M, cfg.HEAD_DIM], gl.float32, dq_layout)
+            lse_smem, delta_smem = stat_buffers(cfg)
             if n_steps > 0:
-                stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 0, h, m0, q_start,
-                             seqlen_q, total_q, BLOCK_M, stat_layout)
+                step_stats(call, cfg, lse_smem, delta_smem, 0, h, m0, q_start, seqlen_q)
             thread_barrier()
             mbarrier.wait(kv_bar.index(0), 0)
 
             for it in range(n_steps):
                 slot = it % 2
-                h_next, m0_next = next_step(h, m0, m_lo, m_end, h_first, h_first + group,
-                                            BLOCK_M)
+                h_next, m0_next = next_step(h, m0, m_lo, m_end, h_first, h_first + call.group,
+                                            cfg.BLOCK_M)
                 mbarrier.wait(ready.index(slot), (it // 2) & 1)
                 q_s = q_smem.index(slot)
                 do_s = do_smem.index(slot)
                 s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False,
                                       is_async=True)
-                if DP_EARLY:
+                if cfg.DP_EARLY:
                     # dPᵀ runs on the tensor cores while this warpgroup computes Pᵀ.
                     dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
                                            is_async=True)
 
-                if not STATS_LATE:
+                if not cfg.STATS_LATE:
                     # Next step's row statistics, while the two MMAs run. Its buffer was last
                     # read in step it-1, before the barrier every warp has passed since.
                     if it + 1 < n_steps:
-                        stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
-                                     m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
-                if DP_EARLY:
+                        step_stats(call, cfg, lse_smem, delta_smem, 1 - slot, h_next, m0_next,
+                                   q_start, seqlen_q)
+                if cfg.DP_EARLY:
                     s = warpgroup_mma_wait(1, deps=[s_tok])
                 else:
                     s = warpgroup_mma_wait(0, deps=[s_tok])
                 lse2 = lse_smem.index(slot).load(col_layout)
-                p, p_ds = probabilities(
-                    s, lse2, qk_scale, softcap_pre,
-                    step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, HAS_LEFT, HAS_RIGHT),
-                    kloc, cols, n_valid, m0, diag_right, diag_left, SOFTCAP, HAS_LEFT, HAS_RIGHT)
-                if not DP_EARLY:
+                p, p_ds = step_probabilities(call, cfg, s, lse2, m0, keys_oob, m_full_lo, m_full_hi,
+                                            kloc, cols, n_valid, diag_right, diag_left)
+                if not cfg.DP_EARLY:
                     # Issued only now so that its 32 accumulator registers are not live while
                     # Pᵀ is formed; the other warpgroup keeps the tensor cores busy meanwhile.
                     dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
@@ -194,7 +148,7 @@ if GLUON_ERROR is None:
                 dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
                 p = p_ds
 
-                if DV_OVERLAP:
+                if cfg.DV_OVERLAP:
                     # Groups retire in order: with dV left in flight, dPᵀ is complete.
                     dp = warpgroup_mma_wait(1, deps=[dp_tok])
                 else:
@@ -207,43 +161,41 @@ if GLUON_ERROR is None:
                 ds_buf = ds_smem.index(slot)
                 ds_buf.store(ds16)
                 ds_op = gl.convert_layout(ds16, dsq_op_layout)
-                if not DK_LATE:
+                if not cfg.DK_LATE:
                     dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                 # dQ reads both warpgroups' halves of dSᵀ: make the stores visible to the
                 # async proxy, then wait for every warp. Past this barrier every warp has also
                 # retired all MMAs of step it-1, so that step's ring slot can be refilled, and
                 # the issuing thread has seen step it-1's dQ reduce read dq_smem.
                 fence_async_shared()
-                if DETERMINISTIC:
-                    if RELEASE_AT == 1:
+                if cfg.DETERMINISTIC:
+                    if cfg.RELEASE_AT == 1:
                         if it > 0:  # the previous step's turn (see the reduce below)
                             release_dq_turn_after_tma(held, m0)
                 tma.store_wait(0)
                 thread_barrier()
-                load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 1 - slot, h_next,
-                          q_start + m0_next, HEAD_DIM, HEAD_DIM_V, it + 1 < n_steps)
+                load_qdo(call.q_desc, call.do_desc, q_smem, do_smem, ready, 1 - slot, h_next,
+                         q_start + m0_next, cfg.HEAD_DIM, cfg.HEAD_DIM_V, it + 1 < n_steps)
                 dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, dq_zero, use_acc=False,
                                        is_async=True)
-                if DK_LATE:
+                if cfg.DK_LATE:
                     dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-                if STATS_LATE:
+                if cfg.STATS_LATE:
                     # Next step's row statistics, while dQ runs (the warps would only wait for
                     # it). Past this step's first barrier no warp reads buffer 1 - slot any
                     # more; the barrier before the dQ reduce publishes it.
                     if it + 1 < n_steps:
-                        stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
-                                     m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
-                if DETERMINISTIC:  # the semaphore's round trip under the dK/dQ MMAs
-                    sem, _ = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks, m0,
-                                          n_blk, n_seq, shift, window_left, window_right, h_first,
-                                          m_lo, group_blocks, stride, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                          HAS_RIGHT, STAGGER, RELEASE_AT, WARP_SPIN)
-                if DK_LATE:  # groups retire in order: dQ (and dV) now, dK in flight
-                    if DV_OVERLAP:
+                        step_stats(call, cfg, lse_smem, delta_smem, 1 - slot, h_next, m0_next,
+                                   q_start, seqlen_q)
+                if cfg.DETERMINISTIC:  # the semaphore's round trip under the dK/dQ MMAs
+                    sem, _ = take_dq_turn(call, cfg, held, it, batch, h, m0, n_blk, n_seq, shift,
+                                          h_first, m_lo, group_blocks, stride, WARP_SPIN)
+                if cfg.DK_LATE:  # groups retire in order: dQ (and dV) now, dK in flight
+                    if cfg.DV_OVERLAP:
                         dv, dq, p_op = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok, p_op])
                     else:
                         dq = warpgroup_mma_wait(1, deps=[dq_tok])
-                elif DV_OVERLAP:
+                elif cfg.DV_OVERLAP:
                     dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(
                         0, deps=[dv_tok, dk_tok, dq_tok, p_op, ds_op])
                 else:
@@ -251,34 +203,28 @@ if GLUON_ERROR is None:
 
                 # Rows past this sequence get exact zeros (P = 0 there): no row mask. Rows past
                 # the tensor are clipped by the TMA unit.
-                FRAG: gl.constexpr = in_fragments(dq_desc.layout)
-                stage_dq(dq_smem, dq * softmax_scale, FRAG, BLOCK_M, HEAD_DIM)
+                FRAG: gl.constexpr = in_fragments(call.dq_desc.layout)
+                stage_dq(dq_smem, dq * call.softmax_scale, FRAG, cfg.BLOCK_M, cfg.HEAD_DIM)
                 fence_async_shared()
                 thread_barrier()
                 if FRAG:  # rows of the two 64-row blocks from `fragment_block` in the fragment
                     # buffer, columns of head h (dq_fragments.py)
                     block = fragment_block(q_start, m0)
-                    tma_reduce_add(dq_desc, [block * (2 * HEAD_DIM), h * 32], dq_smem)
+                    tma_reduce_add(call.dq_desc, [block * (2 * cfg.HEAD_DIM), h * 32], dq_smem)
                 else:
-                    tma_reduce_add(dq_desc, [q_start + m0, h * HEAD_DIM], dq_smem)
-                if DETERMINISTIC:
-                    held = after_dq_reduce(sem, m0, RELEASE_AT)
-                if DK_LATE:
+                    tma_reduce_add(call.dq_desc, [q_start + m0, h * cfg.HEAD_DIM], dq_smem)
+                if cfg.DETERMINISTIC:
+                    held = after_dq_reduce(sem, m0, cfg.RELEASE_AT)
+                if cfg.DK_LATE:
                     dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])
                 h = h_next
                 m0 = m0_next
 
-            if DETERMINISTIC:
-                if RELEASE_AT != 0:
-                    if n_steps > 0:
-                        release_dq_turn_after_tma(held, n_steps)
-            tma.store_wait(0)  # the last reduce reads dq_smem
+            finish_dq(cfg, held, n_steps)  # (the last reduce reads dq_smem)
             for st in gl.static_range(2):
                 mbarrier.invalidate(ready.index(st))
             mbarrier.invalidate(kv_bar.index(0))
 
             # Epilogue: dK carries the softmax scale of S = scale·Q·Kᵀ.
-            store_key_grads(dk_desc, dv_desc, dk_ptr, dv_ptr, dk * softmax_scale, dv, q_smem,
-                            do_smem, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM, HEAD_DIM_V,
-                            BLOCK_N, KV_TMA_STORE, HAS_RIGHT and DETERMINISTIC,
-                            dk_layout, dv_layout, HEADS_FIRST)
+            store_key_grads(call, cfg, dk * call.softmax_scale, dv, q_smem, do_smem, n0, k_start,
+                            seqlen_k, hk, dk_layout, dv_layout)

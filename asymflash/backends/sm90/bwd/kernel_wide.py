@@ -44,39 +44,40 @@ from __future__ import annotations
 from ..common import GLUON_ERROR
 
 if GLUON_ERROR is None:
-    from ..bounds import (
-        key_block_walk,
-        step_needs_mask,
-    )
     from ..common import (
         fence_async_shared,
         gl,
         gluon,
         mbarrier,
         thread_barrier,
-        tile_layout,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
     from ..sched import (
-        key_block,
         next_step,
-        walk_start,
     )
     from .parts import (
         add_dq_tile,
         after_dq_reduce,
+        finish_dq,
         fragment_block,
         in_fragments,
+        key_operands,
+        key_tile,
+        key_walk,
         load_kv,
         load_rows,
-        probabilities,
+        mask_coords,
+        mma_layout,
         release_dq_turn_after_tma,
         stage_dq,
-        stage_stats,
+        stat_buffers,
+        step_probabilities,
+        step_stats,
         store_key_grads,
         take_dq_turn,
+        walk,
     )
 
     @gluon.jit
@@ -85,73 +86,42 @@ if GLUON_ERROR is None:
         tile of `dq_desc`'s reduce (BwdConfig.dq_in_operands)."""
         return buf._reinterpret(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
 
-    @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
-                                  "group", "window_left", "window_right", "num_m_blocks"])
-    def attn_bwd_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc,
-                             lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr,
-                             used_k_ptr, sem_ptr,
-                             seqlen_q, seqlen_k, total_q, n_heads, n_kv_heads, group,
-                             num_m_blocks,
-                             qk_scale, softmax_scale, softcap_pre, window_left, window_right,
-                             HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                             UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-                             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                             SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
-                             DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                             STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
-                             KV_TMA_STORE: gl.constexpr,
-                             STATS_LATE: gl.constexpr, HEADS_FIRST: gl.constexpr,
-                             DQ_IN_OPS: gl.constexpr = False, HI_LATE: gl.constexpr = False,
-                             FIRST_STORES: gl.constexpr = False):
+    @gluon.jit
+    def attn_bwd_wide(call, cfg):
+        """The body `entry.attn_bwd_kernel` runs for d = 256."""
         # dPᵀ is always issued with Sᵀ here (DP_EARLY is kernel.py's register trade-off), and dV
         # is always retired before dSᵀ is published (barrier 2 relies on it); DV_OVERLAP keeps
         # it in flight while dSᵀ is formed. dQ leaves by TMA reduce-add in two 128-column
         # halves (dq_desc's box).
-        DQ_COLS: gl.constexpr = HEAD_DIM // 2
+        DQ_COLS: gl.constexpr = cfg.HEAD_DIM // 2
         # All four tiles split over the warpgroups by columns (warps_per_cta [4, 2]).
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                           instr_shape=[16, BLOCK_M // 2, 16])
-        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, HEAD_DIM // 2, 16])
-        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, HEAD_DIM_V // 2, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                            instr_shape=[16, DQ_COLS // 2, 16])
+        s_layout: gl.constexpr = mma_layout(4, 2, cfg.BLOCK_M // 2)
+        dk_layout: gl.constexpr = mma_layout(4, 2, cfg.HEAD_DIM // 2)
+        dv_layout: gl.constexpr = mma_layout(4, 2, cfg.HEAD_DIM_V // 2)
+        dq_layout: gl.constexpr = mma_layout(4, 2, DQ_COLS // 2)
         key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-        dtype: gl.constexpr = q_desc.dtype
+        dtype: gl.constexpr = call.q_desc.dtype
 
-        n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
-            cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
-            HAS_RIGHT and DETERMINISTIC, HEADS_FIRST)
-        n0 = n_blk * BLOCK_N
+        n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k, n0 = key_tile(call, cfg)
         if (n0 >= 0) & (n0 < seqlen_k):
             (shift, m_lo, group_blocks, n_steps, keys_oob, m_full_lo,
-             m_full_hi) = key_block_walk(n0, seqlen_q, seqlen_k, group, window_left,
-                                         window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+             m_full_hi) = key_walk(call, cfg, n0, seqlen_q, seqlen_k)
 
-            k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM],
-                                               tile_layout(k_desc.layout))
-            v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V],
-                                               tile_layout(v_desc.layout))
-            q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM],
-                                               tile_layout(q_desc.layout))
             # Without DQ_IN_OPS dO has one buffer: its readers (dPᵀ, dV) are retired by
             # barrier 2, so the next step's dO lands while dK and dQ run, and the 32 KB saved
             # hold the dQ staging tile. With it (BwdConfig.dq_in_operands) two dO buffers and
             # no staging tile: each step stages its dQ halves in its own dO buffer and Q slot.
-            DO_BUFS: gl.constexpr = 2 if DQ_IN_OPS else 1
-            do_smem = gl.allocate_shared_memory(dtype, [DO_BUFS, BLOCK_M, HEAD_DIM_V],
-                                                tile_layout(do_desc.layout))
-            pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
-                                                                           dtype)
-            pt_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pt_layout)
-            ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pt_layout)
+            DO_BUFS: gl.constexpr = 2 if cfg.DQ_IN_OPS else 1
+            k_smem, v_smem, q_smem, do_smem = key_operands(call, cfg, DO_BUFS)
+            pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+                [cfg.BLOCK_N, cfg.BLOCK_M], dtype)
+            pt_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.BLOCK_M], pt_layout)
+            ds_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.BLOCK_M], pt_layout)
             kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-            if not DQ_IN_OPS:
-                dq_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape,
-                                                    dq_desc.layout)
+            if not cfg.DQ_IN_OPS:
+                dq_smem = gl.allocate_shared_memory(gl.float32, call.dq_desc.block_type.shape,
+                                                    call.dq_desc.layout)
             q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             do_ready = gl.allocate_shared_memory(gl.int64, [DO_BUFS, 1],
                                                  mbarrier.MBarrierLayout())
@@ -162,34 +132,25 @@ if GLUON_ERROR is None:
                 mbarrier.init(q_ready.index(st), count=1)
             fence_async_shared()
 
-            load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar.index(0), k_start + n0, hk, HEAD_DIM,
-                    HEAD_DIM_V)
-            h_first = hk * group
-            h, m0, stride = walk_start(n_blk, n_seq, n_steps, group_blocks, h_first, m_lo,
-                                       STAGGER, BLOCK_M)
-            m_end = m_lo + group_blocks * BLOCK_M
-            held = sem_ptr  # deferred release: the dQ turn this CTA still holds
-            load_rows(q_desc, q_smem.index(0), q_ready.index(0), q_start + m0, h, HEAD_DIM,
+            load_kv(call.k_desc, call.v_desc, k_smem, v_smem, kv_bar.index(0), k_start + n0, hk,
+                    cfg.HEAD_DIM, cfg.HEAD_DIM_V)
+            h_first, h, m0, stride, m_end = walk(call, cfg, hk, n_blk, n_seq, n_steps,
+                                                 group_blocks, m_lo)
+            held = call.sem_ptr  # deferred release: the dQ turn this CTA still holds
+            load_rows(call.q_desc, q_smem.index(0), q_ready.index(0), q_start + m0, h, cfg.HEAD_DIM,
                       n_steps > 0)
-            load_rows(do_desc, do_smem.index(0), do_ready.index(0), q_start + m0, h,
-                      HEAD_DIM_V, n_steps > 0)
+            load_rows(call.do_desc, do_smem.index(0), do_ready.index(0), q_start + m0, h,
+                      cfg.HEAD_DIM_V, n_steps > 0)
 
-            kloc = gl.arange(0, BLOCK_N, layout=key_layout)
-            n_valid = seqlen_k - n0
-            diag_right = shift + window_right - n0
-            diag_left = shift - window_left - n0
-            cols = gl.arange(0, BLOCK_M, layout=col_layout)
-            dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, dk_layout)
-            dv = gl.zeros([BLOCK_N, HEAD_DIM_V], gl.float32, dv_layout)
-            s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-            dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-            stat_layout: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
-            stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-            lse_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stat_smem_layout)
-            delta_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stat_smem_layout)
+            kloc, n_valid, diag_right, diag_left, cols = mask_coords(call, cfg, shift, n0, seqlen_k,
+                                                                     key_layout, col_layout)
+            dk = gl.zeros([cfg.BLOCK_N, cfg.HEAD_DIM], gl.float32, dk_layout)
+            dv = gl.zeros([cfg.BLOCK_N, cfg.HEAD_DIM_V], gl.float32, dv_layout)
+            s_zero = gl.zeros([cfg.BLOCK_N, cfg.BLOCK_M], gl.float32, s_layout)
+            dq_zero = gl.zeros([cfg.BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+            lse_smem, delta_smem = stat_buffers(cfg)
             if n_steps > 0:
-                stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 0, h, m0, q_start,
-                            seqlen_q, total_q, BLOCK_M, stat_layout)
+                step_stats(call, cfg, lse_smem, delta_smem, 0, h, m0, q_start, seqlen_q)
             thread_barrier()
             mbarrier.wait(kv_bar.index(0), 0)
             # HI_LATE (BwdConfig.dq_hi_late): the previous step's high dQ half, staged in its Q
@@ -201,8 +162,8 @@ if GLUON_ERROR is None:
             for it in range(n_steps):
                 first = 0  # (deterministic mode: 1 on the query block's first dQ turn)
                 slot = it % 2
-                h_next, m0_next = next_step(h, m0, m_lo, m_end, h_first, h_first + group,
-                                            BLOCK_M)
+                h_next, m0_next = next_step(h, m0, m_lo, m_end, h_first, h_first + call.group,
+                                            cfg.BLOCK_M)
                 mbarrier.wait(q_ready.index(slot), (it // 2) & 1)
                 do_slot = it % DO_BUFS
                 mbarrier.wait(do_ready.index(do_slot), (it // DO_BUFS) & 1)
@@ -212,43 +173,41 @@ if GLUON_ERROR is None:
                                       is_async=True)
                 dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
                                        is_async=True)
-                if HI_LATE:
+                if cfg.HI_LATE:
                     if it > 0:  # barrier 1 below waits for its read before Q's next load
-                        add_dq_tile(dq_desc, pend_row, pend_col,
-                                    _dq_tile_in(q_smem.index(1 - slot), dq_desc), FIRST_STORES,
-                                    pend_first)
-                if not STATS_LATE:  # next step's statistics (published by barrier 1)
+                        add_dq_tile(call.dq_desc, pend_row, pend_col,
+                                    _dq_tile_in(q_smem.index(1 - slot), call.dq_desc),
+                                    cfg.FIRST_STORES, pend_first)
+                if not cfg.STATS_LATE:  # next step's statistics (published by barrier 1)
                     if it + 1 < n_steps:
-                        stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
-                                    m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
+                        step_stats(call, cfg, lse_smem, delta_smem, 1 - slot, h_next, m0_next,
+                                   q_start, seqlen_q)
                 s = warpgroup_mma_wait(1, deps=[s_tok])
                 lse2 = lse_smem.index(slot).load(col_layout)
-                p, p_ds = probabilities(
-                    s, lse2, qk_scale, softcap_pre,
-                    step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, HAS_LEFT, HAS_RIGHT),
-                    kloc, cols, n_valid, m0, diag_right, diag_left, SOFTCAP, HAS_LEFT, HAS_RIGHT)
+                p, p_ds = step_probabilities(call, cfg, s, lse2, m0, keys_oob, m_full_lo, m_full_hi,
+                                            kloc, cols, n_valid, diag_right, diag_left)
                 pt_smem.store(p.to(dtype))
                 p = p_ds
                 fence_async_shared()
-                if DETERMINISTIC:
-                    if RELEASE_AT == 1:
+                if cfg.DETERMINISTIC:
+                    if cfg.RELEASE_AT == 1:
                         if it > 0:  # the previous step's turn (kernel.py)
                             release_dq_turn_after_tma(held, m0)
                 # the previous step's dQ reduces have read their staging (dq_smem, or with
                 # DQ_IN_OPS that step's dO buffer and Q slot, loaded next)
                 tma.store_wait(0)
                 thread_barrier()  # barrier 1
-                load_rows(q_desc, q_smem.index(1 - slot), q_ready.index(1 - slot),
-                          q_start + m0_next, h_next, HEAD_DIM, it + 1 < n_steps)
-                if DQ_IN_OPS:  # half a step earlier than a single buffer allows
-                    load_rows(do_desc, do_smem.index(1 - do_slot), do_ready.index(1 - do_slot),
-                              q_start + m0_next, h_next, HEAD_DIM_V, it + 1 < n_steps)
+                load_rows(call.q_desc, q_smem.index(1 - slot), q_ready.index(1 - slot),
+                          q_start + m0_next, h_next, cfg.HEAD_DIM, it + 1 < n_steps)
+                if cfg.DQ_IN_OPS:  # half a step earlier than a single buffer allows
+                    load_rows(call.do_desc, do_smem.index(1 - do_slot), do_ready.index(1 - do_slot),
+                              q_start + m0_next, h_next, cfg.HEAD_DIM_V, it + 1 < n_steps)
                 dv_tok = warpgroup_mma(pt_smem, do_s, dv, is_async=True)
-                if DETERMINISTIC:
-                    if RELEASE_AT == 3:
+                if cfg.DETERMINISTIC:
+                    if cfg.RELEASE_AT == 3:
                         if it > 0:  # the previous step's turn, under the dV and dPᵀ MMAs
                             release_dq_turn_after_tma(held, m0, True)
-                if DV_OVERLAP:
+                if cfg.DV_OVERLAP:
                     # dV stays in flight while dSᵀ is formed (groups retire in order).
                     dp = warpgroup_mma_wait(1, deps=[dp_tok])
                 else:
@@ -256,97 +215,88 @@ if GLUON_ERROR is None:
                 delta = delta_smem.index(slot).load(col_layout)
                 ds = p * (dp - gl.expand_dims(delta, 0))
                 ds_smem.store(ds.to(dtype))
-                if DV_OVERLAP:
+                if cfg.DV_OVERLAP:
                     dv = warpgroup_mma_wait(0, deps=[dv_tok])  # before barrier 2 (Pᵀ reuse)
                 fence_async_shared()
                 thread_barrier()  # barrier 2
-                if not DQ_IN_OPS:
-                    load_rows(do_desc, do_s, do_ready.index(0), q_start + m0_next, h_next,
-                              HEAD_DIM_V, it + 1 < n_steps)
+                if not cfg.DQ_IN_OPS:
+                    load_rows(call.do_desc, do_s, do_ready.index(0), q_start + m0_next, h_next,
+                              cfg.HEAD_DIM_V, it + 1 < n_steps)
                 dk_tok = warpgroup_mma(ds_smem, q_s, dk, is_async=True)
                 dq_lo_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(0, DQ_COLS, 1),
                                           dq_zero, use_acc=False, is_async=True)
                 dq_hi_tok = warpgroup_mma(ds_smem.permute((1, 0)),
                                           k_smem.slice(DQ_COLS, DQ_COLS, 1), dq_zero,
                                           use_acc=False, is_async=True)
-                if STATS_LATE:
+                if cfg.STATS_LATE:
                     # Next step's statistics under the dK/dQ MMAs (bwd.BwdConfig.stats_late):
                     # buffer 1 - slot was last read before barrier 2.
                     if it + 1 < n_steps:
-                        stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, 1 - slot, h_next,
-                                    m0_next, q_start, seqlen_q, total_q, BLOCK_M, stat_layout)
-                if DETERMINISTIC:  # the semaphore's round trip under the MMAs (kernel.py)
-                    sem, first = take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks,
-                                              m0, n_blk, n_seq, shift, window_left, window_right,
-                                              h_first, m_lo, group_blocks, stride, BLOCK_M,
-                                              BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, RELEASE_AT,
-                                              True)
+                        step_stats(call, cfg, lse_smem, delta_smem, 1 - slot, h_next, m0_next,
+                                   q_start, seqlen_q)
+                if cfg.DETERMINISTIC:  # the semaphore's round trip under the MMAs (kernel.py)
+                    sem, first = take_dq_turn(call, cfg, held, it, batch, h, m0, n_blk, n_seq,
+                                              shift, h_first, m_lo, group_blocks, stride, True)
                 # Groups retire in order: the low dQ half is added while the high one runs.
                 dk, dq_lo = warpgroup_mma_wait(1, deps=[dk_tok, dq_lo_tok])
                 # One staging tile for both halves (kernel.py: rows past the sequence add
                 # exact zeros): three more barriers, but no per-thread atomics.
                 # FRAG: the halves as tiles in the accumulator's order (dq_fragments.py:
                 # parts 0 and 1 of the 64-row block `fragment_block`)
-                FRAG: gl.constexpr = in_fragments(dq_desc.layout)
+                FRAG: gl.constexpr = in_fragments(call.dq_desc.layout)
                 if FRAG:
-                    TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
+                    TILE_ROWS: gl.constexpr = call.dq_desc.block_type.shape[0]
                     dq_row = fragment_block(q_start, m0) * 2 * TILE_ROWS
                     lo_col = h * 32
                     hi_row = dq_row + TILE_ROWS
                     hi_col = lo_col
                 else:
                     dq_row = q_start + m0
-                    lo_col = h * HEAD_DIM
+                    lo_col = h * cfg.HEAD_DIM
                     hi_row = dq_row
                     hi_col = lo_col + DQ_COLS
-                if DQ_IN_OPS:
+                if cfg.DQ_IN_OPS:
                     # dO's readers (dPᵀ, dV) retired in every thread before barrier 2
-                    lo_buf = _dq_tile_in(do_s, dq_desc)
+                    lo_buf = _dq_tile_in(do_s, call.dq_desc)
                 else:
                     lo_buf = dq_smem
-                stage_dq(lo_buf, dq_lo * softmax_scale, FRAG, BLOCK_M, DQ_COLS)
+                stage_dq(lo_buf, dq_lo * call.softmax_scale, FRAG, cfg.BLOCK_M, DQ_COLS)
                 fence_async_shared()
                 thread_barrier()
-                add_dq_tile(dq_desc, dq_row, lo_col, lo_buf, FIRST_STORES, first)
+                add_dq_tile(call.dq_desc, dq_row, lo_col, lo_buf, cfg.FIRST_STORES, first)
                 dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
-                if DQ_IN_OPS:
+                if cfg.DQ_IN_OPS:
                     # Q's last reader, dK = dSᵀ·Q, retired in every thread before the
                     # barrier above: nothing waits for the low half's reduce here.
-                    hi_buf = _dq_tile_in(q_s, dq_desc)
+                    hi_buf = _dq_tile_in(q_s, call.dq_desc)
                 else:
                     hi_buf = dq_smem
                     tma.store_wait(0)  # the low half's reduce has read dq_smem
                     thread_barrier()
-                stage_dq(hi_buf, dq_hi * softmax_scale, FRAG, BLOCK_M, DQ_COLS)
+                stage_dq(hi_buf, dq_hi * call.softmax_scale, FRAG, cfg.BLOCK_M, DQ_COLS)
                 fence_async_shared()
                 thread_barrier()
-                if HI_LATE:
+                if cfg.HI_LATE:
                     pend_row = hi_row + 0  # (`+ 0`: see bwd_ws's h_prev)
                     pend_first = first + 0
                     pend_col = hi_col + 0
                 else:
-                    add_dq_tile(dq_desc, hi_row, hi_col, hi_buf, FIRST_STORES, first)
-                if DETERMINISTIC:
-                    held = after_dq_reduce(sem, m0, RELEASE_AT)
+                    add_dq_tile(call.dq_desc, hi_row, hi_col, hi_buf, cfg.FIRST_STORES, first)
+                if cfg.DETERMINISTIC:
+                    held = after_dq_reduce(sem, m0, cfg.RELEASE_AT)
                 h = h_next
                 m0 = m0_next
 
-            if HI_LATE:
+            if cfg.HI_LATE:
                 if n_steps > 0:  # the last step's high half
-                    add_dq_tile(dq_desc, pend_row, pend_col,
-                                _dq_tile_in(q_smem.index((n_steps - 1) % 2), dq_desc),
-                                FIRST_STORES, pend_first)
-            if DETERMINISTIC:
-                if RELEASE_AT != 0:
-                    if n_steps > 0:
-                        release_dq_turn_after_tma(held, n_steps)
-            tma.store_wait(0)
+                    add_dq_tile(call.dq_desc, pend_row, pend_col,
+                                _dq_tile_in(q_smem.index((n_steps - 1) % 2), call.dq_desc),
+                                cfg.FIRST_STORES, pend_first)
+            finish_dq(cfg, held, n_steps)
             for st in gl.static_range(2):
                 mbarrier.invalidate(q_ready.index(st))
             for st in gl.static_range(DO_BUFS):
                 mbarrier.invalidate(do_ready.index(st))
             mbarrier.invalidate(kv_bar.index(0))
-            store_key_grads(dk_desc, dv_desc, dk_ptr, dv_ptr, dk * softmax_scale, dv, q_smem,
-                            do_smem, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM, HEAD_DIM_V,
-                            BLOCK_N, KV_TMA_STORE, HAS_RIGHT and DETERMINISTIC,
-                            dk_layout, dv_layout, HEADS_FIRST)
+            store_key_grads(call, cfg, dk * call.softmax_scale, dv, q_smem, do_smem, n0, k_start,
+                            seqlen_k, hk, dk_layout, dv_layout)

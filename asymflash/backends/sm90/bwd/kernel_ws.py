@@ -67,17 +67,15 @@ from ..common import GLUON_ERROR
 
 if GLUON_ERROR is None:
     from ..bounds import (
-        key_block_walk,
         mask_edges,
         query_range,
     )
     from ..common import fence_async_shared, gl, gluon, mbarrier
-    from ..sched import (
-        key_block,
-        walk_start,
-    )
     from .parts import (
         in_fragments,
+        key_tile,
+        key_walk,
+        walk,
     )
     from .ws_roles import (
         COMPUTE_REGS,
@@ -115,9 +113,7 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group, window_left, window_right,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                 HAS_RIGHT: gl.constexpr, HEADS_FIRST: gl.constexpr,
-                 TOP_FIRST: gl.constexpr = False):
+                 cfg, TOP_FIRST: gl.constexpr):
         """Tile t of a persistent CTA's walk (dense lengths): the key block, kv head and
         sequence the grid's CTA number t would take (`key_block`'s order; TOP_FIRST: a
         sequence's key blocks from the last down, as deterministic causal grids run), and its
@@ -126,8 +122,8 @@ if GLUON_ERROR is None:
         fragment-order tiles, q_start + 128 · sequence, since `fragment_block` reads the
         sequence from the grid's third index, which a persistent grid does not have (its
         2 · sequence is 2 · 0 there)."""
-        gl.static_assert(HEADS_FIRST <= 1, "chunked head order: plain grids only")
-        if HEADS_FIRST:
+        gl.static_assert(cfg.HEADS_FIRST <= 1, "chunked head order: plain grids only")
+        if cfg.HEADS_FIRST:
             hk = t % n_kv_heads
             n_blk = (t // n_kv_heads) % n_blocks
         else:
@@ -136,52 +132,43 @@ if GLUON_ERROR is None:
         if TOP_FIRST:
             n_blk = n_blocks - 1 - n_blk
         batch = t // (n_blocks * n_kv_heads)
-        n0 = n_blk * BLOCK_N
+        n0 = n_blk * cfg.BLOCK_N
         m_lo, group_blocks = query_range(n0, seqlen_q, seqlen_k - seqlen_q, window_left,
-                                         window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                                         window_right, cfg.BLOCK_M, cfg.BLOCK_N, cfg.HAS_LEFT,
+                                         cfg.HAS_RIGHT)
         return (n0, hk, batch * seqlen_q, batch * seqlen_k, group_blocks * group, hk * group,
-                m_lo, m_lo + group_blocks * BLOCK_M, batch * (seqlen_q + 128), n_blk, batch,
+                m_lo, m_lo + group_blocks * cfg.BLOCK_M, batch * (seqlen_q + 128), n_blk, batch,
                 group_blocks)
 
     @gluon.jit
-    def _ws_compute_tiles(shared, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                          HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
-                          BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                          HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                          DP_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
-                          LATE_WG: gl.constexpr, RING: gl.constexpr, DET: gl.constexpr,
-                          DV_OVERLAP: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
-                          HEADS_FIRST: gl.constexpr,
-                          TOP_FIRST: gl.constexpr, KV_BUFS: gl.constexpr,
-                          MASK_MODE: gl.constexpr):
+    def _ws_compute_tiles(shared, cfg, WG: gl.constexpr, DET: gl.constexpr,
+                          TOP_FIRST: gl.constexpr):
         """A compute warpgroup of a persistent CTA: `ws_compute` per tile (DET: its dQ
         tiles go to the dQ warp)."""
         (smem, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_kv_heads, group,
          qk_scale, softmax_scale, softcap_pre, window_left, window_right, n_blocks, kv_free,
          epi_done, tile_smem, tile_full, tile_empty, dv_stage) = shared
-        EPI: gl.constexpr = epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, DET, KV_BUFS)
+        EPI: gl.constexpr = epilogue_mode(cfg.BLOCK_M, cfg.HEAD_DIM, cfg.HEAD_DIM_V, DET,
+                                          cfg.KV_BUFS)
         it0 = 0
         tile = 0
         t = _take_tile(tile_smem, tile_full, tile_empty, 0, 4)
         while t >= 0:
             (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start, _n_blk, _batch,
              _group_blocks) = _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group,
-                                       window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                       HAS_RIGHT, HEADS_FIRST, TOP_FIRST)
+                                       window_left, window_right, cfg, TOP_FIRST)
             if not in_fragments(dq_desc.layout):  # row-major dQ: the rows themselves
                 dq_start = q_start
             keys_oob, m_full_lo, m_full_hi = mask_edges(n0, seqlen_k, seqlen_k - seqlen_q,
-                                                        window_left, window_right, BLOCK_M,
-                                                        BLOCK_N)
-            tile_shared = (smem.for_tile(tile, KV_BUFS), dq_desc, dk_desc, dv_desc, dk_ptr,
+                                                        window_left, window_right, cfg.BLOCK_M,
+                                                        cfg.BLOCK_N)
+            tile_shared = (smem.for_tile(tile, cfg.KV_BUFS), dq_desc, dk_desc, dv_desc, dk_ptr,
                            dv_ptr, dq_start, k_start, seqlen_q, seqlen_k, n_kv_heads, hk, n0,
                            n_steps, h_first, m_lo, m_lo, m_end, h_first, group, keys_oob,
                            m_full_lo, m_full_hi, qk_scale, softmax_scale, softcap_pre,
                            window_left, window_right)
-            ws_compute(tile_shared, WG, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
-                        HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING, DET,
-                        DV_OVERLAP, DK_AFTER_DQ, MASK_MODE, it0, tile, kv_free,
-                        epi_done, True, EPI, dv_stage, KV_BUFS)
+            ws_compute(tile_shared, cfg, WG, DET, it0, tile, kv_free, epi_done, True, EPI,
+                       dv_stage)
             it0 += n_steps
             tile += 1
             t = _take_tile(tile_smem, tile_full, tile_empty, tile, 4)
@@ -189,13 +176,9 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _ws_loader_tiles(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, smem, kv_free,
                          epi_done, tile_smem, tile_full, tile_empty, counter_ptr, seqlen_q,
-                         seqlen_k, total_q, n_kv_heads, group, window_left,
-                         window_right, n_blocks, n_tiles, HEAD_DIM: gl.constexpr,
-                         HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                         HAS_RIGHT: gl.constexpr, RING: gl.constexpr,
-                         HEADS_FIRST: gl.constexpr, HAND_OVER: gl.constexpr,
-                         TOP_FIRST: gl.constexpr, KV_BUFS: gl.constexpr):
+                         seqlen_k, total_q, n_kv_heads, group, window_left, window_right,
+                         n_blocks, n_tiles, cfg, HAND_OVER: gl.constexpr,
+                         TOP_FIRST: gl.constexpr):
         """The load warp of a persistent CTA: `ws_loader` per tile. Tiles after the first
         (the program's number) come from a counter (zeroed by the preprocess) in the grid's
         order, as the hardware hands out a plain grid's CTAs: uneven causal tiles balance
@@ -207,14 +190,13 @@ if GLUON_ERROR is None:
         while t < n_tiles:
             (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start, _n_blk, _batch,
              _group_blocks) = _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k, group,
-                                       window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                       HAS_RIGHT, HEADS_FIRST, TOP_FIRST)
+                                       window_left, window_right, cfg, TOP_FIRST)
             ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr,
-                      smem.for_tile(tile, KV_BUFS), k_start + n0, hk, q_start, seqlen_q,
-                      total_q, n_steps, h_first, m_lo, m_lo, m_end, h_first, group, HEAD_DIM,
-                      HEAD_DIM_V, BLOCK_M, RING, it0, tile, kv_free, epi_done, True,
-                      epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, HAND_OVER, KV_BUFS),
-                      KV_BUFS)
+                      smem.for_tile(tile, cfg.KV_BUFS), k_start + n0, hk, q_start, seqlen_q,
+                      total_q, n_steps, h_first, m_lo, m_lo, m_end, h_first, group, cfg, it0,
+                      tile, kv_free, epi_done, True,
+                      epilogue_mode(cfg.BLOCK_M, cfg.HEAD_DIM, cfg.HEAD_DIM_V, HAND_OVER,
+                                    cfg.KV_BUFS))
             # The next tile is taken once this one's loads are issued, not when it starts:
             # the tile a CTA holds but has not begun then waits only the ring's steps and
             # this tile's end (deterministic turns wait on tiles in the order taken).
@@ -226,49 +208,32 @@ if GLUON_ERROR is None:
             t = t_next
 
     @gluon.jit
-    def _ws_dq_tiles(smem, dq_desc, tile_smem, tile_full, tile_empty,
-                     sem_ptr, seqlen_q, seqlen_k, n_heads, n_kv_heads, group, num_m_blocks,
-                     window_left, window_right, n_blocks, HEAD_DIM: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                     HAS_RIGHT: gl.constexpr, DQ_WARP: gl.constexpr, HEADS_FIRST: gl.constexpr,
-                     DETERMINISTIC: gl.constexpr, TOP_FIRST: gl.constexpr,
-                     FIRST_STORES: gl.constexpr):
+    def _ws_dq_tiles(smem, dq_desc, tile_smem, tile_full, tile_empty, sem_ptr, seqlen_q,
+                     seqlen_k, n_heads, n_kv_heads, group, num_m_blocks, window_left,
+                     window_right, n_blocks, cfg, TOP_FIRST: gl.constexpr):
         """The dQ warp of a persistent CTA per tile: the reduces (ws_dq_warp), or in
         deterministic mode the reduces in turn (`ws_dq_turns`, unstaggered: `_ws_tiles`)."""
-        if DQ_WARP or DETERMINISTIC:
+        if cfg.DQ_WARP or cfg.DETERMINISTIC:
             it0 = 0
             tile = 0
             t = _take_tile(tile_smem, tile_full, tile_empty, 0, 1)
             while t >= 0:
                 (n0, hk, q_start, k_start, n_steps, h_first, m_lo, m_end, dq_start, n_blk,
                  batch, group_blocks) = _ws_tile(t, n_blocks, n_kv_heads, seqlen_q, seqlen_k,
-                                                 group, window_left, window_right, BLOCK_M,
-                                                 BLOCK_N, HAS_LEFT, HAS_RIGHT, HEADS_FIRST,
-                                                 TOP_FIRST)
+                                                 group, window_left, window_right, cfg, TOP_FIRST)
                 if not in_fragments(dq_desc.layout):  # row-major dQ: the rows themselves
                     dq_start = q_start
                 ws_dq_turns(smem, dq_desc, sem_ptr, dq_start, n_steps,
-                             h_first, m_lo, m_lo, m_end, h_first, group, batch, n_heads,
-                             num_m_blocks, n_blk, n_blocks, seqlen_k - seqlen_q, window_left,
-                             window_right, group_blocks, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
-                             HAS_LEFT, HAS_RIGHT, False, True, DETERMINISTIC, it0,
-                             FIRST_STORES)
+                            h_first, m_lo, m_lo, m_end, h_first, group, batch, n_heads,
+                            num_m_blocks, n_blk, n_blocks, seqlen_k - seqlen_q, window_left,
+                            window_right, group_blocks, 0, cfg, False, True, cfg.DETERMINISTIC,
+                            it0)
                 it0 += n_steps
                 tile += 1
                 t = _take_tile(tile_smem, tile_full, tile_empty, tile, 1)
 
     @gluon.jit
-    def _ws_tiles(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
-                  delta_ptr, dk_ptr, dv_ptr, sem_ptr, seqlen_q, seqlen_k, total_q, n_heads,
-                  n_kv_heads, group, num_m_blocks, qk_scale, softmax_scale, softcap_pre,
-                  window_left, window_right, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                  HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
-                  DP_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr,
-                  RING: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
-                  HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr,
-                  DETERMINISTIC: gl.constexpr, KV_BUFS: gl.constexpr = 1,
-                  MASK_MODE: gl.constexpr = 0, FIRST_STORES: gl.constexpr = False):
+    def _ws_tiles(call, cfg):
         """A persistent CTA (BwdConfig.ws_persistent; dense lengths): the
         grid's (key block, kv head, sequence) tiles, the program's own number first and then
         the next of a counter's (`_ws_loader_tiles`, which hands each to the other roles),
@@ -289,13 +254,16 @@ if GLUON_ERROR is None:
         tiles number key blocks), and causal tiles numbered top-first (descending turns).
         The semaphores and the tile counter share one zeroed buffer: the counter is the word
         after the (sequence, q head, query block) semaphores."""
-        HAND_OVER: gl.constexpr = DQ_WARP or DETERMINISTIC  # the dQ warp issues the reduces
-        TOP_FIRST: gl.constexpr = HAS_RIGHT and DETERMINISTIC
-        smem = ws_alloc(q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
-                        BLOCK_N, RING, HAND_OVER, KV_BUFS)
-        kv_free = gl.allocate_shared_memory(gl.int64, [KV_BUFS, 1], mbarrier.MBarrierLayout())
+        # the dQ warp issues the reduces
+        HAND_OVER: gl.constexpr = cfg.DQ_WARP or cfg.DETERMINISTIC
+        TOP_FIRST: gl.constexpr = cfg.HAS_RIGHT and cfg.DETERMINISTIC
+        smem = ws_alloc(call.q_desc, call.k_desc, call.v_desc, call.do_desc, call.dq_desc,
+                        cfg.HEAD_DIM, cfg.HEAD_DIM_V, cfg.BLOCK_M, cfg.BLOCK_N, cfg.RING, HAND_OVER,
+                        cfg.KV_BUFS)
+        kv_free = gl.allocate_shared_memory(gl.int64, [cfg.KV_BUFS, 1],
+                                            mbarrier.MBarrierLayout())
         epi_done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        for st in gl.static_range(KV_BUFS):
+        for st in gl.static_range(cfg.KV_BUFS):
             mbarrier.init(kv_free.index(st), count=2)
         mbarrier.init(epi_done.index(0), count=2)
         # the tile numbers the load warp hands out (_give_tile): two slots
@@ -306,65 +274,43 @@ if GLUON_ERROR is None:
         for st in gl.static_range(2):
             mbarrier.init(tile_full.index(st), count=1)
             mbarrier.init(tile_empty.index(st), count=3 if HAND_OVER else 2)
-        if epilogue_mode(BLOCK_M, HEAD_DIM, HEAD_DIM_V, HAND_OVER, KV_BUFS) == 2:
-            dv_stage = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N // 2, HEAD_DIM_V],
-                                                 dv_desc.layout)
+        if epilogue_mode(cfg.BLOCK_M, cfg.HEAD_DIM, cfg.HEAD_DIM_V, HAND_OVER, cfg.KV_BUFS) == 2:
+            dv_stage = gl.allocate_shared_memory(call.q_desc.dtype,
+                                                 [2, cfg.BLOCK_N // 2, cfg.HEAD_DIM_V],
+                                                 call.dv_desc.layout)
         else:
             dv_stage = smem.dq  # not read
         fence_async_shared()
-        n_blocks = (seqlen_k + BLOCK_N - 1) // BLOCK_N
-        n_seqs = total_q // gl.maximum(seqlen_q, 1)
-        n_tiles = n_blocks * n_kv_heads * n_seqs
-        counter_ptr = sem_ptr
-        if DETERMINISTIC:
-            counter_ptr = sem_ptr + n_seqs * n_heads * num_m_blocks
-        shared = (smem, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, seqlen_q, seqlen_k,
-                  n_kv_heads, group,
-                  qk_scale, softmax_scale, softcap_pre, window_left, window_right, n_blocks,
-                  kv_free, epi_done, tile_smem, tile_full, tile_empty, dv_stage)
+        n_blocks = (call.seqlen_k + cfg.BLOCK_N - 1) // cfg.BLOCK_N
+        n_seqs = call.total_q // gl.maximum(call.seqlen_q, 1)
+        n_tiles = n_blocks * call.n_kv_heads * n_seqs
+        counter_ptr = call.sem_ptr
+        if cfg.DETERMINISTIC:
+            counter_ptr = call.sem_ptr + n_seqs * call.n_heads * call.num_m_blocks
+        shared = (smem, call.dq_desc, call.dk_desc, call.dv_desc, call.dk_ptr, call.dv_ptr,
+                  call.seqlen_q, call.seqlen_k, call.n_kv_heads, call.group, call.qk_scale,
+                  call.softmax_scale, call.softcap_pre, call.window_left, call.window_right,
+                  n_blocks, kv_free, epi_done, tile_smem, tile_full, tile_empty, dv_stage)
         gl.warp_specialize([
-            (_ws_compute_tiles, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                 HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                                 HAND_OVER, DV_OVERLAP, DK_AFTER_DQ, HEADS_FIRST,
-                                 TOP_FIRST, KV_BUFS, MASK_MODE)),
-            (_ws_compute_tiles, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                 HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                                 HAND_OVER, DV_OVERLAP, DK_AFTER_DQ, HEADS_FIRST,
-                                 TOP_FIRST, KV_BUFS, MASK_MODE)),
-            (_ws_loader_tiles, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, smem,
-                                kv_free, epi_done, tile_smem, tile_full, tile_empty,
-                                counter_ptr, seqlen_q, seqlen_k, total_q,
-                                n_kv_heads, group, window_left, window_right, n_blocks,
-                                n_tiles, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                HAS_RIGHT, RING, HEADS_FIRST, HAND_OVER, TOP_FIRST,
-                                KV_BUFS)),
-            (_ws_dq_tiles, (smem, dq_desc, tile_smem, tile_full, tile_empty, sem_ptr, seqlen_q,
-             seqlen_k, n_heads, n_kv_heads, group, num_m_blocks, window_left, window_right,
-             n_blocks, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DQ_WARP, HEADS_FIRST,
-             DETERMINISTIC, TOP_FIRST, FIRST_STORES)),
+            (_ws_compute_tiles, (shared, cfg, 0, HAND_OVER, TOP_FIRST)),
+            (_ws_compute_tiles, (shared, cfg, 1, HAND_OVER, TOP_FIRST)),
+            (_ws_loader_tiles, (call.q_desc, call.k_desc, call.v_desc, call.do_desc,
+                                call.lse_ptr, call.delta_ptr, smem, kv_free, epi_done, tile_smem,
+                                tile_full, tile_empty, counter_ptr, call.seqlen_q, call.seqlen_k,
+                                call.total_q, call.n_kv_heads, call.group, call.window_left,
+                                call.window_right, n_blocks, n_tiles, cfg, HAND_OVER,
+                                TOP_FIRST)),
+            (_ws_dq_tiles, (smem, call.dq_desc, tile_smem, tile_full, tile_empty, call.sem_ptr,
+                            call.seqlen_q, call.seqlen_k, call.n_heads, call.n_kv_heads,
+                            call.group, call.num_m_blocks, call.window_left, call.window_right,
+                            n_blocks, cfg, TOP_FIRST)),
         ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])
 
-    @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
-                                  "group", "window_left", "window_right", "num_m_blocks"])
-    def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
-                           delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr,
-                           sem_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_kv_heads, group,
-                           num_m_blocks, qk_scale, softmax_scale, softcap_pre, window_left,
-                           window_right, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           UNIFORM: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-                           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                           SOFTCAP: gl.constexpr, DV_OVERLAP: gl.constexpr,
-                           DP_EARLY: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                           STAGGER: gl.constexpr, RELEASE_AT: gl.constexpr,
-                           KV_TMA_STORE: gl.constexpr,
-                           DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr,
-                           LATE_WG: gl.constexpr, RING: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
-                           HEADS_FIRST: gl.constexpr, DQ_WARP: gl.constexpr,
-                           PERSISTENT: gl.constexpr = False, KV_BUFS: gl.constexpr = 1,
-                           MASK_MODE: gl.constexpr = 0, FIRST_STORES: gl.constexpr = False):
-        # Same arguments as kernel._attn_bwd_kernel (one host path); DK_LATE, STATS_LATE and
-        # RELEASE_AT belong to that kernel's schedule. DV_OVERLAP:
+    @gluon.jit
+    def attn_bwd_ws(call, cfg):
+        """The body `entry.attn_bwd_kernel` runs for the warp-specialised kernel."""
+        # Of the launch's switches, DK_LATE, STATS_LATE, RELEASE_AT, DQ_IN_OPS and HI_LATE
+        # belong to the synchronous kernels' schedules. DV_OVERLAP:
         # dV = Pᵀ·dO stays in flight while dSᵀ is formed (BwdConfig.dv_overlap).
         # DETERMINISTIC: the dQ warp adds the tiles in kernel.py's turn order (causal masks:
         # the grid runs from the top key block down, as there). DQ_WARP: without
@@ -373,32 +319,20 @@ if GLUON_ERROR is None:
         # (BwdConfig.ws_kv_buffers). MASK_MODE: how masked steps mask (parts.probabilities;
         # BwdConfig.step_cols, mask_scores). FIRST_STORES: deterministic mode's first dQ turn
         # of each query block stores instead of adding (bwd.first_stores).
-        if PERSISTENT:
-            _ws_tiles(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
-                      delta_ptr, dk_ptr, dv_ptr, sem_ptr, seqlen_q, seqlen_k, total_q, n_heads,
-                      n_kv_heads, group, num_m_blocks, qk_scale, softmax_scale, softcap_pre,
-                      window_left, window_right, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N,
-                      HAS_LEFT, HAS_RIGHT, SOFTCAP, DV_OVERLAP, DP_EARLY, KV_TMA_STORE, LATE_WG,
-                      RING, DK_AFTER_DQ, HEADS_FIRST, DQ_WARP, DETERMINISTIC,
-                      KV_BUFS, MASK_MODE, FIRST_STORES)
+        if cfg.PERSISTENT:
+            _ws_tiles(call, cfg)
         else:
-            n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
-                cu_q_ptr, cu_k_ptr, used_k_ptr, seqlen_q, seqlen_k, BLOCK_N, UNIFORM, HAS_SEQUSED,
-                HAS_RIGHT and DETERMINISTIC, HEADS_FIRST)
-            n0 = n_blk * BLOCK_N
-            # Top-first order (deterministic causal) numbers the key blocks down from the
-            # sequence's own count: grid columns beyond a shorter varlen sequence get n0 < 0.
+            n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k, n0 = key_tile(call,
+                                                                                          cfg)
             if (n0 >= 0) & (n0 < seqlen_k):
                 (shift, m_lo, group_blocks, n_steps, keys_oob, m_full_lo,
-                 m_full_hi) = key_block_walk(n0, seqlen_q, seqlen_k, group, window_left,
-                                             window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-                h_first = hk * group
-                h, m0, stride = walk_start(n_blk, n_seq, n_steps, group_blocks, h_first, m_lo,
-                                           STAGGER, BLOCK_M)
-                m_end = m_lo + group_blocks * BLOCK_M
+                 m_full_hi) = key_walk(call, cfg, n0, seqlen_q, seqlen_k)
+                h_first, h, m0, stride, m_end = walk(call, cfg, hk, n_blk, n_seq, n_steps,
+                                                     group_blocks, m_lo)
 
-                smem = ws_alloc(q_desc, k_desc, v_desc, do_desc, dq_desc, HEAD_DIM, HEAD_DIM_V,
-                                BLOCK_M, BLOCK_N, RING, DETERMINISTIC or DQ_WARP)
+                smem = ws_alloc(call.q_desc, call.k_desc, call.v_desc, call.do_desc, call.dq_desc,
+                                cfg.HEAD_DIM, cfg.HEAD_DIM_V, cfg.BLOCK_M, cfg.BLOCK_N, cfg.RING,
+                                cfg.DETERMINISTIC or cfg.DQ_WARP)
                 fence_async_shared()
 
                 # What the two compute warpgroups share travels as one tuple of runtime values;
@@ -406,27 +340,21 @@ if GLUON_ERROR is None:
                 # turn them into runtime values). The dQ warp (deterministic mode) shares the
                 # load warp's padded warpgroup and register count; without DETERMINISTIC it
                 # returns at once.
-                shared = (smem, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, q_start, k_start,
-                          seqlen_q, seqlen_k, n_kv_heads, hk, n0, n_steps, h, m0, m_lo, m_end,
-                          h_first, group, keys_oob, m_full_lo, m_full_hi, qk_scale, softmax_scale,
-                          softcap_pre, window_left, window_right)
+                shared = (smem, call.dq_desc, call.dk_desc, call.dv_desc, call.dk_ptr,
+                          call.dv_ptr, q_start, k_start, seqlen_q, seqlen_k, call.n_kv_heads, hk,
+                          n0, n_steps, h, m0, m_lo, m_end, h_first, call.group, keys_oob,
+                          m_full_lo, m_full_hi, call.qk_scale, call.softmax_scale,
+                          call.softcap_pre, call.window_left, call.window_right)
                 gl.warp_specialize([
-                    (ws_compute, (shared, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                   HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                                   DETERMINISTIC or DQ_WARP, DV_OVERLAP, DK_AFTER_DQ,
-                                   MASK_MODE)),
-                    (ws_compute, (shared, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                   HAS_RIGHT, SOFTCAP, DP_EARLY, KV_TMA_STORE, LATE_WG, RING,
-                                   DETERMINISTIC or DQ_WARP, DV_OVERLAP, DK_AFTER_DQ,
-                                   MASK_MODE)),
-                    (ws_loader, (q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, smem,
-                                  k_start + n0, hk, q_start, seqlen_q, total_q, n_steps, h,
-                                  m0, m_lo, m_end, h_first, group, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
-                                  RING)),
-                    (ws_dq_turns, (smem, dq_desc, sem_ptr, q_start,
-                                    n_steps, h, m0, m_lo, m_end, h_first, group, batch, n_heads,
-                                    num_m_blocks, n_blk, n_seq, shift, window_left, window_right,
-                                    group_blocks, stride, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                    HAS_RIGHT, STAGGER, DETERMINISTIC or DQ_WARP, DETERMINISTIC,
-                                    0, FIRST_STORES)),
+                    (ws_compute, (shared, cfg, 0, cfg.DETERMINISTIC or cfg.DQ_WARP)),
+                    (ws_compute, (shared, cfg, 1, cfg.DETERMINISTIC or cfg.DQ_WARP)),
+                    (ws_loader, (call.q_desc, call.k_desc, call.v_desc, call.do_desc,
+                                 call.lse_ptr, call.delta_ptr, smem, k_start + n0, hk, q_start,
+                                 seqlen_q, call.total_q, n_steps, h, m0, m_lo, m_end, h_first,
+                                 call.group, cfg)),
+                    (ws_dq_turns, (smem, call.dq_desc, call.sem_ptr, q_start, n_steps, h, m0,
+                                   m_lo, m_end, h_first, call.group, batch, call.n_heads,
+                                   call.num_m_blocks, n_blk, n_seq, shift, call.window_left,
+                                   call.window_right, group_blocks, stride, cfg, cfg.STAGGER,
+                                   cfg.DETERMINISTIC or cfg.DQ_WARP, cfg.DETERMINISTIC, 0)),
                 ], [4, 1, 1], [COMPUTE_REGS, LOADER_REGS, LOADER_REGS])

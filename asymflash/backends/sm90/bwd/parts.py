@@ -16,15 +16,31 @@ if GLUON_ERROR is None:
     from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-    from ..bounds import allowed
-    from ..common import copy_rows, gl, gluon, leading_tile, tanh, thread_barrier, tma_store
-    from ..sched import key_block_origin
+    from ..bounds import allowed, key_block_walk, step_needs_mask
+    from ..common import (
+        copy_rows,
+        gl,
+        gluon,
+        leading_tile,
+        tanh,
+        thread_barrier,
+        tile_layout,
+        tma_store,
+    )
+    from ..sched import key_block, key_block_origin, walk_start
     from .dq_fragments import fragment_bases
 
     @gluon.constexpr_function
     def fragment_layout(rows, cols):
         """Shared layout of a dQ tile in the wgmma accumulator's order (`dq_fragments.py`)."""
         return gl.SharedLinearLayout(fragment_bases(int(cols), int(rows)))
+
+    @gluon.constexpr_function
+    def mma_layout(warp_rows, warp_cols, cols):
+        """A wgmma accumulator's layout: instructions 16 rows by `cols` columns, the warps
+        arranged warp_rows x warp_cols (four warps of a warpgroup along the rows)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warp_rows, warp_cols],
+                                         instr_shape=[16, cols, 16])
 
     @gluon.constexpr_function
     def in_fragments(layout):
@@ -245,21 +261,19 @@ if GLUON_ERROR is None:
         thread_barrier()
 
     @gluon.jit
-    def take_dq_turn(held, it, sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq,
-                     shift, window_left, window_right, h_first, m_lo, group_blocks, stride,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                     HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr,
-                     RELEASE_AT: gl.constexpr, WARP_SPIN: gl.constexpr):
+    def take_dq_turn(call, cfg, held, it, batch, h, m0, n_blk, n_seq, shift, h_first, m_lo,
+                     group_blocks, stride, WARP_SPIN: gl.constexpr):
         """Deterministic mode, before step `it`'s dQ reduce: with RELEASE_AT == 2 first pass
         on the previous step's turn (`held`: a CTA never holds a turn while it waits for
         another), then wait for this step's; returns its counter and whether the turn is
         the query block's first (1 or 0: `add_dq_tile`)."""
-        if RELEASE_AT == 2:
+        if cfg.RELEASE_AT == 2:
             if it > 0:
                 release_dq_turn_after_tma(held, m0)
-        return wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk, n_seq, shift,
-                            window_left, window_right, h_first, m_lo, group_blocks, stride,
-                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, STAGGER, WARP_SPIN)
+        return wait_dq_turn(call.sem_ptr, batch, call.n_heads, h, call.num_m_blocks, m0, n_blk,
+                            n_seq, shift, call.window_left, call.window_right, h_first, m_lo,
+                            group_blocks, stride, cfg.BLOCK_M, cfg.BLOCK_N, cfg.HAS_LEFT,
+                            cfg.HAS_RIGHT, cfg.STAGGER, WARP_SPIN)
 
     @gluon.jit
     def after_dq_reduce(sem, x, RELEASE_AT: gl.constexpr):
@@ -342,26 +356,124 @@ if GLUON_ERROR is None:
         tma.store_wait(0)  # shared memory must outlive the stores' reads
 
     @gluon.jit
-    def store_key_grads(dk_desc, dv_desc, dk_ptr, dv_ptr, dk, dv, q_smem, do_smem, n0, k_start,
-                        seqlen_k, n_kv_heads, hk, HEAD_DIM: gl.constexpr,
-                        HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
-                        KV_TMA_STORE: gl.constexpr, TOP_FIRST: gl.constexpr,
-                        dk_layout: gl.constexpr, dv_layout: gl.constexpr,
-                        HEADS_FIRST: gl.constexpr = 0):
-        """Both kernels' epilogue: the CTA's dK (already scaled) and dV tiles, by TMA through
-        the Q and dO buffers (free once the loop is over: d <= 128 two 32 KB rings, d = 256
-        Q's 64 KB ring and dO's 32 KB buffer) where the host allows it (`kv_tma_store`), else
-        by masked per-thread stores."""
-        if KV_TMA_STORE:
-            dtype: gl.constexpr = dk_desc.dtype
-            key_row, key_head = key_block_origin(seqlen_k, BLOCK_N, TOP_FIRST, HEADS_FIRST)
-            store_key_tiles(dk_desc, dv_desc, dk, dv,
-                            leading_tile(q_smem, dtype, [BLOCK_N, HEAD_DIM], dk_desc.layout),
-                            leading_tile(do_smem, dtype, [BLOCK_N, HEAD_DIM_V],
-                                         dv_desc.layout),
-                            key_row, key_head, HEAD_DIM, HEAD_DIM_V)
+    def store_key_grads(call, cfg, dk, dv, q_smem, do_smem, n0, k_start, seqlen_k, hk,
+                        dk_layout: gl.constexpr, dv_layout: gl.constexpr):
+        """The synchronous kernels' epilogue: the CTA's dK (already scaled) and dV tiles, by
+        TMA through the Q and dO buffers (free once the loop is over: d <= 128 two 32 KB
+        rings, d = 256 Q's 64 KB ring and dO's 32 KB buffer) where the host allows it
+        (`kv_tma_store`), else by masked per-thread stores."""
+        if cfg.KV_TMA_STORE:
+            dtype: gl.constexpr = call.dk_desc.dtype
+            key_row, key_head = key_block_origin(seqlen_k, cfg.BLOCK_N,
+                                                 cfg.HAS_RIGHT and cfg.DETERMINISTIC,
+                                                 cfg.HEADS_FIRST)
+            store_key_tiles(call.dk_desc, call.dv_desc, dk, dv,
+                            leading_tile(q_smem, dtype, [cfg.BLOCK_N, cfg.HEAD_DIM],
+                                         call.dk_desc.layout),
+                            leading_tile(do_smem, dtype, [cfg.BLOCK_N, cfg.HEAD_DIM_V],
+                                         call.dv_desc.layout),
+                            key_row, key_head, cfg.HEAD_DIM, cfg.HEAD_DIM_V)
         else:
-            store_key_rows(dk_ptr, dk, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM, BLOCK_N,
-                           dk_layout)
-            store_key_rows(dv_ptr, dv, n0, k_start, seqlen_k, n_kv_heads, hk, HEAD_DIM_V, BLOCK_N,
-                           dv_layout)
+            store_key_rows(call.dk_ptr, dk, n0, k_start, seqlen_k, call.n_kv_heads, hk,
+                           cfg.HEAD_DIM, cfg.BLOCK_N, dk_layout)
+            store_key_rows(call.dv_ptr, dv, n0, k_start, seqlen_k, call.n_kv_heads, hk,
+                           cfg.HEAD_DIM_V, cfg.BLOCK_N, dv_layout)
+
+    @gluon.jit
+    def key_tile(call, cfg):
+        """This CTA's key block (`sched.key_block` under the launch's grid order): (n_blk,
+        n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k, n0), the lengths its
+        sequence's own, n0 its first key. Top-first order (deterministic causal) numbers the
+        key blocks down from the sequence's own count: grid columns beyond a shorter varlen
+        sequence get n0 < 0 (or n0 >= seqlen_k): no work there."""
+        n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k = key_block(
+            call.cu_q_ptr, call.cu_k_ptr, call.used_k_ptr, call.seqlen_q, call.seqlen_k,
+            cfg.BLOCK_N, cfg.UNIFORM, cfg.HAS_SEQUSED, cfg.HAS_RIGHT and cfg.DETERMINISTIC,
+            cfg.HEADS_FIRST)
+        return n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k, n_blk * cfg.BLOCK_N
+
+    @gluon.jit
+    def key_walk(call, cfg, n0, seqlen_q, seqlen_k):
+        """`bounds.key_block_walk` of the key block at n0 under the launch's mask: (shift,
+        m_lo, group_blocks, n_steps, keys_oob, m_full_lo, m_full_hi)."""
+        return key_block_walk(n0, seqlen_q, seqlen_k, call.group, call.window_left,
+                              call.window_right, cfg.BLOCK_M, cfg.BLOCK_N, cfg.HAS_LEFT,
+                              cfg.HAS_RIGHT)
+
+    @gluon.jit
+    def key_operands(call, cfg, DO_BUFS: gl.constexpr):
+        """The synchronous kernels' K and V tiles, their two-slot Q ring and DO_BUFS dO
+        buffers, in that order in shared memory: (k_smem, v_smem, q_smem, do_smem)."""
+        dtype: gl.constexpr = call.q_desc.dtype
+        k_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.HEAD_DIM],
+                                           tile_layout(call.k_desc.layout))
+        v_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.HEAD_DIM_V],
+                                           tile_layout(call.v_desc.layout))
+        q_smem = gl.allocate_shared_memory(dtype, [2, cfg.BLOCK_M, cfg.HEAD_DIM],
+                                           tile_layout(call.q_desc.layout))
+        do_smem = gl.allocate_shared_memory(dtype, [DO_BUFS, cfg.BLOCK_M, cfg.HEAD_DIM_V],
+                                            tile_layout(call.do_desc.layout))
+        return k_smem, v_smem, q_smem, do_smem
+
+    @gluon.jit
+    def walk(call, cfg, hk, n_blk, n_seq, n_steps, group_blocks, m_lo):
+        """The key block's walk over (q head of the group, query block) steps: (h_first, h,
+        m0, stride, m_end), its first step (h, m0) from `sched.walk_start`; the steps carry
+        (h, m0) from one to the next (`sched.next_step`) rather than divide them out of the
+        step counter."""
+        h_first = hk * call.group
+        h, m0, stride = walk_start(n_blk, n_seq, n_steps, group_blocks, h_first, m_lo,
+                                   cfg.STAGGER, cfg.BLOCK_M)
+        return h_first, h, m0, stride, m_lo + group_blocks * cfg.BLOCK_M
+
+    @gluon.jit
+    def mask_coords(call, cfg, shift, n0, seqlen_k, key_layout: gl.constexpr,
+                    col_layout: gl.constexpr):
+        """What `probabilities` masks a step with: (kloc, n_valid, diag_right, diag_left,
+        cols), the block's keys and a step's rows (Sᵀ's row and column slices), the valid
+        keys, and the diagonals key <= row + shift + window_right and key >= row + shift -
+        window_left relative to n0."""
+        kloc = gl.arange(0, cfg.BLOCK_N, layout=key_layout)
+        n_valid = seqlen_k - n0
+        diag_right = shift + call.window_right - n0
+        diag_left = shift - call.window_left - n0
+        cols = gl.arange(0, cfg.BLOCK_M, layout=col_layout)
+        return kloc, n_valid, diag_right, diag_left, cols
+
+    @gluon.jit
+    def stat_buffers(cfg):
+        """The synchronous kernels' two buffers of row statistics, (lse, delta), each
+        [2, BLOCK_M] (`step_stats`)."""
+        layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        lse_smem = gl.allocate_shared_memory(gl.float32, [2, cfg.BLOCK_M], layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [2, cfg.BLOCK_M], layout)
+        return lse_smem, delta_smem
+
+    @gluon.jit
+    def step_stats(call, cfg, lse_smem, delta_smem, buf, h, m0, q_start, seqlen_q):
+        """`stage_stats` of the synchronous kernels (eight warps): query block m0 of head h
+        into buffer `buf` of `stat_buffers`."""
+        stage_stats(call.lse_ptr, call.delta_ptr, lse_smem, delta_smem, buf, h, m0, q_start,
+                    seqlen_q, call.total_q, cfg.BLOCK_M, gl.BlockedLayout([1], [32], [8], [0]))
+
+    @gluon.jit
+    def finish_dq(cfg, held, n_steps):
+        """After a synchronous kernel's step loop: pass on the turn still held (deterministic
+        mode, turns released a step late), and wait until the last dQ reduce has read its
+        staging buffer."""
+        if cfg.DETERMINISTIC:
+            if cfg.RELEASE_AT != 0:
+                if n_steps > 0:
+                    release_dq_turn_after_tma(held, n_steps)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def step_probabilities(call, cfg, s, lse2, m0, keys_oob, m_full_lo, m_full_hi, kloc, cols,
+                           n_valid, diag_right, diag_left):
+        """`probabilities` of a synchronous kernel's step, masked where the step's query
+        block needs it (`bounds.step_needs_mask`)."""
+        return probabilities(
+            s, lse2, call.qk_scale, call.softcap_pre,
+            step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, cfg.HAS_LEFT, cfg.HAS_RIGHT),
+            kloc, cols, n_valid, m0, diag_right, diag_left, cfg.SOFTCAP, cfg.HAS_LEFT,
+            cfg.HAS_RIGHT)

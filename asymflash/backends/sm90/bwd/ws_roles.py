@@ -33,6 +33,7 @@ if GLUON_ERROR is None:
         in_fragments,
         load_kv,
         load_qdo,
+        mma_layout,
         probabilities,
         release_dq_turn_after_tma,
         stage_dq,
@@ -50,8 +51,9 @@ if GLUON_ERROR is None:
 
     @aggregate
     class WsSmem:
-        """A bwd_ws CTA's shared memory and mbarriers (`ws_alloc`). Rings and their
-        barriers are indexed by a step's slot; K and V hold one tile's keys (`for_tile`)."""
+        """A bwd_ws CTA's shared memory and mbarriers (`ws_alloc`; the constructor takes the
+        fields in order). Rings and their barriers are indexed by a step's slot; K and V hold
+        one tile's keys (`for_tile`)."""
 
         q: gl.shared_memory_descriptor  # [RING, BLOCK_M, HEAD_DIM]
         k: gl.shared_memory_descriptor  # [BLOCK_N, HEAD_DIM] (persistent: [KV_BUFS, ...])
@@ -70,26 +72,6 @@ if GLUON_ERROR is None:
         dq_empty: gl.shared_memory_descriptor  # ... and read by the dQ warp's reduce
         done: gl.shared_memory_descriptor  # both warpgroups past their last MMA
 
-        @gluon.constexpr_function
-        def __init__(self, q, k, v, do, ds, dq, lse, delta, kv_bar, ready, empty, ds_ready,
-                     ds_free, dq_full, dq_empty, done):
-            self.q = q
-            self.k = k
-            self.v = v
-            self.do = do
-            self.ds = ds
-            self.dq = dq
-            self.lse = lse
-            self.delta = delta
-            self.kv_bar = kv_bar
-            self.ready = ready
-            self.empty = empty
-            self.ds_ready = ds_ready
-            self.ds_free = ds_free
-            self.dq_full = dq_full
-            self.dq_empty = dq_empty
-            self.done = done
-
         @gluon.jit
         def for_tile(self, tile, KV_BUFS: gl.constexpr):
             """The same buffers with K and V those of a persistent CTA's tile-th tile."""
@@ -100,40 +82,38 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, smem, k_row, hk,
-                   q_start, seqlen_q, total_q, n_steps, h, m0, m_lo, m_end, h_first, group,
-                   HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
-                   RING: gl.constexpr, it0=0, tile=0, kv_free=None, epi_done=None,
-                   PERSISTENT: gl.constexpr = False, EPI: gl.constexpr = 0,
-                   KV_BUFS: gl.constexpr = 1):
+                  q_start, seqlen_q, total_q, n_steps, h, m0, m_lo, m_end, h_first, group, cfg,
+                  it0=0, tile=0, kv_free=None, epi_done=None, PERSISTENT: gl.constexpr = False,
+                  EPI: gl.constexpr = 0):
         """K and V, then per step the statistics and Q/dO into the ring. PERSISTENT: one
         tile of a persistent CTA (`_ws_tiles`), its steps numbered on from it0 (the ring's
         phases run on across tiles), the tile-th of this CTA, its K/V in buffer
         tile % KV_BUFS (smem's K and V: that buffer)."""
-        kv = tile % KV_BUFS
+        kv = tile % cfg.KV_BUFS
         if PERSISTENT:
-            if tile >= KV_BUFS:  # both warpgroups are done with this buffer's last tile
-                mbarrier.wait(kv_free.index(kv), ((tile - KV_BUFS) // KV_BUFS) & 1)
-        load_kv(k_desc, v_desc, smem.k, smem.v, smem.kv_bar.index(kv), k_row, hk, HEAD_DIM,
-                HEAD_DIM_V)
+            if tile >= cfg.KV_BUFS:  # both warpgroups are done with this buffer's last tile
+                mbarrier.wait(kv_free.index(kv), ((tile - cfg.KV_BUFS) // cfg.KV_BUFS) & 1)
+        load_kv(k_desc, v_desc, smem.k, smem.v, smem.kv_bar.index(kv), k_row, hk, cfg.HEAD_DIM,
+                cfg.HEAD_DIM_V)
         if PERSISTENT and EPI == 0:  # `epilogue_buffers`
             if tile > 0:  # ... and past its dK/dV stores, staged through ring slots
                 mbarrier.wait(epi_done.index(0), (tile - 1) & 1)
-        stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+        stat_layout: gl.constexpr = gl.BlockedLayout([cfg.BLOCK_M // 32], [32], [1], [0])
         for it in range(n_steps):
             g = it0 + it  # the step's number in the CTA (all its tiles)
-            slot = g % RING
-            if g >= RING:  # both warpgroups are done with step g - RING
-                mbarrier.wait(smem.empty.index(slot), ((g - RING) // RING) & 1)
+            slot = g % cfg.RING
+            if g >= cfg.RING:  # both warpgroups are done with step g - RING
+                mbarrier.wait(smem.empty.index(slot), ((g - cfg.RING) // cfg.RING) & 1)
             # Q and dO first, so that their TMA latency overlaps the statistics' loads (a
             # CTA's first step waits for both; faster for short calls). `ready` takes a second
             # arrive, behind the statistics' stores (release semantics, behind a barrier of
             # this warp).
             load_qdo(q_desc, do_desc, smem.q, smem.do, smem.ready, slot, h, q_start + m0,
-                     HEAD_DIM, HEAD_DIM_V, True)
+                     cfg.HEAD_DIM, cfg.HEAD_DIM_V, True)
             stage_stats(lse_ptr, delta_ptr, smem.lse, smem.delta, slot, h, m0, q_start,
-                        seqlen_q, total_q, BLOCK_M, stat_layout, True)
+                        seqlen_q, total_q, cfg.BLOCK_M, stat_layout, True)
             mbarrier.arrive(smem.ready.index(slot), count=1)
-            h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
+            h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, cfg.BLOCK_M)
 
     @gluon.jit
     def dq_box(WG: gl.constexpr, h, m0, q_start, HEAD_DIM: gl.constexpr,
@@ -207,11 +187,8 @@ if GLUON_ERROR is None:
     @gluon.jit
     def ws_dq_turns(smem, dq_desc, sem_ptr, q_start, n_steps, h, m0, m_lo, m_end, h_first,
                     group, batch, n_heads, num_m_blocks, n_blk, n_seq, shift, window_left,
-                    window_right, group_blocks, stride,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGGER: gl.constexpr,
-                     DET: gl.constexpr, TURNS: gl.constexpr, it0=0,
-                     FIRST_STORES: gl.constexpr = False):
+                    window_right, group_blocks, stride, cfg, STAGGER: gl.constexpr,
+                    DET: gl.constexpr, TURNS: gl.constexpr, it0=0):
         """The dQ warp (DET: the compute warpgroups hand it their staged dQ tiles): per step,
         with TURNS (deterministic mode) wait for this CTA's dQ turn on the step's query block
         (parts.wait_dq_turn, the synchronous kernel's order), then for both warpgroups'
@@ -228,52 +205,43 @@ if GLUON_ERROR is None:
             if TURNS:
                 sem, first = wait_dq_turn(sem_ptr, batch, n_heads, h, num_m_blocks, m0, n_blk,
                                           n_seq, shift, window_left, window_right, h_first,
-                                          m_lo, group_blocks, stride, BLOCK_M, BLOCK_N,
-                                          HAS_LEFT, HAS_RIGHT, STAGGER, True)
+                                          m_lo, group_blocks, stride, cfg.BLOCK_M, cfg.BLOCK_N,
+                                          cfg.HAS_LEFT, cfg.HAS_RIGHT, STAGGER, True)
             mbarrier.wait(smem.dq_full.index(0), (it0 + j) & 1)
             mbarrier.wait(smem.dq_full.index(1), (it0 + j) & 1)
             FRAG: gl.constexpr = in_fragments(dq_desc.layout)
             TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
-            row, col = dq_coord(0, h, m0, q_start, FRAG, HEAD_DIM, BLOCK_M,
+            row, col = dq_coord(0, h, m0, q_start, FRAG, cfg.HEAD_DIM, cfg.BLOCK_M,
                                  TILE_ROWS)
-            add_dq_tile(dq_desc, row, col, smem.dq.index(0), FIRST_STORES, first)
-            row, col = dq_coord(1, h, m0, q_start, FRAG, HEAD_DIM, BLOCK_M,
+            add_dq_tile(dq_desc, row, col, smem.dq.index(0), cfg.FIRST_STORES, first)
+            row, col = dq_coord(1, h, m0, q_start, FRAG, cfg.HEAD_DIM, cfg.BLOCK_M,
                                  TILE_ROWS)
-            add_dq_tile(dq_desc, row, col, smem.dq.index(1), FIRST_STORES, first)
+            add_dq_tile(dq_desc, row, col, smem.dq.index(1), cfg.FIRST_STORES, first)
             tma.store_wait(0)  # both reduces have read their tiles
             thread_barrier()
             mbarrier.arrive(smem.dq_empty.index(0), count=1)
             mbarrier.arrive(smem.dq_empty.index(1), count=1)
             if TURNS:
                 release_dq_turn_after_tma(sem, m0)
-            h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
+            h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, cfg.BLOCK_M)
 
     @gluon.jit
-    def ws_compute(shared, WG: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, DP_EARLY: gl.constexpr,
-                    KV_TMA_STORE: gl.constexpr, LATE_WG: gl.constexpr, RING: gl.constexpr,
-                    DET: gl.constexpr, DV_OVERLAP: gl.constexpr, DK_AFTER_DQ: gl.constexpr,
-                    MASK_MODE: gl.constexpr, it0=0, tile=0,
-                    kv_free=None, epi_done=None, PERSISTENT: gl.constexpr = False,
-                    EPI: gl.constexpr = 0, dv_stage=None, KV_BUFS: gl.constexpr = 1):
+    def ws_compute(shared, cfg, WG: gl.constexpr, DET: gl.constexpr, it0=0, tile=0,
+                   kv_free=None, epi_done=None, PERSISTENT: gl.constexpr = False,
+                   EPI: gl.constexpr = 0, dv_stage=None):
         # PERSISTENT: one tile of a persistent CTA, as in ws_loader (steps numbered on
         # from it0; the late warpgroup's previous step is always one of this tile's; K/V in
         # buffer tile % KV_BUFS, which `shared`'s smem holds).
         (smem, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, q_start, k_start, seqlen_q, seqlen_k,
          n_kv_heads, hk, n0, n_steps, h, m0, m_lo, m_end, h_first, group, keys_oob, m_full_lo,
          m_full_hi, qk_scale, softmax_scale, softcap_pre, window_left, window_right) = shared
-        KEYS: gl.constexpr = BLOCK_N // 2
+        KEYS: gl.constexpr = cfg.BLOCK_N // 2
         DQ_ROWS: gl.constexpr = 64  # dQ = dS·K by halves of its columns or rows (ws_dq)
-        DQ_COLS: gl.constexpr = HEAD_DIM // 2 if BLOCK_M == 64 else HEAD_DIM
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_M, 16])
-        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HEAD_DIM, 16])
-        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HEAD_DIM_V, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, DQ_COLS, 16])
+        DQ_COLS: gl.constexpr = cfg.HEAD_DIM // 2 if cfg.BLOCK_M == 64 else cfg.HEAD_DIM
+        s_layout: gl.constexpr = mma_layout(4, 1, cfg.BLOCK_M)
+        dk_layout: gl.constexpr = mma_layout(4, 1, cfg.HEAD_DIM)
+        dv_layout: gl.constexpr = mma_layout(4, 1, cfg.HEAD_DIM_V)
+        dq_layout: gl.constexpr = mma_layout(4, 1, DQ_COLS)
         pv_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout,
                                                          k_width=2)
         dsq_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout,
@@ -286,29 +254,29 @@ if GLUON_ERROR is None:
         v_mine = smem.v.slice(WG * KEYS, KEYS)
         dq_buf = smem.dq.index(WG)
         kloc = WG * KEYS + gl.arange(0, KEYS, layout=key_layout)
-        cols = gl.arange(0, BLOCK_M, layout=col_layout)
+        cols = gl.arange(0, cfg.BLOCK_M, layout=col_layout)
         shift = seqlen_k - seqlen_q
         n_valid = seqlen_k - n0
         diag_right = shift + window_right - n0
         diag_left = shift - window_left - n0
-        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, dk_layout)
-        dv = gl.zeros([KEYS, HEAD_DIM_V], gl.float32, dv_layout)
-        s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
+        dk = gl.zeros([KEYS, cfg.HEAD_DIM], gl.float32, dk_layout)
+        dv = gl.zeros([KEYS, cfg.HEAD_DIM_V], gl.float32, dv_layout)
+        s_zero = gl.zeros([KEYS, cfg.BLOCK_M], gl.float32, s_layout)
         dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, dq_layout)
         h_prev = h
         m0_prev = m0
-        kv = tile % KV_BUFS
-        mbarrier.wait(smem.kv_bar.index(kv), (tile // KV_BUFS) & 1)
+        kv = tile % cfg.KV_BUFS
+        mbarrier.wait(smem.kv_bar.index(kv), (tile // cfg.KV_BUFS) & 1)
         for it in range(n_steps):
             g = it0 + it  # the step's number in the CTA (all its tiles)
-            slot = g % RING  # the Q/dO ring
+            slot = g % cfg.RING  # the Q/dO ring
             ds_slot = g % 2  # the dSᵀ buffers (ws_dq)
-            mbarrier.wait(smem.ready.index(slot), (g // RING) & 1)
+            mbarrier.wait(smem.ready.index(slot), (g // cfg.RING) & 1)
             q_s = smem.q.index(slot)
             do_s = smem.do.index(slot)
             s_tok = warpgroup_mma(k_mine, q_s.permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
-            if DP_EARLY:
+            if cfg.DP_EARLY:
                 dp_tok = warpgroup_mma(v_mine, do_s.permute((1, 0)), s_zero, use_acc=False,
                                        is_async=True)
                 s = warpgroup_mma_wait(1, deps=[s_tok])
@@ -317,15 +285,15 @@ if GLUON_ERROR is None:
             lse2 = smem.lse.index(slot).load(col_layout)
             p, p_ds = probabilities(
                 s, lse2, qk_scale, softcap_pre,
-                step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, HAS_LEFT, HAS_RIGHT),
-                kloc, cols, n_valid, m0, diag_right, diag_left, SOFTCAP, HAS_LEFT, HAS_RIGHT,
-                MASK_MODE)
-            if not DP_EARLY:
+                step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, cfg.HAS_LEFT, cfg.HAS_RIGHT),
+                kloc, cols, n_valid, m0, diag_right, diag_left, cfg.SOFTCAP, cfg.HAS_LEFT,
+                cfg.HAS_RIGHT, cfg.MASK_MODE)
+            if not cfg.DP_EARLY:
                 dp_tok = warpgroup_mma(v_mine, do_s.permute((1, 0)), s_zero, use_acc=False,
                                        is_async=True)
             p_op = gl.convert_layout(p.to(dtype), pv_op_layout)
             dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
-            if DV_OVERLAP:  # dSᵀ is formed while dV = Pᵀ·dO runs (retired with dK below)
+            if cfg.DV_OVERLAP:  # dSᵀ is formed while dV = Pᵀ·dO runs (retired with dK below)
                 dp = warpgroup_mma_wait(1, deps=[dp_tok])
             else:
                 dp, dv, p_op = warpgroup_mma_wait(0, deps=[dp_tok, dv_tok, p_op])
@@ -337,27 +305,28 @@ if GLUON_ERROR is None:
             fence_async_shared()
             mbarrier.arrive(smem.ds_ready.index(2 * ds_slot + WG), count=1)
             ds_op = gl.convert_layout(ds16, dsq_op_layout)
-            if DK_AFTER_DQ:  # dK issued inside ws_dq, behind the dQ MMA
-                if WG == LATE_WG:
+            if cfg.DK_AFTER_DQ:  # dK issued inside ws_dq, behind the dQ MMA
+                if WG == cfg.LATE_WG:
                     if it > 0:
                         dk_tok = ws_dq(smem, dq_buf, dq_desc, g - 1, h_prev, m0_prev, q_start,
-                                       softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M, DET, dk,
-                                       ds_op, q_s, True)
+                                       softmax_scale, dq_zero, WG, cfg.HEAD_DIM, cfg.BLOCK_M, DET,
+                                       dk, ds_op, q_s, True)
                     else:
                         dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                 else:
                     dk_tok = ws_dq(smem, dq_buf, dq_desc, g, h, m0, q_start, softmax_scale,
-                                   dq_zero, WG, HEAD_DIM, BLOCK_M, DET, dk, ds_op, q_s, True)
+                                   dq_zero, WG, cfg.HEAD_DIM, cfg.BLOCK_M, DET, dk, ds_op, q_s,
+                                   True)
             else:
                 dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-                if WG == LATE_WG:  # one step late: the other half of this step is not there
+                if WG == cfg.LATE_WG:  # one step late: the other half of this step is not there
                     if it > 0:
                         ws_dq(smem, dq_buf, dq_desc, g - 1, h_prev, m0_prev, q_start,
-                              softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M, DET)
+                              softmax_scale, dq_zero, WG, cfg.HEAD_DIM, cfg.BLOCK_M, DET)
                 else:
                     ws_dq(smem, dq_buf, dq_desc, g, h, m0, q_start, softmax_scale, dq_zero, WG,
-                          HEAD_DIM, BLOCK_M, DET)
-            if DV_OVERLAP:
+                          cfg.HEAD_DIM, cfg.BLOCK_M, DET)
+            if cfg.DV_OVERLAP:
                 dk, dv, ds_op, p_op = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok, ds_op, p_op])
             else:
                 dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])
@@ -366,11 +335,11 @@ if GLUON_ERROR is None:
             # h_prev through the loop (its scf.for kept only dK and dV; found in the TTGIR)
             h_prev = h + 0
             m0_prev = m0 + 0
-            h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, BLOCK_M)
-        if WG == LATE_WG:
+            h, m0 = next_step(h, m0, m_lo, m_end, h_first, h_first + group, cfg.BLOCK_M)
+        if WG == cfg.LATE_WG:
             if n_steps > 0:
                 ws_dq(smem, dq_buf, dq_desc, it0 + n_steps - 1, h_prev, m0_prev, q_start,
-                      softmax_scale, dq_zero, WG, HEAD_DIM, BLOCK_M, DET)
+                      softmax_scale, dq_zero, WG, cfg.HEAD_DIM, cfg.BLOCK_M, DET)
         if PERSISTENT and EPI != 3:  # this warpgroup's MMAs have read K and V for the last
             # time (before the reduce's wait: the load warp's next K/V are the tile's
             # critical path; EPI 3 stages dK/dV in this K/V buffer: freed after the stores)
@@ -380,15 +349,15 @@ if GLUON_ERROR is None:
         mbarrier.arrive(smem.done.index(0), count=1)
         mbarrier.wait(smem.done.index(0), tile & 1)
         dk = dk * softmax_scale  # S = scale·Q·Kᵀ
-        if KV_TMA_STORE:
+        if cfg.KV_TMA_STORE:
             dk_buf, dv_buf = epilogue_buffers(smem, dv_stage, dk_desc, dv_desc, WG, EPI)
             store_key_tiles(dk_desc, dv_desc, dk, dv, dk_buf, dv_buf,
-                            k_start + n0 + WG * KEYS, hk, HEAD_DIM, HEAD_DIM_V)
+                            k_start + n0 + WG * KEYS, hk, cfg.HEAD_DIM, cfg.HEAD_DIM_V)
         else:
             store_key_rows(dk_ptr, dk, n0 + WG * KEYS, k_start, seqlen_k, n_kv_heads, hk,
-                           HEAD_DIM, KEYS, dk_layout)
+                           cfg.HEAD_DIM, KEYS, dk_layout)
             store_key_rows(dv_ptr, dv, n0 + WG * KEYS, k_start, seqlen_k, n_kv_heads, hk,
-                           HEAD_DIM_V, KEYS, dv_layout)
+                           cfg.HEAD_DIM_V, KEYS, dv_layout)
         if PERSISTENT and EPI == 0:
             # the stores have read the ring slots: the next tile may load into them
             mbarrier.arrive(epi_done.index(0), count=1)
