@@ -24,6 +24,7 @@ from ..core.masks import normalize_window
 from ..core.params import AttnParams, CacheSpec, SeqInfo
 from ..runtime import dispatch, plans
 from . import cache_checks
+from . import fp8 as fp8_api
 from . import validation as check
 
 
@@ -251,7 +252,8 @@ def flash_attn_with_kvcache(
     return_lse: bool = False, check_values: bool = True, cache_leftpad: Tensor | None = None,
     rotary_cos: Tensor | None = None, rotary_sin: Tensor | None = None,
     rotary_interleaved: bool = True, block_table: Tensor | None = None,
-    return_softmax_lse: bool | None = None,
+    return_softmax_lse: bool | None = None, q_descale: Tensor | None = None,
+    k_descale: Tensor | None = None, v_descale: Tensor | None = None, out_dtype=None,
 ):
     """Attention of q over a KV cache, appending new k/v to the cache first (flash-attn 2/3).
 
@@ -298,6 +300,12 @@ def flash_attn_with_kvcache(
 
     Forward only: runs under no_grad, as flash-attn's does. Returns out
     (batch, seqlen_q, nheads_q, dv), or (out, lse) with lse fp32 (batch, nheads_q, seqlen_q).
+
+    fp8 cache (FA3's keywords, api/kvcache_fp8.py): k_cache/v_cache in torch.float8_e4m3fn
+    with k_descale, v_descale fp32 (batch, nheads_kv), q fp8 with q_descale or 16-bit; new
+    k/v must be e4m3 already, quantised by the caller in the cache's scale, and are written
+    as given; out bf16 (q's dtype for 16-bit q) or out_dtype. Rotary with new fp8 k is
+    refused (rotate before quantising).
     """
     if block_table is not None:
         if page_table is not None:
@@ -306,6 +314,18 @@ def flash_attn_with_kvcache(
         page_table = block_table
     if return_softmax_lse is not None:
         return_lse = bool(return_softmax_lse)
+    descales = (q_descale, k_descale, v_descale)
+    if fp8_api.wanted(q, k_cache, v_cache, descales, out_dtype):
+        from .kvcache_fp8 import kvcache_fp8
+
+        return kvcache_fp8(
+            flash_attn_with_kvcache, q, k_cache, v_cache, k, v, cache_seqlens,
+            cache_batch_idx, page_table, descales, out_dtype, rotary_cos,
+            dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                 softcap=softcap, learnable_sink=learnable_sink, num_splits=num_splits,
+                 return_lse=return_lse, check_values=check_values,
+                 cache_leftpad=cache_leftpad, rotary_sin=rotary_sin,
+                 rotary_interleaved=rotary_interleaved))
     if torch.compiler.is_compiling():
         if k is None and v is None and rotary_cos is None and rotary_sin is None and \
                 not return_lse:
