@@ -9,8 +9,10 @@ bf16 and fp16 (3 mantissa bits, exponents 2^-9 .. 2^8), so k and v are cast with
 the descales are folded where they are linear: q_descale * k_descale into q (scores are
 (q qd) . (k kd) = (q qd kd) . k, so softcap and masks see the same scores), v_descale onto
 the output (P (v vd) = vd (P v)). The only rounding added is q's (one bf16 rounding) and the
-output's before its scale. The cast copies k and v (a KV cache: the whole cache, per call):
-a first step, until the kernels load e4m3 tiles themselves.
+output's before its scale. flash_attn_with_kvcache's decode kernels (portable Triton, CPU)
+read the e4m3 cache itself and widen it in registers (api/kvcache_fp8.py); the dense and
+varlen forward kernels read 16 bits, so there k and v are cast on the host first (a copy):
+a first step, until those kernels load e4m3 tiles too.
 """
 
 from __future__ import annotations
@@ -80,21 +82,26 @@ def check_inputs(q, k, v, descales, out_dtype, batch, names=("q", "k", "v"),
                 "under torch.no_grad())")
 
 
-def rewrite(q, k, v, descales, batch_of_row=None):
-    """(q, k, v) in the compute dtype with the descales folded in, and v's descale.
+def fold_q(q, descales, batch_of_row=None):
+    """(q in the compute dtype with q_descale * k_descale folded in, the compute dtype).
 
     The compute dtype is bf16 for fp8 queries, else q's own (an fp8 cache beside fp16 q).
     batch_of_row: each packed q row's sequence (varlen), None for (batch, seqlen, ...) q.
     """
-    q_descale, k_descale, v_descale = descales
+    q_descale, k_descale, _ = descales
     work = torch.bfloat16 if is_fp8(q) else q.dtype
     factor = q_descale
     if k_descale is not None:
         factor = k_descale if factor is None else factor * k_descale
     if factor is None or (q.dim() == 3 and batch_of_row is None):  # no sequences: out is 0
-        q2 = q.to(work)
-    else:
-        q2 = dequantize(q, factor, batch_of_row).to(work)
+        return q.to(work), work
+    return dequantize(q, factor, batch_of_row).to(work), work
+
+
+def rewrite(q, k, v, descales, batch_of_row=None):
+    """(q, k, v, compute dtype): q as fold_q, k and v cast (exactly) to the compute dtype,
+    for the kernels that read 16-bit k/v only (a copy of k and v)."""
+    q2, work = fold_q(q, descales, batch_of_row)
     return q2, k.to(work), v.to(work), work
 
 
@@ -116,5 +123,5 @@ def rows_to_batch(cu_seqlens_q, total: int, batch: int):
     return torch.searchsorted(cu_seqlens_q[1:].long(), rows, right=True).clamp_(max=batch - 1)
 
 
-__all__ = ["ALL_FP8", "FP8", "check_inputs", "finish", "rewrite",
+__all__ = ["ALL_FP8", "FP8", "check_inputs", "finish", "fold_q", "rewrite",
            "rows_to_batch", "wanted"]

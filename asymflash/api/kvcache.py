@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..core.fp8 import is_fp8
 from ..core.masks import normalize_window
 from ..core.params import AttnParams, CacheSpec, SeqInfo
 from ..runtime import dispatch, plans
@@ -40,13 +41,14 @@ def _cache_geometry(k_cache, page_table):
     return k_cache.shape[1], k_cache.shape[1], k_cache.shape[0]
 
 
-def _check_new_kv(k, v, q, k_cache, v_cache):
+def _check_new_kv(k, v, q, k_cache, v_cache, kv_dtype=None):
     if (k is None) != (v is None):
         got = "k" if v is None else "v"
         check._fail(ValueError, "k/v", f"only {got} was given", "pass both new k and v, or neither")
     if k is None:
         return 0
-    check.check_tensors(q, k, v, 4, "(batch, seqlen_new, nheads_kv, headdim)")
+    check.check_tensors(q, k, v, 4, "(batch, seqlen_new, nheads_kv, headdim)",
+                        kv_dtype=kv_dtype)
     batch = q.shape[0]
     for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
         want = (batch, t.shape[1], cache.shape[2], cache.shape[3])
@@ -319,13 +321,26 @@ def flash_attn_with_kvcache(
         from .kvcache_fp8 import kvcache_fp8
 
         return kvcache_fp8(
-            flash_attn_with_kvcache, q, k_cache, v_cache, k, v, cache_seqlens,
+            _with_kvcache, q, k_cache, v_cache, k, v, cache_seqlens,
             cache_batch_idx, page_table, descales, out_dtype, rotary_cos,
             dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                  softcap=softcap, learnable_sink=learnable_sink, num_splits=num_splits,
                  return_lse=return_lse, check_values=check_values,
-                 cache_leftpad=cache_leftpad, rotary_sin=rotary_sin,
+                 cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                  rotary_interleaved=rotary_interleaved))
+    return _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+                         softmax_scale, causal, window_size, softcap, learnable_sink,
+                         num_splits, return_lse, check_values, cache_leftpad, rotary_cos,
+                         rotary_sin, rotary_interleaved)
+
+
+def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+                  softmax_scale, causal, window_size, softcap, learnable_sink, num_splits,
+                  return_lse, check_values, cache_leftpad, rotary_cos, rotary_sin,
+                  rotary_interleaved):
+    """flash_attn_with_kvcache after its argument aliases and the fp8 entry: a cache in e4m3
+    arrives here only from kvcache_fp8, which checked it, with q in 16 bits."""
+    kv_dtype = k_cache.dtype if is_fp8(k_cache) else None
     if torch.compiler.is_compiling():
         if k is None and v is None and rotary_cos is None and rotary_sin is None and \
                 not return_lse:
@@ -348,9 +363,9 @@ def flash_attn_with_kvcache(
             return plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                         learnable_sink, cache_leftpad)
     check.check_tensors(q, k_cache, v_cache, 4, "(batch, seqlen, nheads, headdim)",
-                        names=("q", "k_cache", "v_cache"))
+                        names=("q", "k_cache", "v_cache"), kv_dtype=kv_dtype)
     batch, seqlen_q, nheads_q, _ = q.shape
-    seqlen_new = _check_new_kv(k, v, q, k_cache, v_cache)
+    seqlen_new = _check_new_kv(k, v, q, k_cache, v_cache, kv_dtype)
     if page_table is not None:
         if cache_batch_idx is not None:
             check._fail(ValueError, "cache_batch_idx", "was given with page_table",
@@ -404,7 +419,9 @@ def flash_attn_with_kvcache(
     if rotary_cos is not None:
         q, k = _rotated(q, k, rotary_cos, rotary_sin, seqlens, params, rotary_interleaved)
     sink = None if learnable_sink is None else learnable_sink.detach().float().contiguous()
-    if page_table is None and cache_batch_idx is None and cache_leftpad is None:
+    # The forward kernels read 16-bit caches only: an fp8 cache takes the decode kernels.
+    if page_table is None and cache_batch_idx is None and cache_leftpad is None and \
+            kv_dtype is None:
         done = prefill_on_forward_kernels(q, k_cache, v_cache, k, v, seqlens, params, sink)
         if done is not None:
             return _returned(*done, return_lse)

@@ -2,9 +2,9 @@
 
 The caller quantises: new k/v arrive in e4m3 already, in the scale of the cache's
 k_descale/v_descale for their sequence (FA3 leaves the quantisation to the caller too, e.g.
-vLLM writes its fp8 cache itself), and are written as given. The attention then runs on a
-16-bit copy of the cache with the descales folded (api/fp8.py): a first step that copies the
-whole cache per call, until the decode kernel loads e4m3 tiles itself.
+vLLM writes its fp8 cache itself), and are written as given. The decode kernels then read
+the e4m3 cache in place, widening each tile exactly to 16 bits in registers, with the
+descales folded into q and the output (api/fp8.py): no copy of the cache.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from . import fp8
 from . import validation as check
 
 
-def kvcache_fp8(entry, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+def kvcache_fp8(body, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                 descales, out_dtype, rotary_cos, kw):
-    """entry: flash_attn_with_kvcache; kw: its other keyword arguments."""
+    """body: kvcache._with_kvcache; kw: its other arguments by name."""
     batch = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 4 else None
     fp8.check_inputs(q, k_cache, v_cache, descales, out_dtype, batch,
                      names=("q", "k_cache", "v_cache"), forward_only=True)
@@ -34,19 +34,9 @@ def kvcache_fp8(entry, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx
             raise NotImplementedError(
                 "asymflash: rotary_cos/sin with new k on an fp8 cache; rotate k before "
                 "quantising it and pass the rotated fp8 k (q may still be rotated here)")
-    q16, kc16, vc16, work = fp8.rewrite(q, k_cache, v_cache, descales)
-    k16 = None if k is None else k.to(work)
-    v16 = None if v is None else v.to(work)
-    # The 16-bit call checks every argument and index value, then appends to the copies; a
-    # refused call raises here and leaves the fp8 cache untouched.
-    result = entry(q16, kc16, vc16, k16, v16, cache_seqlens=cache_seqlens,
-                   cache_batch_idx=cache_batch_idx, page_table=page_table,
-                   rotary_cos=rotary_cos, **kw)
-    if k is not None:
-        from .kvcache import _append
-
-        lens = cache_seqlens
-        if not isinstance(lens, torch.Tensor):
-            lens = torch.full((q.shape[0],), int(lens), dtype=torch.int32, device=q.device)
-        _append(k_cache, v_cache, k, v, lens, page_table, cache_batch_idx)
+    q16, work = fp8.fold_q(q, descales)
+    # The decode kernels read the e4m3 cache (and new rows) as they are, widened exactly in
+    # registers; the new rows are appended in e4m3, as given.
+    result = body(q16, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+                  **kw)
     return fp8.finish(result, descales[2], None, out_dtype or work)

@@ -180,6 +180,8 @@ def decode(q, cache: CacheSpec, params: AttnParams, sink, num_splits: int = 0):
         return (q.new_empty(0, nheads_q, dv),
                 torch.empty(nheads_q, 0, dtype=torch.float32, device=q.device))
     k, v, cu_k, max_k = gather(cache)
+    # An e4m3 cache (api/kvcache_fp8.py) widens exactly to q's 16 bits; a no-op otherwise.
+    k, v = k.to(q.dtype), v.to(q.dtype)
     if cache.cu_seqlens_q is not None:
         cu_q = cache.cu_seqlens_q
     else:
