@@ -236,6 +236,22 @@ def _varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     fp8.check_inputs(q, k, v, descales, out_dtype, batch)
     if q.dim() == 3:
         rows = fp8.rows_to_batch(cu_seqlens_q, q.shape[0], batch)
+    if page_table is not None:
+        # Paged prefill runs on the decode kernels, which read the e4m3 cache in place.
+        if dropout_p or alibi_slopes is not None:
+            _refuse_fa2_features(dropout_p, alibi_slopes)
+        if seqused_q is not None:
+            raise NotImplementedError("asymflash: seqused_q was given with page_table; paged "
+                                      "prefill uses every query row (pass seqused_q=None)")
+        from .kvcache import paged_varlen
+
+        q, work = fp8.fold_q(q, descales, rows)
+        result = paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              seqused_k, page_table, softmax_scale, causal, window_size,
+                              softcap, sink, return_lse or return_attn_probs)
+        if return_attn_probs:
+            result = (*result, None)
+        return fp8.finish(result, descales[2], rows, out_dtype or work)
     q, k, v, work = fp8.rewrite(q, k, v, descales, rows)
     result = flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,

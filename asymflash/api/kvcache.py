@@ -512,8 +512,10 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     The keys of sequence b are its first seqused_k[b] (else cu_seqlens_k[b+1] -
     cu_seqlens_k[b]) cache positions, read through page_table[b]. Forward only (no_grad).
     """
+    # An e4m3 cache arrives only from the fp8 entry (dense._varlen_fp8), which checked it.
     check.check_tensors(q, k_cache, v_cache, 4, "(num_pages, page_size, nheads_kv, headdim)",
-                        names=("q", "k", "v"), q_rank=3, q_layout="(total_q, nheads, headdim)")
+                        names=("q", "k", "v"), q_rank=3, q_layout="(total_q, nheads, headdim)",
+                        kv_dtype=k_cache.dtype if is_fp8(k_cache) else None)
     check.check_int_vector(cu_seqlens_q, "cu_seqlens_q", None, q.device)
     batch = cu_seqlens_q.shape[0] - 1
     if batch < 0:

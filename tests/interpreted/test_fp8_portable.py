@@ -81,3 +81,21 @@ def test_kvcache_decode_kernel_reads_e4m3(paged, seqlen_q, q_fp8, splits):
         ref = expected(q[b:b + 1], cont_k[b:b + 1, :n], cont_v[b:b + 1, :n],
                        [None if s is None else s[b:b + 1] for s in (qd, kd, vd)], causal=True)
         assert_fp8_close(out[b:b + 1], lse[b:b + 1], ref)
+
+
+def test_paged_varlen_prefill_reads_e4m3():
+    lens, hq, hkv, d, capacity, sq = [17, 5, 64], 4, 2, 32, 64, 5
+    batch = len(lens)
+    kc, vc, kd, vd, kw, (cont_k, cont_v) = _cache(batch, hkv, d, capacity, paged=True)
+    q8, qd = quantize(torch.randn(batch, sq, hq, d, device=DEVICE), hkv)
+    cu_q = torch.arange(0, sq * (batch + 1), sq, dtype=torch.int32, device=DEVICE)
+    seqused = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    with forced("portable"):
+        out = flash_attn_varlen_func(q8.flatten(0, 1), kc, vc, cu_q, None, sq, None,
+                                     causal=True, seqused_k=seqused, q_descale=qd,
+                                     k_descale=kd, v_descale=vd, **kw)
+    out = out.view(batch, sq, hq, d)
+    for b, n in enumerate(lens):
+        ref = expected(q8[b:b + 1], cont_k[b:b + 1, :n], cont_v[b:b + 1, :n],
+                       [s[b:b + 1] for s in (qd, kd, vd)], causal=True)
+        assert_fp8_close(out[b:b + 1], None, ref)
