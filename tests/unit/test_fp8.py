@@ -251,3 +251,32 @@ def test_refused_cache_calls_leave_the_fp8_cache_untouched():
             flash_attn_with_kvcache(q, kc, vc, **args)
         assert torch.equal(kc.view(torch.uint8), before[0].view(torch.uint8)), name
         assert torch.equal(vc.view(torch.uint8), before[1].view(torch.uint8)), name
+
+
+def test_no_forward_backend_takes_raw_fp8_kv():
+    """Dispatch never hands e4m3 k/v to a forward kernel (none reads them: sm90's wgmma
+    path included); the API casts them first. Every backend of the device says why."""
+    from asymflash.core.params import AttnParams, SeqInfo
+    from asymflash.runtime import dispatch
+
+    _, (q8, k8, v8), _ = fp8_inputs(1, 17, 17, 2, 2, 32, 32)
+    q = q8.to(torch.bfloat16).flatten(0, 1)
+    seq = SeqInfo.dense(1, 17, 17, q.device)
+    params = AttnParams(softmax_scale=0.125)
+    with pytest.raises(NotImplementedError, match="float8_e4m3fn"):
+        dispatch.pick_forward(q, k8.flatten(0, 1), v8.flatten(0, 1), seq, params, None)
+
+
+def test_fp8_under_torch_compile():
+    kc, kd = quantize(torch.randn(2, 64, 2, 32, device=DEVICE))
+    vc, vd = quantize(torch.randn(2, 64, 2, 32, device=DEVICE))
+    q = torch.randn(2, 1, 4, 32, dtype=torch.bfloat16, device=DEVICE)
+    lens = torch.tensor([10, 64], dtype=torch.int32, device=DEVICE)
+
+    def decode(q, kc, vc, lens, kd, vd):
+        return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, k_descale=kd,
+                                       v_descale=vd)
+    eager = decode(q, kc, vc, lens, kd, vd)
+    assert torch.equal(torch.compile(decode, fullgraph=True)(q, kc, vc, lens, kd, vd), eager)
+    b = 1
+    assert_fp8_close(eager[b:], None, expected(q[b:], kc[b:], vc[b:], (None, kd[b:], vd[b:])))
