@@ -43,6 +43,10 @@ def check_inputs(q, k, v, descales, out_dtype, batch, names=("q", "k", "v"),
             check._fail(TypeError, name, f"has dtype {t.dtype}",
                         "the fp8 format supported is torch.float8_e4m3fn (as FlashAttention-3)")
     q_name, k_name, v_name = names
+    if batch is None:  # the caller found no batch: q's rank fits none of the entry's forms
+        check._fail(ValueError, q_name, f"has shape {tuple(q.shape)}",
+                    "expected (batch, seqlen, nheads, headdim), or (total_q, nheads, headdim) "
+                    "with cu_seqlens_q")
     if is_fp8(k) != is_fp8(v):
         check._fail(TypeError, f"{k_name}/{v_name}", f"have dtypes {k.dtype}/{v.dtype}",
                     "both fp8 (e4m3fn) or neither")
@@ -67,7 +71,7 @@ def check_inputs(q, k, v, descales, out_dtype, batch, names=("q", "k", "v"),
             check._fail(TypeError, name, f"has dtype {d.dtype}", "expected torch.float32")
         if d.device != q.device:
             check._fail(ValueError, name, f"is on {d.device}", f"{q_name} is on {q.device}")
-        if batch is not None and tuple(d.shape) != (batch, nheads_kv):
+        if tuple(d.shape) != (batch, nheads_kv):
             check._fail(ValueError, name, f"has shape {tuple(d.shape)}",
                         f"expected (batch, nheads_kv) = ({batch}, {nheads_kv}), as FA3: one "
                         "scale per sequence and KV head (query heads use their KV head's)")

@@ -205,6 +205,8 @@ def _bad_calls():
             q16, k8.to(torch.bfloat16), v8.to(torch.bfloat16), k_descale=kd)),
         "q_descale with bf16 q": (ValueError, "q_descale", lambda: flash_attn_func(
             q16, k8, v8, q_descale=qd)),
+        "q of rank 3 in flash_attn_func": (ValueError, "expected (batch, seqlen", lambda:
+                                            flash_attn_func(q8[0], k8, v8, k_descale=kd)),
         "out_dtype int": (TypeError, "out_dtype", lambda: flash_attn_func(
             q8, k8, v8, out_dtype=torch.int8)),
         "fp8 with grad": (NotImplementedError, "backward", lambda: flash_attn_func(
