@@ -236,7 +236,7 @@ def _varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     fp8.check_inputs(q, k, v, descales, out_dtype, batch)
     if q.dim() == 3:
         rows = fp8.rows_to_batch(cu_seqlens_q, q.shape[0], batch)
-    if page_table is not None:
+    if page_table is not None and fp8.reads_e4m3(q.device):
         # Paged prefill runs on the decode kernels, which read the e4m3 cache in place.
         if dropout_p or alibi_slopes is not None:
             _refuse_fa2_features(dropout_p, alibi_slopes)

@@ -17,6 +17,8 @@ a first step, until those kernels load e4m3 tiles too.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..core.fp8 import ALL_FP8, FP8, REFUSED_FP8, dequantize, is_fp8
@@ -24,6 +26,21 @@ from . import validation as check
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+def reads_e4m3(device: torch.device) -> bool:
+    """Whether the decode kernels can load e4m3 on this device: the CPU (tiled torch, or the
+    interpreter), and CUDA from sm_89 (Triton has no e4m3 type before Ada: an sm_80 build
+    fails to compile, tests/compile/test_portable_compile.py); elsewhere the cache is cast."""
+    if device.type != "cuda":
+        return True
+    return _capability(device.index if device.index is not None else
+                       torch.cuda.current_device()) >= (8, 9)
 
 
 def wanted(q, k, v, descales, out_dtype) -> bool:
@@ -129,4 +146,4 @@ def rows_to_batch(cu_seqlens_q, total: int, batch: int):
 
 
 __all__ = ["ALL_FP8", "FP8", "check_inputs", "finish", "fold_q", "rewrite",
-           "rows_to_batch", "wanted"]
+           "reads_e4m3", "rows_to_batch", "wanted"]

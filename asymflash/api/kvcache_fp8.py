@@ -35,8 +35,31 @@ def kvcache_fp8(body, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                 "asymflash: rotary_cos/sin with new k on an fp8 cache; rotate k before "
                 "quantising it and pass the rotated fp8 k (q may still be rotated here)")
     q16, work = fp8.fold_q(q, descales)
-    # The decode kernels read the e4m3 cache (and new rows) as they are, widened exactly in
-    # registers; the new rows are appended in e4m3, as given.
-    result = body(q16, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
-                  **kw)
+    if fp8.reads_e4m3(q.device):
+        # The decode kernels read the e4m3 cache (and new rows) as they are, widened exactly
+        # in registers; the new rows are appended in e4m3, as given.
+        result = body(q16, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                      page_table, **kw)
+    else:
+        result = _on_a_cast_cache(body, q16, k_cache, v_cache, k, v, cache_seqlens,
+                                  cache_batch_idx, page_table, work, kw)
     return fp8.finish(result, descales[2], None, out_dtype or work)
+
+
+def _on_a_cast_cache(body, q16, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                     page_table, work, kw):
+    """A GPU without e4m3 loads: attend over a 16-bit copy of the cache (exact), appending
+    to the copy; then write the new e4m3 rows into the real cache. The 16-bit call checks
+    every value first, so a refused call leaves the cache untouched."""
+    from .kvcache import _append
+
+    k16 = None if k is None else k.to(work)
+    v16 = None if v is None else v.to(work)
+    result = body(q16, k_cache.to(work), v_cache.to(work), k16, v16, cache_seqlens,
+                  cache_batch_idx, page_table, **kw)
+    if k is not None:
+        lens = cache_seqlens
+        if not isinstance(lens, torch.Tensor):
+            lens = torch.full((q16.shape[0],), int(lens), dtype=torch.int32, device=q16.device)
+        _append(k_cache, v_cache, k, v, lens, page_table, cache_batch_idx)
+    return result

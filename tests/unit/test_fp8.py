@@ -282,3 +282,29 @@ def test_fp8_under_torch_compile():
     assert torch.equal(torch.compile(decode, fullgraph=True)(q, kc, vc, lens, kd, vd), eager)
     b = 1
     assert_fp8_close(eager[b:], None, expected(q[b:], kc[b:], vc[b:], (None, kd[b:], vd[b:])))
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_gpus_without_e4m3_loads_attend_over_a_cast_copy(paged, monkeypatch):
+    """sm_80 has no e4m3 type in Triton: the cache is cast (exactly) to a 16-bit copy and
+    the new e4m3 rows still land in the real cache. Forced here on the CPU."""
+    from asymflash.api import fp8 as fp8_api
+
+    monkeypatch.setattr(fp8_api, "reads_e4m3", lambda device: False)
+    (q, kc, vc, k_new, v_new, seqlens, kw, ds, want_k, want_v, perm) = _cache_case(
+        paged, True, seqlen_q=3, new=3)
+    out = flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens,
+                                  causal=True, q_descale=ds[0], k_descale=ds[1],
+                                  v_descale=ds[2], **kw)
+    stored_k = page(want_k, 16, perm) if paged else want_k
+    assert torch.equal(kc.view(torch.uint8), stored_k.view(torch.uint8))
+    for b, n in enumerate((seqlens + 3).tolist()):
+        ref = expected(q[b:b + 1], want_k[b:b + 1, :n], want_v[b:b + 1, :n],
+                       [d[b:b + 1] for d in ds], causal=True)
+        assert_fp8_close(out[b:b + 1], None, ref)
+    if paged:  # paged prefill takes the cast too
+        cu_q = torch.arange(0, 3 * (q.shape[0] + 1), 3, dtype=torch.int32, device=DEVICE)
+        out2 = flash_attn_varlen_func(q.flatten(0, 1), kc, vc, cu_q, None, 3, None,
+                                      causal=True, seqused_k=(seqlens + 3), page_table=perm,
+                                      q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
+        assert torch.equal(out2.view_as(out), out)

@@ -360,6 +360,9 @@ def decode_kernel(
 def unsupported_decode(q, cache, params, sink):
     if cache.k.dtype not in (q.dtype, torch.float8_e4m3fn):
         return f"a {cache.k.dtype} cache beside {q.dtype} q (needs q's dtype or e4m3)"
+    if cache.k.dtype != q.dtype and q.is_cuda and \
+            torch.cuda.get_device_capability(q.device) < (8, 9):
+        return "an e4m3 cache needs sm_89+ (Triton has no e4m3 loads before Ada)"
     return unsupported_input(q)
 
 
