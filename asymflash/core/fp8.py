@@ -53,7 +53,9 @@ def quantize(x: torch.Tensor, nheads_kv: int | None = None, batch_of_row=None,
     nheads_kv = heads if nheads_kv is None else nheads_kv
     group = heads // nheads_kv
     a = x.detach().float().abs()
-    if x.dim() == 4:
+    if a.numel() == 0:  # no values (empty sequences): amax has nothing to reduce
+        amax = torch.zeros(x.shape[0] if x.dim() == 4 else batch, nheads_kv, device=x.device)
+    elif x.dim() == 4:
         amax = a.amax(dim=(1, 3)).view(x.shape[0], nheads_kv, group).amax(dim=2)
     else:
         per_row = a.amax(dim=2).view(-1, nheads_kv, group).amax(dim=2)

@@ -308,3 +308,19 @@ def test_gpus_without_e4m3_loads_attend_over_a_cast_copy(paged, monkeypatch):
                                       causal=True, seqused_k=(seqlens + 3), page_table=perm,
                                       q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
         assert torch.equal(out2.view_as(out), out)
+
+
+def test_empty_inputs_and_strided_descales():
+    _, (q8, k8, v8), ds = fp8_inputs(2, 5, 0, 4, 2, 32, 32)  # no keys: out 0, lse -inf
+    out, lse = flash_attn_func(q8, k8, v8, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2],
+                               return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all()
+    _, (q8, k8, v8), ds = fp8_inputs(0, 5, 5, 4, 2, 32, 32)  # no sequences
+    assert flash_attn_func(q8, k8, v8, q_descale=ds[0], k_descale=ds[1],
+                           v_descale=ds[2]).shape == (0, 5, 4, 32)
+    _, (q8, k8, v8), ds = fp8_inputs(2, 17, 33, 4, 2, 32, 32)
+    strided = [d.t().contiguous().t() for d in ds]  # FA3 reads descales through strides
+    assert torch.equal(
+        flash_attn_func(q8, k8, v8, q_descale=strided[0], k_descale=strided[1],
+                        v_descale=strided[2]),
+        flash_attn_func(q8, k8, v8, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2]))
