@@ -324,3 +324,25 @@ def test_empty_inputs_and_strided_descales():
         flash_attn_func(q8, k8, v8, q_descale=strided[0], k_descale=strided[1],
                         v_descale=strided[2]),
         flash_attn_func(q8, k8, v8, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2]))
+
+
+def test_hadamard_rotation_keeps_scores_and_pays_with_outliers():
+    from asymflash.core.fp8 import hadamard_rotate
+
+    (q, k, v), _, _ = fp8_inputs(2, 113, 113, 4, 2, 128, 128, outliers=True)
+    qr, kr = hadamard_rotate(q), hadamard_rotate(k)
+    truth, _ = attention_ref(q, k, v, causal=True, compute_dtype=torch.float64)
+    rotated, _ = attention_ref(qr, kr, v, causal=True, compute_dtype=torch.float64)
+    assert (rotated - truth).abs().max() < 1e-4  # the scores are the same
+    errs = {}
+    for name, (qq, kk) in {"per-head": (q, k), "hadamard + per-head": (qr, kr)}.items():
+        q8, qd = quantize(qq, 2)
+        k8, kd = quantize(kk)
+        v8, vd = quantize(v)
+        out = flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd,
+                              v_descale=vd)
+        errs[name] = rms(out, truth)
+    print(f"\nfp8 rms error with outlier channels: {errs}")
+    assert errs["hadamard + per-head"] < errs["per-head"] / 1.5
+    with pytest.raises(ValueError, match="power of two"):
+        hadamard_rotate(torch.randn(2, 96))
