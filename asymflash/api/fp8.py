@@ -4,15 +4,15 @@ q, k, v in torch.float8_e4m3fn (or only k/v: an fp8 KV cache beside 16-bit queri
 fp32 descales (batch, nheads_kv); the result is attention of the dequantised tensors
 (reference.attention_fp8_ref), out in bf16 (or out_dtype), lse fp32.
 
-How it is computed, on every backend: no kernel reads fp8 yet. Every e4m3 value is exact in
-bf16 and fp16 (3 mantissa bits, exponents 2^-9 .. 2^8), so k and v are cast without rounding;
-the descales are folded where they are linear: q_descale * k_descale into q (scores are
-(q qd) . (k kd) = (q qd kd) . k, so softcap and masks see the same scores), v_descale onto
-the output (P (v vd) = vd (P v)). The only rounding added is q's (one bf16 rounding) and the
-output's before its scale. flash_attn_with_kvcache's decode kernels (portable Triton, CPU)
-read the e4m3 cache itself and widen it in registers (api/kvcache_fp8.py); the dense and
-varlen forward kernels read 16 bits, so there k and v are cast on the host first (a copy):
-a first step, until those kernels load e4m3 tiles too.
+How it is computed, on every backend: every e4m3 value is exact in bf16 and fp16 (3
+mantissa bits, exponents 2^-9 .. 2^8), so k and v widen without rounding, and the descales
+are folded where they are linear: q_descale * k_descale into q (scores are (q qd) . (k kd) =
+(q qd kd) . k, so softcap and masks see the same scores), v_descale onto the output
+(P (v vd) = vd (P v)). The only rounding added is q's (one bf16 rounding) and the output's
+before its scale. flash_attn_with_kvcache and paged prefill run on the decode kernels
+(portable Triton, CPU), which read the e4m3 cache in place and widen its tiles in registers
+(api/kvcache_fp8.py); the forward kernels (dense, varlen) read 16 bits only, so there k and
+v are cast on the host first (a copy): a first step, until a kernel loads e4m3 tiles too.
 """
 
 from __future__ import annotations
