@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from .core.fp8 import dequantize  # noqa: F401 - part of the definition of fp8 attention
 from .core.masks import allowed, normalize_window
 
 
@@ -122,6 +123,18 @@ def attention_varlen_ref(
         dtype = outs[0].dtype if outs else (torch.float32 if kw.get("upcast", True) else q.dtype)
         gap(q.shape[0] - row, dtype, lses[0].dtype if lses else torch.float32)
     return torch.cat(outs), torch.cat(lses, dim=1)
+def attention_fp8_ref(q, k, v, q_descale=None, k_descale=None, v_descale=None,
+                      compute_dtype: torch.dtype = torch.float32, **kw):
+    """fp8 attention's definition: attention_ref of the dequantised q, k, v (BSHD).
+
+    q may be fp8 or already 16-bit (an fp8 KV cache beside bf16 queries, q_descale None).
+    Returns (out, lse) in compute_dtype; kw as attention_ref.
+    """
+    qd, kd, vd = (dequantize(t, s, dtype=compute_dtype)
+                  for t, s in ((q, q_descale), (k, k_descale), (v, v_descale)))
+    return attention_ref(qd, kd, vd, compute_dtype=compute_dtype, **kw)
+
+
 def flex_attention_ref(query, key, value, score_mod=None, block_mask=None, scale=None,
                        enable_gqa: bool = False, compute_dtype: torch.dtype = torch.float32):
     """torch FlexAttention's semantics (core/flex.py), on (batch, heads, seqlen, dim) tensors.

@@ -14,6 +14,7 @@ from torch import Tensor
 from ..core.masks import normalize_window
 from ..core.params import SeqInfo
 from ..runtime import plans
+from . import fp8
 from . import validation as check
 from .ops import call, call_planned, call_planned_varlen
 
@@ -30,6 +31,8 @@ def flash_attn_func(
     learnable_sink: Optional[Tensor] = None, deterministic: bool = False,
     return_lse: bool = False, *, dropout_p: float = 0.0, alibi_slopes=None,
     return_attn_probs: bool = False, score_mod=None, mask_mod=None,
+    q_descale: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None, out_dtype=None,
 ):
     """Exact attention on (batch, seqlen, nheads, headdim) tensors, flash-attn compatible.
 
@@ -51,7 +54,23 @@ def flash_attn_func(
     score_mod(score, b, h, q_idx, kv_idx) and mask_mod(b, h, q_idx, kv_idx) are
     FlexAttention's mods (asymflash.flex_attention), applied after softcap and ALiBi and
     together with causal/window_size; h is the query head.
+
+    fp8 (FlashAttention-3's keywords; forward only, api/fp8.py): q, k, v in
+    torch.float8_e4m3fn, or only k and v beside a 16-bit q, with q_descale, k_descale,
+    v_descale fp32 (batch, nheads_kv) or None (= 1): attention of q * q_descale, k *
+    k_descale, v * v_descale, query head h using its KV head's descale. out is bf16 (q's
+    dtype for 16-bit q) unless out_dtype says otherwise; lse fp32.
     """
+    descales = (q_descale, k_descale, v_descale)
+    if fp8.wanted(q, k, v, descales, out_dtype):
+        batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else None
+        fp8.check_inputs(q, k, v, descales, out_dtype, batch)
+        q, k, v, work = fp8.rewrite(q, k, v, descales)
+        result = flash_attn_func(
+            q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink,
+            deterministic, return_lse, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
+            return_attn_probs=return_attn_probs, score_mod=score_mod, mask_mod=mask_mod)
+        return fp8.finish(result, v_descale, None, out_dtype or work)
     if dropout_p:
         _refuse_fa2_features(dropout_p, None)
     if score_mod is not None or mask_mod is not None or alibi_slopes is not None:
@@ -112,6 +131,8 @@ def flash_attn_varlen_func(
     return_lse: bool = False, seqused_k: Optional[Tensor] = None,
     page_table: Tensor | None = None, *, seqused_q: Optional[Tensor] = None,
     dropout_p: float = 0.0, alibi_slopes=None, return_attn_probs: bool = False,
+    q_descale: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None, out_dtype=None,
 ):
     """Exact attention on packed sequences: q (total_q, nheads_q, d), k/v (total_k, ...).
 
@@ -135,7 +156,17 @@ def flash_attn_varlen_func(
     then (batch, seqlen_q, nheads, dv) and lse (batch, nheads, seqlen_q).
 
     dropout_p, alibi_slopes and return_attn_probs: as in flash_attn_func.
+
+    fp8: q_descale, k_descale, v_descale and out_dtype as in flash_attn_func, batch being
+    the number of sequences (len(cu_seqlens_q) - 1, or the padded batch); with page_table
+    the paged caches may be fp8 (k_descale/v_descale per sequence and KV head).
     """
+    descales = (q_descale, k_descale, v_descale)
+    if fp8.wanted(q, k, v, descales, out_dtype):
+        return _varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale, causal, window_size, softcap, learnable_sink,
+                           deterministic, return_lse, seqused_k, page_table, seqused_q,
+                           dropout_p, alibi_slopes, return_attn_probs, descales, out_dtype)
     if dropout_p or alibi_slopes is not None:
         _refuse_fa2_features(dropout_p, alibi_slopes)
     if return_attn_probs:
@@ -189,3 +220,42 @@ def flash_attn_varlen_func(
                           softcap, None if learnable_sink is None else
                           learnable_sink.float().contiguous(), deterministic)
     return (out, lse) if return_lse else out
+
+
+def _varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                causal, window_size, softcap, sink, deterministic, return_lse, seqused_k,
+                page_table, seqused_q, dropout_p, alibi_slopes, return_attn_probs, descales,
+                out_dtype):
+    """flash_attn_varlen_func on fp8 inputs: checked, rewritten in 16 bits (api/fp8.py), run."""
+    batch, rows = None, None
+    if isinstance(q, Tensor) and cu_seqlens_q is None and q.dim() == 4:
+        batch = q.shape[0]  # the padded form: q (batch, seqlen, ...)
+    elif isinstance(q, Tensor) and q.dim() == 3:
+        check.check_int_vector(cu_seqlens_q, "cu_seqlens_q", None, q.device)
+        batch = cu_seqlens_q.shape[0] - 1
+    fp8.check_inputs(q, k, v, descales, out_dtype, batch)
+    if q.dim() == 3:
+        rows = fp8.rows_to_batch(cu_seqlens_q, q.shape[0], batch)
+    if page_table is not None and fp8.reads_e4m3(q.device):
+        # Paged prefill runs on the decode kernels, which read the e4m3 cache in place.
+        if dropout_p or alibi_slopes is not None:
+            _refuse_fa2_features(dropout_p, alibi_slopes)
+        if seqused_q is not None:
+            raise NotImplementedError("asymflash: seqused_q was given with page_table; paged "
+                                      "prefill uses every query row (pass seqused_q=None)")
+        from .kvcache import paged_varlen
+
+        q, work = fp8.fold_q(q, descales, rows)
+        result = paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              seqused_k, page_table, softmax_scale, causal, window_size,
+                              softcap, sink, return_lse or return_attn_probs)
+        if return_attn_probs:
+            result = (*result, None)
+        return fp8.finish(result, descales[2], rows, out_dtype or work)
+    q, k, v, work = fp8.rewrite(q, k, v, descales, rows)
+    result = flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+        window_size, softcap, sink, deterministic, return_lse, seqused_k, page_table,
+        seqused_q=seqused_q, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
+        return_attn_probs=return_attn_probs)
+    return fp8.finish(result, descales[2], rows, out_dtype or work)

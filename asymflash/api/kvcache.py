@@ -20,10 +20,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..core.fp8 import is_fp8
 from ..core.masks import normalize_window
 from ..core.params import AttnParams, CacheSpec, SeqInfo
 from ..runtime import dispatch, plans
 from . import cache_checks
+from . import fp8 as fp8_api
 from . import validation as check
 
 
@@ -39,13 +41,14 @@ def _cache_geometry(k_cache, page_table):
     return k_cache.shape[1], k_cache.shape[1], k_cache.shape[0]
 
 
-def _check_new_kv(k, v, q, k_cache, v_cache):
+def _check_new_kv(k, v, q, k_cache, v_cache, kv_dtype=None):
     if (k is None) != (v is None):
         got = "k" if v is None else "v"
         check._fail(ValueError, "k/v", f"only {got} was given", "pass both new k and v, or neither")
     if k is None:
         return 0
-    check.check_tensors(q, k, v, 4, "(batch, seqlen_new, nheads_kv, headdim)")
+    check.check_tensors(q, k, v, 4, "(batch, seqlen_new, nheads_kv, headdim)",
+                        kv_dtype=kv_dtype)
     batch = q.shape[0]
     for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
         want = (batch, t.shape[1], cache.shape[2], cache.shape[3])
@@ -251,7 +254,8 @@ def flash_attn_with_kvcache(
     return_lse: bool = False, check_values: bool = True, cache_leftpad: Tensor | None = None,
     rotary_cos: Tensor | None = None, rotary_sin: Tensor | None = None,
     rotary_interleaved: bool = True, block_table: Tensor | None = None,
-    return_softmax_lse: bool | None = None,
+    return_softmax_lse: bool | None = None, q_descale: Tensor | None = None,
+    k_descale: Tensor | None = None, v_descale: Tensor | None = None, out_dtype=None,
 ):
     """Attention of q over a KV cache, appending new k/v to the cache first (flash-attn 2/3).
 
@@ -298,6 +302,12 @@ def flash_attn_with_kvcache(
 
     Forward only: runs under no_grad, as flash-attn's does. Returns out
     (batch, seqlen_q, nheads_q, dv), or (out, lse) with lse fp32 (batch, nheads_q, seqlen_q).
+
+    fp8 cache (FA3's keywords, api/kvcache_fp8.py): k_cache/v_cache in torch.float8_e4m3fn
+    with k_descale, v_descale fp32 (batch, nheads_kv), q fp8 with q_descale or 16-bit; new
+    k/v must be e4m3 already, quantised by the caller in the cache's scale, and are written
+    as given; out bf16 (q's dtype for 16-bit q) or out_dtype. Rotary with new fp8 k is
+    refused (rotate before quantising).
     """
     if block_table is not None:
         if page_table is not None:
@@ -306,6 +316,31 @@ def flash_attn_with_kvcache(
         page_table = block_table
     if return_softmax_lse is not None:
         return_lse = bool(return_softmax_lse)
+    descales = (q_descale, k_descale, v_descale)
+    if fp8_api.wanted(q, k_cache, v_cache, descales, out_dtype):
+        from .kvcache_fp8 import kvcache_fp8
+
+        return kvcache_fp8(
+            _with_kvcache, q, k_cache, v_cache, k, v, cache_seqlens,
+            cache_batch_idx, page_table, descales, out_dtype, rotary_cos,
+            dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                 softcap=softcap, learnable_sink=learnable_sink, num_splits=num_splits,
+                 return_lse=return_lse, check_values=check_values,
+                 cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                 rotary_interleaved=rotary_interleaved))
+    return _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+                         softmax_scale, causal, window_size, softcap, learnable_sink,
+                         num_splits, return_lse, check_values, cache_leftpad, rotary_cos,
+                         rotary_sin, rotary_interleaved)
+
+
+def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+                  softmax_scale, causal, window_size, softcap, learnable_sink, num_splits,
+                  return_lse, check_values, cache_leftpad, rotary_cos, rotary_sin,
+                  rotary_interleaved):
+    """flash_attn_with_kvcache after its argument aliases and the fp8 entry: a cache in e4m3
+    arrives here only from kvcache_fp8, which checked it, with q in 16 bits."""
+    kv_dtype = k_cache.dtype if is_fp8(k_cache) else None
     if torch.compiler.is_compiling():
         if k is None and v is None and rotary_cos is None and rotary_sin is None and \
                 not return_lse:
@@ -328,9 +363,9 @@ def flash_attn_with_kvcache(
             return plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                         learnable_sink, cache_leftpad)
     check.check_tensors(q, k_cache, v_cache, 4, "(batch, seqlen, nheads, headdim)",
-                        names=("q", "k_cache", "v_cache"))
+                        names=("q", "k_cache", "v_cache"), kv_dtype=kv_dtype)
     batch, seqlen_q, nheads_q, _ = q.shape
-    seqlen_new = _check_new_kv(k, v, q, k_cache, v_cache)
+    seqlen_new = _check_new_kv(k, v, q, k_cache, v_cache, kv_dtype)
     if page_table is not None:
         if cache_batch_idx is not None:
             check._fail(ValueError, "cache_batch_idx", "was given with page_table",
@@ -384,7 +419,9 @@ def flash_attn_with_kvcache(
     if rotary_cos is not None:
         q, k = _rotated(q, k, rotary_cos, rotary_sin, seqlens, params, rotary_interleaved)
     sink = None if learnable_sink is None else learnable_sink.detach().float().contiguous()
-    if page_table is None and cache_batch_idx is None and cache_leftpad is None:
+    # The forward kernels read 16-bit caches only: an fp8 cache takes the decode kernels.
+    if page_table is None and cache_batch_idx is None and cache_leftpad is None and \
+            kv_dtype is None:
         done = prefill_on_forward_kernels(q, k_cache, v_cache, k, v, seqlens, params, sink)
         if done is not None:
             return _returned(*done, return_lse)
@@ -475,8 +512,10 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     The keys of sequence b are its first seqused_k[b] (else cu_seqlens_k[b+1] -
     cu_seqlens_k[b]) cache positions, read through page_table[b]. Forward only (no_grad).
     """
+    # An e4m3 cache arrives only from the fp8 entry (dense._varlen_fp8), which checked it.
     check.check_tensors(q, k_cache, v_cache, 4, "(num_pages, page_size, nheads_kv, headdim)",
-                        names=("q", "k", "v"), q_rank=3, q_layout="(total_q, nheads, headdim)")
+                        names=("q", "k", "v"), q_rank=3, q_layout="(total_q, nheads, headdim)",
+                        kv_dtype=k_cache.dtype if is_fp8(k_cache) else None)
     check.check_int_vector(cu_seqlens_q, "cu_seqlens_q", None, q.device)
     batch = cu_seqlens_q.shape[0] - 1
     if batch < 0:

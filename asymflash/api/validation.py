@@ -28,7 +28,7 @@ def allowed_dtypes(device: torch.device):
     return base + (torch.float32,) if device.type == "cpu" else base
 
 
-def _tensors_ok(q, k, v, rank: int, q_rank: int) -> bool:
+def _tensors_ok(q, k, v, rank: int, q_rank: int, kv_dtype=None) -> bool:
     """True when check_tensors has nothing to report: every call pays for this one pass
     (host time is what short calls are bound by); only a bad input takes the slower pass
     that names the problem."""
@@ -42,7 +42,7 @@ def _tensors_ok(q, k, v, rank: int, q_rank: int) -> bool:
         return False
     if dtype not in _GPU_DTYPES and not (dtype == torch.float32 and device.type == "cpu"):
         return False
-    if k.dtype != dtype or v.dtype != dtype:
+    if k.dtype != (kv_dtype or dtype) or v.dtype != (kv_dtype or dtype):
         return False
     k_shape, v_shape = k.shape, v.shape
     d, dv = q.shape[-1], v_shape[-1]
@@ -57,13 +57,15 @@ def _tensors_ok(q, k, v, rank: int, q_rank: int) -> bool:
 
 
 def check_tensors(q, k, v, rank: int, layout: str, names=("q", "k", "v"), q_rank=None,
-                  q_layout=None):
+                  q_layout=None, kv_dtype=None):
     """dtype, device, shape and head-dim rules shared by q and the k/v pair.
 
     `names` are the argument names used in messages (k_cache, v_cache for a KV cache);
-    q_rank/q_layout describe q when its rank differs from k/v's (varlen q over a paged cache).
+    q_rank/q_layout describe q when its rank differs from k/v's (varlen q over a paged cache);
+    kv_dtype is the dtype k/v must have when it is not q's (an fp8 cache the fp8 entry
+    checked already, api/kvcache_fp8.py).
     """
-    if _tensors_ok(q, k, v, rank, q_rank or rank):
+    if _tensors_ok(q, k, v, rank, q_rank or rank, kv_dtype):
         return
     q_name, k_name, v_name = names
     for name, t, want, how in ((q_name, q, q_rank or rank, q_layout or layout),
@@ -80,8 +82,10 @@ def check_tensors(q, k, v, rank: int, layout: str, names=("q", "k", "v"), q_rank
     if q.dtype not in ok:
         _fail(TypeError, q_name, f"has dtype {q.dtype}", f"allowed on {q.device.type}: {ok}")
     for name, t in ((k_name, k), (v_name, v)):
-        if t.dtype != q.dtype:
-            _fail(TypeError, name, f"has dtype {t.dtype}", f"must match {q_name}'s dtype {q.dtype}")
+        if t.dtype != (kv_dtype or q.dtype):
+            _fail(TypeError, name, f"has dtype {t.dtype}",
+                  f"must match {q_name}'s dtype {q.dtype}" if kv_dtype is None else
+                  f"expected {kv_dtype}")
         if t.shape[:-1] != k.shape[:-1]:
             _fail(ValueError, name, f"has shape {tuple(t.shape)}",
                   f"{k_name} and {v_name} must agree except in the last dim "

@@ -21,6 +21,8 @@ BLOCK_K = 512
 
 
 def unsupported(q, k, v, seq, params, sink):
+    if k.dtype != q.dtype or v.dtype != q.dtype:  # fp8 k/v come cast by api/fp8.py
+        return f"k/v in {k.dtype}/{v.dtype} beside {q.dtype} q (the forward needs one dtype)"
     return None if q.device.type == "cpu" else f"tensors are on {q.device}, not the CPU"
 
 
@@ -146,6 +148,8 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
 # ---- Decode over a KV cache (flash_attn_with_kvcache, paged varlen): gather, then forward --
 
 def unsupported_decode(q, cache, params, sink):
+    if cache.k.dtype not in (q.dtype, torch.float8_e4m3fn):
+        return f"a {cache.k.dtype} cache beside {q.dtype} q (needs q's dtype or e4m3)"
     return None if q.device.type == "cpu" else f"tensors are on {q.device}, not the CPU"
 
 
@@ -180,6 +184,8 @@ def decode(q, cache: CacheSpec, params: AttnParams, sink, num_splits: int = 0):
         return (q.new_empty(0, nheads_q, dv),
                 torch.empty(nheads_q, 0, dtype=torch.float32, device=q.device))
     k, v, cu_k, max_k = gather(cache)
+    # An e4m3 cache (api/kvcache_fp8.py) widens exactly to q's 16 bits; a no-op otherwise.
+    k, v = k.to(q.dtype), v.to(q.dtype)
     if cache.cu_seqlens_q is not None:
         cu_q = cache.cu_seqlens_q
     else:

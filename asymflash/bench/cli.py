@@ -51,6 +51,7 @@ from .core import (
     cuda_timer,
     probe,
 )
+from .fp8 import FP8, Fp8Runner, fp8_providers
 from .models import ModelCase, ModelRunner
 
 MODEL_DIM = 2048
@@ -141,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nheads", type=int, help=f"query heads (default {MODEL_DIM} / hdim)")
     p.add_argument("--nheads-kv", type=int, help="key/value heads, for GQA (default nheads)")
     p.add_argument("--causal", type=_causal, help="0, 1 or both (default both)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16 (fp32 on CPU)")
+    p.add_argument("--dtype", choices=sorted(DTYPES),
+                   help="default bf16 (fp32 on CPU); fp8: e4m3 inputs with per-head descales, "
+                        "forward only, beside asymflash's bf16 path and cuDNN fp8")
     p.add_argument("--providers", type=_list(str),
                    help="only these providers (names as in the table; 'asymflash' = all "
                         "its backends)")
@@ -389,6 +392,14 @@ def main(argv: list | None = None) -> int:
                  else bench_providers.cpu_providers())
     timer = cuda_timer(args.warmup, args.rep) if cuda else cpu_timer()
     models = args.suite == "models"
+    fp8 = args.dtype == FP8
+    if fp8:
+        if models:
+            parser.error("--dtype fp8 runs the grid (the models suite has no fp8 cases)")
+        if args.mode and tuple(args.mode) != ("fwd",):
+            parser.error("--dtype fp8 is forward only: --mode fwd")
+        args.mode = ("fwd",)
+        providers = fp8_providers()
     if not args.mode:
         args.mode = ("fwd", "fwdbwd") if models else ("fwd", "bwd")
     try:
@@ -415,7 +426,9 @@ def main(argv: list | None = None) -> int:
              "check": "every batch and head, the first call and a repeated (planned) one, "
                       "vs asymflash.reference.attention_ref in fp32, chunked over queries; "
                       "pass if max|x - ref| <= 2 * max|plain - ref| + 2^-10 * max|ref|, "
-                      "plain = attention_ref(upcast=False) in the input dtype"}
+                      "plain = attention_ref(upcast=False) in the input dtype" + (
+                          "; fp8: the reference and plain see the dequantised inputs "
+                          "(plain in bf16)" if fp8 else "")}
 
     def checkpoint(partial: Run) -> None:
         write_outputs(out_dir, partial, env, dict(extra, partial=True), plots=False)
@@ -423,7 +436,7 @@ def main(argv: list | None = None) -> int:
     try:
         result = run(cases, providers, args.mode, device, timer, default_reference(), progress,
                      after_case=checkpoint if cuda else None,
-                     runner_cls=ModelRunner if models else Runner)
+                     runner_cls=ModelRunner if models else Fp8Runner if fp8 else Runner)
     finally:
         progress.close()
     markdown = write_outputs(out_dir, result, env, extra, plots=not args.no_plots)

@@ -25,7 +25,9 @@ OK, NA, ERROR, WRONG = "ok", "n/a", "error", "WRONG"
 MODES = ("fwd", "bwd", "fwdbwd")
 # FLOPs of a mode as a multiple of the forward's (FlashAttention papers: backward = 2.5 x).
 MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# fp8: e4m3 inputs with per-head descales, forward only (bench/fp8.py makes its inputs).
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "fp8": torch.float8_e4m3fn}
 
 # Extra absolute slack of the tolerance, relative to the reference's largest magnitude. The
 # FlashAttention rule alone (2 x the error of a same-dtype plain computation) is zero in fp32,

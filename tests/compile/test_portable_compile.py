@@ -81,6 +81,8 @@ _DECODE_BUILD = _PRELUDE + r"""
 from asymflash.backends.portable.decode import decode_kernel as fn
 
 paged, leftpad = sys.argv[1] == "1", sys.argv[2] == "1"
+fp8 = len(sys.argv) > 3 and sys.argv[3] == "fp8"  # an e4m3 cache beside bf16 q
+ARCH = int(sys.argv[4]) if len(sys.argv) > 4 else 90
 # the H200 decode shape: bf16, d 128, GQA 8:1 packed, 128-key tiles, 4 warps, 3 stages
 cons = dict(D=128, DV=128, BLOCK_D=128, BLOCK_DV=128, BLOCK_M=16, BLOCK_N=128,
             VARLEN_Q=False, PAGED=paged, HAS_BATCH_IDX=False, HAS_LEFTPAD=leftpad,
@@ -88,11 +90,13 @@ cons = dict(D=128, DV=128, BLOCK_D=128, BLOCK_DV=128, BLOCK_M=16, BLOCK_N=128,
             LEFT=False, RIGHT=True)
 sig = signature(fn, cons, ("CU_Q", "SEQLENS_K", "PAGE_TABLE", "BATCH_IDX", "LEFTPAD", "COUNTERS"),
                 ("LSE", "SINK", "WORK"))
+if fp8:
+    sig.update({arg: "*fp8e4nv" for arg in ("K", "V", "K_NEW", "V_NEW")})
 # what the JIT specialises in a real call: 16-byte aligned pointers, strides multiples of 16
 aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
            if sig[arg].startswith("*") or arg.startswith("stride")}
 kernel = triton.compile(ASTSource(fn, sig, cons, attrs=aligned),
-                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4,
+                        target=GPUTarget("cuda", ARCH, 32), options={"num_warps": 4,
                                                                    "num_stages": 3})
 """
 
@@ -104,6 +108,17 @@ def test_decode_kernel_builds_for_sm90(paged, leftpad):
     registers with ~150 local-memory instructions (sm_90a, 2026-11-30: paged 148, contiguous
     155, with cache_leftpad 153): the bound records that, so a change shows; not a target."""
     report = sass_report(_DECODE_BUILD, str(int(paged)), str(int(leftpad)))
+    assert report["mma"] > 0, "no tensor-core instructions"
+    within_budget(report, report["local"], 199)
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_decode_kernel_builds_for_sm90_over_an_e4m3_cache(paged):
+    """The same kernel reading an fp8 cache (tiles widened to bf16 in registers) builds
+    with tensor-core instructions (sm_90a, triton 3.6: 31 local-memory instructions, paged
+    or contiguous, against the bf16 build's ~150); the bound is the bf16 build's. An sm_80
+    build fails (no e4m3 type before Ada): api/fp8.reads_e4m3 keeps such GPUs off it."""
+    report = sass_report(_DECODE_BUILD, str(int(paged)), "0", "fp8")
     assert report["mma"] > 0, "no tensor-core instructions"
     within_budget(report, report["local"], 199)
 

@@ -82,6 +82,8 @@ def launch(kernel, name: str, grid, args, meta: dict, deterministic: bool):
 
 
 def unsupported(q, k, v, seq, params, sink):
+    if k.dtype != q.dtype or v.dtype != q.dtype:  # fp8 k/v come cast by api/fp8.py
+        return f"k/v in {k.dtype}/{v.dtype} beside {q.dtype} q (the forward needs one dtype)"
     return unsupported_input(q)
 
 

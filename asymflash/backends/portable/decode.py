@@ -262,6 +262,9 @@ def decode_kernel(
             k = tl.load(k_base + k_off[:, None] + offs_d[None, :])
         else:
             k = tl.load(k_base + k_off[:, None] + offs_d[None, :], mask=d_ok, other=0.0)
+        # An e4m3 cache widens exactly to q's dtype here (descales are folded into q and
+        # out by api/fp8.py); a no-op for a 16-bit cache.
+        k = k.to(q.dtype)
         s, _ = log2_scores(dot(q, tl.trans(k), None), softmax_scale, softcap, SOFTCAP)
         if LEFT or RIGHT:
             ok = tile_valid(pos, cols, seqlen_q, seqlen_k, window_left, window_right, LEFT,
@@ -272,6 +275,7 @@ def decode_kernel(
             v = tl.load(v_base + v_off[:, None] + offs_dv[None, :])
         else:
             v = tl.load(v_base + v_off[:, None] + offs_dv[None, :], mask=dv_ok, other=0.0)
+        v = v.to(q.dtype)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
 
     # The last partial block of the cache and the new keys: masked, from either source.
@@ -290,6 +294,7 @@ def decode_kernel(
                     mask=in_cache[:, None] & d_ok, other=0.0)
         v = tl.load(v_base + v_off[:, None] + offs_dv[None, :],
                     mask=in_cache[:, None] & dv_ok, other=0.0)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         if HAS_NEW:
             is_new = (cols >= cache_len) & (cols < seqlen_k)
             j = tl.maximum(cols - cache_len, 0).to(tl.int64)
@@ -299,8 +304,8 @@ def decode_kernel(
             v_new = tl.load(V_NEW + b64 * stride_nvb + kv_head * stride_nvh
                             + j[:, None] * stride_nvt + offs_dv[None, :],
                             mask=is_new[:, None] & dv_ok, other=0.0)
-            k = tl.where(is_new[:, None], k_new, k)
-            v = tl.where(is_new[:, None], v_new, v)
+            k = tl.where(is_new[:, None], k_new.to(q.dtype), k)
+            v = tl.where(is_new[:, None], v_new.to(q.dtype), v)
         s, _ = log2_scores(dot(q, tl.trans(k), None), softmax_scale, softcap, SOFTCAP)
         ok = tile_valid(pos, cols, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT)
         s = tl.where(ok, s, float("-inf"))
@@ -353,6 +358,11 @@ def decode_kernel(
 
 
 def unsupported_decode(q, cache, params, sink):
+    if cache.k.dtype not in (q.dtype, torch.float8_e4m3fn):
+        return f"a {cache.k.dtype} cache beside {q.dtype} q (needs q's dtype or e4m3)"
+    if cache.k.dtype != q.dtype and q.is_cuda and \
+            torch.cuda.get_device_capability(q.device) < (8, 9):
+        return "an e4m3 cache needs sm_89+ (Triton has no e4m3 loads before Ada)"
     return unsupported_input(q)
 
 
