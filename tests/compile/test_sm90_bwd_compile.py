@@ -441,7 +441,7 @@ def test_every_backward_kernel_skips_key_blocks_numbered_below_zero():
     from pathlib import Path
 
     sm90 = Path(bwd.__file__).parent
-    for name in ("kernel.py", "kernel_ws.py", "kernel_wide.py"):
+    for name in ("kernel.py", "kernel_ws.py"):
         src = (sm90 / name).read_text()
         calls = [m.end() for m in re.finditer(r"= key_tile\(", src)]
         assert calls, name

@@ -1,7 +1,7 @@
 """The sm90 backward's configuration: what one compiled kernel is (`BwdConfig`), the defaults
 per head dim, and the per-call choices where the H200 measured a gain (`select_config`,
 `_splits_warpgroups`; the measurements: docs/tuning.md). Pure Python, no Gluon: the kernels
-are in `kernel.py`, `kernel_ws.py` and `kernel_wide.py`, their launch in `host.py`."""
+are in `kernel.py` and `kernel_ws.py` (entered through `entry.py`), their launch in `host.py`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The sm90 backward's one launch entry: `attn_bwd_kernel` takes the launch's arguments,
 packs them into two aggregates, `BwdCall` (the runtime values) and `BwdConsts` (the
-compile-time switches), and runs the body the host chose (KIND): `kernel.py`'s synchronous
-kernel (d <= 128), `kernel_wide.py`'s (d = 256) or `kernel_ws.py`'s warp-specialised one.
+compile-time switches), and runs the body the host chose (KIND): one of `kernel.py`'s
+synchronous bodies (d <= 128, d = 256) or `kernel_ws.py`'s warp-specialised one.
 The bodies read the launch through the aggregates, so the signature lives here only
 (`host.py` builds the one argument list and constexpr dict)."""
 
@@ -14,8 +14,7 @@ KIND_SYNC, KIND_WIDE, KIND_WS = 0, 1, 2
 
 if GLUON_ERROR is None:
     from ..common import aggregate, gl, gluon, tma
-    from .kernel import attn_bwd_sync
-    from .kernel_wide import attn_bwd_wide
+    from .kernel import attn_bwd_sync, attn_bwd_wide
     from .kernel_ws import attn_bwd_ws
 
     _WIDE, _WS = gl.constexpr(KIND_WIDE), gl.constexpr(KIND_WS)
@@ -76,8 +75,8 @@ if GLUON_ERROR is None:
         HEADS_FIRST: gl.constexpr  # sched.key_block's grid order
         DK_LATE: gl.constexpr  # kernel.py's schedule, like STATS_LATE and RELEASE_AT
         STATS_LATE: gl.constexpr
-        DQ_IN_OPS: gl.constexpr  # kernel_wide.py: BwdConfig.dq_in_operands
-        HI_LATE: gl.constexpr  # kernel_wide.py: BwdConfig.dq_hi_late
+        DQ_IN_OPS: gl.constexpr  # attn_bwd_wide: BwdConfig.dq_in_operands
+        HI_LATE: gl.constexpr  # attn_bwd_wide: BwdConfig.dq_hi_late
         FIRST_STORES: gl.constexpr  # host.first_stores
         LATE_WG: gl.constexpr  # kernel_ws.py on: its roles' switches (host._constexprs)
         RING: gl.constexpr

@@ -1,10 +1,10 @@
 """FlashAttention backward for Hopper (sm_90a), written in Gluon.
 
-This module's kernel runs d=64 with softcap, a sliding window, or a causal mask below 2k
-rows, and d=128 with softcap; other
-d=64 and d=128 calls run `kernel_ws.py`'s warp-specialised version of the same plan
-(warpgroups out of phase, BwdConfig.split_warpgroups), d=256 `kernel_wide.py`. The host
-side here serves all three.
+`kernel.py`'s synchronous body runs d=64 with softcap, a sliding window, or a causal mask
+below 2k rows, and d=128 with softcap; other d=64 and d=128 calls run `kernel_ws.py`'s
+warp-specialised version of the same plan (warpgroups out of phase,
+BwdConfig.split_warpgroups), d=256 `kernel.py`'s wide body. The host side here serves all
+three, through one launch entry (`entry.py`).
 
 One CTA owns BLOCK_N keys of one (sequence, kv head) and keeps K, V (shared memory) and the
 dK, dV accumulators (registers) for its whole life. It walks every query block, of every q
@@ -100,8 +100,8 @@ if GLUON_ERROR is None:
     import triton
     from triton.experimental.gluon import language as gl
 
-# 64 and 128 run kernel.py's body (or kernel_ws.py's), 256 kernel_wide.py's (the warpgroups
-# split the head dim): `_kind`.
+# 64 and 128 run kernel.py's synchronous body (or kernel_ws.py's), 256 its wide one (the
+# warpgroups split the head dim): `_kind`.
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
@@ -127,7 +127,7 @@ def _launch_options(split: bool, cfg: BwdConfig) -> dict:
     # bwd_ws: 4 warps per compute warpgroup (the default partition is one), the load warp
     # padded to a warpgroup; maxnreg is the pool the partitions' setmaxnreg draw from
     # (168 * 384 = 64512 <= 64K registers).
-    # kernel.py and kernel_wide.py: two warpgroups (their MMA layouts assume exactly 8 warps)
+    # kernel.py's bodies: two warpgroups (their MMA layouts assume exactly 8 warps)
     return {"num_warps": 4, "maxnreg": 168} if split else {"num_warps": 8}
 
 

@@ -1,5 +1,6 @@
-"""The backward kernel for d <= 128 (the synchronous form; `kernel_ws.py` is the
-warp-specialised one, `kernel_wide.py` the d=256 one). The algorithm: `host.py`."""
+"""The synchronous backward bodies (every thread runs the whole step; `kernel_ws.py` is the
+warp-specialised form): `attn_bwd_sync` for d <= 128, `attn_bwd_wide` for d = 256, where the
+two warpgroups split the head dim instead of the keys. The algorithm: `host.py`."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ if GLUON_ERROR is None:
         next_step,
     )
     from .parts import (
+        add_dq_tile,
         after_dq_reduce,
         finish_dq,
         fragment_block,
@@ -29,6 +31,7 @@ if GLUON_ERROR is None:
         key_walk,
         load_kv,
         load_qdo,
+        load_rows,
         mask_coords,
         mma_layout,
         release_dq_turn_after_tma,
@@ -226,5 +229,267 @@ if GLUON_ERROR is None:
             mbarrier.invalidate(kv_bar.index(0))
 
             # Epilogue: dK carries the softmax scale of S = scale·Q·Kᵀ.
+            store_key_grads(call, cfg, dk * call.softmax_scale, dv, q_smem, do_smem, n0, k_start,
+                            seqlen_k, hk, dk_layout, dv_layout)
+
+    # The d = 256 body (`attn_bwd_wide`).
+    #
+    # The d <= 128 body (attn_bwd_sync) gives each warpgroup its own 64 keys and keeps its
+    # warpgroup's
+    # dK and dV rows in registers. At d = 256 one warpgroup's 64 × 256 dK and dV would take 256
+    # fp32 registers per thread, so here the two warpgroups share one block of 64 keys and split the
+    # head dim instead (FA3's hdim-256 shape):
+    #
+    #     Sᵀ, dPᵀ  [64 keys, 64 rows]    warpgroup w computes rows [32w, 32w + 32)
+    #     Pᵀ, dSᵀ                        each warpgroup writes its half to shared memory
+    #     dV += Pᵀ·dO   [64, 256]        warpgroup w owns columns [128w, 128w + 128)
+    #     dK += dSᵀ·Q   [64, 256]        likewise
+    #     dQ  = dS·K    [64, 256]        in two 128-column chunks, each split the same way
+    #
+    # so a thread holds 64 + 64 registers of dK/dV, 16 + 16 of Sᵀ/dPᵀ and 2 × 32 of dQ. The price
+    # is that Pᵀ and dSᵀ, formed in halves, go through shared memory before the dV/dK products read
+    # them whole, which takes two CTA barriers per step instead of one:
+    #
+    #     barrier 1 (Pᵀ published): every warpgroup has finished the previous step, so the next Q
+    #         is loaded into the free slot of its two-slot ring and dSᵀ's single buffer may be
+    #         rewritten;
+    #     barrier 2 (dSᵀ published): every warpgroup has retired its dPᵀ and dV products, so Pᵀ's
+    #         single buffer may be rewritten in the next step, and the next dO is loaded into its
+    #         single buffer (it lands while dK and dQ run).
+    #
+    # The 32 KB saved by that single dO buffer hold the fp32 staging tile of the dQ reduce (smem:
+    # 214 KB of 227): each 128-column half of dQ is stored there and added into dQ_acc by one TMA
+    # reduce-add, which takes three more CTA barriers per step (publish the low half, wait for its
+    # reduce to read the tile, publish the high half).
+    #
+    # `BwdConfig.dq_in_operands` (the d = 256 default where dv = 256) drops that tile: dO gets two
+    # buffers (the next one loads at barrier 1, half a step earlier), and each step stages its low
+    # dQ half in its own dO buffer (free after barrier 2) and its high half in its own Q slot (free
+    # once dK has retired), so the high half no longer waits for the TMA unit to read the low one
+    # out; barrier 1 waits for both reads before those buffers load again. With
+    # `BwdConfig.dq_hi_late` the high half's reduce is issued only in the next step, after its
+    # first MMAs: issued right behind the low one, its command waited in the TMA unit's queue.
+    #
+    # Everything else (the step walk over the GQA group's query blocks, masks only on edge blocks,
+    # lse/delta staging, the deterministic turns) is attn_bwd_sync's, through parts.py.
+
+    @gluon.jit
+    def _dq_tile_in(buf, dq_desc):
+        """A 32 KB bf16 operand buffer (a dO buffer or Q slot) seen as the fp32 dQ staging
+        tile of `dq_desc`'s reduce (BwdConfig.dq_in_operands)."""
+        return buf._reinterpret(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
+
+    @gluon.jit
+    def attn_bwd_wide(call, cfg):
+        """The body `entry.attn_bwd_kernel` runs for d = 256."""
+        # dPᵀ is always issued with Sᵀ here (DP_EARLY is attn_bwd_sync's register trade-off), and dV
+        # is always retired before dSᵀ is published (barrier 2 relies on it); DV_OVERLAP keeps
+        # it in flight while dSᵀ is formed. dQ leaves by TMA reduce-add in two 128-column
+        # halves (dq_desc's box).
+        DQ_COLS: gl.constexpr = cfg.HEAD_DIM // 2
+        # All four tiles split over the warpgroups by columns (warps_per_cta [4, 2]).
+        s_layout: gl.constexpr = mma_layout(4, 2, cfg.BLOCK_M // 2)
+        dk_layout: gl.constexpr = mma_layout(4, 2, cfg.HEAD_DIM // 2)
+        dv_layout: gl.constexpr = mma_layout(4, 2, cfg.HEAD_DIM_V // 2)
+        dq_layout: gl.constexpr = mma_layout(4, 2, DQ_COLS // 2)
+        key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        dtype: gl.constexpr = call.q_desc.dtype
+
+        n_blk, n_seq, hk, batch, q_start, k_start, seqlen_q, seqlen_k, n0 = key_tile(call, cfg)
+        if (n0 >= 0) & (n0 < seqlen_k):
+            (shift, m_lo, group_blocks, n_steps, keys_oob, m_full_lo,
+             m_full_hi) = key_walk(call, cfg, n0, seqlen_q, seqlen_k)
+
+            # Without DQ_IN_OPS dO has one buffer: its readers (dPᵀ, dV) are retired by
+            # barrier 2, so the next step's dO lands while dK and dQ run, and the 32 KB saved
+            # hold the dQ staging tile. With it (BwdConfig.dq_in_operands) two dO buffers and
+            # no staging tile: each step stages its dQ halves in its own dO buffer and Q slot.
+            DO_BUFS: gl.constexpr = 2 if cfg.DQ_IN_OPS else 1
+            k_smem, v_smem, q_smem, do_smem = key_operands(call, cfg, DO_BUFS)
+            pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+                [cfg.BLOCK_N, cfg.BLOCK_M], dtype)
+            pt_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.BLOCK_M], pt_layout)
+            ds_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.BLOCK_M], pt_layout)
+            kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+            if not cfg.DQ_IN_OPS:
+                dq_smem = gl.allocate_shared_memory(gl.float32, call.dq_desc.block_type.shape,
+                                                    call.dq_desc.layout)
+            q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            do_ready = gl.allocate_shared_memory(gl.int64, [DO_BUFS, 1],
+                                                 mbarrier.MBarrierLayout())
+            mbarrier.init(kv_bar.index(0), count=1)
+            for st in gl.static_range(DO_BUFS):
+                mbarrier.init(do_ready.index(st), count=1)
+            for st in gl.static_range(2):
+                mbarrier.init(q_ready.index(st), count=1)
+            fence_async_shared()
+
+            load_kv(call.k_desc, call.v_desc, k_smem, v_smem, kv_bar.index(0), k_start + n0, hk,
+                    cfg.HEAD_DIM, cfg.HEAD_DIM_V)
+            h_first, h, m0, stride, m_end = walk(call, cfg, hk, n_blk, n_seq, n_steps,
+                                                 group_blocks, m_lo)
+            held = call.sem_ptr  # deferred release: the dQ turn this CTA still holds
+            load_rows(call.q_desc, q_smem.index(0), q_ready.index(0), q_start + m0, h, cfg.HEAD_DIM,
+                      n_steps > 0)
+            load_rows(call.do_desc, do_smem.index(0), do_ready.index(0), q_start + m0, h,
+                      cfg.HEAD_DIM_V, n_steps > 0)
+
+            kloc, n_valid, diag_right, diag_left, cols = mask_coords(call, cfg, shift, n0, seqlen_k,
+                                                                     key_layout, col_layout)
+            dk = gl.zeros([cfg.BLOCK_N, cfg.HEAD_DIM], gl.float32, dk_layout)
+            dv = gl.zeros([cfg.BLOCK_N, cfg.HEAD_DIM_V], gl.float32, dv_layout)
+            s_zero = gl.zeros([cfg.BLOCK_N, cfg.BLOCK_M], gl.float32, s_layout)
+            dq_zero = gl.zeros([cfg.BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+            lse_smem, delta_smem = stat_buffers(cfg)
+            if n_steps > 0:
+                step_stats(call, cfg, lse_smem, delta_smem, 0, h, m0, q_start, seqlen_q)
+            thread_barrier()
+            mbarrier.wait(kv_bar.index(0), 0)
+            # HI_LATE (BwdConfig.dq_hi_late): the previous step's high dQ half, staged in its Q
+            # slot, is reduced from there once this step's first MMAs are issued
+            pend_row = 0
+            pend_first = 0  # (FIRST_STORES: whether that half is its query block's first)
+            pend_col = 0
+
+            for it in range(n_steps):
+                first = 0  # (deterministic mode: 1 on the query block's first dQ turn)
+                slot = it % 2
+                h_next, m0_next = next_step(h, m0, m_lo, m_end, h_first, h_first + call.group,
+                                            cfg.BLOCK_M)
+                mbarrier.wait(q_ready.index(slot), (it // 2) & 1)
+                do_slot = it % DO_BUFS
+                mbarrier.wait(do_ready.index(do_slot), (it // DO_BUFS) & 1)
+                q_s = q_smem.index(slot)
+                do_s = do_smem.index(do_slot)
+                s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)
+                dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
+                                       is_async=True)
+                if cfg.HI_LATE:
+                    if it > 0:  # barrier 1 below waits for its read before Q's next load
+                        add_dq_tile(call.dq_desc, pend_row, pend_col,
+                                    _dq_tile_in(q_smem.index(1 - slot), call.dq_desc),
+                                    cfg.FIRST_STORES, pend_first)
+                if not cfg.STATS_LATE:  # next step's statistics (published by barrier 1)
+                    if it + 1 < n_steps:
+                        step_stats(call, cfg, lse_smem, delta_smem, 1 - slot, h_next, m0_next,
+                                   q_start, seqlen_q)
+                s = warpgroup_mma_wait(1, deps=[s_tok])
+                lse2 = lse_smem.index(slot).load(col_layout)
+                p, p_ds = step_probabilities(call, cfg, s, lse2, m0, keys_oob, m_full_lo, m_full_hi,
+                                            kloc, cols, n_valid, diag_right, diag_left)
+                pt_smem.store(p.to(dtype))
+                p = p_ds
+                fence_async_shared()
+                if cfg.DETERMINISTIC:
+                    if cfg.RELEASE_AT == 1:
+                        if it > 0:  # the previous step's turn (attn_bwd_sync)
+                            release_dq_turn_after_tma(held, m0)
+                # the previous step's dQ reduces have read their staging (dq_smem, or with
+                # DQ_IN_OPS that step's dO buffer and Q slot, loaded next)
+                tma.store_wait(0)
+                thread_barrier()  # barrier 1
+                load_rows(call.q_desc, q_smem.index(1 - slot), q_ready.index(1 - slot),
+                          q_start + m0_next, h_next, cfg.HEAD_DIM, it + 1 < n_steps)
+                if cfg.DQ_IN_OPS:  # half a step earlier than a single buffer allows
+                    load_rows(call.do_desc, do_smem.index(1 - do_slot), do_ready.index(1 - do_slot),
+                              q_start + m0_next, h_next, cfg.HEAD_DIM_V, it + 1 < n_steps)
+                dv_tok = warpgroup_mma(pt_smem, do_s, dv, is_async=True)
+                if cfg.DETERMINISTIC:
+                    if cfg.RELEASE_AT == 3:
+                        if it > 0:  # the previous step's turn, under the dV and dPᵀ MMAs
+                            release_dq_turn_after_tma(held, m0, True)
+                if cfg.DV_OVERLAP:
+                    # dV stays in flight while dSᵀ is formed (groups retire in order).
+                    dp = warpgroup_mma_wait(1, deps=[dp_tok])
+                else:
+                    dp, dv = warpgroup_mma_wait(0, deps=[dp_tok, dv_tok])
+                delta = delta_smem.index(slot).load(col_layout)
+                ds = p * (dp - gl.expand_dims(delta, 0))
+                ds_smem.store(ds.to(dtype))
+                if cfg.DV_OVERLAP:
+                    dv = warpgroup_mma_wait(0, deps=[dv_tok])  # before barrier 2 (Pᵀ reuse)
+                fence_async_shared()
+                thread_barrier()  # barrier 2
+                if not cfg.DQ_IN_OPS:
+                    load_rows(call.do_desc, do_s, do_ready.index(0), q_start + m0_next, h_next,
+                              cfg.HEAD_DIM_V, it + 1 < n_steps)
+                dk_tok = warpgroup_mma(ds_smem, q_s, dk, is_async=True)
+                dq_lo_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(0, DQ_COLS, 1),
+                                          dq_zero, use_acc=False, is_async=True)
+                dq_hi_tok = warpgroup_mma(ds_smem.permute((1, 0)),
+                                          k_smem.slice(DQ_COLS, DQ_COLS, 1), dq_zero,
+                                          use_acc=False, is_async=True)
+                if cfg.STATS_LATE:
+                    # Next step's statistics under the dK/dQ MMAs (bwd.BwdConfig.stats_late):
+                    # buffer 1 - slot was last read before barrier 2.
+                    if it + 1 < n_steps:
+                        step_stats(call, cfg, lse_smem, delta_smem, 1 - slot, h_next, m0_next,
+                                   q_start, seqlen_q)
+                if cfg.DETERMINISTIC:  # the semaphore's round trip under the MMAs (attn_bwd_sync)
+                    sem, first = take_dq_turn(call, cfg, held, it, batch, h, m0, n_blk, n_seq,
+                                              shift, h_first, m_lo, group_blocks, stride, True)
+                # Groups retire in order: the low dQ half is added while the high one runs.
+                dk, dq_lo = warpgroup_mma_wait(1, deps=[dk_tok, dq_lo_tok])
+                # One staging tile for both halves (attn_bwd_sync: rows past the sequence add
+                # exact zeros): three more barriers, but no per-thread atomics.
+                # FRAG: the halves as tiles in the accumulator's order (dq_fragments.py:
+                # parts 0 and 1 of the 64-row block `fragment_block`)
+                FRAG: gl.constexpr = in_fragments(call.dq_desc.layout)
+                if FRAG:
+                    TILE_ROWS: gl.constexpr = call.dq_desc.block_type.shape[0]
+                    dq_row = fragment_block(q_start, m0) * 2 * TILE_ROWS
+                    lo_col = h * 32
+                    hi_row = dq_row + TILE_ROWS
+                    hi_col = lo_col
+                else:
+                    dq_row = q_start + m0
+                    lo_col = h * cfg.HEAD_DIM
+                    hi_row = dq_row
+                    hi_col = lo_col + DQ_COLS
+                if cfg.DQ_IN_OPS:
+                    # dO's readers (dPᵀ, dV) retired in every thread before barrier 2
+                    lo_buf = _dq_tile_in(do_s, call.dq_desc)
+                else:
+                    lo_buf = dq_smem
+                stage_dq(lo_buf, dq_lo * call.softmax_scale, FRAG, cfg.BLOCK_M, DQ_COLS)
+                fence_async_shared()
+                thread_barrier()
+                add_dq_tile(call.dq_desc, dq_row, lo_col, lo_buf, cfg.FIRST_STORES, first)
+                dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
+                if cfg.DQ_IN_OPS:
+                    # Q's last reader, dK = dSᵀ·Q, retired in every thread before the
+                    # barrier above: nothing waits for the low half's reduce here.
+                    hi_buf = _dq_tile_in(q_s, call.dq_desc)
+                else:
+                    hi_buf = dq_smem
+                    tma.store_wait(0)  # the low half's reduce has read dq_smem
+                    thread_barrier()
+                stage_dq(hi_buf, dq_hi * call.softmax_scale, FRAG, cfg.BLOCK_M, DQ_COLS)
+                fence_async_shared()
+                thread_barrier()
+                if cfg.HI_LATE:
+                    pend_row = hi_row + 0  # (`+ 0`: see bwd_ws's h_prev)
+                    pend_first = first + 0
+                    pend_col = hi_col + 0
+                else:
+                    add_dq_tile(call.dq_desc, hi_row, hi_col, hi_buf, cfg.FIRST_STORES, first)
+                if cfg.DETERMINISTIC:
+                    held = after_dq_reduce(sem, m0, cfg.RELEASE_AT)
+                h = h_next
+                m0 = m0_next
+
+            if cfg.HI_LATE:
+                if n_steps > 0:  # the last step's high half
+                    add_dq_tile(call.dq_desc, pend_row, pend_col,
+                                _dq_tile_in(q_smem.index((n_steps - 1) % 2), call.dq_desc),
+                                cfg.FIRST_STORES, pend_first)
+            finish_dq(cfg, held, n_steps)
+            for st in gl.static_range(2):
+                mbarrier.invalidate(q_ready.index(st))
+            for st in gl.static_range(DO_BUFS):
+                mbarrier.invalidate(do_ready.index(st))
+            mbarrier.invalidate(kv_bar.index(0))
             store_key_grads(call, cfg, dk * call.softmax_scale, dv, q_smem, do_smem, n0, k_start,
                             seqlen_k, hk, dk_layout, dv_layout)

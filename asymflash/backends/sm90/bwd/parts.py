@@ -1,6 +1,6 @@
-"""Gluon pieces shared by the two sm90 backward kernels (`kernel.py` for d <= 128, `kernel_wide.py`
-for d = 256): loads, row statistics, the query range of a key block, the masks, the dQ
-reduction with its deterministic turn, and the dK/dV stores.
+"""Gluon pieces shared by the sm90 backward bodies (`kernel.py`'s synchronous ones for d <= 128
+and d = 256, `kernel_ws.py`'s warp-specialised one): loads, row statistics, the query range of
+a key block, the masks, the dQ reduction with its deterministic turn, and the dK/dV stores.
 
 Both kernels follow the same plan (see host.py's docstring): one CTA per key block, a walk over
 (q head of the group, query block) steps, transposed products so the key dimension is the
