@@ -1,8 +1,8 @@
 """Context-parallel throughput: asymflash ring attention vs torch's context_parallel over SDPA.
 
-NOT RUN YET: this needs a machine with several GPUs (2, 4 or 8 H200 over NVLink), which the
-sessions that wrote it did not have; it was checked only in its CPU smoke mode (gloo, tiny
-shapes, `--device cpu`). The runs to make, one per GPU count, from the repository root:
+NOT RUN YET: this needs a machine with several GPUs (2, 4 or 8 H200 over NVLink); it was
+checked only in its CPU smoke mode (gloo, tiny shapes, `--device cpu`). The runs to make,
+one per GPU count, from the repository root:
 
     for n in 2 4 8; do
       torchrun --standalone --nproc-per-node $n scripts/cp-bench.py \\

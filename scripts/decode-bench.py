@@ -202,7 +202,7 @@ def providers(case, smoke, caches=None):
     def fa4():
         # FA4's own kvcache path: its varlen entry over the cache (paged or not) with
         # seqused_k. One split: on sm90 it refuses split-KV ("SplitKV not supported on SM
-        # 9.0", 4.0.0b36, H200 2026-11-30), which its heuristic (num_splits=0) picks at batch
+        # 9.0", 4.0.0b36, H200), which its heuristic (num_splits=0) picks at batch
         # 8. Missing (no flash_attn.cute, e.g. without .peers/fa4-b/activate.sh, or
         # PYTHONPATH reset after it) or failing: listed as failed, never fatal.
         from flash_attn.cute import flash_attn_varlen_func as fa4_varlen

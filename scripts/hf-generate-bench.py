@@ -12,7 +12,7 @@ The loop is written out (prefill, then one token per forward pass over a Dynamic
 than `generate`, so the time is the model's and not generate's bookkeeping. Each
 implementation runs the loop twice on the same weights (seeded); the second run is timed.
 Time inside sdpa's call is its own: torch 2.11 on the H200 spent ~4 ms of host time in each
-decode-step call here (cProfile, 2026-11-30).
+decode-step call here (cProfile).
 """
 
 from __future__ import annotations

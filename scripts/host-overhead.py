@@ -6,7 +6,7 @@ time), bench_us = triton's do_bench median as `asymflash bench` takes it (L2 flu
 each call), graph_us = the same call captured in a CUDA graph and replayed (GPU time alone,
 no Python). With --profile, a cProfile of the issuing code, heaviest functions first.
 --rounds N measures every call N times, each round on freshly allocated inputs (the 512-row
-benchmark cells of ours moved by 35-55 % between two runs of the same code, 2026-11-29);
+benchmark cells of ours moved by 35-55 % between two runs of the same code);
 --only SUBSTR keeps the calls whose name contains it.
 
     PYTHONPATH=. python scripts/host-overhead.py [--profile] [--rounds N] [--only s512]
@@ -24,7 +24,7 @@ from asymflash.bench.core import capture_graph, host_issue_us, profile_calls
 
 def cases():
     dev, bf = "cuda", torch.bfloat16
-    # The benchmark's seqlen-512 cells (batch 32, model dim 2048): in the 2026-11-29 runs the
+    # The benchmark's seqlen-512 cells (batch 32, model dim 2048): in the grid's runs the
     # causal ones measured 2.5x slower than their graph replay, the non-causal ones did not.
     for d in (64, 128, 256):
         qc = torch.randn(32, 512, 2048 // d, d, device=dev, dtype=bf)

@@ -5,7 +5,7 @@
 Prints (1) the stall reasons over all samples and over the samples of warps that are not
 parked: a warp that waits out the kernel at a join (the load warp after its last TMA issue,
 Gluon's worker partitions at the end of `warp_specialize`) sits at a NOP executed once per
-warp and fills ncu's "barrier" stall without costing time (2026-11-30: 19 % of all
+warp and fills ncu's "barrier" stall without costing time (19 % of all
 forward d=64 samples, 25 % of the backward's); (2) the hot loops (instructions executed at
 least 30 % as often as the most executed one), each with its reasons; (3) the instructions
 with the most samples of one reason."""
@@ -78,7 +78,7 @@ def main():
     print("not parked:   ", shares(active, reasons))
     waves = sum(num(r.get("L1 Wavefronts Shared", 0)) for r in rows)
     ideal = sum(num(r.get("L1 Wavefronts Shared Ideal", 0)) for r in rows)
-    if waves:  # bank conflicts: wavefronts beyond the ideal (2026-11-30: the dQ staging's)
+    if waves:  # bank conflicts: wavefronts beyond the ideal (the dQ staging's)
         print(f"shared-memory wavefronts {waves}, ideal {ideal} "
               f"(excess {(waves - ideal) / waves:.1%})")
     for lo, hi in hot_loops(rows):

@@ -262,7 +262,7 @@ def _checked_variant(fields, inputs, ref):
 def _time_rounds(timed, tflops):
     """TFLOP/s of each column. ASYMFLASH_PROBE_ROUNDS=N (default 1) times the columns in turn
     N times and keeps each one's median: clocks drift between cells and processes by several
-    percent (d=128 causal 16k read 537 and 576 in two processes, 2026-12-01), and
+    percent (d=128 causal 16k read 537 and 576 in two processes), and
     interleaving puts a column and its variants under the same drift."""
 
     rounds = max(1, int(os.environ.get("ASYMFLASH_PROBE_ROUNDS", 1)))

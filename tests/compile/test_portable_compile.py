@@ -105,7 +105,7 @@ kernel = triton.compile(ASTSource(fn, sig, cons, attrs=aligned),
 def test_decode_kernel_builds_for_sm90(paged, leftpad):
     """The split-KV decode kernel, paged or contiguous, with a per-sequence start
     (cache_leftpad) or without, builds with tensor-core instructions. It runs at 255
-    registers with ~150 local-memory instructions (sm_90a, 2026-11-30: paged 148, contiguous
+    registers with ~150 local-memory instructions (sm_90a: paged 148, contiguous
     155, with cache_leftpad 153): the bound records that, so a change shows; not a target."""
     report = sass_report(_DECODE_BUILD, str(int(paged)), str(int(leftpad)))
     assert report["mma"] > 0, "no tensor-core instructions"

@@ -50,7 +50,7 @@ def _splits_warpgroups(kw: dict) -> bool:
 # (features, most local-memory instructions allowed). Unmasked steps never touch local
 # memory. d=128 runs at the 255-register limit; deterministic mode spilled around its turn
 # wait until every warp polled the turn (bwd_parts.spin_until_equal; d=128 causal 47 -> 6,
-# d=256 103-134 -> 0, 2026-11-29); the bounds catch a tile-sized spill in the main loop
+# d=256 103-134 -> 0); the bounds catch a tile-sized spill in the main loop
 # (hundreds).
 CONFIGS = [
     # d=64 unmasked runs bwd_ws's kernel: 128-row steps, the dQ warp
@@ -76,7 +76,7 @@ CONFIGS = [
       "has_seqused": True}, 16),
     # d=128 runs bwd_ws.py's warp-specialised kernel (240 registers per warpgroup): 2 seen
     # (fragment-order dQ tiles, dK issued behind dQ; 17 with dK first: four loop-invariant
-    # MMA descriptors reloaded around each step's dQ MMA, 2026-11-30); on masked steps each
+    # MMA descriptors reloaded around each step's dQ MMA); on masked steps each
     # warpgroup saves and restores ~10 scalars around the mask (40 seen causal, 52 with dK
     # first, 28 with a window)
     # Unmasked (and uniform) d=128 calls run it as a persistent grid (BwdConfig.ws_persistent):
@@ -222,8 +222,8 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
         # default mode, no softcap, no sliding window: (almost) nothing in local memory inside
         # the main loop (the spills counted above sit in the prologue / epilogue; d=128 with a
         # window spills ~10 on its masked edge blocks; with the dK/dV TMA-store epilogue
-        # d=128 takes 1 unmasked, 6 causal: sm_90a, 2026-11-29; causal 10 since dK is
-        # issued after dQ and stored straight from its wgmma layout, 2026-11-30)
+        # d=128 takes 1 unmasked, 6 causal (sm_90a); causal 10 since dK is
+        # issued after dQ and stored straight from its wgmma layout)
         in_loop = 10 if kw.get("has_right") else 2
         if kw.get("has_right") and _config(kw).dq_fragment:
             in_loop = 56  # d=64 with fragment-order dQ (see CONFIGS)
@@ -404,7 +404,7 @@ def test_unsupported_backward_reports_reason_on_cpu():
 @pytest.mark.parametrize("kernel", ["bwd", "fwd"])
 def test_lengths_and_counts_are_not_specialised(kernel):
     # With seqlen_q = group = 1 specialised into constants triton 3.6 crashes lowering the
-    # backward (H200, 2026-11-29); runtime lengths also keep one compile per feature set.
+    # backward (H200); runtime lengths also keep one compile per feature set.
     from asymflash.backends.sm90.fwd import kernel as fwd_kernel
 
     fn = {"bwd": bwd.entry.attn_bwd_kernel, "fwd": fwd_kernel.attn_fwd_kernel}[kernel]
@@ -436,7 +436,7 @@ def test_every_backward_kernel_skips_key_blocks_numbered_below_zero():
     (`sched.key_block`, through `parts.key_tile`), so grid columns beyond a shorter varlen
     sequence get n_blk < 0.
     Each kernel must skip them before touching memory: bwd_ws once did not, and summed rows
-    of the previous sequence into dQ (H200, 2026-11-30, dQ error 282)."""
+    of the previous sequence into dQ (H200, dQ error 282)."""
     import re
     from pathlib import Path
 
@@ -565,7 +565,7 @@ def test_d256_dq_staging_in_the_operand_buffers_only_where_it_fits():
     c = bwd._constexprs(256, 256, cfg, **feats)
     assert c["DQ_IN_OPS"] and c["HI_LATE"]
     # 192/128 runs dv = 128: its dO buffer (16 KB) cannot hold a 32 KB fp32 dQ half (the
-    # first GPU run gave NaN there, 2026-12-01)
+    # first GPU run gave NaN there)
     c = bwd._constexprs(256, 128, cfg, **feats)
     assert not (c["DQ_IN_OPS"] or c["HI_LATE"])
     # deterministic mode: the late high half where the turn is released in the next step
@@ -604,7 +604,7 @@ def test_turn_release_by_warp_zero_only_in_the_wide_kernel():
 @pytest.mark.parametrize("d", [64, 128])
 def test_short_causal_deterministic_calls_run_the_persistent_grid(d):
     """Deterministic causal calls below 2k rows take the persistent bwd_ws grid at d=64 and
-    d=128 (H200, 2026-12-01 sessions 22 and 24); longer calls, sliding windows and softcap
+    d=128 (H200); longer calls, sliding windows and softcap
     keep the plain grid."""
     def cfg(rows, window=False, softcap=False):
         return bwd.select_config(d, deterministic=True, masked=True, max_seqlen_q=rows,
@@ -702,7 +702,7 @@ def test_first_stores_only_where_every_query_block_gets_a_first_turn():
     for det in (False, True) for softcap in (False, True) for seqlen in (512, 4096)])
 def test_launch_plans_pass_every_constexpr(d, causal, det, softcap, seqlen):
     """DirectLaunch keeps a binary only for calls that pass every constexpr parameter (a
-    defaulted one left out sends each launch down Triton's path: 2026-12-02, FIRST_STORES
+    defaulted one left out sends each launch down Triton's path: FIRST_STORES
     left out of non-deterministic plans cost every bwd_ws and bwd_wide launch ~85 us of
     host time on the H200's host)."""
     plan = bwd.launch_plan(d, d, seqlen, seqlen, True, False, -1, 0 if causal else -1, softcap,

@@ -48,8 +48,8 @@ def test_compiles_with_hgmma_and_no_spills(kw):
 def _spills_allowed(kw) -> int:
     """Local-memory instructions a forward build may have: none, except the persistent d=256
     builds (O staged in the turn-shared tile, the tile coordinates read from the loader):
-    2 seen (sm_90a, 2026-11-29), 1 of them between the first and last HGMMA; and persistent
-    causal d=128 since P is packed by `_to_16bit` (2026-11-30): one store before the tile
+    2 seen (sm_90a), 1 of them between the first and last HGMMA; and persistent
+    causal d=128 since P is packed by `_to_16bit`: one store before the tile
     loop, one load per tile, none in the key loops."""
     persistent = kw.get("cfg", {}).get("persistent")
     return 2 if persistent and (kw["head_dim"] == 256 or kw.get("has_right")) else 0
@@ -76,7 +76,7 @@ def test_persistent_compiles_with_hgmma_and_no_spills(kw):
 
 # A second Q buffer per warpgroup (persistent grid, d <= 128, the default there): the same
 # kernel with the Q barriers and buffers indexed by the tile's parity; 224 KB of shared
-# memory at d=128 (one buffer each: 192 KB), no spills (sm_90a, 2026-11-29).
+# memory at d=128 (one buffer each: 192 KB), no spills (sm_90a).
 @pytest.mark.parametrize("kw", [
     {"head_dim": 64, "has_right": True, "cfg": {"persistent": True, "lpt": True,
                                                 "q_buffers": 2}},

@@ -297,11 +297,10 @@ def test_sm90_backward_mask_modes_match_reference(case, variant):
         assert_fa_close(name, g, r32, rlow, atol=atol)
 
 
-# The persistent bwd_ws (BwdConfig.ws_persistent, off by default; prepared 2026-11-30 session
-# 20): every dense case of bwd_ws's widths (d=64 with its bwd_ws build, masked cases too),
-# and cases with more tiles than the H200 has SMs, where a CTA walks several tiles (the
-# small cases give each CTA one at most): uneven causal tiles, GQA, a last key block past
-# the keys.
+# The persistent bwd_ws (BwdConfig.ws_persistent): every dense case of bwd_ws's widths (d=64 with
+# its bwd_ws build, masked cases too), and cases with more tiles than the H200 has SMs, where a
+# CTA walks several tiles (the small cases give each CTA one at most): uneven causal tiles, GQA,
+# a last key block past the keys.
 PERSISTENT_CASES = [c for c in CASES if bwd_width(c) in (64, 128) and not c.get("softcap")
                     and not c.get("seqused") and len(set(c["lens_q"])) == 1
                     and len(set(c["lens_k"])) == 1] + [
