@@ -57,11 +57,17 @@ try:  # Gluon is optional: a CPU-only or older triton must still import this mod
         return _aggregate(cls)
 
     def _positional_init(fields: dict):
+        # The constructor reads the fields from a constexpr: its source is the same for every
+        # class, and Triton keys its kernel cache on a function's source and the constexprs
+        # it reads, so a changed field list must be one of those to recompile.
+        layout = gl.constexpr(tuple((name, tp is gl.constexpr, getattr(tp, "__name__", str(tp)))
+                                    for name, tp in fields.items()))
+
         def __init__(self, *values):
-            if len(values) != len(fields):
-                raise TypeError(f"{len(fields)} fields, {len(values)} values")
-            for name, value in zip(fields, values):
-                setattr(self, name, gl.constexpr(value) if fields[name] is gl.constexpr else value)
+            if len(values) != len(layout.value):
+                raise TypeError(f"{len(layout.value)} fields, {len(values)} values")
+            for field, value in zip(layout.value, values):
+                setattr(self, field[0], gl.constexpr(value) if field[1] else value)
         return gluon.constexpr_function(__init__)
 
     GLUON_ERROR: str | None = None
