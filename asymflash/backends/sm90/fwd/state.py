@@ -34,21 +34,6 @@ if GLUON_ERROR is None:
         sched: gl.shared_memory_descriptor  # the persistent loader's tiles (`publish_tile`)
         o: gl.shared_memory_descriptor  # O staging (`o_staging`)
 
-        @gluon.constexpr_function
-        def __init__(self, q, k, v, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
-                     o):
-            self.q = q
-            self.k = k
-            self.v = v
-            self.q_bar = q_bar
-            self.q_empty = q_empty
-            self.k_ready = k_ready
-            self.k_empty = k_empty
-            self.v_ready = v_ready
-            self.v_empty = v_empty
-            self.sched = sched
-            self.o = o
-
     @aggregate
     class FwdCall:
         """The runtime arguments of one launch (`attn_fwd_kernel`'s, unchanged)."""
@@ -76,35 +61,6 @@ if GLUON_ERROR is None:
         window_right: gl.tensor
         num_tiles: gl.tensor
         hb_chunk: gl.tensor
-
-        @gluon.constexpr_function
-        def __init__(self, q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
-                     used_k_ptr, sink_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_batch,
-                     num_m_blocks, group, qk_scale, softcap_pre, window_left, window_right,
-                     num_tiles, hb_chunk):
-            self.q_desc = q_desc
-            self.k_desc = k_desc
-            self.v_desc = v_desc
-            self.o_desc = o_desc
-            self.out_ptr = out_ptr
-            self.lse_ptr = lse_ptr
-            self.cu_q_ptr = cu_q_ptr
-            self.cu_k_ptr = cu_k_ptr
-            self.used_k_ptr = used_k_ptr
-            self.sink_ptr = sink_ptr
-            self.seqlen_q = seqlen_q
-            self.seqlen_k = seqlen_k
-            self.total_q = total_q
-            self.n_heads = n_heads
-            self.n_batch = n_batch
-            self.num_m_blocks = num_m_blocks
-            self.group = group
-            self.qk_scale = qk_scale
-            self.softcap_pre = softcap_pre
-            self.window_left = window_left
-            self.window_right = window_right
-            self.num_tiles = num_tiles
-            self.hb_chunk = hb_chunk
 
     @aggregate
     class FwdConsts:
@@ -169,11 +125,3 @@ if GLUON_ERROR is None:
         seqlen_q: gl.tensor
         seqlen_k: gl.tensor
         head: gl.tensor
-
-        @gluon.constexpr_function
-        def __init__(self, q_start, m0, seqlen_q, seqlen_k, head):
-            self.q_start = q_start
-            self.m0 = m0
-            self.seqlen_q = seqlen_q
-            self.seqlen_k = seqlen_k
-            self.head = head
