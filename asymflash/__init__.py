@@ -12,6 +12,9 @@ from .api.packed import (
     flash_attn_varlen_qkvpacked_func,
 )
 from .reference import attention_ref
+from .runtime.startup import prefetch_triton_key
+
+prefetch_triton_key()
 
 __version__ = "0.1.0"
 __all__ = [

@@ -11,7 +11,9 @@
 #                                        imports: source .peers/fa4-b/activate.sh first)
 #   bash scripts/gpu-check.sh compare DIR   before/after grid against the package in DIR
 #                                        (scripts/bench-compare.sh)
-#   bash scripts/gpu-check.sh full       tests, sanitize, bench
+#   bash scripts/gpu-check.sh first-call time to first result, cold and cached, beside FA4
+#                                        (scripts/first-call.py, d=64/128/256 causal)
+#   bash scripts/gpu-check.sh full       tests, sanitize, bench, first-call
 #
 # Knobs: TEST_FILES, TEST_TIMEOUT (s per file, default 300), PYTEST_K, BENCH_WARMUP (ms per
 # cell, default 100), BENCH_TIMEOUT (default 300), SANITIZE_TIMEOUT (default 240 per tool).
@@ -111,15 +113,26 @@ run_bench() {
   summary+=("bench: exit $rc ($(grep -c WRONG "$out/bench.log") WRONG cells)")
 }
 
+run_first_call() {
+  local d rc=0
+  for d in 64 128 256; do
+    timeout 600 python3 scripts/first-call.py --head-dim "$d" --causal --out "$out/first-call-d$d" \
+      > "$out/first-call-d$d.log" 2>&1 || rc=$?
+    tail -6 "$out/first-call-d$d.log"
+  done
+  summary+=("first-call: exit $rc")
+}
+
 case "$mode" in
   tests) run_tests ;;
+  first-call) run_first_call ;;
   sanitize) run_sanitize ;;
   bench) run_bench ;;
   compare)
     bash scripts/bench-compare.sh "${2:?compare needs the baseline package directory}" \
       || status=1
     summary+=("compare: $(tail -1 "$out/compare.md")") ;;
-  full) run_tests; run_sanitize; run_bench ;;
+  full) run_tests; run_sanitize; run_bench; run_first_call ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac
 echo "== summary =="
