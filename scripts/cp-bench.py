@@ -161,6 +161,26 @@ def _torch_cp_case(q_full, k_full, v_full, dout_full, causal, world, device, sta
     return run, None
 
 
+def _time_torch_cp(name, full, causal, world, device, args, results):
+    """Time torch's context_parallel into results[(name, mode)]: "torch-cp" on torch's own
+    flash kernels, "torch-cp-asymflash" on asymflash's through the SDPA registration (the
+    same ring of torch's calling asymflash per block). Returns a note, or None."""
+    from asymflash.integrations import torch_sdpa
+
+    with contextlib.ExitStack() as stack:
+        if name == "torch-cp-asymflash":
+            torch_sdpa.register()
+            stack.callback(torch_sdpa.unregister)
+        run, note = _torch_cp_case(*full, causal, world, device, stack)
+        for mode in args.modes if run is not None else ():
+            try:
+                results[(name, mode)] = _time(lambda b=(mode != "fwd"), run=run: run(b),
+                                              args.iters, args.warmup, device)
+            except Exception as e:  # report, keep measuring the other rows
+                note = f"{mode}: {type(e).__name__}: {e}"
+    return f"{name}: {note}" if note else None
+
+
 def _check(n, args, ring, device, dtype, causal) -> bool:
     """The ring against single-GPU asymflash on the whole sequence (every rank computes it,
     compares its zigzag shard): out and gradients, max error relative to the largest value.
@@ -244,18 +264,10 @@ def main(argv=None) -> int:
                 for mode in args.modes:
                     fn = fwd if mode == "fwd" else fwd_bwd
                     results[(name, mode)] = _time(fn, args.iters, args.warmup, device)
-            note = None
-            if not args.no_torch:
-                with contextlib.ExitStack() as stack:
-                    run, note = _torch_cp_case(*full, causal, world, device, stack)
-                    for mode in args.modes if run is not None else ():
-                        try:
-                            results[("torch-cp", mode)] = _time(
-                                lambda b=(mode != "fwd"), run=run: run(b), args.iters,
-                                args.warmup,
-                                device)
-                        except Exception as e:  # report, keep measuring the other rows
-                            note = f"torch-cp {mode}: {type(e).__name__}: {e}"
+            notes = []
+            for name in () if args.no_torch else ("torch-cp", "torch-cp-asymflash"):
+                note = _time_torch_cp(name, full, causal, world, device, args, results)
+                notes += [note] if note else []
             for (name, mode), ms in results.items():
                 row = dict(provider=name, mode=mode, seqlen=n, world=world, causal=causal,
                            heads=args.heads, kv_heads=args.kv_heads, headdim=args.headdim,
@@ -271,7 +283,7 @@ def main(argv=None) -> int:
                     print(f"N={n:>8} W={world} causal={causal!s:5} {mode:7} {name:8} "
                           f"{ms:9.2f} ms  {row['tokens_per_s_per_gpu']:12.0f} tok/s/GPU  "
                           f"{row['tflops_per_gpu']:7.1f} TFLOP/s/GPU{extra}", flush=True)
-            if note and rank == 0:
+            for note in notes if rank == 0 else ():
                 print(f"N={n:>8} W={world} causal={causal!s:5} {note}", flush=True)
     if rank == 0 and args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
