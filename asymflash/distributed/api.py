@@ -10,9 +10,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..api import validation as check
+from ..core.masks import normalize_window
 from .comm import Ring
 from .ring import RingSpec, run
 from .rows import DenseRows, PackedRows
+from .window import WindowPlan
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -21,33 +23,33 @@ def _fail(exc, msg):
     raise exc(f"asymflash: ring_attention: {msg}")
 
 
-def _check_options(causal, window_size, layout) -> bool:
-    """The call's causal flag, window_size=(-1, 0) counting as causal (as flash-attn)."""
+def _check_options(causal, window_size, layout):
+    """(causal, window): the call's causal flag (window_size=(-1, 0) counting as causal, as
+    flash-attn) and its sliding window (left, right) with causal as right = 0, or None when
+    it has none (plain or causal attention keep their own schedule)."""
     if layout not in LAYOUTS:
         _fail(ValueError, f"layout is {layout!r}; allowed: {LAYOUTS}")
-    left, right = window_size
-    causal = bool(causal) or (left, right) == (-1, 0)
-    if left != -1 or (right != -1 and not (causal and right == 0)):
-        # A window needs each block's global offset in its mask; the blocks' masks here are
-        # only full or causal-diagonal.
-        _fail(NotImplementedError, f"window_size is {tuple(window_size)}; sliding windows "
-              "are not implemented for ring attention (use (-1, -1), with causal=True for "
-              "causal)")
-    return causal
+    mask = normalize_window(causal, window_size)
+    if mask.window_left == -1 and mask.window_right in (-1, 0):
+        return mask.causal, None
+    return False, (mask.window_left, mask.window_right)
 
 
 def _check(q, k, v, causal, window_size, layout, world):
     check.check_tensors(q, k, v, 4, "(batch, local_seqlen, nheads, headdim)")
-    causal = _check_options(causal, window_size, layout)
+    causal, window = _check_options(causal, window_size, layout)
     if k.shape[0] != q.shape[0]:
         _fail(ValueError, f"k has batch {k.shape[0]}; must equal q's batch {q.shape[0]}")
-    if causal and k.shape[1] != q.shape[1]:
-        _fail(ValueError, f"q holds {q.shape[1]} tokens and k {k.shape[1]}; causal ring "
+    # both mask by global position: each rank's queries and keys must be the same tokens
+    positional = causal or window is not None
+    what = "causal" if causal else "windowed"
+    if positional and k.shape[1] != q.shape[1]:
+        _fail(ValueError, f"q holds {q.shape[1]} tokens and k {k.shape[1]}; {what} ring "
               "attention needs each rank's shard of q and of k/v to be the same tokens")
-    if causal and layout == "zigzag" and world > 1 and q.shape[1] % 2:
+    if positional and layout == "zigzag" and world > 1 and q.shape[1] % 2:
         _fail(ValueError, f"the local shard has {q.shape[1]} tokens; a zigzag shard is two "
               "equal chunks (zigzag_shard makes one from a multiple of 2 * world tokens)")
-    return causal
+    return causal, window
 
 
 def _init_check():
@@ -57,10 +59,15 @@ def _init_check():
               "CPU tensors)")
 
 
-def _spec(q, ring, causal, softmax_scale, softcap, deterministic, layout, rows):
+def _spec(q, ring, causal, softmax_scale, softcap, deterministic, layout, rows, window,
+          segments):
+    """segments: (first row, local length) of each sequence, for a window's plan."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    return RingSpec(ring, scale, bool(causal), layout == "zigzag", float(softcap),
-                    bool(deterministic), rows)
+    zigzag = layout == "zigzag"
+    plan = None if window is None else WindowPlan(*window, segments, ring.rank, ring.world,
+                                                  zigzag, q.device)
+    return RingSpec(ring, scale, bool(causal), zigzag, float(softcap), bool(deterministic),
+                    rows, plan)
 
 
 def _run(q, k, v, sink, spec, return_lse):
@@ -93,15 +100,27 @@ def ring_attention(
     keeps the backward bitwise reproducible (every sum runs in a fixed order).
     learnable_sink (nheads_q,) as flash_attn_func, the same tensor on every rank: its
     gradient is this rank's share (sum it over the group, as for any parameter under context
-    parallelism). Not implemented: sliding windows (NotImplementedError).
+    parallelism).
+
+    window_size=(left, right) as flash_attn_func, over global positions (the query at i sees
+    keys i - left .. i + right; -1 unbounded; causal=True sets right = 0): the result equals
+    flash_attn_func(..., window_size=...) over the unsharded sequence. Needs q and k/v to
+    be the same tokens on each rank (as causal does). Chunk pairs (one local run of
+    positions: the zigzag chunks or the contiguous slice, by one of the held block's) that
+    the window does not reach are skipped, and the others cut to the rows and keys it
+    reaches, so a window much shorter than the sequence costs about its own width in
+    compute per query chunk; K/V still go round the whole ring. Zigzag balances a causal
+    window's work only roughly; contiguous shards suit a window shorter than a shard
+    (each rank needs little more than its own and its predecessor's keys).
     """
     _init_check()
     check.check_scalars(softmax_scale, window_size, softcap)
     ring = Ring(group)
-    causal = _check(q, k, v, causal, window_size, layout, ring.world)
+    causal, window = _check(q, k, v, causal, window_size, layout, ring.world)
     check.check_sink(learnable_sink, q, q.shape[2])
+    n = q.shape[1]
     spec = _spec(q, ring, causal, softmax_scale, softcap, deterministic, layout,
-                 DenseRows(q.shape[1]))
+                 DenseRows(n), window, [(b * n, n) for b in range(q.shape[0])])
     return _run(q, k, v, learnable_sink, spec, return_lse)
 
 
@@ -118,13 +137,14 @@ def ring_attention_varlen(
     from zigzag_shard_varlen); max_seqlen the longest local shard. Returns out (total,
     nheads_q, dv), or (out, lse) with lse (nheads_q, total). Each sequence is sharded on its
     own: layout="zigzag" (every local length even: chunks r and 2W-1-r of that sequence) or
-    "contiguous" (the r-th slice of each). Other arguments as ring_attention.
+    "contiguous" (the r-th slice of each). Other arguments, window_size included (over each
+    sequence's global positions), as ring_attention.
     """
     _init_check()
     check.check_scalars(softmax_scale, window_size, softcap)
     ring = Ring(group)
     check.check_tensors(q, k, v, 3, "(total_tokens, nheads, headdim)")
-    causal = _check_options(causal, window_size, layout)
+    causal, window = _check_options(causal, window_size, layout)
     if k.shape[0] != q.shape[0]:
         _fail(ValueError, f"q holds {q.shape[0]} tokens and k {k.shape[0]}; the varlen ring "
               "is self-attention: each rank's q, k and v are the same tokens")
@@ -134,12 +154,13 @@ def ring_attention_varlen(
     if cu and (cu[0] != 0 or cu[-1] != q.shape[0]):
         _fail(ValueError, f"cu_seqlens runs from {cu[0]} to {cu[-1]}; expected 0 to the "
               f"{q.shape[0]} local tokens")
-    if causal and layout == "zigzag" and ring.world > 1:
+    if (causal or window is not None) and layout == "zigzag" and ring.world > 1:
         odd = [z - a for a, z in zip(cu, cu[1:]) if (z - a) % 2]
         if odd:
             _fail(ValueError, f"local sequence lengths {odd[:4]} are odd; a zigzag shard of a "
                   "sequence is two equal chunks (zigzag_shard_varlen makes them)")
     check.check_sink(learnable_sink, q, q.shape[1])
     spec = _spec(q, ring, causal, softmax_scale, softcap, deterministic, layout,
-                 PackedRows(cu_seqlens, max_seqlen))
+                 PackedRows(cu_seqlens, max_seqlen), window,
+                 [(a, z - a) for a, z in zip(cu, cu[1:])])
     return _run(q, k, v, learnable_sink, spec, return_lse)

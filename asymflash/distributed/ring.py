@@ -12,7 +12,9 @@ and contiguous shards, rank r needs the blocks of ranks < r in full and its own 
 late ranks do most of the work. With zigzag shards (`sharding.py`: chunks r and 2W-1-r),
 rank r's own block is causal; a block from an earlier rank is needed in its first chunk
 only, by all queries; one from a later rank by the second query chunk only, in full: every
-step but the first costs every rank the same half block pair.
+step but the first costs every rank the same half block pair. With a sliding window the
+plan is `window.WindowPlan`'s: each chunk pair cut to what the window reaches, skipped when
+it reaches nothing.
 
 Every accumulation (the forward merge, dQ, the travelling dK/dV) runs in a fixed order
 (ring steps; for dK/dV, ranks in ring order), so deterministic=True stays bitwise
@@ -27,6 +29,7 @@ import torch
 
 from ..core.merge import merge_into
 from .comm import TAG_DKV, TAG_KV, Ring
+from .window import WindowPlan, add_grads
 
 
 @dataclass(frozen=True)
@@ -59,11 +62,18 @@ def block_plan(step: int, rank: int, world: int, causal: bool, zigzag: bool):
 class RingSpec:
     ring: Ring
     softmax_scale: float
-    causal: bool
+    causal: bool  # the causal schedule of `block_plan`; False when `window` plans the steps
     zigzag: bool
     softcap: float
     deterministic: bool
     rows: object  # rows.DenseRows or rows.PackedRows
+    window: WindowPlan | None = None
+
+
+def _flat(t, keep: int = 2):
+    """A contiguous accumulator as rows, keeping its last `keep` dims ((h, d): 2, (h,): 1):
+    a view, so the window path's row updates land in it."""
+    return t.view(-1, *t.shape[t.dim() - keep:])
 
 
 def _keys(spec: RingSpec, blk: Block, k, v):
@@ -73,6 +83,11 @@ def _keys(spec: RingSpec, blk: Block, k, v):
     return k, v
 
 
+def _rows(t):
+    """q, k, v, out or dout as packed rows (rows, h, d)."""
+    return t.reshape(-1, *t.shape[-2:])
+
+
 def ring_forward(spec: RingSpec, q, k, v, sink=None):
     """(out fp32, lse fp32) of the local queries over all keys: out like q with v's head
     dim, lse (b, hq, s) dense or (hq, total) packed."""
@@ -80,11 +95,15 @@ def ring_forward(spec: RingSpec, q, k, v, sink=None):
     out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     q_late = rows.take(q, "late", rows.tok) if spec.causal and spec.zigzag else None
+    q_rows = _rows(q) if spec.window is not None else None
     for step in range(ring.world):
         # the next block's transfer starts before this block's compute: they overlap
         pending = ring.shift((k, v), TAG_KV) if step + 1 < ring.world else None
         blk = block_plan(step, ring.rank, ring.world, spec.causal, spec.zigzag)
-        if blk is not None:
+        if spec.window is not None:
+            spec.window.forward(step, q_rows, _rows(k), _rows(v), _flat(out), _flat(lse, 1),
+                                spec)
+        elif blk is not None:
             kb, vb = _keys(spec, blk, k, v)
             ob, lb = rows.attend(q_late if blk.q_half else q, kb, vb, blk.causal, blk.q_half,
                                  blk.k_half, spec)
@@ -117,13 +136,18 @@ def ring_backward(spec: RingSpec, dout, q, k, v, out, lse, dlse=None):
     if spec.causal and spec.zigzag:
         late = tuple(rows.take(t, "late", rows.tok) for t in (dout, q, out)) + tuple(
             None if t is None else rows.take(t, "late", rows.lse_tok) for t in (lse, dlse))
+    if spec.window is not None:  # (dout, q, out, lse, dlse) as the window's rows, once
+        home = (_rows(dout), _rows(q), _rows(out), rows.lse_rows(lse),
+                None if dlse is None else rows.lse_rows(dlse))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     moving = None  # the dK/dV of the block held, arriving from the previous rank
     for step in range(ring.world):
         pending = ring.shift((k, v), TAG_KV) if step + 1 < ring.world else None
         blk = block_plan(step, ring.rank, ring.world, spec.causal, spec.zigzag)
         grads = None
-        if blk is not None:
+        if spec.window is not None:
+            grads = spec.window.backward(step, *home[:2], _rows(k), _rows(v), *home[2:], spec)
+        elif blk is not None:
             kb, vb = _keys(spec, blk, k, v)
             d_o, qb, ob, lb, dlb = late if blk.q_half else (dout, q, out, lse, dlse)
             grads = rows.backward(d_o, qb, kb, vb, ob, lb, dlb, blk.causal, blk.q_half,
@@ -133,7 +157,9 @@ def ring_backward(spec: RingSpec, dout, q, k, v, out, lse, dlse=None):
             dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         else:
             dk, dv = moving.wait()  # waited on only after this step's compute
-        if grads is not None:
+        if spec.window is not None:
+            add_grads(grads, _flat(dq), _flat(dk), _flat(dv))
+        elif grads is not None:
             rows.add(dq, grads[0], "late" if blk.q_half else None)
             rows.add(dk, grads[1], "early" if blk.k_half else None)
             rows.add(dv, grads[2], "early" if blk.k_half else None)

@@ -47,6 +47,10 @@ class DenseRows:
         """(b, s, h) accumulator rows -> lse's layout (b, h, s)."""
         return lse.transpose(1, 2).contiguous()
 
+    def lse_rows(self, lse):
+        """lse (b, h, s) -> (h, b * s), the rows of the flattened batch."""
+        return lse.transpose(0, 1).reshape(lse.shape[1], -1)
+
     def per_head(self, sink):
         return sink.float().view(1, -1, 1)
 
@@ -105,6 +109,9 @@ class PackedRows:
     def final_lse(self, lse):
         """(total, h) accumulator rows -> lse's layout (h, total)."""
         return lse.transpose(0, 1).contiguous()
+
+    def lse_rows(self, lse):
+        return lse
 
     def per_head(self, sink):
         return sink.float().view(-1, 1)

@@ -42,25 +42,29 @@ def problem(world, layout, hq, hkv, seed, batch=2, d=16, dv=8):
     return q, k, v, dout
 
 
-def single_process(q, k, v, dout, dlse, causal, softcap, sink=None):
+def single_process(q, k, v, dout, dlse, causal, softcap, sink=None, window=(-1, -1)):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     if sink is not None:
         leaves.append(sink.clone().requires_grad_())
     out, lse = flash_attn_func(*leaves[:3], causal=causal, softcap=softcap, return_lse=True,
-                               learnable_sink=None if sink is None else leaves[3])
+                               learnable_sink=None if sink is None else leaves[3],
+                               window_size=window)
     grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
-    ref_out, _ = attention_ref(q, k, v, causal=causal, softcap=softcap, learnable_sink=sink)
+    ref_out, _ = attention_ref(q, k, v, causal=causal, softcap=softcap, learnable_sink=sink,
+                               window_size=window)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)  # the baseline itself
     return out.detach(), lse, grads
 
 
-def ring(q, k, v, dout, causal, softcap, layout, deterministic=False, dlse=None, sink=None):
+def ring(q, k, v, dout, causal, softcap, layout, deterministic=False, dlse=None, sink=None,
+         window=(-1, -1)):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     if sink is not None:
         leaves.append(sink.clone().requires_grad_())
     out, lse = ring_attention(*leaves[:3], causal=causal, softcap=softcap, layout=layout,
                               deterministic=deterministic, return_lse=True,
-                              learnable_sink=None if sink is None else leaves[3])
+                              learnable_sink=None if sink is None else leaves[3],
+                              window_size=window)
     if dlse is None:
         out.backward(dout)
     else:  # a loss through lse too (e.g. a z-loss)
@@ -68,16 +72,19 @@ def ring(q, k, v, dout, causal, softcap, layout, deterministic=False, dlse=None,
     return out.detach(), lse, [t.grad for t in leaves]
 
 
-def check_case(rank, world, causal, layout, hq, hkv, softcap=0.0, seed=0, sink=False):
+def check_case(rank, world, causal, layout, hq, hkv, softcap=0.0, seed=0, sink=False,
+               window=(-1, -1)):
     q, k, v, dout = problem(world, layout, hq, hkv, seed)
     g = torch.Generator().manual_seed(seed)
     dlse = torch.randn(q.shape[0], hq, q.shape[1], generator=g)
     sink = torch.randn(hq, generator=g) if sink else None
-    full_out, full_lse, full_grads = single_process(q, k, v, dout, dlse, causal, softcap, sink)
+    full_out, full_lse, full_grads = single_process(q, k, v, dout, dlse, causal, softcap, sink,
+                                                    window)
     local = [shard(t, world, rank, layout) for t in (q, k, v, dout)]
     dlse_local = shard(dlse.transpose(1, 2), world, rank, layout).transpose(1, 2)
-    out, lse, grads = ring(*local, causal, softcap, layout, dlse=dlse_local, sink=sink)
-    what = f"rank {rank}/{world} causal={causal} {layout} heads {hq}/{hkv}"
+    out, lse, grads = ring(*local, causal, softcap, layout, dlse=dlse_local, sink=sink,
+                           window=window)
+    what = f"rank {rank}/{world} causal={causal} window={window} {layout} heads {hq}/{hkv}"
     torch.testing.assert_close(out, shard(full_out, world, rank, layout), atol=1e-5,
                                rtol=1e-5, msg=lambda m: f"{what}: out: {m}")
     want_lse = shard(full_lse.transpose(1, 2), world, rank, layout).transpose(1, 2)
@@ -97,11 +104,11 @@ def check_case(rank, world, causal, layout, hq, hkv, softcap=0.0, seed=0, sink=F
         torch.testing.assert_close(zigzag_unshard(gathered), full_out, atol=1e-5, rtol=1e-5)
 
 
-def check_deterministic(rank, world):
+def check_deterministic(rank, world, window=(-1, -1)):
     q, k, v, dout = problem(world, "zigzag", 4, 2, seed=5)
     local = [zigzag_shard(t, world, rank) for t in (q, k, v, dout)]
-    first = ring(*local, True, 0.0, "zigzag", deterministic=True)
-    again = ring(*local, True, 0.0, "zigzag", deterministic=True)
+    first = ring(*local, True, 0.0, "zigzag", deterministic=True, window=window)
+    again = ring(*local, True, 0.0, "zigzag", deterministic=True, window=window)
     assert torch.equal(first[0], again[0])
     for a, b in zip(first[2], again[2]):
         assert torch.equal(a, b), f"rank {rank}: deterministic gradients differ"
@@ -115,10 +122,11 @@ def shard_varlen(x, cu, world, rank, layout, dim=0):
                       for a, z in zip(cu, cu[1:])], dim)
 
 
-def check_varlen(rank, world, causal, layout, hq, hkv, seed, sink=False):
+def check_varlen(rank, world, causal, layout, hq, hkv, seed, sink=False, window=(-1, -1),
+                 chunks=(3, 1, 5)):
     g = torch.Generator().manual_seed(seed)
     unit = 2 * world if layout == "zigzag" else world
-    lens = [unit * 3, unit, unit * 5]  # local shards of 3, 1 and 5 chunk pairs / slices
+    lens = [unit * c for c in chunks]  # local shards of that many chunk pairs / slices
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     total = cu[-1].item()
     q = torch.randn(total, hq, 16, generator=g)
@@ -130,12 +138,12 @@ def check_varlen(rank, world, causal, layout, hq, hkv, seed, sink=False):
         leaves.append(sink.clone().requires_grad_())
     full_out, full_lse = flash_attn_varlen_func(
         *leaves[:3], cu, cu, max(lens), max(lens), causal=causal, return_lse=True,
-        learnable_sink=None if sink is None else leaves[3])
+        learnable_sink=None if sink is None else leaves[3], window_size=window)
     full_grads = torch.autograd.grad(full_out, leaves, dout)
-    for b in range(3):  # the single-process baseline, sequence by sequence
+    for b in range(len(lens)):  # the single-process baseline, sequence by sequence
         a, z = cu[b].item(), cu[b + 1].item()
         ref, _ = attention_ref(q[None, a:z], k[None, a:z], v[None, a:z], causal=causal,
-                               learnable_sink=sink)
+                               learnable_sink=sink, window_size=window)
         torch.testing.assert_close(full_out[a:z], ref[0], atol=1e-5, rtol=1e-5)
     local = [shard_varlen(t, cu, world, rank, layout) for t in (q, k, v, dout)]
     local_cu = torch.div(cu, world, rounding_mode="floor")
@@ -143,14 +151,14 @@ def check_varlen(rank, world, causal, layout, hq, hkv, seed, sink=False):
     if sink is not None:
         leaves.append(sink.clone().requires_grad_())
     out, lse = ring_attention_varlen(*leaves[:3], local_cu, max(lens) // world, causal=causal,
-                                     layout=layout, return_lse=True,
+                                     layout=layout, return_lse=True, window_size=window,
                                      learnable_sink=None if sink is None else leaves[3])
     out.backward(local[3])
     if sink is not None:
         dsink = leaves[3].grad.clone()
         dist.all_reduce(dsink)
         torch.testing.assert_close(dsink, full_grads[3], atol=1e-4, rtol=1e-4)
-    what = f"varlen rank {rank}/{world} causal={causal} {layout}"
+    what = f"varlen rank {rank}/{world} causal={causal} window={window} {layout}"
     torch.testing.assert_close(out, shard_varlen(full_out.detach(), cu, world, rank, layout),
                                atol=1e-5, rtol=1e-5, msg=lambda m: f"{what}: out: {m}")
     torch.testing.assert_close(lse, shard_varlen(full_lse, cu, world, rank, layout, 1),
@@ -196,8 +204,12 @@ def check_refusals(rank, world):
     import pytest
 
     q = torch.randn(1, 6, 2, 8)
-    with pytest.raises(NotImplementedError, match="sliding windows"):
-        ring_attention(q, q, q, window_size=(3, 0), causal=True)
+    with pytest.raises(ValueError, match="window_size"):
+        ring_attention(q, q, q, window_size=(-2, 0), causal=True)
+    with pytest.raises(ValueError, match="two equal chunks"):
+        ring_attention(q[:, :5], q[:, :5], q[:, :5], window_size=(3, 3))
+    with pytest.raises(ValueError, match="windowed ring attention"):
+        ring_attention(q, q[:, :4], q[:, :4], window_size=(3, 3))
     with pytest.raises(ValueError, match="layout"):
         ring_attention(q, q, q, layout="striped")
     with pytest.raises(ValueError, match="two equal chunks"):
@@ -217,10 +229,30 @@ CASES = [
 ]
 
 
+# Sliding windows: smaller and larger than a chunk (7 tokens zigzag, 9 contiguous), causal,
+# symmetric, asymmetric, one side unbounded.
+WINDOW_CASES = [
+    dict(causal=True, layout="zigzag", hq=4, hkv=2, window=(5, 0), sink=True),
+    dict(causal=False, layout="contiguous", hq=6, hkv=2, window=(40, 0)),
+    dict(causal=False, layout="zigzag", hq=2, hkv=1, window=(8, 8)),
+    dict(causal=False, layout="contiguous", hq=4, hkv=2, window=(3, 11), softcap=3.0),
+    dict(causal=False, layout="zigzag", hq=2, hkv=2, window=(-1, 3)),
+    dict(causal=True, layout="contiguous", hq=2, hkv=2, window=(12, 6)),  # right ignored
+]
+
+
 VARLEN_CASES = [
     dict(causal=True, layout="zigzag", hq=4, hkv=2, sink=True),
     dict(causal=False, layout="zigzag", hq=2, hkv=2),
     dict(causal=True, layout="contiguous", hq=2, hkv=1),
+]
+
+
+# local lengths 1, 17, 113 (contiguous) or chunks of those (zigzag)
+VARLEN_WINDOW_CASES = [
+    dict(causal=True, layout="zigzag", hq=4, hkv=2, window=(9, 0), chunks=(1, 17, 113)),
+    dict(causal=False, layout="contiguous", hq=2, hkv=1, window=(12, 5),
+         chunks=(1, 17, 113)),
 ]
 
 
@@ -232,6 +264,7 @@ def worker(rank, world, port, cases, varlen_cases, bf16):
         for i, case in enumerate(varlen_cases):
             check_varlen(rank, world, seed=100 + i, **case)
         check_deterministic(rank, world)
+        check_deterministic(rank, world, window=(6, 0))
         if bf16:
             check_bf16(rank, world)
         check_refusals(rank, world)

@@ -1,7 +1,7 @@
 """Ring attention over gloo, world sizes 2 and 4 (spawned processes): forward, lse and
 gradients equal the single-process asymflash result (itself checked against the reference)
-for causal and not, zigzag and contiguous shards, GQA, softcap; deterministic mode repeats
-bitwise; bad calls are refused before any transfer."""
+for causal and not, sliding windows, zigzag and contiguous shards, GQA, softcap;
+deterministic mode repeats bitwise; bad calls are refused before any transfer."""
 
 import socket
 import time
@@ -37,13 +37,15 @@ def _spawn(fn, world, *args):
 
 
 def test_ring_matches_single_process_world_2():
-    _spawn(ring_cases.worker, 2, ring_cases.CASES, ring_cases.VARLEN_CASES, True)
+    _spawn(ring_cases.worker, 2, ring_cases.CASES + ring_cases.WINDOW_CASES,
+           ring_cases.VARLEN_CASES + ring_cases.VARLEN_WINDOW_CASES, True)
 
 
 def test_ring_matches_single_process_world_4():
     # the schedules that differ with more ranks (causal skips, zigzag halves, varlen); CI's
     # two cores run four ranks slowly, so the dtype and softcap cases stay at world 2
-    _spawn(ring_cases.worker, 4, ring_cases.CASES[:3], ring_cases.VARLEN_CASES[:1], False)
+    _spawn(ring_cases.worker, 4, ring_cases.CASES[:3] + ring_cases.WINDOW_CASES[:4],
+           ring_cases.VARLEN_CASES[:1] + ring_cases.VARLEN_WINDOW_CASES, False)
 
 
 def test_needs_an_initialised_process_group():
@@ -89,6 +91,14 @@ def test_one_rank_group_is_plain_attention():
         want = torch.autograd.grad(want_out, (q, k, v, sink), dout)
         torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+        for g, w in zip(grads, want):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+        # a window over an odd-length shard: one rank's zigzag shard is the sequence itself
+        out = ring_attention(q, k, v, window_size=(3, 2))
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        want_out = flash_attn_func(q, k, v, window_size=(3, 2))
+        want = torch.autograd.grad(want_out, (q, k, v), dout)
+        torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
         for g, w in zip(grads, want):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
     finally:
