@@ -17,6 +17,7 @@ from torch import Tensor
 from ..core import flex_trace
 from ..core.flex import FULL, PARTIAL, BlockLayout, FlexProblem, block_layout, memo_by_identity
 from ..runtime.dispatch import pick_flex
+from .flex_ops import captured_list, encode, run_op
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -38,9 +39,15 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None,
 
     Raises TypeError/ValueError for bad input, flex_trace.ModTraceError (a TypeError) for a
     mod that uses an op outside the supported set, naming the op.
+
+    Under torch.compile the attention is the custom op asymflash::flex_fwd (api/flex_ops.py);
+    a score_mod or BlockMask is traced eagerly at one graph break before it (see below).
     """
-    problem = prepare(query, key, value, score_mod, block_mask, scale, enable_gqa)
-    out, lse = run(query, key, value, problem)
+    if torch.compiler.is_compiling():
+        out, lse = _compiled_flex(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    else:
+        problem = prepare(query, key, value, score_mod, block_mask, scale, enable_gqa)
+        out, lse = run(query, key, value, problem)
     return (out, lse) if return_lse else out
 
 
@@ -118,11 +125,7 @@ def prepare(query, key, value, score_mod, block_mask, scale, enable_gqa,
     if score_mod is not None and not callable(score_mod):
         _fail(TypeError, f"score_mod is a {type(score_mod).__name__}; expected a callable "
                          "score_mod(score, b, h, q_idx, kv_idx)")
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) \
-            or not math.isfinite(scale):
-        _fail(TypeError, f"scale is {scale!r}; expected a finite float or None")
+    scale = _checked_scale(scale, query)
     layout = block_layout(block_mask, query.shape[2], key.shape[2])
     mask = None
     if block_mask is not None and not _is_noop_mask(block_mask.mask_mod) \
@@ -141,6 +144,15 @@ def prepare(query, key, value, score_mod, block_mask, scale, enable_gqa,
                 _fail(ValueError, f"a tensor the mods capture (shape {tuple(t.shape)}) is on "
                                   f"{t.device}, query on {query.device}: move it to one device")
     return FlexProblem(score, mask, layout, float(scale), query.shape[1] // key.shape[1])
+
+
+def _checked_scale(scale, query) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(query.shape[-1])
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+            or not math.isfinite(scale):
+        _fail(TypeError, f"scale is {scale!r}; expected a finite float or None")
+    return float(scale)
 
 
 @memo_by_identity(64)
@@ -211,24 +223,32 @@ def builtin_score(softcap: float, alibi_slopes, seqlen_q: int, seqlen_k: int):
     scaled (and soft-capped) score of query i and key j, slopes (nheads,) or (batch, nheads).
     flash-attn's causal kernel adds slope * j instead, which differs from this by a constant
     per row: the same output, but an lse shifted by slope * (i + seqlen_k - seqlen_q)."""
-    from ..core.flex_ir import Const, Input, Load, Mod, Op
+    from ..core.flex_ir import Mod
+
+    rank = 0 if alibi_slopes is None else alibi_slopes.dim()
+    root = _builtin_score_root(softcap, rank, seqlen_q, seqlen_k)
+    captured = () if alibi_slopes is None else (alibi_slopes,)
+    return None if root is None else Mod("score", root, captured)
+
+
+def _builtin_score_root(softcap: float, alibi_rank: int, seqlen_q: int, seqlen_k: int):
+    """builtin_score's tree (None: the identity); alibi_rank 0 means no ALiBi, else the
+    slopes' rank (1: per head, 2: per batch and head), read from captured slot 0."""
+    from ..core.flex_ir import Const, Input, Load, Op
 
     f32, i32 = torch.float32, torch.int32
     root = Input("score", f32)
-    captured = ()
     if softcap > 0:
         root = Op("mul", (Const(float(softcap), f32),
                           Op("tanh", (Op("div", (root, Const(float(softcap), f32)), f32),), f32)),
                   f32)
-    if alibi_slopes is not None:
-        index = (Input("h", i32),) if alibi_slopes.dim() == 1 else (Input("b", i32),
-                                                                     Input("h", i32))
-        slope = Load(0, index, alibi_slopes.dtype)
+    if alibi_rank:
+        index = (Input("h", i32),) if alibi_rank == 1 else (Input("b", i32), Input("h", i32))
+        slope = Load(0, index, f32)
         pos = Op("add", (Input("q_idx", i32), Const(seqlen_k - seqlen_q, torch.int64)), i32)
         dist = Op("abs", (Op("sub", (pos, Input("kv_idx", i32)), i32),), i32)
         root = Op("sub", (root, Op("mul", (slope, dist), f32)), f32)
-        captured = (alibi_slopes,)
-    return None if root == Input("score", f32) else Mod("score", root, captured)
+    return None if root == Input("score", f32) else root
 
 
 @memo_by_identity(64)
@@ -270,6 +290,28 @@ def flash_attn_with_mods(q, k, v, softmax_scale, causal, window_size, softcap,
     """flash_attn_func with score_mod / mask_mod / alibi_slopes: BSHD in and out, through
     the flex machinery (mods see the query head h; masks combine with causal/window)."""
     from ..core.masks import normalize_window
+
+    _check_mods_call(q, k, v, softmax_scale, window_size, softcap, learnable_sink, mask_mod,
+                     alibi_slopes)
+    query, key, value = (t.transpose(1, 2) for t in (q, k, v))
+    window = normalize_window(causal, window_size)
+    if not torch.compiler.is_compiling():
+        problem = _mods_problem(query, key, value, softmax_scale, window, softcap, score_mod,
+                                mask_mod, alibi_slopes)
+        out, lse = run(query, key, value, problem)
+    elif score_mod is None and mask_mod is None and _static_offset(query, key) is not None:
+        out, lse = _compiled_builtin(query, key, value, softmax_scale, window, softcap,
+                                     alibi_slopes)
+    else:
+        out, lse = run_op(query, key, value, *_lower(
+            _mods_problem, query, key, value, softmax_scale, window, softcap, score_mod,
+            mask_mod, alibi_slopes))
+    out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out
+
+
+def _check_mods_call(q, k, v, softmax_scale, window_size, softcap, learnable_sink, mask_mod,
+                     alibi_slopes):
     from . import validation as check
 
     if learnable_sink is not None:
@@ -282,16 +324,91 @@ def flash_attn_with_mods(q, k, v, softmax_scale, causal, window_size, softcap,
     check.check_scalars(softmax_scale, window_size, softcap)
     if alibi_slopes is not None:
         _check_slopes(alibi_slopes, q)
-    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    extra_mask = builtin_mask(normalize_window(causal, window_size), seqlen_q, seqlen_k)
+
+
+def _mods_problem(query, key, value, softmax_scale, window, softcap, score_mod, mask_mod,
+                  alibi_slopes) -> FlexProblem:
+    """flash_attn_func's call (BHSD views) as a FlexProblem: its built-in mods, then the
+    user's, with the user's mask_mod and the causal/window mask combined."""
+    seqlen_q, seqlen_k = query.shape[2], key.shape[2]
+    extra_mask = builtin_mask(window, seqlen_q, seqlen_k)
     if mask_mod is not None:
         from ..core.flex_ir import and_masks
 
-        user = flex_trace.traced(mask_mod, "mask", q.device)
+        user = flex_trace.traced(mask_mod, "mask", query.device)
         extra_mask = user if extra_mask is None else and_masks(extra_mask, user)
-    query, key, value = (t.transpose(1, 2) for t in (q, k, v))
-    problem = prepare(query, key, value, score_mod, None, softmax_scale, True,
-                      builtin_score(softcap, alibi_slopes, seqlen_q, seqlen_k), extra_mask)
-    out, lse = run(query, key, value, problem)
-    out = out.transpose(1, 2)
-    return (out, lse) if return_lse else out
+    return prepare(query, key, value, score_mod, None, softmax_scale, True,
+                   builtin_score(softcap, alibi_slopes, seqlen_q, seqlen_k), extra_mask)
+
+
+# ---------------------------------------------------------------- under torch.compile
+#
+# Dynamo cannot trace make_fx (how mods become expression trees), nor the data-dependent
+# host work of a BlockMask's layout. A call whose mods are all built in (no callable:
+# flash_attn_func's causal/window/softcap/ALiBi, flex_attention without mods) builds its
+# spec from Python constants at trace time and stays in one graph. A call with a user
+# callable (or built-in mods on dynamic lengths of different sizes) is lowered (traced,
+# encoded) eagerly by a function Dynamo does not enter: one graph break, after which the
+# custom op and the captured tensors are in the next graph.
+
+@torch._dynamo.disable(reason="asymflash traces score_mod / mask_mod / BlockMask with make_fx "
+                              "outside the graph; the attention itself is the custom op "
+                              "asymflash::flex_fwd in the next graph")
+def _lower(build, *args):
+    """(spec, layout kinds, captured tensors) of the problem build(*args) makes, eagerly."""
+    problem = build(*args)
+    return encode(problem), problem.layout.kinds, captured_list(problem)
+
+
+def _compiled_flex(query, key, value, score_mod, block_mask, scale, enable_gqa):
+    if score_mod is None and block_mask is None:
+        check_inputs(query, key, value, enable_gqa)
+        group = query.shape[1] // key.shape[1]
+        spec = _builtin_spec(_checked_scale(scale, query), group, 0.0, 0, 0, -1, -1)
+        return run_op(query, key, value, spec, _one_block(False), [])
+    return run_op(query, key, value, *_lower(prepare, query, key, value, score_mod,
+                                             block_mask, scale, enable_gqa))
+
+
+def _compiled_builtin(query, key, value, softmax_scale, window, softcap, alibi_slopes):
+    check_inputs(query, key, value, True)
+    group = query.shape[1] // key.shape[1]
+    spec = _builtin_spec(_checked_scale(softmax_scale, query), group, float(softcap),
+                         0 if alibi_slopes is None else alibi_slopes.dim(),
+                         _static_offset(query, key), window.window_left,
+                         window.window_right)
+    masked = window.window_left >= 0 or window.window_right >= 0
+    captured = [] if alibi_slopes is None else [alibi_slopes]
+    return run_op(query, key, value, spec, _one_block(masked), captured)
+
+
+def _static_offset(query, key):
+    """seqlen_k - seqlen_q as a Python int, or None where Dynamo has it as a symbol (lengths
+    made dynamic, and not known equal): the built-in mods' one dependence on the lengths."""
+    offset = key.shape[2] - query.shape[2]
+    if offset == 0:  # self-attention: a constant even when the lengths are dynamic
+        return 0
+    return None if isinstance(offset, torch.SymInt) else offset
+
+
+def _one_block(masked: bool):
+    """The layout of a call without a BlockMask: one block, partial when a built-in mask
+    applies (as _all_partial makes it in the eager path)."""
+    return torch.full((1, 1, 1, 1), PARTIAL if masked else FULL, dtype=torch.uint8)
+
+
+@torch._dynamo.assume_constant_result
+def _builtin_spec(scale: float, group: int, softcap: float, alibi_rank: int, offset: int,
+                  window_left: int, window_right: int) -> str:
+    """The spec of a call whose mods are all built in, from Python values only (Dynamo
+    runs this at trace time and keeps the string as a constant). The mods depend on the
+    lengths only through offset = seqlen_k - seqlen_q (the bottom-right alignment)."""
+    from ..core.flex_ir import Mod
+    from ..core.params import MaskSpec
+
+    score = _builtin_score_root(softcap, alibi_rank, 0, offset)
+    mask = builtin_mask(MaskSpec(window_left, window_right), 0, offset)
+    layout = BlockLayout(None, 0, 0, None, mask is not None)  # one block (see encode)
+    slots = (None,) if alibi_rank else ()  # encode reads only how many slots there are
+    return encode(FlexProblem(None if score is None else Mod("score", score, slots), mask,
+                              layout, scale, group))

@@ -311,3 +311,62 @@ def compose_scores(outer: Mod, inner: Mod) -> Mod:
 def and_masks(first: Mod, second: Mod) -> Mod:
     root = Op("and", (first.root, shift_slots(second.root, len(first.captured))), torch.bool)
     return Mod("mask", root, first.captured + second.captured)
+
+
+# ---------------------------------------------------------------- a string form
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.rpartition(".")[2])
+
+
+def _const_value(value):
+    """Floats by their hex form: exact, and inf / nan survive the round trip."""
+    return ("f", float.hex(value)) if isinstance(value, float) else value
+
+
+def dumps(*roots) -> str:
+    """Trees (or None) as one string, a node table in dependency order with each shared
+    subtree once: the hashable, process-independent form torch.compile passes to the flex
+    custom ops. loads(dumps(*roots)) gives equal trees."""
+    table: list = []
+    seen: dict = {}
+
+    def put(node) -> int:
+        key = id(node)
+        if key in seen:
+            return seen[key][1]
+        if isinstance(node, Input):
+            entry = ("i", node.name, str(node.dtype))
+        elif isinstance(node, Const):
+            entry = ("c", _const_value(node.value), str(node.dtype))
+        elif isinstance(node, Load):
+            entry = ("l", node.slot, str(node.dtype), tuple(put(i) for i in node.index))
+        else:
+            entry = ("o", node.name, str(node.dtype), tuple(put(a) for a in node.args))
+        table.append(entry)
+        seen[key] = (node, len(table) - 1)
+        return len(table) - 1
+
+    refs = tuple(-1 if r is None else put(r) for r in roots)
+    return repr((tuple(table), refs))
+
+
+def loads(text: str) -> tuple:
+    """The trees of dumps(*roots), None where a root was None."""
+    import ast
+
+    table, refs = ast.literal_eval(text)
+    nodes: list = []
+    for entry in table:
+        kind, dtype = entry[0], _dtype(entry[2])
+        if kind == "i":
+            nodes.append(Input(entry[1], dtype))
+        elif kind == "c":
+            value = entry[1]
+            value = float.fromhex(value[1]) if isinstance(value, tuple) else value
+            nodes.append(Const(value, dtype))
+        elif kind == "l":
+            nodes.append(Load(entry[1], tuple(nodes[i] for i in entry[3]), dtype))
+        else:
+            nodes.append(Op(entry[1], tuple(nodes[i] for i in entry[3]), dtype))
+    return tuple(None if r < 0 else nodes[r] for r in refs)

@@ -3,8 +3,9 @@
 The mod is traced once with make_fx on one-element tensors (score fp32, indices int32), so
 its aten ops come out in one canonical spelling; captured tensors appear as graph constants
 that are the user's very tensors (so their gradients reach them). Each aten op is mapped to
-an IR op; anything else is refused with its name. Traces are cached per function and the
-identity and metadata of the tensors in its closure, defaults and referenced globals.
+an IR op; anything else is refused with its name. Traces are cached per function, the
+identity and metadata of the tensors in its closure, defaults and referenced globals, and
+the values of the Python scalars there (a trace bakes them in as constants).
 """
 
 from __future__ import annotations
@@ -237,17 +238,22 @@ _CACHE: collections.OrderedDict = collections.OrderedDict()
 _CACHE_SIZE = 256
 
 
-def _closure_tensors(fn) -> list:
-    """The tensors a function can see besides its arguments: closure cells, defaults,
-    referenced globals, and those of a functools.partial or a callable object's attributes.
-    Their identity is part of the cache key, so rebinding one re-traces."""
+_SCALARS = (bool, int, float, complex, str, type(None))
+
+
+def _closure_values(fn) -> list:
+    """The values a function can see besides its arguments: closure cells, defaults,
+    referenced globals, and those of a functools.partial or a callable object's attributes
+    (nested functions in its closure included). Tensors among them are captured by
+    identity, Python scalars become constants of the trace: both go into the cache key, so
+    rebinding one re-traces."""
     found = []
     if isinstance(fn, functools.partial):
-        found += [a for a in (*fn.args, *fn.keywords.values()) if isinstance(a, torch.Tensor)]
+        found += [*fn.args, *fn.keywords.values()]
         fn = fn.func
     if not inspect.isfunction(fn) and not inspect.ismethod(fn):
         if hasattr(fn, "__dict__"):
-            found += [a for a in vars(fn).values() if isinstance(a, torch.Tensor)]
+            found += list(vars(fn).values())
         fn = type(fn).__call__  # a callable object: its method's closure and globals
     fn = getattr(fn, "__func__", fn)
     code = getattr(fn, "__code__", None)
@@ -256,25 +262,22 @@ def _closure_tensors(fn) -> list:
             value = cell.cell_contents
         except ValueError:
             continue
-        if isinstance(value, torch.Tensor):
+        if inspect.isfunction(value) and value is not fn:
+            found += _closure_values(value)
+        else:
             found.append(value)
-        elif callable(value) and value is not fn and not isinstance(value, type):
-            found += _closure_tensors(value) if inspect.isfunction(value) else []
-    for value in getattr(fn, "__defaults__", None) or ():
-        if isinstance(value, torch.Tensor):
-            found.append(value)
+    found += list(getattr(fn, "__defaults__", None) or ())
     if code is not None:
         globs = getattr(fn, "__globals__", {})
-        for name in code.co_names:
-            value = globs.get(name)
-            if isinstance(value, torch.Tensor):
-                found.append(value)
-    return found
+        found += [globs[name] for name in code.co_names if name in globs]
+    return [v for v in found if isinstance(v, (torch.Tensor, *_SCALARS))]
 
 
 def _key(fn, kind, device):
-    tensors = _closure_tensors(fn)
-    return (kind, fn, str(device),
+    values = _closure_values(fn)
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    scalars = tuple((type(v), v) for v in values if not isinstance(v, torch.Tensor))
+    return (kind, fn, str(device), scalars,
             tuple((id(t), t.dtype, tuple(t.shape), t.device) for t in tensors)), tensors
 
 
