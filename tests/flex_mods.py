@@ -76,6 +76,8 @@ MODS = {f.__name__: f for f in (causal, sliding_window, document, prefix_lm, ali
                                  relative_bias, block_sparse, combined)}
 
 
+_TABLE = torch.linspace(-1.0, 1.0, 2 * 40).view(2, 40)
+
 # Mods covering every op of the expression form, for the tracing and emission tests.
 IR_MODS = {
     "arith": lambda s, b, h, q, kv: (s * 2 - 1) / (1 + (q - kv).abs()) + (-s),
@@ -84,6 +86,10 @@ IR_MODS = {
     "int_ops": lambda s, b, h, q, kv: s + (q - 7) // 3 + (kv - 5) % 4 + torch.floor(s),
     "minmax_where": lambda s, b, h, q, kv: torch.where(
         (q > kv) & ~(h == 1) | (b != 0), torch.maximum(s, s * s), torch.minimum(s, -s)),
+    # one value (d = q - kv, negative indices wrapping, and h % 2) both indexes the table
+    # and is used beside it
+    "index_reuse": lambda s, b, h, q, kv: (lambda d, g: s + _TABLE[g, d] + 0.01 * d + g)(
+        q - kv, h % 2),
     "clamp_cast": lambda s, b, h, q, kv: torch.clamp(s, min=-0.5) + q.float() * 0.01
     + (kv >= 3).to(torch.float32),
 }

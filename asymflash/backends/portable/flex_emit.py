@@ -74,6 +74,13 @@ class _Emitter:
     def __init__(self):
         self.lines: list = []
         self.names: dict = {}
+        self.count = 0
+
+    def fresh(self) -> str:
+        """A temporary's name no other line has taken (names are assigned once each: a
+        subtree's name is reused wherever the subtree recurs)."""
+        self.count += 1
+        return f"t{self.count - 1}"
 
     def value(self, node) -> str:
         key = id(node)
@@ -85,7 +92,7 @@ class _Emitter:
             expr = _const(node)
         else:
             expr = self.compute(node)
-            name = f"t{len(self.lines)}"
+            name = self.fresh()
             self.lines.append(f"    {name} = {expr}")
             expr = name
         self.names[key] = (node, expr)
@@ -153,19 +160,21 @@ class _Emitter:
         base = 3 * node.slot  # C = (ptr, sizes, strides) per captured tensor
         if not node.index:
             return f"tl.load(C[{base}])"
-        # Negative indices count from the end, as torch's indexing does. The range check
-        # alone keeps every address inside the tensor: padded rows and columns read some
-        # valid element, which the kernel's own mask discards.
+        # Negative indices count from the end, as torch's indexing does. An index still
+        # outside the tensor reads 0; the load itself goes to a clamped, valid address (the
+        # padded rows and columns of a tile land there too, and the kernel's own mask
+        # discards them). Selecting after the load rather than masking it: triton 3.9's
+        # interpreter builds an int32 mask from a scalar and a tile, which its load refuses.
         offset, ok = [], []
         for dim, idx in enumerate(node.index):
-            size = f"C[{base + 1}][{dim}]"
-            i = f"t{len(self.lines)}"
-            self.lines.append(f"    {i} = tl.where(({self.value(idx)}) < 0, "
-                              f"({self.value(idx)}) + {size}, {self.value(idx)})")
-            offset.append(f"{i} * C[{base + 2}][{dim}]")
+            size, value = f"C[{base + 1}][{dim}]", self.value(idx)
+            i = self.fresh()
+            self.lines.append(f"    {i} = tl.where(({value}) < 0, ({value}) + {size}, {value})")
+            offset.append(f"tl.minimum(tl.maximum({i}, 0), {size} - 1) * C[{base + 2}][{dim}]")
             ok.append(f"({i} >= 0) & ({i} < {size})")
-        return (f"tl.load(C[{base}] + {' + '.join(offset)}, mask={' & '.join(ok)}, "
-                "other=0)")
+        loaded = f"tl.load(C[{base}] + {' + '.join(offset)})"
+        zero = "False" if node.dtype == torch.bool else "0"
+        return f"tl.where({' & '.join(ok)}, {loaded}, {zero})"
 
 
 def emit_source(root, fn_name: str = "mod") -> str:
