@@ -93,3 +93,55 @@ IR_MODS = {
     "clamp_cast": lambda s, b, h, q, kv: torch.clamp(s, min=-0.5) + q.float() * 0.01
     + (kv >= 3).to(torch.float32),
 }
+
+
+# ---------------------------------------------------------------- learned captured tensors
+
+def _learned(*shape, device, dtype=torch.float32, positive=False):
+    t = torch.rand(*shape, device=device) + 0.5 if positive else \
+        0.5 * torch.randn(*shape, device=device)
+    return t.to(dtype).requires_grad_(True)
+
+
+def relative_table(sq, sk, hq, device):
+    table = _learned(hq, sq + sk - 1, device=device)
+    return (lambda s, b, h, i, j: s + table[h, i - j + sk - 1]), [table]
+
+
+def head_scalar(sq, sk, hq, device):
+    temp = _learned(hq, device=device, positive=True)
+    return (lambda s, b, h, i, j: s * temp[h]), [temp]
+
+
+def bias_twice(sq, sk, hq, device):
+    """One Load used twice (gradients summed over uses) and a second Load of the same
+    tensor at another position (its own scatter)."""
+    bias = _learned(hq, sq + sk - 1, device=device)
+
+    def mod(s, b, h, i, j):
+        near = bias[h, i - j + sk - 1]
+        return s + near * torch.tanh(near) - 0.5 * bias[h, j - i + sq - 1]
+    return mod, [bias]
+
+
+def rows_cols_scalar(sq, sk, hq, device):
+    """Positions that vary along rows only, columns only, and not at all (a 0-dim tensor
+    in bf16): the scatter reduces a tile's other axes before its atomics. (A bias of the
+    row alone would have gradient 0: softmax ignores a shift of its row.)"""
+    row, col = _learned(sq, device=device), _learned(2, sk, device=device)
+    temp = _learned((), device=device, dtype=torch.bfloat16, positive=True)
+    return (lambda s, b, h, i, j: s * (temp + row[i]) - torch.exp(col[b, j])), [row, col, temp]
+
+
+def nested_index(sq, sk, hq, device):
+    """A learned table read at positions that are themselves read from a tensor: the
+    gradient lands where it was read, as torch's indexing backward puts it."""
+    pos = torch.randint(0, 8, (max(sq, sk),), device=device)
+    table = _learned(hq, 15, device=device)
+    return (lambda s, b, h, i, j: s + table[h, pos[i] - pos[j] + 7]), [table]
+
+
+# Mods whose captured tensors are learned, for the tests of captured-tensor gradients:
+# each (sq, sk, heads, device) -> (score_mod, [tensors that get gradients]).
+GRAD_MODS = {f.__name__: f for f in (relative_table, head_scalar, bias_twice,
+                                      rows_cols_scalar, nested_index)}

@@ -78,7 +78,7 @@ def flash_attn_func(
 
         out = flash_attn_with_mods(q, k, v, softmax_scale, causal, window_size, softcap,
                                    learnable_sink, return_lse or return_attn_probs,
-                                   score_mod, mask_mod, alibi_slopes)
+                                   score_mod, mask_mod, alibi_slopes, deterministic)
         if return_attn_probs:
             return (*out, None)
         return out

@@ -8,6 +8,7 @@ pick_flex). Semantics: core/flex.py; the plain-math definition: reference.flex_a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -286,7 +287,8 @@ def _check_slopes(alibi_slopes, q):
 
 
 def flash_attn_with_mods(q, k, v, softmax_scale, causal, window_size, softcap,
-                         learnable_sink, return_lse, score_mod, mask_mod, alibi_slopes):
+                         learnable_sink, return_lse, score_mod, mask_mod, alibi_slopes,
+                         deterministic=False):
     """flash_attn_func with score_mod / mask_mod / alibi_slopes: BSHD in and out, through
     the flex machinery (mods see the query head h; masks combine with causal/window)."""
     from ..core.masks import normalize_window
@@ -297,15 +299,15 @@ def flash_attn_with_mods(q, k, v, softmax_scale, causal, window_size, softcap,
     window = normalize_window(causal, window_size)
     if not torch.compiler.is_compiling():
         problem = _mods_problem(query, key, value, softmax_scale, window, softcap, score_mod,
-                                mask_mod, alibi_slopes)
+                                mask_mod, alibi_slopes, deterministic)
         out, lse = run(query, key, value, problem)
     elif score_mod is None and mask_mod is None and _static_offset(query, key) is not None:
         out, lse = _compiled_builtin(query, key, value, softmax_scale, window, softcap,
-                                     alibi_slopes)
+                                     alibi_slopes, deterministic)
     else:
         out, lse = run_op(query, key, value, *_lower(
             _mods_problem, query, key, value, softmax_scale, window, softcap, score_mod,
-            mask_mod, alibi_slopes))
+            mask_mod, alibi_slopes, deterministic))
     out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
 
@@ -327,9 +329,10 @@ def _check_mods_call(q, k, v, softmax_scale, window_size, softcap, learnable_sin
 
 
 def _mods_problem(query, key, value, softmax_scale, window, softcap, score_mod, mask_mod,
-                  alibi_slopes) -> FlexProblem:
+                  alibi_slopes, deterministic) -> FlexProblem:
     """flash_attn_func's call (BHSD views) as a FlexProblem: its built-in mods, then the
-    user's, with the user's mask_mod and the causal/window mask combined."""
+    user's, with the user's mask_mod and the causal/window mask combined. deterministic
+    keeps the atomics of captured-tensor gradients out (core.flex.FlexProblem)."""
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     extra_mask = builtin_mask(window, seqlen_q, seqlen_k)
     if mask_mod is not None:
@@ -337,8 +340,9 @@ def _mods_problem(query, key, value, softmax_scale, window, softcap, score_mod, 
 
         user = flex_trace.traced(mask_mod, "mask", query.device)
         extra_mask = user if extra_mask is None else and_masks(extra_mask, user)
-    return prepare(query, key, value, score_mod, None, softmax_scale, True,
-                   builtin_score(softcap, alibi_slopes, seqlen_q, seqlen_k), extra_mask)
+    problem = prepare(query, key, value, score_mod, None, softmax_scale, True,
+                      builtin_score(softcap, alibi_slopes, seqlen_q, seqlen_k), extra_mask)
+    return dataclasses.replace(problem, deterministic=True) if deterministic else problem
 
 
 # ---------------------------------------------------------------- under torch.compile
@@ -370,13 +374,14 @@ def _compiled_flex(query, key, value, score_mod, block_mask, scale, enable_gqa):
                                              block_mask, scale, enable_gqa))
 
 
-def _compiled_builtin(query, key, value, softmax_scale, window, softcap, alibi_slopes):
+def _compiled_builtin(query, key, value, softmax_scale, window, softcap, alibi_slopes,
+                      deterministic):
     check_inputs(query, key, value, True)
     group = query.shape[1] // key.shape[1]
     spec = _builtin_spec(_checked_scale(softmax_scale, query), group, float(softcap),
                          0 if alibi_slopes is None else alibi_slopes.dim(),
                          _static_offset(query, key), window.window_left,
-                         window.window_right)
+                         window.window_right, bool(deterministic))
     masked = window.window_left >= 0 or window.window_right >= 0
     captured = [] if alibi_slopes is None else [alibi_slopes]
     return run_op(query, key, value, spec, _one_block(masked), captured)
@@ -399,7 +404,7 @@ def _one_block(masked: bool):
 
 @torch._dynamo.assume_constant_result
 def _builtin_spec(scale: float, group: int, softcap: float, alibi_rank: int, offset: int,
-                  window_left: int, window_right: int) -> str:
+                  window_left: int, window_right: int, deterministic: bool = False) -> str:
     """The spec of a call whose mods are all built in, from Python values only (Dynamo
     runs this at trace time and keeps the string as a constant). The mods depend on the
     lengths only through offset = seqlen_k - seqlen_q (the bottom-right alignment)."""
@@ -411,4 +416,4 @@ def _builtin_spec(scale: float, group: int, softcap: float, alibi_rank: int, off
     layout = BlockLayout(None, 0, 0, None, mask is not None)  # one block (see encode)
     slots = (None,) if alibi_rank else ()  # encode reads only how many slots there are
     return encode(FlexProblem(None if score is None else Mod("score", score, slots), mask,
-                              layout, scale, group))
+                              layout, scale, group, deterministic))

@@ -35,7 +35,8 @@ def encode(problem: FlexProblem) -> str:
     blocks = (layout.block_q, layout.block_k)
     if layout.kinds is None or layout.kinds.shape[2:] == (1, 1):
         blocks = (0, 0)  # one block over everything, whatever the lengths: see _ONE_BLOCK
-    return repr((roots, n_score, *blocks, float.hex(problem.scale), problem.group))
+    return repr((roots, n_score, *blocks, float.hex(problem.scale), problem.group,
+                 problem.deterministic))
 
 
 # The block size of a one-block layout: above any sequence length (the backends treat such
@@ -54,10 +55,10 @@ def captured_list(problem: FlexProblem) -> list:
 def _decode(spec: str):
     import ast
 
-    roots, n_score, block_q, block_k, scale, group = ast.literal_eval(spec)
+    roots, n_score, block_q, block_k, scale, group, deterministic = ast.literal_eval(spec)
     score, mask = flex_ir.loads(roots)
     return (score, mask, n_score, block_q or _ONE_BLOCK, block_k or _ONE_BLOCK,
-            float.fromhex(scale), group)
+            float.fromhex(scale), group, deterministic)
 
 
 def _problem(spec: str, kinds: Tensor, need: tuple, *captured) -> FlexProblem:
@@ -75,7 +76,7 @@ def _problem(spec: str, kinds: Tensor, need: tuple, *captured) -> FlexProblem:
 def _cached_problem(spec: str, kinds, need: tuple, *captured) -> FlexProblem:
     """_problem, cached per spec, layout and tensor identities, so that a repeated call
     reuses what the backends cache per problem (emitted kernels, block lists)."""
-    score, mask, n_score, block_q, block_k, scale, group = _decode(spec)
+    score, mask, n_score, block_q, block_k, scale, group, deterministic = _decode(spec)
     if isinstance(kinds, int):
         kinds = torch.full((1, 1, 1, 1), kinds, dtype=torch.uint8)
     captured = tuple(t.detach().requires_grad_(n) for t, n in zip(captured, need))
@@ -83,7 +84,7 @@ def _cached_problem(spec: str, kinds, need: tuple, *captured) -> FlexProblem:
     return FlexProblem(
         None if score is None else flex_ir.Mod("score", score, captured[:n_score]),
         None if mask is None else flex_ir.Mod("mask", mask, captured[n_score:]),
-        layout, scale, group)
+        layout, scale, group, deterministic)
 
 
 def _no_grads(captured) -> tuple:

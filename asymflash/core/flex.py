@@ -113,12 +113,15 @@ def allowed_matrix(layout: BlockLayout, batch: int, heads: int, seqlen_q: int, s
 @dataclass(frozen=True)
 class FlexProblem:
     """One flex call as every backend sees it: the traced mods (None: identity / no mask),
-    the block layout, the softmax scale and the GQA group (query heads per kv head)."""
+    the block layout, the softmax scale and the GQA group (query heads per kv head).
+    deterministic: the caller asked for bitwise reproducible gradients (flash_attn_func's
+    deterministic=True), which rules out atomics."""
     score: Optional[object]    # flex_ir.Mod of kind "score"
     mask: Optional[object]     # flex_ir.Mod of kind "mask"
     layout: BlockLayout
     scale: float
     group: int
+    deterministic: bool = False
 
     def captured_values(self) -> tuple:
         """(score_mod's captured tensors, mask_mod's captured tensors)."""

@@ -195,8 +195,12 @@ def _f(node):
     return node if node.dtype == _F32 else Op("cast", (node,), _F32)
 
 
-def derivative(root) -> Node:
-    """d root / d score as a tree (float32), symbolic. Gradients follow torch's
+def derivative(root, wrt=None) -> Node:
+    """d root / d score (wrt None) or d root / d a Load's value (wrt that Load) as a tree
+    (float32), symbolic. A Load's derivative sums over every place the equal Load occurs,
+    as autograd sums over uses. Index arithmetic is integer and carries no gradient, so a
+    Load whose index reads another Load gets the gradient at the position it read (as
+    torch's indexing backward gives), and the inner Load none. Gradients follow torch's
     conventions where they are a choice: abs'(0) = 0, and minimum/maximum split a tie
     evenly between their arguments."""
     memo: dict = {}
@@ -211,7 +215,9 @@ def derivative(root) -> Node:
 
     def _d(node):
         if isinstance(node, Input):
-            return ONE if node.name == "score" else ZERO
+            return ONE if wrt is None and node.name == "score" else ZERO
+        if isinstance(node, Load) and node == wrt:
+            return ONE
         if isinstance(node, (Const, Load)) or not is_float(node.dtype):
             return ZERO  # integer and boolean values carry no gradient
         name, args = node.name, node.args
@@ -264,6 +270,25 @@ def derivative(root) -> Node:
         raise NotImplementedError(f"asymflash: no derivative rule for op {name!r}")
 
     return d(root)
+
+
+def loads_of(root, slots) -> list:
+    """The distinct Loads of captured slots `slots` in the tree, in first-use order: each
+    reads its own position, so each is its own gradient target."""
+    found: list = []
+    seen: set = set()
+
+    def walk(node):
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        if isinstance(node, Load) and node.slot in slots and node not in found:
+            found.append(node)
+        for c in children(node):
+            walk(c)
+
+    walk(root)
+    return found
 
 
 def substitute(root, name: str, replacement):

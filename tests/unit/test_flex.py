@@ -281,6 +281,38 @@ def test_ir_evaluation_and_derivative(name):
     _close("d/dscore", slope.expand_as(auto), auto, 1e-5)
 
 
+def test_ir_derivative_with_respect_to_loads():
+    """d mod / d (each read of a learned tensor), scattered at the read's position, sums to
+    autograd's gradient of the tensor: reads used twice, two positions of one tensor, a
+    read inside min/where/exp, and a read whose index comes from another captured tensor."""
+    bias = torch.randn(3, 25, requires_grad=True)
+    temp = torch.rand(3, requires_grad=True)
+    pos = torch.randint(0, 5, (11,))
+
+    def fn(s, b, h, q, kv):
+        near = bias[h, q - kv + 12]
+        far = bias[h, pos[kv] - pos[q] + 4]
+        return torch.where(q > kv, torch.minimum(s * temp[h], near * near), s) \
+            + torch.exp(far) * temp[h]
+
+    mod = flex_trace.trace(fn, "score")
+    score = torch.randn(2, 3, 9, 11)
+    inputs = {"score": score, **_bhqk(score.shape)}
+    ds = torch.randn(2, 3, 9, 11)
+    want = torch.autograd.grad((_direct(fn, score) * ds).sum(), [bias, temp])
+    for slot, tensor, auto in zip((0, 1), (bias, temp), want):
+        got = torch.zeros_like(tensor)
+        index = next(i for i, t in enumerate(mod.captured) if t is tensor)
+        loads = flex_ir.loads_of(mod.root, {index})
+        assert len(loads) == (2 if tensor is bias else 1)
+        for load in loads:
+            slope = flex_ir.evaluate(flex_ir.derivative(mod.root, load), inputs, mod.captured)
+            where = [flex_ir.evaluate(i, inputs, mod.captured).long().expand_as(score)
+                     for i in load.index]
+            got.index_put_(tuple(where), (ds * slope).expand_as(score), accumulate=True)
+        _close(f"d/dslot{slot}", got, auto, 1e-4)
+
+
 def test_trace_cache_follows_captured_tensors():
     table = torch.randn(10)
 

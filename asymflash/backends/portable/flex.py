@@ -4,8 +4,8 @@ One program = BLOCK_M queries of one (batch, q head). It walks the kv blocks its
 lists: partial blocks apply mask_mod, full blocks skip it, unlisted blocks are never loaded.
 The score_mod and mask_mod are triton functions emitted from their expression trees
 (flex_emit.py) and passed as constexpr arguments, so each mod compiles into the kernel.
-The backward is flex_bwd.py; calls that need gradients of captured tensors take the tiled
-torch backend's (runtime/dispatch.pick_flex).
+The backward is flex_bwd.py, gradients of captured tensors included; calls with
+deterministic=True that need those take the tiled torch backend's (runtime/dispatch.pick_flex).
 """
 
 from __future__ import annotations
@@ -208,9 +208,21 @@ def block_lists(layout, device: str, seqlen_q, seqlen_k, bq, bk, batch, heads,
 
 def unsupported_flex_backward(q, k, v, problem):
     why = unsupported_flex(q, k, v, problem, True)
-    if why is None and any(t.requires_grad for t in problem.captured_values()[0]):
-        return "gradients of captured tensors (the tiled torch backend computes them)"
-    return why
+    if why is not None:
+        return why
+    slots = tuple(i for i, t in enumerate(problem.captured_values()[0]) if t.requires_grad)
+    if not slots:
+        return None
+    if problem.deterministic or torch.are_deterministic_algorithms_enabled():
+        return ("deterministic gradients of captured tensors (this backend adds them with "
+                "atomics)")
+    from .flex_bwd import grad_function
+
+    try:
+        grad_function(problem.score, slots)
+    except NotImplementedError as e:
+        return f"gradients of captured tensors: {e}"
+    return None
 
 
 def flex_backward(dout, dlse, q, k, v, out, lse, problem, captured_need_grad):

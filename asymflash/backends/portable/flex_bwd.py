@@ -5,8 +5,11 @@ P = exp(score_mod(s) - lse) is recomputed from the forward's lse. dQ: one progra
 (query tile, q head) walks the kv blocks its query block lists, as the forward. dK/dV: one
 program per (key tile, kv head) walks, for each q head of its GQA group, the query blocks
 that list its kv block (the BlockMask transposed). Every output element is written by one
-program: no atomics, deterministic. Gradients of captured tensors are not computed here (the
-dispatcher sends those calls to the tiled torch backend).
+program: no atomics, deterministic. Gradients of captured tensors (a learned bias table, ALiBi
+slopes) are scattered by the dQ kernel, which sees each score once: dS with respect to the
+score_mod's output times d score_mod / d (the value read), added with fp32 atomics at the
+position read (flex_emit.emit_grad_source). The atomics make those gradients, and only those,
+vary in the last bits from run to run.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ...core.flex import memo_by_identity
 from . import Config, head_blocks
 from .common import dot, load_rows, store_rows
 from .flex import block_lists, mod_functions, tiles
-from .flex_emit import captured_args
+from .flex_emit import captured_args, jit_grad_function
 
 # (BLOCK_M, BLOCK_N, warps, stages) per head-dim class, from a sweep of sm_90a builds of the
 # compile test's mods (tests/compile/test_flex_compile.py), fewest local-memory instructions:
@@ -28,13 +32,25 @@ from .flex_emit import captured_args
 # 31, dK/dV d=64 73. Not yet timed on a GPU; d=256 untested.
 _DQ_TILES = {64: Config(64, 32, 4, 2), 128: Config(128, 32, 8, 2), 256: Config(32, 32, 8, 2)}
 _DKDV_TILES = {64: Config(32, 64, 4, 2), 128: Config(32, 64, 8, 2), 256: Config(32, 32, 8, 2)}
+# dQ scattering a captured tensor's gradient (the compile test's bias table[h, q - kv + c]):
+# the position and slope tiles cost registers; same sweep, d=64 32x32/4 warps: 18 local
+# instructions (64x32/4: 54, 64x32/8: 21); d=128 128x16/8: 75 (128x32/8: 147, 64x32/8: 287).
+_DQ_GRAD_TILES = {64: Config(32, 32, 4, 2), 128: Config(128, 16, 8, 2),
+                  256: Config(32, 32, 8, 2)}
 
 
 @triton.jit
-def _tile_ds(q, k, v, do, lse2, delta, rows, cols, b, h, seqlen_q, seqlen_k, scale, C,
+def _no_grads(ds, score, b, h, q_idx, kv_idx, inb, C, G):
+    pass
+
+
+@triton.jit
+def _tile_ds(q, k, v, do, lse2, delta, rows, cols, b, h, seqlen_q, seqlen_k, scale, C, G,
              SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, DMOD: tl.constexpr,
-             HAS_SCORE: tl.constexpr, APPLY_MASK: tl.constexpr):
-    """P and dS (with respect to the raw scaled score) of one tile."""
+             GRAD_MOD: tl.constexpr, HAS_SCORE: tl.constexpr, APPLY_MASK: tl.constexpr,
+             SCATTER: tl.constexpr):
+    """P and dS (with respect to the raw scaled score) of one tile; with SCATTER, also the
+    captured tensors' gradients of the tile into G."""
     raw = dot(q, tl.trans(k), None) * scale
     q_idx = rows[:, None]
     kv_idx = cols[None, :]
@@ -47,6 +63,8 @@ def _tile_ds(q, k, v, do, lse2, delta, rows, cols, b, h, seqlen_q, seqlen_k, sca
     p = tl.where(ok, tl.exp2(s * 1.4426950408889634 - lse2[:, None]), 0.0)
     dp = dot(do, tl.trans(v), None)
     ds = p * (dp - delta[:, None])
+    if SCATTER:  # ds is still d loss / d score_mod's output here, as the chain rule wants
+        GRAD_MOD(ds, raw, b, h, q_idx, kv_idx, p > 0, C, G)
     if HAS_SCORE:  # masked or -inf scores may have inf/nan slopes: they carry no gradient
         ds = tl.where(p > 0, ds * DMOD(raw, b, h, q_idx, kv_idx, ok, C), 0.0)
     return p, ds
@@ -65,17 +83,19 @@ def _row_stats(LSE, DELTA, bh, rows, seqlen_q):
 
 @triton.jit
 def flex_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, NUM, IDX, C,
+    Q, K, V, DO, LSE, DELTA, DQ, NUM, IDX, C, G,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
     stride_nb, stride_nh, stride_nk, stride_nq, stride_ib, stride_ih, stride_ik, stride_iq,
     nheads, group, seqlen_q, seqlen_k, scale,
     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, DMOD: tl.constexpr,
+    GRAD_MOD: tl.constexpr, HAS_GRAD: tl.constexpr,
     HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
 ):
-    """NUM (B, H, 2, nQB) / IDX (B, H, 2, nQB, nKB): partial (0) and full (1) kv lists."""
+    """NUM (B, H, 2, nQB) / IDX (B, H, 2, nQB, nKB): partial (0) and full (1) kv lists.
+    G: (ptr, strides) of each fp32 captured-gradient buffer (GRAD_MOD scatters into it)."""
     bh = tl.program_id(1)
     b = bh // nheads
     h = bh % nheads
@@ -102,8 +122,8 @@ def flex_bwd_dq_kernel(
                 k = load_rows(K_bh, 0, cols, seqlen_k, stride_kn, offs_d, D)
                 v = load_rows(V_bh, 0, cols, seqlen_k, stride_vn, offs_dv, DV)
                 _, ds = _tile_ds(q, k, v, do, lse2, delta, rows, cols, b, h, seqlen_q,
-                                 seqlen_k, scale, C, SCORE_MOD, MASK_MOD, DMOD, HAS_SCORE,
-                                 HAS_MASK and kind == 0)
+                                 seqlen_k, scale, C, G, SCORE_MOD, MASK_MOD, DMOD, GRAD_MOD,
+                                 HAS_SCORE, HAS_MASK and kind == 0, HAS_GRAD)
                 dq = dot(ds.to(k.dtype), k, dq)
     store_rows(DQ + bh.to(tl.int64) * seqlen_q * D, 0, rows, seqlen_q, D, offs_d, D,
                (dq * scale).to(DQ.dtype.element_ty))
@@ -152,8 +172,8 @@ def flex_bwd_dkdv_kernel(
                     do = load_rows(DO_bh, 0, rows, seqlen_q, stride_dom, offs_dv, DV)
                     lse2, delta = _row_stats(LSE, DELTA, bh, rows, seqlen_q)
                     p, ds = _tile_ds(q, k, v, do, lse2, delta, rows, cols, b, h, seqlen_q,
-                                     seqlen_k, scale, C, SCORE_MOD, MASK_MOD, DMOD, HAS_SCORE,
-                                     HAS_MASK and kind == 0)
+                                     seqlen_k, scale, C, C, SCORE_MOD, MASK_MOD, DMOD,
+                                     _no_grads, HAS_SCORE, HAS_MASK and kind == 0, False)
                     dv = dot(tl.trans(p.to(do.dtype)), do, dv)
                     dk = dot(tl.trans(ds.to(q.dtype)), q, dk)
     base = bhk.to(tl.int64) * seqlen_k
@@ -166,6 +186,8 @@ def flex_bwd_dkdv_kernel(
 def flex_backward(dout, dlse, q, k, v, out, lse, problem, captured_need_grad):
     batch, heads, seqlen_q, d = q.shape
     heads_kv, seqlen_k, dv = k.shape[1], k.shape[2], v.shape[-1]
+    if dout.stride(-1) != 1:  # the kernels read rows with unit stride (out.sum()'s
+        dout = dout.contiguous()  # gradient is an expanded tensor, all strides 0)
     delta = (dout.float() * out.float()).sum(-1)
     if dlse is not None:  # a gradient into lse adds p * dlse to dS: the same as lowering delta
         delta = delta - dlse.float()
@@ -188,12 +210,18 @@ def flex_backward(dout, dlse, q, k, v, out, lse, problem, captured_need_grad):
         return meta, (bq, bk)
 
     where = (str(q.device), seqlen_q, seqlen_k)
-    meta, blocks = plan(_DQ_TILES)
+    slots = grad_slots(captured_need_grad)
+    meta, blocks = plan(_DQ_GRAD_TILES if slots else _DQ_TILES)
     num, idx = block_lists(problem.layout, *where, *blocks, batch, heads, False)
     dq = torch.empty(batch, heads, seqlen_q, d, dtype=q.dtype, device=q.device)
+    buffers = [torch.zeros(captured[i].shape, dtype=torch.float32, device=q.device)
+               for i in slots]
+    grads = [(g, tuple(int(s) for s in g.stride())) for g in buffers]
     flex_bwd_dq_kernel[(triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * heads)](
-        q, k, v, dout, lse, delta, dq, num, idx, cap, *strides, *num.stride(),
-        *idx.stride()[:4], heads, problem.group, seqlen_q, seqlen_k, problem.scale, **meta)
+        q, k, v, dout, lse, delta, dq, num, idx, cap, (*(x for g in grads for x in g), 0),
+        *strides, *num.stride(), *idx.stride()[:4], heads, problem.group, seqlen_q,
+        seqlen_k, problem.scale, GRAD_MOD=grad_function(score, slots) if slots else _no_grads,
+        HAS_GRAD=bool(slots), **meta)
     meta, blocks = plan(_DKDV_TILES)
     num, idx = block_lists(problem.layout, *where, *blocks, batch, heads, True)
     dk = torch.empty(batch, heads_kv, seqlen_k, d, dtype=k.dtype, device=q.device)
@@ -202,4 +230,19 @@ def flex_backward(dout, dlse, q, k, v, out, lse, problem, captured_need_grad):
         q, k, v, dout, lse, delta, dk, dvt, num, idx, cap, *strides, *num.stride(),
         *idx.stride()[:4], heads, heads_kv, problem.group, seqlen_q, seqlen_k, problem.scale,
         **meta)
-    return dq, dk, dvt, [None] * len(problem.captured_values()[0])
+    dcap = [None] * len(problem.captured_values()[0])
+    for i, g in zip(slots, buffers):
+        dcap[i] = g.to(captured[i].dtype)
+    return dq, dk, dvt, dcap
+
+
+def grad_slots(captured_need_grad) -> tuple:
+    """The score_mod's captured slots whose gradients are wanted."""
+    return tuple(i for i, need in enumerate(captured_need_grad or ()) if need)
+
+
+@memo_by_identity(128)
+def grad_function(score, slots: tuple):
+    """The emitted scatter of the gradients of captured slots `slots` (flex_emit);
+    NotImplementedError names what has no derivative or no triton form."""
+    return jit_grad_function(score.root, slots)

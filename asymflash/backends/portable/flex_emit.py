@@ -7,9 +7,11 @@ The emitted function has the signature
 score an fp32 tile, b and h scalars, q_idx (BLOCK_M, 1) and kv_idx (1, BLOCK_N) int32, inb
 the tile's in-bounds mask and C the tuple (ptr_0, sizes_0, strides_0, ptr_1, ...) of the
 captured tensors; it returns a tile of inb's shape. Negative indices count from the end (as
-in torch); a read out of range (an error in torch) gives 0, never a stray address. Triton needs a
-function's source in a file, so each distinct tree becomes a small module in a cache
-directory, named by the hash of its source, and is imported from there once per process.
+in torch); a read out of range (an error in torch) gives 0, never a stray address. The
+backward's gradient scatter for captured tensors (emit_grad_source) is emitted the same way,
+from the derivative trees with respect to each read. Triton needs a function's source in a
+file, so each distinct tree becomes a small module in a cache directory, named by the hash
+of its source, and is imported from there once per process.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import tempfile
 
 import torch
 
-from ...core.flex_ir import Const, Input, Load
+from ...core.flex_ir import ZERO, Const, Input, Load, derivative, loads_of, uses
 
 _TL_DTYPES = {
     torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
@@ -70,17 +72,26 @@ def _const(node: Const) -> str:
     return repr(float(v))
 
 
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _all(terms: list) -> str:
+    """The conjunction of boolean expressions. Under the interpreter as selects: triton
+    3.9's interpreter makes `&` of a scalar and a tile an int32 array, which it then refuses
+    as a load or store mask. Compiled, `&` (selects cost spills in the dQ kernel's scatter)."""
+    if not _interpreted():
+        return " & ".join(f"({term})" for term in terms)
+    expr = terms[-1]
+    for term in reversed(terms[:-1]):
+        expr = f"tl.where({term}, {expr}, False)"
+    return expr
+
+
 class _Emitter:
     def __init__(self):
         self.lines: list = []
         self.names: dict = {}
-        self.count = 0
-
-    def fresh(self) -> str:
-        """A temporary's name no other line has taken (names are assigned once each: a
-        subtree's name is reused wherever the subtree recurs)."""
-        self.count += 1
-        return f"t{self.count - 1}"
 
     def value(self, node) -> str:
         key = id(node)
@@ -91,12 +102,16 @@ class _Emitter:
         elif isinstance(node, Const):
             expr = _const(node)
         else:
-            expr = self.compute(node)
-            name = self.fresh()
-            self.lines.append(f"    {name} = {expr}")
-            expr = name
+            expr = self.assign(self.compute(node))
         self.names[key] = (node, expr)
         return expr
+
+    def assign(self, expr: str) -> str:
+        """A fresh name bound to expr. expr must be complete first: building it may emit
+        lines of its own, and a name taken before those would be reused by them."""
+        name = f"t{len(self.lines)}"
+        self.lines.append(f"    {name} = {expr}")
+        return name
 
     def as_float(self, node) -> str:
         v = self.value(node)
@@ -130,7 +145,11 @@ class _Emitter:
             return f"({a}) {_CMP[name]} ({b})"
         if name in ("and", "or"):
             a, b = (self.value(a) for a in args)
-            return f"({a}) {'&' if name == 'and' else '|'} ({b})"
+            if node.dtype == torch.bool:
+                if name == "and":
+                    return _all([a, b])
+                return f"tl.where({a}, True, {b})" if _interpreted() else f"({a}) | ({b})"
+            return f"({a}) {'&' if name == 'and' else '|'} ({b})"  # bitwise, on integers
         if name == "not":
             return f"({self.value(args[0])}) == 0"
         ops = self.operands(node)
@@ -156,25 +175,64 @@ class _Emitter:
             return f"_remainder_int({ops[0]}, {ops[1]})"
         raise NotImplementedError(f"asymflash: no triton form for op {name!r}")
 
+    def position(self, node: Load) -> list:
+        """The names of a Load's indices, negative ones counted from the end as torch's
+        indexing does (emitted once per Load, shared by its read and its scatter)."""
+        key = ("position", node)
+        if key in self.names:
+            return self.names[key]
+        size = f"C[{3 * node.slot + 1}]"  # C = (ptr, sizes, strides) per captured tensor
+        out = []
+        for dim, idx in enumerate(node.index):
+            i = self.value(idx)
+            out.append(self.assign(f"tl.where(({i}) < 0, ({i}) + {size}[{dim}], {i})"))
+        self.names[key] = out
+        return out
+
+    def address(self, node: Load, ptr: str, strides: str):
+        """(ptr + offset, in range) of a Load's element in a tensor of the captured one's
+        shape, given as ptr and strides expressions. The range check alone keeps every
+        address inside the tensor: padded rows and columns reach some valid element, which
+        the kernel's own mask discards."""
+        size = f"C[{3 * node.slot + 1}]"
+        pos = self.position(node)
+        offset = " + ".join(f"{i} * {strides}[{d}]" for d, i in enumerate(pos))
+        ok = _all([f"({i} >= 0) & ({i} < {size}[{d}])" for d, i in enumerate(pos)])
+        return f"{ptr} + {offset}", ok
+
     def load(self, node: Load) -> str:
-        base = 3 * node.slot  # C = (ptr, sizes, strides) per captured tensor
+        base = 3 * node.slot
         if not node.index:
             return f"tl.load(C[{base}])"
-        # Negative indices count from the end, as torch's indexing does. An index still
-        # outside the tensor reads 0; the load itself goes to a clamped, valid address (the
-        # padded rows and columns of a tile land there too, and the kernel's own mask
-        # discards them). Selecting after the load rather than masking it: triton 3.9's
-        # interpreter builds an int32 mask from a scalar and a tile, which its load refuses.
-        offset, ok = [], []
-        for dim, idx in enumerate(node.index):
-            size, value = f"C[{base + 1}][{dim}]", self.value(idx)
-            i = self.fresh()
-            self.lines.append(f"    {i} = tl.where(({value}) < 0, ({value}) + {size}, {value})")
-            offset.append(f"tl.minimum(tl.maximum({i}, 0), {size} - 1) * C[{base + 2}][{dim}]")
-            ok.append(f"({i} >= 0) & ({i} < {size})")
-        loaded = f"tl.load(C[{base}] + {' + '.join(offset)})"
-        zero = "False" if node.dtype == torch.bool else "0"
-        return f"tl.where({' & '.join(ok)}, {loaded}, {zero})"
+        addr, ok = self.address(node, f"C[{base}]", f"C[{base + 2}]")
+        return f"tl.load({addr}, mask={ok}, other=0)"
+
+    def scatter(self, node: Load, slope, g: int):
+        """Emit dS * slope added into gradient buffer g (G = (ptr, strides) per buffer) at
+        the Load's position. The tile is first summed over the axes the position does not
+        vary along (a per-head scalar takes one atomic per tile, not one per element)."""
+        val = self.assign(f"tl.where(inb, ds * ({self.as_float(slope)}), 0.0)")
+        if not node.index:
+            self.atomic_add(f"G[{2 * g}]", f"tl.sum({val})", None)
+            return
+        addr, ok = self.address(node, f"G[{2 * g}]", f"G[{2 * g + 1}]")
+        rows = any(uses(i, "q_idx") or uses(i, "score") for i in node.index)
+        cols = any(uses(i, "kv_idx") or uses(i, "score") for i in node.index)
+        if not rows and not cols:
+            self.atomic_add(addr, f"tl.sum({val})", ok)
+            return
+        live = "inb"
+        if not (rows and cols):  # a row or a column: reduce the other axis first
+            axis = 1 if rows else 0
+            val = self.assign(f"tl.sum({val}, {axis}, keep_dims=True)")
+            live = f"tl.max(inb.to(tl.int32), {axis}, keep_dims=True) > 0"
+        self.atomic_add(addr, val, _all([ok, live]))
+
+    def atomic_add(self, addr: str, val: str, mask):
+        # relaxed: the adds commute and nothing reads the buffer in this kernel, so the
+        # default acq_rel's ordering would only cost (and keep ptxas from a RED)
+        mask = "" if mask is None else f", mask={mask}"
+        self.lines.append(f"    tl.atomic_add({addr}, {val}{mask}, sem='relaxed')")
 
 
 def emit_source(root, fn_name: str = "mod") -> str:
@@ -190,6 +248,22 @@ def emit_source(root, fn_name: str = "mod") -> str:
     if root.dtype != torch.bool:
         args = "score, " + args
     return f"{_HEADER}\n\n@triton.jit\ndef {fn_name}({args}):\n{body}\n    return {ret}\n"
+
+
+def emit_grad_source(root, slots, fn_name: str = "grad") -> str:
+    """The source of a module defining fn_name(ds, score, b, h, q_idx, kv_idx, inb, C, G):
+    for each Load of a captured slot in `slots` (the tensors that want gradients, in
+    order; G holds one (ptr, strides) fp32 buffer per slot), add ds * d root / d that
+    Load's value at its position, where inb holds. ds is the gradient with respect to the
+    mod's output; score the raw score the mod was given."""
+    em = _Emitter()
+    for load in loads_of(root, slots):
+        slope = derivative(root, load)
+        if slope != ZERO:  # read only for an index or a condition: its gradient stays 0
+            em.scatter(load, slope, slots.index(load.slot))
+    body = "\n".join(em.lines) or "    pass"
+    return (f"{_HEADER}\n\n@triton.jit\n"
+            f"def {fn_name}(ds, score, b, h, q_idx, kv_idx, inb, C, G):\n{body}\n")
 
 
 def _cache_dir() -> str:
@@ -210,7 +284,16 @@ _MODULES: dict = {}
 
 def jit_function(root, fn_name: str = "mod"):
     """The jitted triton function of a tree, compiled once per process per source."""
-    source = emit_source(root, fn_name)
+    return jit_source(emit_source(root, fn_name), fn_name)
+
+
+def jit_grad_function(root, slots):
+    """The jitted scatter of captured-tensor gradients (emit_grad_source)."""
+    return jit_source(emit_grad_source(root, tuple(slots)), "grad")
+
+
+def jit_source(source: str, fn_name: str):
+    """fn_name of a generated module's source, imported once per process per source."""
     digest = hashlib.sha1(source.encode()).hexdigest()[:20]
     fn = _MODULES.get(digest)
     if fn is not None:
