@@ -74,6 +74,7 @@ try:  # Gluon is optional: a CPU-only or older triton must still import this mod
 except Exception as exc:  # noqa: BLE001 - any import failure means: no fast path
     GLUON_ERROR = f"triton.experimental.gluon (Hopper) not importable: {exc!r}"
 
+
 @functools.lru_cache(maxsize=None)
 def sm90_ptxas_major() -> int:
     """Major CUDA release of the ptxas Triton assembles sm_90a with: 12 (CUDA 12.9) up to

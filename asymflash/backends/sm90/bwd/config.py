@@ -278,7 +278,7 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
             # dK after dQ keeps dK's accumulator in flight beside dQ's; CUDA 13's ptxas
             # (triton 3.9) spills that far more than CUDA 12.9's (sm_90a local-memory
             # instructions, with common.ptxas13_register_options: 84 -> 34 unmasked
-            # persistent, 144 -> 51 causal; 31 / 40 on triton 3.8 / 3.6 with it on).
+            # persistent, 144 -> 51 causal; with it on, triton 3.8 31 unmasked, 3.6 41 / 40).
             # With CUDA 12's it was a tie unmasked and 5 % causal (BwdConfig.ws_dk_after_dq;
             # not timed with CUDA 13's).
             cfg = replace(cfg, ws_dk_after_dq=False)
