@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 from sass_report import Budgets, sass_report, sm90_build, within_budget
 
+from asymflash.backends.sm90 import common
 from asymflash.backends.sm90.bwd import host as bwd
 from asymflash.core import schedule
 
@@ -355,7 +356,9 @@ def test_defaults_where_the_h200_measured_a_gain():
         assert det.ws_persistent == persistent and det.split_warpgroups, rows
     assert not sel(64, masked=True, window=True, deterministic=True,
                    max_seqlen_q=512).ws_persistent
-    assert sel(128).ws_dk_after_dq and not sel(128, deterministic=True).ws_dk_after_dq
+    # (off with CUDA 13's ptxas: select_config)
+    assert sel(128).ws_dk_after_dq == (common.sm90_ptxas_major() < 13)
+    assert not sel(128, deterministic=True).ws_dk_after_dq
     def plan(seqlen):  # d=256, non-causal, batch * seqlen = 16k
         return bwd.launch_plan(256, 256, seqlen, seqlen, True, False, -1, -1, False, False,
                                16384 // seqlen, 8, 132, None)

@@ -74,6 +74,46 @@ try:  # Gluon is optional: a CPU-only or older triton must still import this mod
 except Exception as exc:  # noqa: BLE001 - any import failure means: no fast path
     GLUON_ERROR = f"triton.experimental.gluon (Hopper) not importable: {exc!r}"
 
+
+@functools.lru_cache(maxsize=None)
+def sm90_ptxas_major() -> int:
+    """Major CUDA release of the ptxas Triton assembles sm_90a with: 12 (CUDA 12.9) up to
+    triton 3.8, 13 from 3.9 (which takes its Blackwell ptxas for Hopper too). Runs
+    `ptxas --version` once."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return int(get_ptxas(90).version.split(".")[0])
+
+
+@functools.lru_cache(maxsize=None)
+def ptxas13_register_options(warp_specialized: bool) -> dict:
+    """Compile options that keep CUDA 13's ptxas from spilling the backward's registers
+    (none where Triton assembles sm_90a with CUDA 12's, whose SASS they would change).
+
+    CUDA 13's ptxas, with the `--regAllocOptLevel=2` Triton passes it (Triton's own
+    workaround of a ptxas 13 bug, left alone here), computes loop-invariant values such as
+    the wgmma descriptors of a tile's K/V chunks once, in ordinary registers, and spills
+    them, where CUDA 12.9's derived them inside the step loop in uniform registers: the same
+    PTX spills several times more (docs/triton-versions.md has the numbers).
+    warp_specialized: the bwd_ws kernel, whose partitions live under setmaxnreg budgets;
+    LLVM's register-pressure scheduling (`sched4reg`, a Triton option from 3.9) hands ptxas
+    PTX with fewer values live at once (d=128: 233 -> 84 local-memory instructions). The
+    synchronous 8-warp bodies, at the 255-register limit, spilled more with it; there
+    ptxas's `--register-usage-level` below its default of 5 (it inhibits the optimisations
+    that raise register usage) spilled less (d=256: 16 -> 8)."""
+    if sm90_ptxas_major() < 13:
+        return {}
+    if warp_specialized:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        return {"sched4reg": True} if "sched4reg" in CUDAOptions.__dataclass_fields__ else {}
+    from triton import knobs
+
+    # after the user's TRITON_PTXAS_OPTIONS (read once), which the option would replace
+    return {"ptx_options": " ".join(filter(None, (knobs.nvidia.ptxas_options,
+                                                  "--register-usage-level=2")))}
+
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # compiled widths: tensor shapes are powers of two

@@ -210,6 +210,13 @@ def _splits_warpgroups(head_dim: int, cfg: BwdConfig, softcap: bool) -> bool:
             and not softcap)
 
 
+def _ptxas13() -> bool:
+    """Whether Triton assembles sm_90a with CUDA 13's ptxas (`common.sm90_ptxas_major`)."""
+    from .. import common
+
+    return common.GLUON_ERROR is None and common.sm90_ptxas_major() >= 13
+
+
 def select_config(head_dim: int, override: BwdConfig | None = None,
                   softcap: bool = False, deterministic: bool = False,
                   masked: bool = False, max_seqlen_q: int | None = None,
@@ -267,6 +274,14 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
             # Sliding windows were not timed: they stay.
             cfg = replace(cfg, split_warpgroups=True, ws_dq_warp=True, dq_fragment=True,
                           dq_swizzle=128)
+        if head_dim == 128 and not deterministic and _ptxas13():
+            # dK after dQ keeps dK's accumulator in flight beside dQ's; CUDA 13's ptxas
+            # (triton 3.9) spills that far more than CUDA 12.9's (sm_90a local-memory
+            # instructions, with common.ptxas13_register_options: 84 -> 34 unmasked
+            # persistent, 144 -> 51 causal; with it on, triton 3.8 31 unmasked, 3.6 41 / 40).
+            # With CUDA 12's it was a tie unmasked and 5 % causal (BwdConfig.ws_dk_after_dq;
+            # not timed with CUDA 13's).
+            cfg = replace(cfg, ws_dk_after_dq=False)
         short = max_seqlen_q is not None and max_seqlen_q <= 1024
         if not (deterministic or masked or softcap) and (head_dim == 128 or (
                 head_dim == 64 and short)):

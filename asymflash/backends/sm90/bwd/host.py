@@ -127,8 +127,10 @@ def _launch_options(split: bool, cfg: BwdConfig) -> dict:
     # bwd_ws: 4 warps per compute warpgroup (the default partition is one), the load warp
     # padded to a warpgroup; maxnreg is the pool the partitions' setmaxnreg draw from
     # (168 * 384 = 64512 <= 64K registers).
-    # kernel.py's bodies: two warpgroups (their MMA layouts assume exactly 8 warps)
-    return {"num_warps": 4, "maxnreg": 168} if split else {"num_warps": 8}
+    # kernel.py's bodies: two warpgroups (their MMA layouts assume exactly 8 warps).
+    # With CUDA 13's ptxas (triton 3.9 on), options that keep its spills down.
+    return ({"num_warps": 4, "maxnreg": 168} if split else {"num_warps": 8}) | \
+        common.ptxas13_register_options(split)
 
 
 
