@@ -36,14 +36,6 @@ def mesh():
         dist.destroy_process_group()
 
 
-@pytest.fixture
-def registered():
-    torch_sdpa.register()
-    torch_sdpa.stats.clear()
-    yield
-    torch_sdpa.unregister()
-
-
 def _unshard(mesh, tensors):
     """The full-sequence view of context-parallel shards (dim 2), where torch offers it."""
     try:

@@ -21,14 +21,6 @@ if not torch.cuda.is_available():
 DEV = "cuda"
 
 
-@pytest.fixture
-def registered():
-    torch_sdpa.register()
-    torch_sdpa.stats.clear()
-    yield
-    torch_sdpa.unregister()
-
-
 def qkv(b, hq, hk, sq, sk, d, dtype=torch.bfloat16, seed=0, bshd=True):
     g = torch.Generator(device=DEV).manual_seed(seed)
 
