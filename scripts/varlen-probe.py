@@ -11,8 +11,12 @@ tile, not a row's arithmetic: equal bits are expected; more than a bf16 rounding
     PYTHONPATH=. python scripts/varlen-probe.py [--case varlen-docs-llama3-8b] [--seed 0 1 2]
 
 Several seeds draw other document mixes of the same distribution: tune to the kind, not to
-one draw. Prints one table row per (seed, variant): ms, TFLOP/s (causal pairs only), ratio
-to the default; JSON under $OUT (or ./out).
+one draw. --replay (no GPU) replays the plain grid's longest-first launch order on the host
+instead, each CTA to the first SM that frees up: how balanced it is against the bound
+(total work / SMs), and how many of its CTAs find no rows (tiles past their document's end).
+
+Prints one table row per (seed, variant): ms, TFLOP/s (causal pairs only), ratio to the
+default; JSON under $OUT (or ./out).
 """
 
 from __future__ import annotations
@@ -73,6 +77,36 @@ def _probe_draw(case, seed, fa4, rep) -> list:
                  wrong=wrong) for name, (ms, diff, wrong) in results.items()]
 
 
+def replay(case, seed, sms=132, block_m=128, block_n=128, overhead=1.5, dead=0.05) -> dict:
+    """The plain grid's schedule of one document mix on the host, work in key blocks per
+    tile (+ `overhead` for the Q load, the first wait and the epilogue; a CTA past its
+    document's end costs `dead`): makespan over the bound, and the same for the ideal
+    longest-first order of live tiles only."""
+    import heapq
+
+    lens, heads = case.doc_lens, case.nheads
+
+    def cost(m, n):  # causal: a tile sees the key blocks up to its last row
+        return -(-min((m + 1) * block_m, n) // block_n) + overhead
+
+    num_m_blocks = -(-max(lens) // block_m)
+    launch = [cost(m, n) if m * block_m < n else dead
+              for m in range(num_m_blocks - 1, -1, -1) for n in lens for _ in range(heads)]
+    live = sorted((c for c in launch if c != dead), reverse=True)
+
+    def makespan(costs):
+        free = [0.0] * sms
+        for c in costs:
+            heapq.heapreplace(free, free[0] + c)
+        return max(free)
+
+    bound = max(sum(live) / sms, live[0])
+    return dict(seed=seed, docs=len(lens), longest=max(lens), live=len(live),
+                empty=len(launch) - len(live), plain_lpt=makespan(launch) / bound,
+                ideal_lpt=makespan(live) / bound,
+                overhead_share=overhead * len(live) / sum(live))
+
+
 def main(argv=None) -> int:
     from asymflash.bench.models import doc_lengths, models_suite, select_cases
 
@@ -81,7 +115,20 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--rep", type=int, default=100, help="ms of timing per variant")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    p.add_argument("--replay", action="store_true", help="host replay of the plain grid only")
     args = p.parse_args(argv)
+    base = select_cases(models_suite(), [args.case])[0]
+    median, sigma, cap, _ = base.doc_dist
+    if args.replay:
+        print("| seed | docs | longest | live CTAs | empty CTAs | plain LPT / bound | "
+              "ideal LPT / bound | fixed share |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for seed in args.seed:
+            lens = doc_lengths(base.seqlen_q, cap, median, sigma, seed)
+            r = replay(dataclasses.replace(base, doc_lens=lens), seed)
+            print(f"| {seed} | {r['docs']} | {r['longest']} | {r['live']} | {r['empty']} | "
+                  f"{r['plain_lpt']:.3f} | {r['ideal_lpt']:.3f} | {r['overhead_share']:.2f} |")
+        return 0
     if not torch.cuda.is_available():
         print("varlen-probe: needs the GPU", file=sys.stderr)
         return 2
@@ -89,8 +136,6 @@ def main(argv=None) -> int:
         import flash_attn.cute as fa4
     except ImportError:
         fa4 = None
-    base = select_cases(models_suite(), [args.case])[0]
-    median, sigma, cap, _ = base.doc_dist
     rows = []
     for seed in args.seed:
         lens = doc_lengths(base.seqlen_q, cap, median, sigma, seed)
