@@ -37,7 +37,7 @@ def prefetch_triton_key():
     try:
         # Imported here: an import inside the thread could contend with the program's own.
         import triton.runtime.cache  # noqa: F401
-    except ImportError:
+    except Exception:  # no Triton, or a broken one: the backends report it when asked
         return None
     _started = True
     thread = threading.Thread(target=_hash_triton, name="asymflash-triton-key", daemon=True)
