@@ -63,17 +63,21 @@ def assert_fp8_close(out, lse, ref):
         assert max_err(lse[finite], lse64[finite]) <= bound
 
 
-# The sm90 fp8 kernel (`api.fp8.kernel_forward`) rounds P to e4m3 for P·V, as FA3 does:
-# each weight then carries a relative error of at most 2^-4 (half a step of e4m3's 3-bit
-# mantissa; P is scaled by 2^8 first, so weights down to 2^-18 of a row's max stay normal
-# or round to at most 2^-18 absolute), where the bf16 computation of the FA rule rounds P
-# to 8 bits (2^-9): that rule's baseline cannot bound it. Bound instead, per element:
-#   |out - ref| <= (2^-4 + e_s) * sum_j p_j |v_j| / l + bf16 rounding of out + 1e-3,
-# sum_j p_j |v_j| / l being attention of |v| with the same weights (fp64), and e_s the
-# error of the scores themselves: the fp8 wgmma's accumulator keeps ~14 bits of mantissa
-# (DeepSeek-V3 report, H800), so |ds| <= 2^-12 * scale * |q| |k| (Cauchy-Schwarz, 4x
-# margin). lse (from the fp32 row sum of unquantised P) is off by at most max |ds|.
-P_E4M3_REL = 2.0 ** -4
+# The sm90 fp8 kernel (`api.fp8.kernel_forward`) rounds P to e4m3 for P·V, as FA3 does,
+# where the bf16 computation of the FA rule rounds P to 8 bits: that rule's baseline cannot
+# bound it. P is scaled by 2^8 (the row max's weight is 256) and reaches e4m3 through fp16:
+# - a normal weight (>= 2^-6 scaled) is off by at most 2^-4 of itself (half a step of the
+#   3-bit mantissa) plus 2^-10 (the fp16 rounding before it: double rounding);
+# - a subnormal one by at most 2^-10 absolute (half of e4m3's 2^-9 spacing), i.e. 2^-18 of
+#   the row sum l >= 256, whatever the running max was when it was rounded (alpha <= 1);
+# - the scores themselves: the fp8 wgmma's accumulator keeps ~14 bits of mantissa
+#   (DeepSeek-V3 report, H800), so |ds| <= 2^-12 scale |q| |k| (Cauchy-Schwarz, 4x margin),
+#   which moves each weight by a factor exp(+-ds).
+# Per element: |out - ref| <= (2^-4 + 2^-10 + e_s) sum_j p_j |v_j| / l + 2^-18 sum_j |v_j|
+#   + bf16 rounding of out + 1e-3, sum_j p_j |v_j| / l being attention of |v| with the same
+# weights (fp64). lse comes from the fp32 sum of unrounded P: off by at most max |ds|.
+P_E4M3_REL = 2.0 ** -4 + 2.0 ** -10
+P_E4M3_SUBNORMAL = 2.0 ** -18
 S_ACC_REL = 2.0 ** -12
 
 
@@ -85,11 +89,12 @@ def p_e4m3_bound(q8, k8, v8, descales, softmax_scale=None, **kw):
     scale = softmax_scale or qd.shape[-1] ** -0.5
     absv, _ = attention_ref(qd, kd, vd.abs(), softmax_scale=softmax_scale,
                             compute_dtype=torch.float64, **kw)
-    # per row: |q_r| * max_j |k_j| of the row's kv head (natural-log units)
     group = qd.shape[2] // kd.shape[2]
+    # per row: |q_r| * max_j |k_j| of the row's kv head (natural-log units)
     k_norm = kd.norm(dim=-1).amax(dim=1).repeat_interleave(group, dim=1)  # (batch, heads)
     e_s = S_ACC_REL * scale * qd.norm(dim=-1) * k_norm[:, None, :]  # (batch, seqlen_q, heads)
-    out_bound = (P_E4M3_REL + e_s[..., None]) * absv + 1e-3
+    v_sum = vd.abs().sum(dim=1).repeat_interleave(group, dim=1)[:, None]  # every key
+    out_bound = (P_E4M3_REL + e_s[..., None]) * absv + P_E4M3_SUBNORMAL * v_sum + 1e-3
     return out_bound, e_s.transpose(1, 2) + 1e-4
 
 

@@ -72,3 +72,55 @@ def test_fp8_plan_is_built_for_e4m3():
     plain = host.launch_plan(128, 128, 4096, 4096, True, False, -1, 0, False, False, 2, 16,
                              4, 132, None, host.NO_TRICKS)
     assert plain.constexprs["FP8"] is False
+
+
+def _emulated_kernel(q8, k8, v8, descales, causal):
+    """The fp8 kernel's numerics in torch: fp32 scores of the e4m3 values with the descales
+    in the scale, 128-key blocks with a running max, P = 2^8 exp2(s - m) rounded to fp16 and
+    then e4m3 for P·V, the row sum of the unrounded P, v_descale on O; lse from the max and
+    the sum. (The fp8 wgmma's reduced accumulator precision is not modelled.)"""
+    qd, kd, vd = descales
+    batch, sq, hq, d = q8.shape
+    sk, hkv = k8.shape[1], k8.shape[2]
+    g = hq // hkv
+    out = torch.empty(batch, sq, hq, d)
+    lse = torch.empty(batch, hq, sq)
+    log2e = 1.4426950408889634
+    for b in range(batch):
+        for h in range(hq):
+            kh = h // g
+            scale = d ** -0.5 * log2e * qd[b, kh].item() * kd[b, kh].item()
+            s_all = (q8[b, :, h].float() @ k8[b, :, kh].float().T) * scale
+            if causal:
+                rows = torch.arange(sq)[:, None] + sk - sq
+                s_all = s_all.masked_fill(torch.arange(sk)[None] > rows, float("-inf"))
+            m = torch.full((sq,), float("-inf"))
+            acc = torch.zeros(sq, d)
+            l_sum = torch.zeros(sq)
+            for lo in range(0, sk, 128):
+                s = s_all[:, lo:lo + 128]
+                m_new = torch.maximum(m, s.amax(1))
+                m_sub = torch.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = torch.exp2(m - m_sub)
+                p = torch.exp2(s - (m_sub - 8)[:, None])
+                p8 = p.half().to(torch.float8_e4m3fn).float()
+                acc = acc * alpha[:, None] + p8 @ v8[b, lo:lo + 128, kh].float()
+                l_sum = l_sum * alpha + p.sum(1)
+                m = m_new
+            out[b, :, h] = acc / l_sum[:, None] * vd[b, kh]
+            lse[b, h] = (m + torch.log2(l_sum) - 8) / log2e
+    return out.to(torch.bfloat16), lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_emulated_numerics_within_the_gpu_tests_bound(causal):
+    """The GPU tests' e4m3-P bound (fp8_cases.p_e4m3_bound) holds for the kernel's
+    arithmetic emulated on the CPU: the bound is not too tight for what the kernel does."""
+    from fp8_cases import assert_p_e4m3_close, expected, fp8_inputs, p_e4m3_bound
+
+    torch.manual_seed(0)
+    _, (q8, k8, v8), ds = fp8_inputs(2, 200, 300, 4, 2, 128, 128, outliers=True)
+    q8, k8, v8, ds = q8.cpu(), k8.cpu(), v8.cpu(), [s.cpu() for s in ds]
+    out, lse = _emulated_kernel(q8, k8, v8, ds, causal)
+    assert_p_e4m3_close(out, lse, expected(q8, k8, v8, ds, causal=causal),
+                        p_e4m3_bound(q8, k8, v8, ds, causal=causal))

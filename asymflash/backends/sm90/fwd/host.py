@@ -436,7 +436,7 @@ def transpose_v_fp8(v: torch.Tensor, batch: int) -> tuple[torch.Tensor, int]:
     total, hkv, dv = v.shape
     seqlen = total // batch
     cols = -(-seqlen // FP8_KEY_GROUP) * FP8_KEY_GROUP
-    src = v.view(batch, seqlen, hkv, dv)
+    src = v.reshape(batch, seqlen, hkv, dv)
     if cols != seqlen:
         src = torch.cat([src, src.new_zeros(batch, cols - seqlen, hkv, dv)], dim=1)
     groups = cols // FP8_KEY_GROUP
