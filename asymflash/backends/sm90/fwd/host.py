@@ -498,9 +498,12 @@ def forward_fp8(q, k, v, seq: SeqInfo, params: AttnParams, descales,
     batch = seq.batch
     total_q, hq, d = q.shape
     hkv = k.shape[1]
-    # the 2-D (rows, heads · d) reads of q and k need the heads of a row side by side
-    q = q if rows_dense(q) and tma_layout_reason(q, "q") is None else q.contiguous()
-    k = k if rows_dense(k) and tma_layout_reason(k, "k") is None else k.contiguous()
+    # the 2-D (rows, heads · d) reads of q and k need the heads of a row side by side and
+    # TMA's 16-byte alignment, else a fresh (aligned) copy
+    q = q if rows_dense(q) and tma_layout_reason(q, "q") is None else \
+        q.clone(memory_format=torch.contiguous_format)
+    k = k if rows_dense(k) and tma_layout_reason(k, "k") is None else \
+        k.clone(memory_format=torch.contiguous_format)
     vt, v_cols = transpose_v_fp8(v, batch)
     ones = None
     scales = []
