@@ -78,6 +78,9 @@ print(_json.dumps(dict(
     wgmma_serialized=_serialized, step_loops=len(_step_loops),
     local_in_step_loops=_local_in_steps,
     hgmma=_sass.count("HGMMA"), mma=_sass.count("HGMMA") + _sass.count("HMMA"),
+    # HGMMA instructions by shape (M x N x K), e.g. {"64x32x16": 28}
+    hgmma_shapes={_k: _v for _k, _v in __import__("collections").Counter(
+        _re.findall(r"HGMMA\.(\d+x\d+x\d+)", _sass)).items()},
     local=len(_re.findall(r"\b(LDL|STL)\b", _sass)), mufu_ex2=_sass.count("MUFU.EX2"),
     # local-memory instructions between the first and the last HGMMA: the main loop's body
     # (spills around the loop, in the prologue or the epilogue, cost once per CTA)
