@@ -87,6 +87,9 @@ print(_json.dumps(dict(
     # fp8 wgmmas (SASS names them QGMMA; PTX wgmma...e4m3.e4m3)
     qgmma_e4m3=len(_re.findall(r"\bQGMMA\.\S+\.E4M3\.E4M3\b", _sass)),
     hgmma=_sass.count("HGMMA"), mma=_sass.count("HGMMA") + _sass.count("HMMA"),
+    # HGMMA instructions by shape (M x N x K), e.g. {"64x32x16": 28}
+    hgmma_shapes={_k: _v for _k, _v in __import__("collections").Counter(
+        _re.findall(r"HGMMA\.(\d+x\d+x\d+)", _sass)).items()},
     local=len(_re.findall(r"\b(LDL|STL)\b", _sass)), mufu_ex2=_sass.count("MUFU.EX2"),
     # local-memory instructions between the first and the last HGMMA: the main loop's body
     # (spills around the loop, in the prologue or the epilogue, cost once per CTA)

@@ -203,6 +203,12 @@ CONFIGS = [
     ({"head_dim": 64, "deterministic": True, "cfg": {"ws_persistent": True}}, 160),
     ({"head_dim": 64, "has_right": True, "deterministic": True,
       "cfg": {"ws_persistent": True}}, 224),
+    # 192/128: bwd_wide with the head dim in a 128- and a 64-wide piece (0 seen in each)
+    ({"head_dim": 192, "head_dim_v": 128}, 4),
+    ({"head_dim": 192, "head_dim_v": 128, "has_right": True}, 4),
+    ({"head_dim": 192, "head_dim_v": 128, "has_right": True, "deterministic": True}, 4),
+    ({"head_dim": 192, "head_dim_v": 128, "has_left": True, "has_right": True,
+      "uniform": False, "has_seqused": True}, 8),
 ]
 
 
@@ -713,3 +719,57 @@ def test_launch_plans_pass_every_constexpr(d, causal, det, softcap, seqlen):
     kernel = bwd._kernel_for(d, plan.split)
     wanted = {p.name for p in kernel.params if p.is_constexpr}
     assert wanted <= set(plan.constexprs), wanted - set(plan.constexprs)
+
+
+# 192/128 (DeepSeek-V3's 128 + 64 rope / 128): its own build, the head dim in a 128- and a
+# 64-wide piece (attn_bwd_wide's PIECES), against the 256/128 build it replaces.
+def test_d192_build_runs_no_mma_on_zero_columns():
+    rep = compile_report(head_dim=192, head_dim_v=128, has_right=True, heads_axis=True)
+    ref = compile_report(head_dim=256, head_dim_v=128, has_right=True, heads_axis=True)
+    # per step (one 64 x 64 block; HGMMA M=64, K=16, N per warpgroup): Sᵀ 8 + 4 (K-steps
+    # over 128 + 64 columns) and dPᵀ 8 at N=32; dV 4 at N=64; dK and dQ 4 at N=64 (low
+    # piece) + 4 at N=32 (high piece). MMA work sum(N x count) 1664 vs 256/128's 2048
+    # (= 832 / 1024 units of the issue's count)
+    assert rep["hgmma_shapes"] == {"64x32x16": 28, "64x64x16": 12}, rep
+    assert ref["hgmma_shapes"] == {"64x32x16": 24, "64x64x16": 12, "64x128x16": 4}, ref
+
+    def work(r):
+        return sum(int(k.split("x")[1]) * v for k, v in r["hgmma_shapes"].items())
+
+    assert (work(rep), work(ref)) == (1664, 2048)
+    assert rep["tma_load_3d"] >= 4 and rep["tma_reduce"] > 0 and rep["red"] == 0, rep
+    # dQ as row-major 64-column boxes (two 32-column TMA boxes each), no fragment order
+    assert rep["fp32_boxes"] == [[64, 32]], rep
+    assert rep["local"] == 0 and rep["regs"] <= 255, rep
+    # the pieces take less shared memory than the zero columns did (K 24 KB, Q 2 x 24 KB,
+    # beside a 16 KB staging tile of the high dQ piece)
+    assert rep["shared"] < ref["shared"] <= 227 * 1024, (rep["shared"], ref["shared"])
+
+
+def test_d192_routing():
+    """Which build a head dim pair's backward runs (`backward_widths`, `launch_plan`)."""
+    widths = bwd.backward_widths
+    assert widths(192, 128) == (192, 128)
+    assert widths(160, 128) == (192, 128)  # zero-filled up to 192 by the TMA boxes
+    assert widths(136, 64) == (192, 128)
+    assert widths(192, 192) == (256, 256)  # V wider than 128: as the forward
+    assert widths(200, 128) == (256, 128)
+    assert widths(256, 128) == (256, 128)
+    assert widths(128, 128) == (128, 128) and widths(96, 96) == (128, 128)
+    assert widths(64, 64) == (64, 64) and widths(256, 256) == (256, 256)
+    assert bwd.piece_cols(192) == 64 and bwd.piece_cols(128) == 128
+    for det in (False, True):
+        for wr in (-1, 0):
+            plan = bwd.launch_plan(192, 128, 4096, 4096, True, False, -1, wr, False, det, 2,
+                                   128, 132, None, hq=128)
+            c = plan.constexprs
+            assert c["KIND"] == bwd.entry.KIND_WIDE and not plan.split, plan
+            assert (c["HEAD_DIM"], c["HEAD_DIM_V"], c["BLOCK_M"], c["BLOCK_N"]) == (
+                192, 128, 64, 64)
+            assert not (c["KV_TMA_STORE"] or c["DQ_IN_OPS"] or c["HI_LATE"] or plan.dq_fragment)
+            assert plan.dq_block == (64, 64)
+            assert c["RELEASE_AT"] == 1  # warp 0 alone does not issue its reduces (config)
+    with pytest.raises(ValueError, match="row-major"):
+        bwd.select_config(192, replace(bwd.select_config(192), dq_fragment=True))
+    with pytest.raises(ValueError, match="turn_release"):
+        bwd.select_config(192, replace(bwd.select_config(192), turn_release=3))

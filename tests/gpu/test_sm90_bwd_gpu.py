@@ -66,7 +66,11 @@ CASES = [
     # other widths run zero-padded on the 128 / 256 kernels (3-D TMA boxes fill the zeros)
     dict(name="d96-causal", lens_q=[300] * 2, lens_k=[300] * 2, hq=4, hkv=2, d=96,
          window=(-1, 0)),
+    # 192/128 runs its own build (bwd.backward_widths: the head dim as a 128- and a 64-wide
+    # piece), 160/128 on it zero-padded
     dict(name="d192-dv128", lens_q=[257], lens_k=[257], hq=2, hkv=1, d=192, dv=128),
+    dict(name="d160-dv128-causal", lens_q=[300] * 2, lens_k=[300] * 2, hq=4, hkv=2, d=160,
+         dv=128, window=(-1, 0)),
     # 256/128 runs as it is (fwd.forward_widths: V is not padded to 256)
     dict(name="d256-dv128-causal", lens_q=[300] * 2, lens_k=[300] * 2, hq=4, hkv=2, d=256,
          dv=128, window=(-1, 0)),
@@ -171,10 +175,10 @@ def run_case(c, device="cuda", fwd_mod=None, bwd_mod=None, cfg=None):
 
 
 def bwd_width(case) -> int:
-    """The compiled head dim the sm90 backward runs `case` at (96 -> 128, 192 -> 256)."""
+    """The compiled head dim the sm90 backward runs `case` at (96 -> 128, 160/128 -> 192)."""
     from asymflash.backends.sm90.bwd import host as bwd
 
-    return bwd.common.forward_widths(case["d"], case.get("dv", case["d"]))[0]
+    return bwd.backward_widths(case["d"], case.get("dv", case["d"]))[0]
 
 
 def assert_repeats_bitwise(case, repeats, cfg=None):
@@ -425,7 +429,7 @@ def test_sm90_backward_heads_in_chunks_match_reference(case):
                                     masked=True, max_seqlen_q=max(case["lens_q"])),
                   heads_chunk=2, ws_persistent=False)
     seq = make_case(case, "cuda")[4]
-    width, width_v = bwd.common.forward_widths(case["d"], case.get("dv", case["d"]))
+    width, width_v = bwd.backward_widths(case["d"], case.get("dv", case["d"]))
     plan = bwd.launch_plan(width, width_v, seq.max_seqlen_q, seq.max_seqlen_k, seq.uniform,
                            False, -1, 0, bool(case.get("softcap")), False, seq.batch, 4, 132,
                            cfg, case["hq"])
@@ -445,7 +449,7 @@ def test_sm90_backward_dq_swizzle32_matches_reference(case):
 
     from asymflash.backends.sm90.bwd import host as bwd
 
-    width = bwd.common.forward_widths(case["d"], case.get("dv", case["d"]))[0]
+    width = bwd_width(case)
     default = bwd.select_config(width, softcap=bool(case.get("softcap")),
                                 deterministic=bool(case.get("deterministic")))
     cfg = replace(default, dq_swizzle=32, dq_fragment=False)  # row-major tiles at d=128 too
@@ -461,7 +465,8 @@ DET_CASES = [dict(c, deterministic=True) for c in CASES
                               "d128-gqa-causal-sq<sk", "d128-local", "d64-softcap-sink",
                               "d128-varlen-causal", "d64-varlen-seqused", "d256-causal-fp16",
                               "d256-local-softcap-sink", "d256-varlen-seqused",
-                              "d256-dv128-causal", "d128-gqa-causal-tma")]
+                              "d256-dv128-causal", "d128-gqa-causal-tma", "d192-dv128",
+                              "d160-dv128-causal")]
 
 
 # dQ tiles in the order the default does not take (BwdConfig.dq_fragment, `select_config`):
@@ -602,3 +607,47 @@ def test_sm90_backward_dq_atomics_repeatable_within_tolerance():
     b = bwd.backward(dout, q, k, v, out, lse, None, seq, params, sink)
     assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])  # dK, dV: no atomics
     assert max_err(a[0], b[0]) <= 2e-2 * max(1.0, a[0].float().abs().max().item())
+
+
+# DeepSeek-V3-style 192/128 (128 + 64 rope / 128) at training sizes: the 192 build
+# (`attn_bwd_wide`'s pieces) over many key blocks and steps, GQA, causal and not, lengths
+# that do and do not fill whole 64-row blocks, varlen, and deterministic mode (bitwise
+# repeats as well as the reference).
+D192_CASES = [
+    dict(name="d192-b2-4096-causal", lens_q=[4096] * 2, lens_k=[4096] * 2, hq=16, hkv=16,
+         d=192, dv=128, window=(-1, 0)),
+    dict(name="d192-b2-4096", lens_q=[4096] * 2, lens_k=[4096] * 2, hq=16, hkv=16, d=192,
+         dv=128),
+    dict(name="d192-b2-1000-causal-gqa", lens_q=[1000] * 2, lens_k=[1000] * 2, hq=16, hkv=4,
+         d=192, dv=128, window=(-1, 0)),
+    dict(name="d192-b2-1000-gqa", lens_q=[1000] * 2, lens_k=[1000] * 2, hq=16, hkv=4, d=192,
+         dv=128),
+    dict(name="d192-b2-1000-causal-det", lens_q=[1000] * 2, lens_k=[1000] * 2, hq=16, hkv=16,
+         d=192, dv=128, window=(-1, 0), deterministic=True),
+    # (deterministic, whole 64-row blocks, <= 1k keys: first turns store, bwd.first_stores)
+    dict(name="d192-b2-512-causal-det-first-stores", lens_q=[512] * 2, lens_k=[512] * 2, hq=8,
+         hkv=2, d=192, dv=128, window=(-1, 0), deterministic=True),
+    dict(name="d192-b2-4096-gqa-det", lens_q=[4096] * 2, lens_k=[4096] * 2, hq=16, hkv=4,
+         d=192, dv=128, deterministic=True),
+    dict(name="d192-varlen-causal", lens_q=[1, 130, 0, 777, 64], lens_k=[5, 129, 77, 800, 64],
+         hq=4, hkv=2, d=192, dv=128, window=(-1, 0)),
+    dict(name="d192-dv64-causal-fp16", lens_q=[333] * 2, lens_k=[333] * 2, hq=4, hkv=4, d=192,
+         dv=64, window=(-1, 0), dtype=torch.float16),
+    dict(name="d192-local", lens_q=[900], lens_k=[900], hq=4, hkv=2, d=192, dv=128,
+         window=(200, 50)),
+]
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", D192_CASES, ids=lambda c: c["name"])
+def test_sm90_backward_d192_matches_reference(case):
+    from asymflash.backends.sm90.bwd import host as bwd
+
+    assert bwd_width(case) == 192 and bwd.launch_plan(
+        192, 128, max(case["lens_q"]), max(case["lens_k"]), True, False, -1, -1, False,
+        False, 1, case["hkv"], 132, None).constexprs["KIND"] == bwd.entry.KIND_WIDE
+    for name, (g, r32, rlow, atol) in run_case(case).items():
+        assert g.shape == r32.shape, name
+        assert_fa_close(name, g, r32, rlow, atol=atol)
+    if case.get("deterministic"):
+        assert_repeats_bitwise(case, 3)

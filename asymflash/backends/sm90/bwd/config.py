@@ -144,6 +144,12 @@ _DEFAULT_CONFIGS = {
     64: BwdConfig(block_m=128, block_n=128, dq_swizzle=32),
     128: BwdConfig(block_m=64, block_n=128, dv_overlap=False, dk_late=True,
                    split_warpgroups=True, dq_fragment=True, ws_dk_after_dq=True),
+    # d_qk = 192, d_v <= 128 (DeepSeek-V3's 128 + 64 rope / 128): bwd_wide's tile with the
+    # head dim in a 128- and a 64-wide piece (Gluon's tensors are powers of two), so no MMA
+    # runs on zero columns (the 256/128 build did 1024 units of MMA work a step for 832).
+    # dQ leaves row-major: its pieces are 64-column boxes (`host._dq_tile`); the dQ halves
+    # have no room in dv = 128's 16 KB dO buffer, so no dq_in_operands.
+    192: BwdConfig(block_m=64, block_n=64, dv_overlap=False, stats_late=False),
     256: BwdConfig(block_m=64, block_n=64, dv_overlap=False,  # FA3's hdim-256 tile
                    stats_late=False, dq_fragment=True, dq_in_operands=True,
                    dq_hi_late=True),
@@ -237,7 +243,9 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
             if head_dim == 256:
                 # BwdConfig.turn_release has the numbers; the late high dQ half (dq_hi_late,
                 # the non-deterministic default) is released with the turn in the next step,
-                # from warp 0 (turn_release 3): faster than without it, and than 1.
+                # from warp 0 (turn_release 3): faster than without it, and than 1. Not at
+                # d=192: its 64-column fp32 boxes are two 128-byte boxes, issued from warps
+                # 0 and 1, so warp 0 alone cannot see them land.
                 cfg = replace(cfg, turn_release=3)
             if head_dim == 64 and not softcap:
                 # bwd_ws's kernel with 128-row steps, its dQ warp taking the turns and the
@@ -300,9 +308,10 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
             # 2 spill instructions in the unmasked loop otherwise; d=64 with 128-row steps:
             # ~200).
             cfg = replace(cfg, dp_early=False)
-    # The MMA layouts hard-wire two warpgroups; d <= 128 gives each warpgroup 64 keys, d = 256
-    # has them share 64 keys. 64 query rows per step, or 128 at d = 64 (registers allow it).
-    block_n = 64 if head_dim == 256 else 128
+    # The MMA layouts hard-wire two warpgroups; d <= 128 gives each warpgroup 64 keys, d = 192
+    # and d = 256 have them share 64 keys. 64 query rows per step, or 128 at d = 64
+    # (registers allow it).
+    block_n = 64 if head_dim in (192, 256) else 128
     block_ms = (64, 128) if head_dim == 64 else (64,)
     if cfg.ws_kv_buffers not in (1, 2) or (cfg.ws_kv_buffers == 2 and (
             head_dim != 64 or cfg.block_m != 64)):
@@ -311,6 +320,9 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
     if cfg.turn_release not in (0, 1, 2, 3) or (cfg.turn_release == 3 and head_dim != 256):
         raise ValueError(f"unsupported sm90 backward config {cfg} at head dim {head_dim}: "
                          "turn_release is 0, 1 or 2, or 3 at head dim 256")
+    if head_dim == 192 and (cfg.dq_fragment or cfg.dq_in_operands):
+        raise ValueError(f"unsupported sm90 backward config {cfg} at head dim 192: dQ "
+                         "leaves row-major (no dq_fragment, no dq_in_operands)")
     if cfg.block_n != block_n or cfg.block_m not in block_ms or cfg.ring_slots < 2:
         raise ValueError(f"unsupported sm90 backward config {cfg} at head dim {head_dim}: "
                          f"needs block_n {block_n}, block_m in {block_ms}, ring_slots >= 2")

@@ -100,9 +100,31 @@ if GLUON_ERROR is None:
     import triton
     from triton.experimental.gluon import language as gl
 
-# 64 and 128 run kernel.py's synchronous body (or kernel_ws.py's), 256 its wide one (the
-# warpgroups split the head dim): `_kind`.
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# 64 and 128 run kernel.py's synchronous body (or kernel_ws.py's), 192 and 256 its wide one
+# (the warpgroups split the head dim; 192 as a 128- and a 64-wide piece): `_kind`.
+SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
+
+# The head dim of q and k that bwd_wide takes as two pieces, a 128-wide one and this much
+# more (`attn_bwd_wide`): q, k and dK are read and written as 64-column boxes (`piece_cols`).
+PIECE_HI = 64
+
+
+def backward_widths(d: int, dv: int) -> tuple[int, int] | None:
+    """(head dim, head dim of V) of the backward kernel that computes (d, dv), or None.
+
+    `common.forward_widths`, except that a q·k head dim in (128, 192] beside a V of at most
+    128 (DeepSeek-V3's 192/128) runs the 192/128 build, which splits the head dim into a
+    128- and a 64-wide piece, instead of the 256/128 one with zero columns."""
+    widths = common.forward_widths(d, dv)
+    if widths == (256, 128) and d <= 128 + PIECE_HI:
+        return 128 + PIECE_HI, 128
+    return widths
+
+
+def piece_cols(width: int) -> int:
+    """Columns of a q / k / dK box at kernel head dim `width`: the whole head, or at 192 the
+    64-column piece (three per head; TMA boxes are powers of two)."""
+    return PIECE_HI if width == 128 + PIECE_HI else width
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,7 +142,7 @@ def _kernel_for(head_dim: int, split: bool = False):
 def _kind(head_dim: int, split: bool) -> int:
     if split:
         return entry.KIND_WS
-    return entry.KIND_WIDE if head_dim == 256 else entry.KIND_SYNC
+    return entry.KIND_WIDE if head_dim in (192, 256) else entry.KIND_SYNC
 
 
 def _launch_options(split: bool, cfg: BwdConfig) -> dict:
@@ -161,8 +183,8 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
               "HI_LATE": False, "FIRST_STORES": False, "LATE_WG": 0, "RING": 0,
               "DK_AFTER_DQ": False, "DQ_WARP": False, "MASK_MODE": 0, "PERSISTENT": False,
               "KV_BUFS": 1, "KIND": _kind(head_dim, split)}
-    if head_dim != 256:  # bwd_wide splits dK/dQ by columns: its schedule has no such choice
-        consts["DK_LATE"] = cfg.dk_late
+    if head_dim not in (192, 256):  # bwd_wide splits dK/dQ by columns: its schedule has no
+        consts["DK_LATE"] = cfg.dk_late  # such choice
     else:
         # the dO buffer holds a 32 KB half of dQ only at dv = 256 (192/128 runs dv = 128)
         consts["DQ_IN_OPS"] = cfg.dq_in_operands and head_dim_v == head_dim
@@ -180,7 +202,10 @@ def _constexprs(head_dim, head_dim_v, cfg: BwdConfig, *, uniform, has_seqused, h
         consts["MASK_MODE"] = int(step_cols) | (2 if cfg.mask_scores else 0)
         consts["PERSISTENT"] = persists(cfg, uniform and not has_seqused, softcap)
         consts["KV_BUFS"] = cfg.ws_kv_buffers if consts["PERSISTENT"] else 1
-    if split or head_dim == 256:  # bwd_ws, bwd_wide (kernel.py's kernel for d <= 128 always adds)
+    if head_dim == 192:  # dK in pieces: stored row by row (`attn_bwd_wide`)
+        consts["KV_TMA_STORE"] = False
+    if split or head_dim in (192, 256):  # bwd_ws, bwd_wide (kernel.py's kernel for d <= 128
+        # always adds)
         consts["FIRST_STORES"] = first_stores and deterministic
     return consts
 
@@ -240,6 +265,8 @@ def _dq_tile(head_dim: int, cfg: BwdConfig, split: bool) -> tuple[int, int]:
     rows."""
     if split:
         return (64, head_dim // 2) if cfg.block_m == 64 else (cfg.block_m // 2, head_dim)
+    if head_dim == 192:  # three 64-column boxes (the 128-wide piece takes two)
+        return cfg.block_m, piece_cols(head_dim)
     return cfg.block_m, head_dim // 2 if head_dim == 256 else head_dim
 
 
@@ -321,11 +348,12 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
 
     split = _splits_warpgroups(head_dim, cfg, feats["softcap"])
     dq_block, dq_layout = _dq_box_and_layout(head_dim, cfg, split)
+    cols = piece_cols(head_dim)
     signature = {
-        "q_desc": desc([cfg.block_m, head_dim]), "k_desc": desc([cfg.block_n, head_dim]),
+        "q_desc": desc([cfg.block_m, cols]), "k_desc": desc([cfg.block_n, cols]),
         "v_desc": desc([cfg.block_n, head_dim_v]), "do_desc": desc([cfg.block_m, head_dim_v]),
         "dq_desc": f"tensordesc<fp32[{dq_block[0]}, {dq_block[1]}],{dq_layout!r}>",
-        "dk_desc": rows_desc([_key_rows(cfg, split), head_dim]),
+        "dk_desc": rows_desc([_key_rows(cfg, split), cols]),
         "dv_desc": rows_desc([_key_rows(cfg, split), head_dim_v]),
         "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": f"*{ty}",
         "dv_ptr": f"*{ty}", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "used_k_ptr": "*i32",
@@ -361,7 +389,7 @@ def backward(dout, q, k, v, out, lse, dlse, seq: SeqInfo, params: AttnParams, si
              cfg: BwdConfig | None = None):
     """(dq, dk, dv, dsink) for out = attention(q, k, v); shapes as in `core/params.py`."""
     d, dvd = q.shape[-1], v.shape[-1]
-    width, width_v = common.forward_widths(d, dvd)  # 192/128 runs 256/128, as the forward
+    width, width_v = backward_widths(d, dvd)
     # As the forward: zero columns add nothing to q·k, dO·vᵀ or rowsum(dO∘O), and the
     # gradients' padded columns are dropped. q, k, v and dO are read through (rows, heads,
     # dim) TMA boxes that zero-fill them (common.tma_heads), or, for dims TMA cannot address
@@ -422,15 +450,17 @@ def _run(plan: LaunchPlan, width, width_v, padded, dout, q, k, v, out, lse, dlse
     # The kernel's tensors are `width` (V side: width_v) wide: dQ_acc, dK, dV are cut below.
     # The preprocess (delta) zeroes dQ_acc: one launch instead of two (unless FIRST_STORES).
     extra = PERSISTENT_ROWS if plan.persistent and not params.deterministic else 0
+    # The preprocess zeroes power-of-two widths only (its column range): 192 gets a fill.
+    zero_here = not plan.constexprs.get("FIRST_STORES") and width != piece_cols(width)
     if plan.dq_fragment:
         dq_acc = dq_fragments.fragment_buffer(total_q, seq.batch, hq, width, q.device,
                                               extra_rows=extra)
     else:
-        dq_acc = torch.empty((total_q + extra, hq, width), dtype=torch.float32,
-                             device=q.device)
+        dq_acc = (torch.zeros if zero_here else torch.empty)(
+            (total_q + extra, hq, width), dtype=torch.float32, device=q.device)
     # Deterministic mode's first turns may store instead (`first_stores`): no zeroing then.
     delta = row_delta(out, dout, dlse,
-                   zero=None if plan.constexprs.get("FIRST_STORES") else dq_acc,
+                   zero=None if plan.constexprs.get("FIRST_STORES") or zero_here else dq_acc,
                    site=None if sites is None else sites.of_dlse(dlse))
     if extra:  # its tile counter: zeroed rows past dQ_acc's (bwd_ws._ws_tiles)
         dq_acc, tile_counter = dq_acc[:-extra], dq_acc[-extra:].view(torch.int32)
@@ -439,19 +469,20 @@ def _run(plan: LaunchPlan, width, width_v, padded, dout, q, k, v, out, lse, dlse
     dk = alloc((k.shape[0], hkv, width), dtype=k.dtype, device=k.device)
     dv = alloc((v.shape[0], hkv, width_v), dtype=v.dtype, device=v.device)
 
+    cols = piece_cols(width)  # q and k boxes: the head, or at 192 its 64-column pieces
     if padded or not (common.rows_dense(q) and common.rows_dense(k) and common.rows_dense(v)):
-        q_desc = common.tma_heads(q, cfg.block_m, width)
+        q_desc = common.tma_heads(q, cfg.block_m, cols)
         do_desc = common.tma_heads(dout, cfg.block_m, width_v)
-        k_desc = common.tma_heads(k, cfg.block_n, width)
+        k_desc = common.tma_heads(k, cfg.block_n, cols)
         v_desc = common.tma_heads(v, cfg.block_n, width_v)
     else:
-        q_desc = common.tma_rows(q, (cfg.block_m, d))
+        q_desc = common.tma_rows(q, (cfg.block_m, cols))
         do_desc = common.tma_rows(dout, (cfg.block_m, dvd))
-        k_desc = common.tma_rows(k, (cfg.block_n, d))
+        k_desc = common.tma_rows(k, (cfg.block_n, cols))
         v_desc = common.tma_rows(v, (cfg.block_n, dvd))
     dq_desc = common.tma_rows(dq_fragments.tiles_view(dq_acc) if plan.dq_fragment else dq_acc,
                             plan.dq_block, plan.dq_layout)
-    dk_desc = common.tma_rows(dk, (_key_rows(cfg, plan.split), width))
+    dk_desc = common.tma_rows(dk, (_key_rows(cfg, plan.split), cols))
     dv_desc = common.tma_rows(dv, (_key_rows(cfg, plan.split), width_v))
 
     qk_scale, softcap_pre = common.exp2_scales(params)
@@ -528,7 +559,7 @@ class BackwardRunner:
 def backward_runner(q, k, v, seq: SeqInfo, params: AttnParams, sink):
     """A BackwardRunner for calls with this signature, or None where `backward` does more
     than the plain launches (padded head dims): those keep calling `backward`."""
-    if common.forward_widths(q.shape[-1], v.shape[-1]) != (q.shape[-1], v.shape[-1]):
+    if backward_widths(q.shape[-1], v.shape[-1]) != (q.shape[-1], v.shape[-1]):
         return None
     return BackwardRunner(q, k, v, seq, params)
 

@@ -26,20 +26,26 @@ if GLUON_ERROR is None:
         finish_dq,
         fragment_block,
         in_fragments,
+        key_operand_pieces,
         key_operands,
         key_tile,
         key_walk,
         load_kv,
+        load_kv_pieces,
+        load_pieces,
         load_qdo,
         load_rows,
         mask_coords,
         mma_layout,
+        piece_col,
         release_dq_turn_after_tma,
         stage_dq,
         stat_buffers,
         step_probabilities,
         step_stats,
         store_key_grads,
+        store_key_piece,
+        store_key_rows,
         take_dq_turn,
         tma_reduce_add,
         walk,
@@ -272,6 +278,16 @@ if GLUON_ERROR is None:
     #
     # Everything else (the step walk over the GQA group's query blocks, masks only on edge blocks,
     # lse/delta staging, the deterministic turns) is attn_bwd_sync's, through parts.py.
+    #
+    # Head dim 192 (PIECES; d_v <= 128, DeepSeek-V3's 128 + 64 rope): Gluon's tiles are powers
+    # of two, so K and each Q slot are a 128-wide and a 64-wide piece (each head read as three
+    # 64-column TMA boxes, `parts.load_pieces`), Sᵀ = K·Qᵀ is two MMAs into one accumulator
+    # (K-steps over 128 and 64 columns), dK and dQ a 128- and a 64-column accumulator each.
+    # No MMA runs on zero columns (the 256/128 build it replaces did 1024 units of MMA work
+    # per step for 832). dQ leaves row-major as 64-column boxes, the high piece staged in a
+    # tile of its own (the 24 KB the pieces save), so it needs no wait for the low piece's
+    # reduce to read a shared tile; dK leaves by per-thread stores (a TMA box of 192 columns
+    # does not exist).
 
     @gluon.jit
     def _dq_tile_in(buf, dq_desc):
@@ -286,10 +302,14 @@ if GLUON_ERROR is None:
         # is always retired before dSᵀ is published (barrier 2 relies on it); DV_OVERLAP keeps
         # it in flight while dSᵀ is formed. dQ leaves by TMA reduce-add in two 128-column
         # halves (dq_desc's box).
-        DQ_COLS: gl.constexpr = cfg.HEAD_DIM // 2
+        PIECES: gl.constexpr = cfg.HEAD_DIM == 192  # a 128- and a 64-wide piece (above)
+        HI: gl.constexpr = 64  # the high piece's columns (PIECES)
+        LO: gl.constexpr = cfg.HEAD_DIM - HI if PIECES else cfg.HEAD_DIM
+        DQ_COLS: gl.constexpr = LO if PIECES else cfg.HEAD_DIM // 2
         # All four tiles split over the warpgroups by columns (warps_per_cta [4, 2]).
         s_layout: gl.constexpr = mma_layout(4, 2, cfg.BLOCK_M // 2)
-        dk_layout: gl.constexpr = mma_layout(4, 2, cfg.HEAD_DIM // 2)
+        dk_layout: gl.constexpr = mma_layout(4, 2, LO // 2)
+        hi_layout: gl.constexpr = mma_layout(4, 2, HI // 2)  # dK's and dQ's high pieces
         dv_layout: gl.constexpr = mma_layout(4, 2, cfg.HEAD_DIM_V // 2)
         dq_layout: gl.constexpr = mma_layout(4, 2, DQ_COLS // 2)
         key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -306,13 +326,24 @@ if GLUON_ERROR is None:
             # hold the dQ staging tile. With it (BwdConfig.dq_in_operands) two dO buffers and
             # no staging tile: each step stages its dQ halves in its own dO buffer and Q slot.
             DO_BUFS: gl.constexpr = 2 if cfg.DQ_IN_OPS else 1
-            k_smem, v_smem, q_smem, do_smem = key_operands(call, cfg, DO_BUFS)
+            if PIECES:  # k_smem, q_smem: the 128-wide pieces
+                k_smem, k_hi, v_smem, q_smem, q_hi, do_smem = key_operand_pieces(call, cfg,
+                                                                                  DO_BUFS)
+            else:
+                k_smem, v_smem, q_smem, do_smem = key_operands(call, cfg, DO_BUFS)
             pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
                 [cfg.BLOCK_N, cfg.BLOCK_M], dtype)
             pt_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.BLOCK_M], pt_layout)
             ds_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.BLOCK_M], pt_layout)
             kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-            if not cfg.DQ_IN_OPS:
+            if PIECES:  # the low piece's two 64-column boxes, and the high piece's own tile
+                dq_smem = gl.allocate_shared_memory(gl.float32,
+                                                    [2] + call.dq_desc.block_type.shape,
+                                                    call.dq_desc.layout)
+                dq_hi_smem = gl.allocate_shared_memory(gl.float32,
+                                                       call.dq_desc.block_type.shape,
+                                                       call.dq_desc.layout)
+            elif not cfg.DQ_IN_OPS:
                 dq_smem = gl.allocate_shared_memory(gl.float32, call.dq_desc.block_type.shape,
                                                     call.dq_desc.layout)
             q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -325,22 +356,33 @@ if GLUON_ERROR is None:
                 mbarrier.init(q_ready.index(st), count=1)
             fence_async_shared()
 
-            load_kv(call.k_desc, call.v_desc, k_smem, v_smem, kv_bar.index(0), k_start + n0, hk,
-                    cfg.HEAD_DIM, cfg.HEAD_DIM_V)
+            if PIECES:
+                load_kv_pieces(call.k_desc, call.v_desc, k_smem, k_hi, v_smem, kv_bar.index(0),
+                               k_start + n0, hk, cfg.BLOCK_N, cfg.HEAD_DIM, cfg.HEAD_DIM_V)
+            else:
+                load_kv(call.k_desc, call.v_desc, k_smem, v_smem, kv_bar.index(0), k_start + n0,
+                        hk, cfg.HEAD_DIM, cfg.HEAD_DIM_V)
             h_first, h, m0, stride, m_end = walk(call, cfg, hk, n_blk, n_seq, n_steps,
                                                  group_blocks, m_lo)
             held = call.sem_ptr  # deferred release: the dQ turn this CTA still holds
-            load_rows(call.q_desc, q_smem.index(0), q_ready.index(0), q_start + m0, h, cfg.HEAD_DIM,
-                      n_steps > 0)
+            if PIECES:
+                load_pieces(call.q_desc, q_smem.index(0), q_hi.index(0), q_ready.index(0),
+                            q_start + m0, h, cfg.BLOCK_M, cfg.HEAD_DIM, n_steps > 0)
+            else:
+                load_rows(call.q_desc, q_smem.index(0), q_ready.index(0), q_start + m0, h,
+                          cfg.HEAD_DIM, n_steps > 0)
             load_rows(call.do_desc, do_smem.index(0), do_ready.index(0), q_start + m0, h,
                       cfg.HEAD_DIM_V, n_steps > 0)
 
             kloc, n_valid, diag_right, diag_left, cols = mask_coords(call, cfg, shift, n0, seqlen_k,
                                                                      key_layout, col_layout)
-            dk = gl.zeros([cfg.BLOCK_N, cfg.HEAD_DIM], gl.float32, dk_layout)
+            dk = gl.zeros([cfg.BLOCK_N, LO], gl.float32, dk_layout)
             dv = gl.zeros([cfg.BLOCK_N, cfg.HEAD_DIM_V], gl.float32, dv_layout)
             s_zero = gl.zeros([cfg.BLOCK_N, cfg.BLOCK_M], gl.float32, s_layout)
             dq_zero = gl.zeros([cfg.BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+            if PIECES:  # dK's high piece, and the zero of dQ's
+                dk_hi = gl.zeros([cfg.BLOCK_N, HI], gl.float32, hi_layout)
+                dq_hi_zero = gl.zeros([cfg.BLOCK_M, HI], gl.float32, hi_layout)
             lse_smem, delta_smem = stat_buffers(cfg)
             if n_steps > 0:
                 step_stats(call, cfg, lse_smem, delta_smem, 0, h, m0, q_start, seqlen_q)
@@ -364,6 +406,9 @@ if GLUON_ERROR is None:
                 do_s = do_smem.index(do_slot)
                 s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False,
                                       is_async=True)
+                if PIECES:  # the high piece's K-steps into the same accumulator
+                    q_hi_s = q_hi.index(slot)
+                    s_tok = warpgroup_mma(k_hi, q_hi_s.permute((1, 0)), s_tok, is_async=True)
                 dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
                                        is_async=True)
                 if cfg.HI_LATE:
@@ -390,8 +435,13 @@ if GLUON_ERROR is None:
                 # DQ_IN_OPS that step's dO buffer and Q slot, loaded next)
                 tma.store_wait(0)
                 thread_barrier()  # barrier 1
-                load_rows(call.q_desc, q_smem.index(1 - slot), q_ready.index(1 - slot),
-                          q_start + m0_next, h_next, cfg.HEAD_DIM, it + 1 < n_steps)
+                if PIECES:
+                    load_pieces(call.q_desc, q_smem.index(1 - slot), q_hi.index(1 - slot),
+                                q_ready.index(1 - slot), q_start + m0_next, h_next, cfg.BLOCK_M,
+                                cfg.HEAD_DIM, it + 1 < n_steps)
+                else:
+                    load_rows(call.q_desc, q_smem.index(1 - slot), q_ready.index(1 - slot),
+                              q_start + m0_next, h_next, cfg.HEAD_DIM, it + 1 < n_steps)
                 if cfg.DQ_IN_OPS:  # half a step earlier than a single buffer allows
                     load_rows(call.do_desc, do_smem.index(1 - do_slot), do_ready.index(1 - do_slot),
                               q_start + m0_next, h_next, cfg.HEAD_DIM_V, it + 1 < n_steps)
@@ -416,11 +466,19 @@ if GLUON_ERROR is None:
                     load_rows(call.do_desc, do_s, do_ready.index(0), q_start + m0_next, h_next,
                               cfg.HEAD_DIM_V, it + 1 < n_steps)
                 dk_tok = warpgroup_mma(ds_smem, q_s, dk, is_async=True)
-                dq_lo_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(0, DQ_COLS, 1),
-                                          dq_zero, use_acc=False, is_async=True)
-                dq_hi_tok = warpgroup_mma(ds_smem.permute((1, 0)),
-                                          k_smem.slice(DQ_COLS, DQ_COLS, 1), dq_zero,
-                                          use_acc=False, is_async=True)
+                if PIECES:
+                    dk_hi_tok = warpgroup_mma(ds_smem, q_hi_s, dk_hi, is_async=True)
+                    dq_lo_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero,
+                                              use_acc=False, is_async=True)
+                    dq_hi_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_hi, dq_hi_zero,
+                                              use_acc=False, is_async=True)
+                else:
+                    dq_lo_tok = warpgroup_mma(ds_smem.permute((1, 0)),
+                                              k_smem.slice(0, DQ_COLS, 1), dq_zero,
+                                              use_acc=False, is_async=True)
+                    dq_hi_tok = warpgroup_mma(ds_smem.permute((1, 0)),
+                                              k_smem.slice(DQ_COLS, DQ_COLS, 1), dq_zero,
+                                              use_acc=False, is_async=True)
                 if cfg.STATS_LATE:
                     # Next step's statistics under the dK/dQ MMAs (bwd.BwdConfig.stats_late):
                     # buffer 1 - slot was last read before barrier 2.
@@ -431,50 +489,74 @@ if GLUON_ERROR is None:
                     sem, first = take_dq_turn(call, cfg, held, it, batch, h, m0, n_blk, n_seq,
                                               shift, h_first, m_lo, group_blocks, stride, True)
                 # Groups retire in order: the low dQ half is added while the high one runs.
-                dk, dq_lo = warpgroup_mma_wait(1, deps=[dk_tok, dq_lo_tok])
-                # One staging tile for both halves (attn_bwd_sync: rows past the sequence add
-                # exact zeros): three more barriers, but no per-thread atomics.
-                # FRAG: the halves as tiles in the accumulator's order (dq_fragments.py:
-                # parts 0 and 1 of the 64-row block `fragment_block`)
-                FRAG: gl.constexpr = in_fragments(call.dq_desc.layout)
-                if FRAG:
-                    TILE_ROWS: gl.constexpr = call.dq_desc.block_type.shape[0]
-                    dq_row = fragment_block(q_start, m0) * 2 * TILE_ROWS
-                    lo_col = h * 32
-                    hi_row = dq_row + TILE_ROWS
-                    hi_col = lo_col
+                if PIECES:
+                    dk, dk_hi, dq_lo = warpgroup_mma_wait(1, deps=[dk_tok, dk_hi_tok, dq_lo_tok])
                 else:
+                    dk, dq_lo = warpgroup_mma_wait(1, deps=[dk_tok, dq_lo_tok])
+                if PIECES:
+                    # Row-major 64-column boxes (rows past the sequence add exact zeros, as
+                    # below): the low piece from two boxes of one tile, then the high piece
+                    # from its own tile, staged while the low one's reduces read theirs.
                     dq_row = q_start + m0
-                    lo_col = h * cfg.HEAD_DIM
-                    hi_row = dq_row
-                    hi_col = lo_col + DQ_COLS
-                if cfg.DQ_IN_OPS:
-                    # dO's readers (dPᵀ, dV) retired in every thread before barrier 2
-                    lo_buf = _dq_tile_in(do_s, call.dq_desc)
-                else:
-                    lo_buf = dq_smem
-                stage_dq(lo_buf, dq_lo * call.softmax_scale, FRAG, cfg.BLOCK_M, DQ_COLS)
-                fence_async_shared()
-                thread_barrier()
-                add_dq_tile(call.dq_desc, dq_row, lo_col, lo_buf, cfg.FIRST_STORES, first)
-                dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
-                if cfg.DQ_IN_OPS:
-                    # Q's last reader, dK = dSᵀ·Q, retired in every thread before the
-                    # barrier above: nothing waits for the low half's reduce here.
-                    hi_buf = _dq_tile_in(q_s, call.dq_desc)
-                else:
-                    hi_buf = dq_smem
-                    tma.store_wait(0)  # the low half's reduce has read dq_smem
+                    lo_buf = dq_smem._reinterpret(gl.float32, [cfg.BLOCK_M, LO],
+                                                  call.dq_desc.layout)
+                    lo_buf.store(dq_lo * call.softmax_scale)
+                    fence_async_shared()
                     thread_barrier()
-                stage_dq(hi_buf, dq_hi * call.softmax_scale, FRAG, cfg.BLOCK_M, DQ_COLS)
-                fence_async_shared()
-                thread_barrier()
-                if cfg.HI_LATE:
-                    pend_row = hi_row + 0  # (`+ 0`: see bwd_ws's h_prev)
-                    pend_first = first + 0
-                    pend_col = hi_col + 0
+                    add_dq_tile(call.dq_desc, dq_row, piece_col(h, 0, cfg.HEAD_DIM),
+                                dq_smem.index(0), cfg.FIRST_STORES, first)
+                    add_dq_tile(call.dq_desc, dq_row, piece_col(h, HI, cfg.HEAD_DIM),
+                                dq_smem.index(1), cfg.FIRST_STORES, first)
+                    dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
+                    dq_hi_smem.store(dq_hi * call.softmax_scale)
+                    fence_async_shared()
+                    thread_barrier()
+                    add_dq_tile(call.dq_desc, dq_row, piece_col(h, LO, cfg.HEAD_DIM),
+                                dq_hi_smem, cfg.FIRST_STORES, first)
                 else:
-                    add_dq_tile(call.dq_desc, hi_row, hi_col, hi_buf, cfg.FIRST_STORES, first)
+                    # One staging tile for both halves (attn_bwd_sync: rows past the sequence add
+                    # exact zeros): three more barriers, but no per-thread atomics.
+                    # FRAG: the halves as tiles in the accumulator's order (dq_fragments.py:
+                    # parts 0 and 1 of the 64-row block `fragment_block`)
+                    FRAG: gl.constexpr = in_fragments(call.dq_desc.layout)
+                    if FRAG:
+                        TILE_ROWS: gl.constexpr = call.dq_desc.block_type.shape[0]
+                        dq_row = fragment_block(q_start, m0) * 2 * TILE_ROWS
+                        lo_col = h * 32
+                        hi_row = dq_row + TILE_ROWS
+                        hi_col = lo_col
+                    else:
+                        dq_row = q_start + m0
+                        lo_col = h * cfg.HEAD_DIM
+                        hi_row = dq_row
+                        hi_col = lo_col + DQ_COLS
+                    if cfg.DQ_IN_OPS:
+                        # dO's readers (dPᵀ, dV) retired in every thread before barrier 2
+                        lo_buf = _dq_tile_in(do_s, call.dq_desc)
+                    else:
+                        lo_buf = dq_smem
+                    stage_dq(lo_buf, dq_lo * call.softmax_scale, FRAG, cfg.BLOCK_M, DQ_COLS)
+                    fence_async_shared()
+                    thread_barrier()
+                    add_dq_tile(call.dq_desc, dq_row, lo_col, lo_buf, cfg.FIRST_STORES, first)
+                    dq_hi = warpgroup_mma_wait(0, deps=[dq_hi_tok])
+                    if cfg.DQ_IN_OPS:
+                        # Q's last reader, dK = dSᵀ·Q, retired in every thread before the
+                        # barrier above: nothing waits for the low half's reduce here.
+                        hi_buf = _dq_tile_in(q_s, call.dq_desc)
+                    else:
+                        hi_buf = dq_smem
+                        tma.store_wait(0)  # the low half's reduce has read dq_smem
+                        thread_barrier()
+                    stage_dq(hi_buf, dq_hi * call.softmax_scale, FRAG, cfg.BLOCK_M, DQ_COLS)
+                    fence_async_shared()
+                    thread_barrier()
+                    if cfg.HI_LATE:
+                        pend_row = hi_row + 0  # (`+ 0`: see bwd_ws's h_prev)
+                        pend_first = first + 0
+                        pend_col = hi_col + 0
+                    else:
+                        add_dq_tile(call.dq_desc, hi_row, hi_col, hi_buf, cfg.FIRST_STORES, first)
                 if cfg.DETERMINISTIC:
                     held = after_dq_reduce(sem, m0, cfg.RELEASE_AT)
                 h = h_next
@@ -491,5 +573,15 @@ if GLUON_ERROR is None:
             for st in gl.static_range(DO_BUFS):
                 mbarrier.invalidate(do_ready.index(st))
             mbarrier.invalidate(kv_bar.index(0))
-            store_key_grads(call, cfg, dk * call.softmax_scale, dv, q_smem, do_smem, n0, k_start,
-                            seqlen_k, hk, dk_layout, dv_layout)
+            if PIECES:  # (host: KV_TMA_STORE is off) dK's pieces into its 192-wide rows
+                store_key_piece(call.dk_ptr, dk * call.softmax_scale, n0, k_start, seqlen_k,
+                                call.n_kv_heads, hk, cfg.HEAD_DIM, 0, LO, cfg.BLOCK_N,
+                                dk_layout)
+                store_key_piece(call.dk_ptr, dk_hi * call.softmax_scale, n0, k_start,
+                                seqlen_k, call.n_kv_heads, hk, cfg.HEAD_DIM, LO, HI,
+                                cfg.BLOCK_N, hi_layout)
+                store_key_rows(call.dv_ptr, dv, n0, k_start, seqlen_k, call.n_kv_heads, hk,
+                               cfg.HEAD_DIM_V, cfg.BLOCK_N, dv_layout)
+            else:
+                store_key_grads(call, cfg, dk * call.softmax_scale, dv, q_smem, do_smem, n0,
+                                k_start, seqlen_k, hk, dk_layout, dv_layout)

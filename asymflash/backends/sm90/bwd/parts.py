@@ -21,10 +21,12 @@ if GLUON_ERROR is None:
         copy_rows,
         gl,
         gluon,
+        heads_axis,
         leading_tile,
         tanh,
         thread_barrier,
         tile_layout,
+        tma_load,
         tma_store,
     )
     from ..sched import key_block, key_block_origin, walk_start
@@ -119,6 +121,84 @@ if GLUON_ERROR is None:
         """TMA-load the rows [row, row + box) of head `head` into `dst`, arriving on `bar`."""
         mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
         copy_rows(desc, row, head, WIDTH, bar, dst, pred)
+
+    # Kernel head dim 192 (`attn_bwd_wide`'s pieces): q and k as a 128-wide and a 64-wide
+    # piece, each head read as three 64-column TMA boxes (host.piece_cols).
+    PIECE = gl.constexpr(64)
+
+    @gluon.jit
+    def piece_col(head, col, WIDTH: gl.constexpr):
+        """Column of a 64-column piece at `col` of head `head` in a (rows, heads·WIDTH)
+        tensor: head·WIDTH + col (the q and k boxes of `copy_piece`, the dQ pieces' reduces)."""
+        return head * WIDTH + col
+
+    @gluon.jit
+    def copy_piece(desc, row, head, col, WIDTH: gl.constexpr, bar, dst, pred):
+        """TMA-load the 64-column box at column `col` of head `head`, rows [row, row + box),
+        into dst [box, 64]: `copy_rows` for one piece of a head (a (rows, heads, dim) box
+        zero-fills columns past dim, as there)."""
+        if heads_axis(desc.block_shape):
+            tma_load(desc, [row, head, col], bar,
+                     dst._reinterpret(desc.dtype, desc.block_shape, desc.layout), pred=pred)
+        else:
+            tma_load(desc, [row, piece_col(head, col, WIDTH)], bar, dst, pred=pred)
+
+    @gluon.jit
+    def load_pieces(desc, lo, hi, bar, row, head, ROWS: gl.constexpr, WIDTH: gl.constexpr,
+                    pred):
+        """TMA-load rows [row, row + ROWS) of head `head` (WIDTH = 192 columns) as three
+        64-column boxes: columns 0-127 into `lo` [ROWS, 128] (its two 128-byte swizzle
+        column blocks, which lie one after the other: NVMMA tiles wider than their swizzle
+        are stored block by block), 128-191 into `hi` [ROWS, 64]. Arrives on `bar` with the
+        bytes of all three (`expect` here)."""
+        mbarrier.expect(bar, 3 * desc.block_type.nbytes, pred=pred)
+        halves = lo._reinterpret(desc.dtype, [2, ROWS, PIECE], lo.layout)
+        copy_piece(desc, row, head, 0, WIDTH, bar, halves.index(0), pred)
+        copy_piece(desc, row, head, PIECE, WIDTH, bar, halves.index(1), pred)
+        copy_piece(desc, row, head, 2 * PIECE, WIDTH, bar, hi, pred)
+
+    @gluon.jit
+    def key_operand_pieces(call, cfg, DO_BUFS: gl.constexpr):
+        """`key_operands` at kernel head dim 192: K and the two-slot Q ring as a 128-wide and
+        a 64-wide piece each (Gluon's tiles are powers of two): (k_lo, k_hi, v, q_lo, q_hi,
+        do)."""
+        dtype: gl.constexpr = call.q_desc.dtype
+        LO: gl.constexpr = cfg.HEAD_DIM - PIECE
+        k_layout: gl.constexpr = tile_layout(call.k_desc.layout)
+        q_layout: gl.constexpr = tile_layout(call.q_desc.layout)
+        k_lo = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, LO], k_layout)
+        k_hi = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, PIECE], k_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.HEAD_DIM_V],
+                                           tile_layout(call.v_desc.layout))
+        q_lo = gl.allocate_shared_memory(dtype, [2, cfg.BLOCK_M, LO], q_layout)
+        q_hi = gl.allocate_shared_memory(dtype, [2, cfg.BLOCK_M, PIECE], q_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [DO_BUFS, cfg.BLOCK_M, cfg.HEAD_DIM_V],
+                                            tile_layout(call.do_desc.layout))
+        return k_lo, k_hi, v_smem, q_lo, q_hi, do_smem
+
+    @gluon.jit
+    def load_kv_pieces(k_desc, v_desc, k_lo, k_hi, v_smem, bar, row, hk,
+                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       HEAD_DIM_V: gl.constexpr):
+        """`load_kv` at kernel head dim 192: K in its pieces (`load_pieces`), V whole."""
+        mbarrier.expect(bar, 3 * k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        halves = k_lo._reinterpret(k_desc.dtype, [2, BLOCK_N, PIECE], k_lo.layout)
+        copy_piece(k_desc, row, hk, 0, HEAD_DIM, bar, halves.index(0), True)
+        copy_piece(k_desc, row, hk, PIECE, HEAD_DIM, bar, halves.index(1), True)
+        copy_piece(k_desc, row, hk, 2 * PIECE, HEAD_DIM, bar, k_hi, True)
+        copy_rows(v_desc, row, hk, HEAD_DIM_V, bar, v_smem, True)
+
+    @gluon.jit
+    def store_key_piece(ptr, tile, n0, k_start, seqlen_k, n_kv_heads, hk, WIDTH: gl.constexpr,
+                        COL: gl.constexpr, COLS: gl.constexpr, BLOCK_N: gl.constexpr,
+                        layout: gl.constexpr):
+        """`store_key_rows` of the columns [COL, COL + COLS) of a WIDTH-wide dK (the 192
+        build's pieces; TMA stores would need a 192-wide box)."""
+        keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        cols = COL + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        off = ((k_start + keys).to(gl.int64) * n_kv_heads + hk) * WIDTH
+        gl.store(ptr + gl.expand_dims(off, 1) + gl.expand_dims(cols, 0),
+                 tile.to(ptr.dtype.element_ty), mask=gl.expand_dims(keys < seqlen_k, 1))
 
     @gluon.jit
     def stage_stats(lse_ptr, delta_ptr, lse_smem, delta_smem, buf, h, m0, q_start, seqlen_q,
