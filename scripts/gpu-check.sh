@@ -13,6 +13,9 @@
 #                                        (scripts/bench-compare.sh)
 #   bash scripts/gpu-check.sh first-call time to first result, cold and cached, beside FA4
 #                                        (scripts/first-call.py, d=64/128/256 causal)
+#   bash scripts/gpu-check.sh models     the models suite (FA4 joins as for bench; MODELS_CASE
+#                                        picks cases, as --case)
+#   bash scripts/gpu-check.sh fp8        the fp8 forward grid (d 64/128) beside bf16 and cuDNN fp8
 #   bash scripts/gpu-check.sh full       tests, sanitize, bench, first-call
 #
 # Knobs: TEST_FILES, TEST_TIMEOUT (s per file, default 300), PYTEST_K, BENCH_WARMUP (ms per
@@ -113,6 +116,26 @@ run_bench() {
   summary+=("bench: exit $rc ($(grep -c WRONG "$out/bench.log") WRONG cells)")
 }
 
+run_models() {
+  local rc
+  timeout "${MODELS_TIMEOUT:-540}" python3 -m asymflash bench --suite models --no-plots \
+    ${MODELS_CASE:+--case "$MODELS_CASE"} --out "$out/models" > "$out/models.log" 2>&1
+  rc=$?
+  [ "$rc" -ne 0 ] && status=1
+  grep -E "^\| " "$out/models.log" | tail -40
+  summary+=("models: exit $rc ($(grep -c WRONG "$out/models.log") WRONG cells)")
+}
+
+run_fp8() {
+  local rc
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m asymflash bench --dtype fp8 --mode fwd \
+    --hdim 64,128 --seqlen 1k,4k,16k --no-plots --out "$out/fp8" > "$out/fp8.log" 2>&1
+  rc=$?
+  [ "$rc" -ne 0 ] && status=1
+  grep -E "^\| " "$out/fp8.log" | tail -30
+  summary+=("fp8: exit $rc ($(grep -c WRONG "$out/fp8.log") WRONG cells)")
+}
+
 run_first_call() {
   local d rc=0
   for d in 64 128 256; do
@@ -127,6 +150,8 @@ case "$mode" in
   tests) run_tests ;;
   first-call) run_first_call ;;
   sanitize) run_sanitize ;;
+  models) run_models ;;
+  fp8) run_fp8 ;;
   bench) run_bench ;;
   compare)
     bash scripts/bench-compare.sh "${2:?compare needs the baseline package directory}" \
