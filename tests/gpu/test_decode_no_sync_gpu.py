@@ -58,18 +58,33 @@ def test_default_decode_does_not_synchronise(paged):
         assert (out[b:b + 1].float() - want).abs().max() < 2e-2
 
 
-def test_wrong_length_fails_a_device_assert():
+WRONG_VALUES = {
+    "length past the cache": "lens = torch.tensor([5, 129], dtype=torch.int32, device='cuda')",
+    "page index past the pool": (
+        "lens = torch.tensor([5, 60], dtype=torch.int32, device='cuda'); "
+        "table = torch.tensor([[0, 1], [2, 999]], dtype=torch.int32, device='cuda'); "
+        "kc = kc.view(4, 64, 4, 64)"),
+    "negative page index": (
+        "lens = torch.tensor([5, 60], dtype=torch.int32, device='cuda'); "
+        "table = torch.tensor([[0, 1], [-3, 2]], dtype=torch.int32, device='cuda'); "
+        "kc = kc.view(4, 64, 4, 64)"),
+}
+
+
+@pytest.mark.parametrize("wrong", list(WRONG_VALUES))
+def test_wrong_index_value_fails_a_device_assert(wrong):
     code = textwrap.dedent("""
         import torch
         from asymflash import flash_attn_with_kvcache
         q = torch.randn(2, 1, 4, 64, dtype=torch.bfloat16, device="cuda")
         kc = torch.randn(2, 128, 4, 64, dtype=torch.bfloat16, device="cuda")
-        lens = torch.tensor([5, 129], dtype=torch.int32, device="cuda")
-        flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lens)
+        table = None
+        {wrong}
+        flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lens, page_table=table)
         torch.cuda.synchronize()
         print("NO ERROR")
-    """)
+    """).format(wrong=WRONG_VALUES[wrong])
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
-    assert done.returncode != 0 and "NO ERROR" not in done.stdout
-    assert "assert" in done.stderr.lower()
+    assert done.returncode != 0 and "NO ERROR" not in done.stdout, done.stdout
+    assert "assert" in done.stderr.lower(), done.stderr[-2000:]

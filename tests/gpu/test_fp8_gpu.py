@@ -53,9 +53,10 @@ def _paged_cache(batch, tokens, hkv, d, dtype, page=64):
     table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, -1)
     if dtype != torch.float8_e4m3fn:
         return k.to(dtype), v.to(dtype), table, None, None
-    # One scale for every (sequence, head): randn stays well inside 4, e4m3's 448 after it.
-    kd = torch.full((batch, hkv), 4.0 / 448, device="cuda")
-    vd = kd.clone()
+    # One scale for every (sequence, head), from the largest value: e4m3fn has no infinity,
+    # a value past 448 casts to NaN (67M randn values reach past 5)
+    kd = torch.full((batch, hkv), k.abs().max().item() / 448, device="cuda")
+    vd = torch.full((batch, hkv), v.abs().max().item() / 448, device="cuda")
     return ((k / kd[0, 0]).to(dtype), (v / vd[0, 0]).to(dtype), table, kd, vd)
 
 

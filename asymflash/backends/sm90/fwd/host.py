@@ -454,9 +454,11 @@ def _matrix_desc(t: torch.Tensor, block) -> "TensorDescriptor":
     return desc
 
 
-def fp8_unsupported(q, k, v, seq: SeqInfo, params: AttnParams, sink=None) -> str | None:
+def fp8_unsupported(q, k, v, seq: SeqInfo, params: AttnParams | None,
+                    sink=None) -> str | None:
     """None when the fp8 kernel computes the call (q, k, v e4m3, dense), else why not (the
-    caller then runs the 16-bit kernels on host-cast inputs, `api/fp8.py`)."""
+    caller then runs the 16-bit kernels on host-cast inputs, `api/fp8.py`). params None: the
+    caller checked softcap itself (`api/fp8.kernel_reason`)."""
     if GLUON_ERROR is not None:
         return GLUON_ERROR
     from ....runtime.dispatch import SM90_TESTED_TRITON, sm90_triton_allowed
@@ -476,7 +478,7 @@ def fp8_unsupported(q, k, v, seq: SeqInfo, params: AttnParams, sink=None) -> str
     if not seq.uniform or seq.seqused_k is not None:
         # Vᵀ's key columns are per dense sequence (`transpose_v_fp8`)
         return "sm90 fp8 forward: dense sequences only"
-    if params.softcap > 0 or sink is not None:
+    if (params is not None and params.softcap > 0) or sink is not None:
         return "sm90 fp8 forward: no softcap or sink"
     hq, hkv = q.shape[1], k.shape[1]
     if hq % hkv:
