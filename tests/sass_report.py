@@ -46,8 +46,8 @@ if _os.environ.get("ASYM_PTXAS_VERDICT") == "1":
         if _os.path.exists(_name):
             _os.unlink(_name)
     _serialized = "wgmma.mma_async instructions are serialized" in _ptxas.stdout + _ptxas.stderr
-# The step loops: loops (a backward branch to a label) whose body holds HGMMA (QGMMA: fp8)
-# and no inner loop that does. A persistent kernel's tile loop spans prologue and epilogue, which
+# The step loops: loops (a backward branch to a label) whose body holds HGMMA and no inner
+# loop that does. A persistent kernel's tile loop spans prologue and epilogue, which
 # local_in_loop below counts; this counts the steps' own local-memory instructions.
 _ins, _labels, _pending = [], {}, []
 for _line in _sass.splitlines():
@@ -69,23 +69,14 @@ for _addr, _text in _ins:
     if _m and _addr < _end and _labels.get(_m.group(1), _addr + 1) <= _addr:
         _loops.add((_labels[_m.group(1)], _addr))
 _mma_loops = [(a, b) for a, b in _loops
-              if any(a <= x <= b and "GMMA" in t for x, t in _ins)]
+              if any(a <= x <= b and "HGMMA" in t for x, t in _ins)]
 _step_loops = [(a, b) for a, b in _mma_loops
                if not any((c, d) != (a, b) and a <= c and d <= b for c, d in _mma_loops)]
 _local_in_steps = sum(1 for a, b in _step_loops for x, t in _ins
                       if a <= x <= b and _re.search(r"\b(LDL|STL)\b", t))
-# instructions of the step loops (all of them together) by opcode, predicates dropped
-_step_ops = {}
-for _a, _b in _step_loops:
-    for _x, _t in _ins:
-        if _a <= _x <= _b:
-            _op = _re.sub(r"^@!?U?P\w+\s+", "", _t).split()[0]
-            _step_ops[_op] = _step_ops.get(_op, 0) + 1
 print(_json.dumps(dict(
     wgmma_serialized=_serialized, step_loops=len(_step_loops),
-    local_in_step_loops=_local_in_steps, step_ops=_step_ops,
-    # fp8 wgmmas (SASS names them QGMMA; PTX wgmma...e4m3.e4m3)
-    qgmma_e4m3=len(_re.findall(r"\bQGMMA\.\S+\.E4M3\.E4M3\b", _sass)),
+    local_in_step_loops=_local_in_steps,
     hgmma=_sass.count("HGMMA"), mma=_sass.count("HGMMA") + _sass.count("HMMA"),
     # HGMMA instructions by shape (M x N x K), e.g. {"64x32x16": 28}
     hgmma_shapes={_k: _v for _k, _v in __import__("collections").Counter(
