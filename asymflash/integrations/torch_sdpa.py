@@ -14,7 +14,10 @@ seqlen_q), cum_seq_q/k, max_q/k, the dropout rng state, a debug mask) and its ba
 `aten::_scaled_dot_product_flash_attention_backward`, whose derivative formula torch's
 autograd already records: so training, torch.compile (the op's meta function is torch's)
 and torch's context parallel (which calls these ops per key block and merges by the lse)
-run through asymflash unchanged. We replace these two and nothing else: NestedTensor and
+run through asymflash unchanged. Call register() before torch.compile traces the model: a
+compiled graph keeps the SDPA backend chosen when it was traced, and Inductor's FX-graph and
+AOTAutograd caches can hand back a graph traced before register() (torch._dynamo.reset()
+does not clear them). We replace these two and nothing else: NestedTensor and
 varlen calls (`aten::_flash_attention_forward` with cumulative lengths) keep torch's kernels.
 
 Which calls reach the flash backend is torch's decision, made before the op: no attn_mask

@@ -60,14 +60,17 @@ def test_default_decode_does_not_synchronise(paged):
 
 WRONG_VALUES = {
     "length past the cache": "lens = torch.tensor([5, 129], dtype=torch.int32, device='cuda')",
-    "page index past the pool": (
-        "lens = torch.tensor([5, 60], dtype=torch.int32, device='cuda'); "
+    "page index past the pool": (  # (a page the sequence reads: past its length, unread)
+        "lens = torch.tensor([5, 100], dtype=torch.int32, device='cuda'); "
         "table = torch.tensor([[0, 1], [2, 999]], dtype=torch.int32, device='cuda'); "
         "kc = kc.view(4, 64, 4, 64)"),
     "negative page index": (
         "lens = torch.tensor([5, 60], dtype=torch.int32, device='cuda'); "
         "table = torch.tensor([[0, 1], [-3, 2]], dtype=torch.int32, device='cuda'); "
         "kc = kc.view(4, 64, 4, 64)"),
+    "left padding past the length": (
+        "lens = torch.tensor([5, 60], dtype=torch.int32, device='cuda'); "
+        "pad = torch.tensor([0, 61], dtype=torch.int32, device='cuda')"),
 }
 
 
@@ -78,9 +81,10 @@ def test_wrong_index_value_fails_a_device_assert(wrong):
         from asymflash import flash_attn_with_kvcache
         q = torch.randn(2, 1, 4, 64, dtype=torch.bfloat16, device="cuda")
         kc = torch.randn(2, 128, 4, 64, dtype=torch.bfloat16, device="cuda")
-        table = None
+        table = pad = None
         {wrong}
-        flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lens, page_table=table)
+        flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lens, page_table=table,
+                                cache_leftpad=pad)
         torch.cuda.synchronize()
         print("NO ERROR")
     """).format(wrong=WRONG_VALUES[wrong])

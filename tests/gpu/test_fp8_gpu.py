@@ -49,29 +49,48 @@ def _paged_cache(batch, tokens, hkv, d, dtype, page=64):
     return ((k / kd[0, 0]).to(dtype), (v / vd[0, 0]).to(dtype), table, kd, vd)
 
 
-@pytest.mark.parametrize("batch", [32])
-def test_fp8_cache_decode_values_and_time(batch):
-    import triton.testing
+DECODE = dict(batch=32, hq=32, hkv=4, d=128, tokens=4096)
 
-    hq, hkv, d, tokens = 32, 4, 128, 4096
-    lens = torch.full((batch,), tokens, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, 1, hq, d, device="cuda", dtype=torch.bfloat16)
-    kc, vc, table, kd, vd = _paged_cache(batch, tokens, hkv, d, torch.float8_e4m3fn)
+
+def _decode_case():
+    c = DECODE
+    lens = torch.full((c["batch"],), c["tokens"], dtype=torch.int32, device="cuda")
+    q = torch.randn(c["batch"], 1, c["hq"], c["d"], device="cuda", dtype=torch.bfloat16)
+    return q, lens
+
+
+def test_fp8_cache_decode_values():
+    q, lens = _decode_case()
+    kc, vc, table, kd, vd = _paged_cache(DECODE["batch"], DECODE["tokens"], DECODE["hkv"],
+                                         DECODE["d"], torch.float8_e4m3fn)
     out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table,
                                   k_descale=kd, v_descale=vd)
-    b = batch - 1
-    keys = kc[table[b].long()].flatten(0, 1).unsqueeze(0)
-    vals = vc[table[b].long()].flatten(0, 1).unsqueeze(0)
-    assert_fp8_close(out[b:], None, expected(q[b:], keys, vals, (None, kd[b:], vd[b:])))
+    for b in (0, DECODE["batch"] - 1):
+        keys = kc[table[b].long()].flatten(0, 1).unsqueeze(0)
+        vals = vc[table[b].long()].flatten(0, 1).unsqueeze(0)
+        assert_fp8_close(out[b:b + 1], None,
+                         expected(q[b:b + 1], keys, vals, (None, kd[b:b + 1], vd[b:b + 1])))
 
-    kb, vb, table_b, _, _ = _paged_cache(batch, tokens, hkv, d, torch.bfloat16)
+
+# Measured 2026-12-05 (H200, triton 3.6.0): fp8 538.7 us (249 GB/s) against bf16 287.4 us
+# (934 GB/s), 0.53x the tokens/s; issue 43 wants >= 1.8x. strict: passing is news.
+@pytest.mark.xfail(strict=True, reason="the e4m3 cache decode reads half the bytes but runs "
+                   "at 0.53x the bf16 cache's speed (issue 43)")
+def test_fp8_cache_decode_is_not_slower_than_bf16():
+    import triton.testing
+
+    q, lens = _decode_case()
+    c = DECODE
+    kc, vc, table, kd, vd = _paged_cache(c["batch"], c["tokens"], c["hkv"], c["d"],
+                                         torch.float8_e4m3fn)
+    kb, vb, table_b, _, _ = _paged_cache(c["batch"], c["tokens"], c["hkv"], c["d"],
+                                         torch.bfloat16)
     ms8 = triton.testing.do_bench(lambda: flash_attn_with_kvcache(
         q, kc, vc, cache_seqlens=lens, page_table=table, k_descale=kd, v_descale=vd))
     ms16 = triton.testing.do_bench(lambda: flash_attn_with_kvcache(
         q, kb, vb, cache_seqlens=lens, page_table=table_b))
     gbs = lambda nbytes, ms: nbytes / ms / 1e6  # noqa: E731
-    print(f"\nfp8 cache decode batch {batch}, {tokens} tokens, {hq}/{hkv} heads, d {d}: "
-          f"fp8 {ms8 * 1e3:.1f} us ({gbs(kc.nbytes + vc.nbytes, ms8):.0f} GB/s), bf16 "
-          f"{ms16 * 1e3:.1f} us ({gbs(kb.nbytes + vb.nbytes, ms16):.0f} GB/s): "
-          f"{ms16 / ms8:.2f}x tokens/s")
+    print(f"\nfp8 cache decode {c}: fp8 {ms8 * 1e3:.1f} us "
+          f"({gbs(kc.nbytes + vc.nbytes, ms8):.0f} GB/s), bf16 {ms16 * 1e3:.1f} us "
+          f"({gbs(kb.nbytes + vb.nbytes, ms16):.0f} GB/s): {ms16 / ms8:.2f}x tokens/s")
     assert ms8 <= 1.1 * ms16, "an fp8 cache reads half the bytes: it must not be slower"

@@ -207,9 +207,16 @@ def train(steps=8, compile_=False):
 
 
 @pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
-def test_transformer_trains_the_same(compile_):
+def test_transformer_trains_the_same(compile_, monkeypatch):
     if compile_:
         torch._dynamo.reset()
+        # SDPA's backend is chosen when the graph is traced (on the H200 before register():
+        # cuDNN), and Inductor's FX-graph and AOTAutograd caches would hand the second run
+        # that graph back: compile it afresh, as a process that registers first does
+        import torch._functorch.config as functorch_config
+        import torch._inductor.config as inductor_config
+        monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+        monkeypatch.setattr(functorch_config, "enable_autograd_cache", False)
     base = train(compile_=compile_)
     torch_sdpa.register()
     torch_sdpa.stats.clear()
