@@ -296,6 +296,19 @@ def test_fa4_switches_compile(emu, thr):
     within_budget(rep, rep["local"], 0)
 
 
+def test_packed_documents_take_tiles_in_order():
+    """Causal packed documents (uniform=False) walk tiles head by head in order; dense
+    causal calls keep the longest-first order (docs/tuning.md: varlen-probe)."""
+    def plan(uniform, d=128):
+        return fwd.launch_plan(d, d, 8192, 8192, uniform, False, -1, 0, False, False, 34,
+                               32, 8, 132, None)
+
+    for d in (64, 128, 256):
+        assert plan(False, d).constexprs["LPT"] is False, d
+        assert not plan(False, d).cfg.persistent
+        assert plan(True, d).constexprs["LPT"] is True, d
+
+
 def test_fa4_switches_apply_to_every_call_unless_a_config_is_given(monkeypatch):
     from dataclasses import replace
 

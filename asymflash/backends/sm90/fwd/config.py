@@ -149,14 +149,24 @@ SHORT_MASKED = {64: (512, {"block_n": 64, "tail_skip": True}),
 
 
 def default_for_call(d: int, local: bool, masked: bool, max_seqlen_q: int, dense: bool,
-                     plain: bool) -> FwdConfig:
+                     plain: bool, packed: bool = False) -> FwdConfig:
     """The default config of one call (`persistent` still open): head dim and mask first,
-    then the shape-dependent choices where the H200 measured a gain."""
+    then the shape-dependent choices where the H200 measured a gain. packed: sequences of
+    different lengths (cu_seqlens)."""
+    if packed:
+        # Packed documents: neighbouring CTAs on one head, K/V hot in L2, beat the
+        # longest-first order there (docs/tuning.md, scripts/varlen-probe.py)
+        return _in_order(d, local)
     if use_three_warpgroups(d, masked, max_seqlen_q, dense, plain):
         return _three_warpgroups(_default_config(d, local))
     if masked and dense and plain and max_seqlen_q <= SHORT_MASKED.get(d, (0,))[0]:
         return _short_masked(d, local)
     return _default_config(d, local)
+
+
+@functools.lru_cache(maxsize=None)
+def _in_order(d: int, local: bool) -> FwdConfig:
+    return replace(_default_config(d, local), lpt=False)
 
 
 @functools.lru_cache(maxsize=None)

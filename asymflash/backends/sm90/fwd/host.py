@@ -123,7 +123,8 @@ def launch_plan(d: int, dv: int, max_seqlen_q: int, max_seqlen_k: int, uniform: 
     dense = uniform and not has_seqused
     o_width = output_box_width(d, dv, uniform and max_seqlen_q % 64 == 0)
     if cfg is None:
-        cfg = default_for_call(d, local, window_right >= 0, max_seqlen_q, dense, plain)
+        cfg = default_for_call(d, local, window_right >= 0, max_seqlen_q, dense, plain,
+                               packed=not uniform)
     if tricks[0] is not None:
         cfg = replace(cfg, exp2_emu_every=tricks[0])
     if tricks[1] is not None:
