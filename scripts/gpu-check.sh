@@ -14,7 +14,11 @@
 #   bash scripts/gpu-check.sh first-call time to first result, cold and cached, beside FA4
 #                                        (scripts/first-call.py, d=64/128/256 causal)
 #   bash scripts/gpu-check.sh models     the models suite (FA4 joins as for bench; MODELS_CASE
-#                                        picks cases, as --case)
+#                                        picks cases, as --case). All of it takes longer than one
+#                                        10-minute device call (2026-12-05: two cases and part of
+#                                        the 128k one in 400 s): run it in groups, e.g.
+#                                        MODELS_CASE=varlen,mla / long / vit,train,swa /
+#                                        softcap,hybrid / decode, then `bench --merge` the outs
 #   bash scripts/gpu-check.sh fp8        the fp8 forward grid (d 64/128) beside bf16 and cuDNN fp8
 #   bash scripts/gpu-check.sh full       tests, sanitize, bench, first-call
 #
