@@ -71,6 +71,9 @@ CASES = [
     dict(name="d192-dv128", lens_q=[257], lens_k=[257], hq=2, hkv=1, d=192, dv=128),
     dict(name="d160-dv128-causal", lens_q=[300] * 2, lens_k=[300] * 2, hq=4, hkv=2, d=160,
          dv=128, window=(-1, 0)),
+    # dims TMA cannot address (not multiples of 8): zero-padded copies, 190/126 -> 192/128
+    dict(name="d190-dv126-causal", lens_q=[257], lens_k=[257], hq=2, hkv=1, d=190, dv=126,
+         window=(-1, 0)),
     # 256/128 runs as it is (fwd.forward_widths: V is not padded to 256)
     dict(name="d256-dv128-causal", lens_q=[300] * 2, lens_k=[300] * 2, hq=4, hkv=2, d=256,
          dv=128, window=(-1, 0)),
