@@ -23,6 +23,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from sass_loops import step_loops  # noqa: E402  (the compile tests' loop finder)
+
 _LOCAL = re.compile(r"\b(LDL|STL)\b")
 
 _BUILD = r"""
@@ -40,31 +43,6 @@ k = host.compile_for_target(a["d"], a["dv"], cfg=plan.cfg, heads_axis=a["heads_a
 open(sys.argv[2], "wb").write(k.asm["cubin"])
 print("SHARED", k.metadata.shared, file=sys.stderr)
 """
-
-
-def step_loops(sass: str):
-    ins, labels, pending = [], {}, []
-    for line in sass.splitlines():
-        m = re.match(r"\s*\.(L_x_\d+):", line)
-        if m:
-            pending.append(m.group(1))
-            continue
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
-        if m:
-            ins.append((int(m.group(1), 16), m.group(2)))
-            for name in pending:
-                labels[name] = ins[-1][0]
-            pending = []
-    end = max((x for x, t in ins if re.match(r"(@!?U?P\d+\s+)?EXIT\b", t)), default=0)
-    loops = set()
-    for addr, text in ins:
-        m = re.search(r"\bBRA\b.*?\(?\.(L_x_\d+)\)?", text)
-        if m and addr < end and labels.get(m.group(1), addr + 1) <= addr:
-            loops.add((labels[m.group(1)], addr))
-    mma = [(a, b) for a, b in loops if any(a <= x <= b and "HGMMA" in t for x, t in ins)]
-    inner = [(a, b) for a, b in mma
-             if not any((c, d) != (a, b) and a <= c and d <= b for c, d in mma)]
-    return [[t for x, t in ins if a <= x <= b] for a, b in sorted(inner)]
 
 
 def main() -> int:

@@ -46,34 +46,13 @@ if _os.environ.get("ASYM_PTXAS_VERDICT") == "1":
         if _os.path.exists(_name):
             _os.unlink(_name)
     _serialized = "wgmma.mma_async instructions are serialized" in _ptxas.stdout + _ptxas.stderr
-# The step loops: loops (a backward branch to a label) whose body holds HGMMA and no inner
-# loop that does. A persistent kernel's tile loop spans prologue and epilogue, which
-# local_in_loop below counts; this counts the steps' own local-memory instructions.
-_ins, _labels, _pending = [], {}, []
-for _line in _sass.splitlines():
-    _m = _re.match(r"\s*\.(L_x_\d+):", _line)
-    if _m:
-        _pending.append(_m.group(1))
-        continue
-    _m = _re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", _line)
-    if _m:
-        _ins.append((int(_m.group(1), 16), _m.group(2)))
-        for _name in _pending:
-            _labels[_name] = _ins[-1][0]
-        _pending = []
-# (the mbarrier waits' retry stubs sit after the last EXIT and branch back: not loops)
-_end = max((x for x, t in _ins if _re.match(r"(@!?U?P\d+\s+)?EXIT\b", t)), default=0)
-_loops = set()
-for _addr, _text in _ins:
-    _m = _re.search(r"\bBRA\b.*?\(?\.(L_x_\d+)\)?", _text)
-    if _m and _addr < _end and _labels.get(_m.group(1), _addr + 1) <= _addr:
-        _loops.add((_labels[_m.group(1)], _addr))
-_mma_loops = [(a, b) for a, b in _loops
-              if any(a <= x <= b and "HGMMA" in t for x, t in _ins)]
-_step_loops = [(a, b) for a, b in _mma_loops
-               if not any((c, d) != (a, b) and a <= c and d <= b for c, d in _mma_loops)]
-_local_in_steps = sum(1 for a, b in _step_loops for x, t in _ins
-                      if a <= x <= b and _re.search(r"\b(LDL|STL)\b", t))
+# The step loops (`sass_loops`). A persistent kernel's tile loop spans prologue and
+# epilogue, which local_in_loop below counts; this counts the steps' own local-memory
+# instructions.
+from sass_loops import step_loops as _step_loops_of
+_step_loops = _step_loops_of(_sass)
+_local_in_steps = sum(1 for _body in _step_loops for t in _body
+                      if _re.search(r"\b(LDL|STL)\b", t))
 print(_json.dumps(dict(
     wgmma_serialized=_serialized, step_loops=len(_step_loops),
     local_in_step_loops=_local_in_steps,
@@ -211,7 +190,8 @@ def within_budget(rep: dict, value: int, budget: int, what: str = "local-memory 
 class _Worker:
     def __init__(self):
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"),
+                                             env.get("PYTHONPATH", "")])
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True,
