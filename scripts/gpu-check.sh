@@ -110,35 +110,33 @@ run_sanitize() {
     "$log" | tr '\n' ' ')")
 }
 
-run_bench() {
-  local rc
-  timeout "${BENCH_TIMEOUT:-300}" python3 -m asymflash bench --hdim 64,128,256 \
-    --seqlen 512,2k,16k --providers FA2,cuDNN,FA4,asymflash-sm90,asymflash-sm90-det \
-    --warmup "${BENCH_WARMUP:-100}" --rep 40 --no-plots --out "$out/bench" > "$out/bench.log" 2>&1
+bench_step() {
+  # bench_step NAME LIMIT ARGS...: `python -m asymflash bench ARGS --no-plots --out $out/NAME`
+  # under a time limit, log in $out/NAME.log; prints its table rows, counts the WRONG cells
+  # (table rows only, not the legend); exit 1: a wrong asymflash cell, 124: cut by the limit
+  local name=$1 limit=$2 rc
+  shift 2
+  timeout "$limit" python3 -m asymflash bench "$@" --no-plots --out "$out/$name" \
+    > "$out/$name.log" 2>&1
   rc=$?
-  [ "$rc" -ne 0 ] && status=1  # 1: a wrong asymflash cell; 124: cut by the limit
-  grep -E "^\| (hdim|[0-9])" "$out/bench.log" | cut -d'|' -f2-4,8-
-  summary+=("bench: exit $rc ($(grep -c WRONG "$out/bench.log") WRONG cells)")
+  [ "$rc" -ne 0 ] && status=1
+  grep -E "^\| " "$out/$name.log" | tail -60
+  summary+=("$name: exit $rc ($(grep -cE '^\|.*WRONG' "$out/$name.log") WRONG cells)")
+}
+
+run_bench() {
+  bench_step bench "${BENCH_TIMEOUT:-300}" --hdim 64,128,256 --seqlen 512,2k,16k \
+    --providers FA2,cuDNN,FA4,asymflash-sm90,asymflash-sm90-det \
+    --warmup "${BENCH_WARMUP:-100}" --rep 40
 }
 
 run_models() {
-  local rc
-  timeout "${MODELS_TIMEOUT:-540}" python3 -m asymflash bench --suite models --no-plots \
-    ${MODELS_CASE:+--case "$MODELS_CASE"} --out "$out/models" > "$out/models.log" 2>&1
-  rc=$?
-  [ "$rc" -ne 0 ] && status=1
-  grep -E "^\| " "$out/models.log" | tail -40
-  summary+=("models: exit $rc ($(grep -c WRONG "$out/models.log") WRONG cells)")
+  bench_step models "${MODELS_TIMEOUT:-540}" --suite models ${MODELS_CASE:+--case "$MODELS_CASE"}
 }
 
 run_fp8() {
-  local rc
-  timeout "${BENCH_TIMEOUT:-300}" python3 -m asymflash bench --dtype fp8 --mode fwd \
-    --hdim 64,128 --seqlen 1k,4k,16k --no-plots --out "$out/fp8" > "$out/fp8.log" 2>&1
-  rc=$?
-  [ "$rc" -ne 0 ] && status=1
-  grep -E "^\| " "$out/fp8.log" | tail -30
-  summary+=("fp8: exit $rc ($(grep -c WRONG "$out/fp8.log") WRONG cells)")
+  bench_step fp8 "${BENCH_TIMEOUT:-300}" --dtype fp8 --mode fwd --hdim 64,128 \
+    --seqlen 1k,4k,16k
 }
 
 run_first_call() {
