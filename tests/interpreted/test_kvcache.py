@@ -206,8 +206,8 @@ def test_unused_page_table_entries_are_not_checked():
 # (tests/gpu/test_decode_no_sync_gpu.py runs that in a subprocess). Here they run on the CPU.
 VALUE_CHECKS = ("page index too big", "page index negative", "beyond capacity",
                 "negative length")
-on_device_checks = pytest.mark.skipif(
-    DEVICE == "cuda", reason="CUDA checks index values on the device (a device-side assert)")
+DEVICE_CHECKED = "CUDA checks index values on the device (a device-side assert)"
+on_device_checks = pytest.mark.skipif(DEVICE == "cuda", reason=DEVICE_CHECKED)
 
 
 def _bad_cases():
@@ -267,7 +267,7 @@ BAD = _bad_cases()
 def test_refused_calls_leave_the_cache_untouched(i):
     name, change, exc, words = BAD[i]
     if DEVICE == "cuda" and name in VALUE_CHECKS:
-        pytest.skip("CUDA checks index values on the device (a device-side assert)")
+        pytest.skip(DEVICE_CHECKED)
     cache = Cache("paged", 3, 2, 32, 32, capacity=64)
     args = dict(q=torch.randn(3, 2, 4, 32, dtype=torch.bfloat16, device=DEVICE),
                 k_cache=cache.k, v_cache=cache.v,
