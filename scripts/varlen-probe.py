@@ -38,7 +38,7 @@ def _variants(default_cfg):
                    dataclasses.replace(default_cfg, persistent=persistent, lpt=lpt))
 
 
-def _probe_draw(case, seed, fa4, rep) -> list:
+def _probe_draw(case, seed, fa4, rep, only=None) -> list:
     """Rows of one document mix: every variant checked against the default, then timed."""
     from triton.testing import do_bench
 
@@ -56,6 +56,8 @@ def _probe_draw(case, seed, fa4, rep) -> list:
     want = fwd.forward(q, k, v, seq, params, None)[0]
     results = {}
     for name, cfg in _variants(fwd_config.select_config(q.shape[-1], v.shape[-1], params)):
+        if only is not None and name not in only:
+            continue
         try:
             out = fwd.forward(q, k, v, seq, params, None, cfg=cfg)[0]
         except ValueError as e:  # check_config's refusal of a combination
@@ -116,6 +118,9 @@ def main(argv=None) -> int:
     p.add_argument("--rep", type=int, default=100, help="ms of timing per variant")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     p.add_argument("--replay", action="store_true", help="host replay of the plain grid only")
+    p.add_argument("--only", default=None,
+                   help="variants beside the default, comma-separated names as in the table "
+                        "(e.g. 'persistent=0 lpt=1')")
     args = p.parse_args(argv)
     base = select_cases(models_suite(), [args.case])[0]
     median, sigma, cap, _ = base.doc_dist
@@ -140,7 +145,8 @@ def main(argv=None) -> int:
     for seed in args.seed:
         lens = doc_lengths(base.seqlen_q, cap, median, sigma, seed)
         case = dataclasses.replace(base, doc_lens=lens, doc_dist=(median, sigma, cap, seed))
-        rows += _probe_draw(case, seed, fa4, args.rep)
+        rows += _probe_draw(case, seed, fa4, args.rep,
+                            None if args.only is None else {"default", *args.only.split(",")})
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "varlen-probe.json"), "w") as f:
         json.dump(dict(case=args.case, torch=torch.__version__, rows=rows), f, indent=1)
