@@ -32,6 +32,10 @@ CONFIGS = [
     {"head_dim": 128, "dtype": "float16", "has_right": True},
     {"head_dim": 128, "has_left": True, "has_right": True, "softcap": True, "has_sink": True,
          "uniform": False, "has_seqused": True},
+    # packed documents in order: tiles found by searching cu_seqlens (`sched.packed_tile`)
+    {"head_dim": 128, "has_right": True, "uniform": False, "cfg": {"lpt": False}},
+    {"head_dim": 64, "uniform": False, "cfg": {"lpt": False}},
+    {"head_dim": 256, "has_right": True, "uniform": False, "cfg": {"lpt": False}},
 ]
 
 

@@ -346,3 +346,55 @@ def test_sm90_forward_tail_skip_matches_reference(case, persistent):
     _forward_case_matches(
         case, lambda cfg: replace(cfg, **fwd.SHORT_MASKED[d][1], persistent=persistent),
         bitwise=True)
+
+
+# Packed documents on the plain grid in order: each CTA finds its document by searching
+# cu_seqlens_q (`sched.packed_tile`: every stride-th document, then the ones between; more
+# than 128 documents take both levels), the grid sized by the total rows
+# (`host.packed_grid`). Lengths skewed, some empty; the packed rows start past row 0 and end
+# before the tensor does (rows no sequence owns are not compared).
+PACKED_DOC_CASES = [
+    # (documents, seed, d, window, different key lengths)
+    (300, 0, 128, (-1, 0), False),
+    (129, 1, 64, (-1, -1), True),
+    (130, 2, 256, (100, 50), True),
+    (7, 3, 128, (-1, 0), True),
+]
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", PACKED_DOC_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_sm90_forward_packed_documents_find_their_tiles(case):
+    from asymflash.backends.sm90.fwd import host as fwd
+
+    docs, seed, d, window, own_keys = case
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hq, hkv = 4, 2
+
+    def lengths():
+        lens = (torch.randn(docs, generator=g, device="cuda") * 1.2).exp() * 150
+        lens = lens.int().clamp(0, 1500)
+        lens[torch.randint(0, docs, (max(docs // 20, 1),), generator=g, device="cuda")] = 0
+        return lens
+
+    lens_q = lengths()
+    lens_k = lengths() if own_keys else lens_q
+    lead, trail = 5, 7
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"),
+                      lens_q.cumsum(0).int()]) + lead
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"),
+                      lens_k.cumsum(0).int()])
+    seq = SeqInfo(cu_q, cu_k, int(lens_q.max()), int(lens_k.max()), None, False)
+    total_q, total_k = int(cu_q[-1]) + trail, max(int(cu_k[-1]), 1)
+    q = torch.randn(total_q, hq, d, generator=g, device="cuda").to(torch.bfloat16)
+    k = torch.randn(total_k, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    v = torch.randn(total_k, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(*window))
+    plan = fwd.launch_plan(d, d, seq.max_seqlen_q, seq.max_seqlen_k, False, False, *window,
+                           False, False, docs, hq, hkv, 132, None)
+    assert not (plan.constexprs["LPT"] or plan.constexprs["PERSISTENT"]), plan
+    assert fwd.packed_grid(plan, total_q, docs, hq) == hq * (total_q // 128 + docs)
+    out_err, lse_err, tol = check_forward(fwd, q, k, v, seq, params,
+                                          q_rows=(lead, total_q - trail))
+    assert out_err <= tol, (out_err, tol)
+    assert lse_err <= 1e-3, lse_err

@@ -352,9 +352,20 @@ def _launch(q, k, v, seq: SeqInfo, params: AttnParams, sink, plan: LaunchPlan, p
             sink if sink is not None else lse, seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq,
             seq.batch, plan.num_m_blocks, hq // hkv, qk_scale, softcap_pre,
             params.mask.window_left, params.mask.window_right, plan.num_tiles, plan.hb_chunk)
-    if bound is None or not bound((plan.grid,), args):
-        _launcher()[(plan.grid, )](*args, **plan.constexprs)
+    grid = packed_grid(plan, total_q, seq.batch, hq)
+    if bound is None or not bound((grid,), args):
+        _launcher()[(grid, )](*args, **plan.constexprs)
     return out, lse, args
+
+
+def packed_grid(plan: LaunchPlan, total_q: int, batch: int, hq: int) -> int:
+    """The launch's grid: the plan's, or on the plain grid over packed sequences (in order)
+    hq·(total_q // 128 + batch) CTAs, so that no query block past a sequence's end gets one
+    (`sched.packed_tile`; total_q varies between calls of one plan)."""
+    c = plan.constexprs
+    if c["PERSISTENT"] or c["UNIFORM"] or c["LPT"]:
+        return plan.grid
+    return hq * (total_q // (2 * BLOCK_M_WG) + batch)
 
 
 class ForwardRunner:

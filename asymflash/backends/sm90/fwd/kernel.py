@@ -64,6 +64,7 @@ if GLUON_ERROR is None:
         warpgroup_mma_wait,
     )
     from ..sched import (
+        packed_tile,
         persistent_tile,
         publish_tile,
         read_tile,
@@ -461,8 +462,12 @@ if GLUON_ERROR is None:
                     (_load_role_persistent, (bufs, call, cfg)),
                 ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
         else:
-            m_blk, head, batch = tile_of(gl.program_id(0), n_heads, n_batch, num_m_blocks,
-                                          hb_chunk, LPT, False)
+            if UNIFORM or LPT:
+                m_blk, head, batch = tile_of(gl.program_id(0), n_heads, n_batch, num_m_blocks,
+                                              hb_chunk, LPT, False)
+            else:  # packed sequences: no tiles past their ends (`host.packed_grid`)
+                m_blk, head, batch = packed_tile(gl.program_id(0), n_heads, n_batch, cu_q_ptr,
+                                                 128)
             q_start, k_start, seqlen_q, seqlen_k = sequence(batch, seqlen_q, seqlen_k,
                                                              cu_q_ptr, cu_k_ptr, used_k_ptr,
                                                              UNIFORM, HAS_SEQUSED)
