@@ -20,6 +20,7 @@ from kernel_code import on_ints
 
 from asymflash.backends.sm90 import common
 from asymflash.backends.sm90.bwd import host as bwd
+from asymflash.backends.sm90.fwd import host as fwd
 
 if common.GLUON_ERROR is not None or not hasattr(common, "load_pieces"):
     pytest.skip("triton's Gluon (the kernels' source) is not importable here",
@@ -43,7 +44,7 @@ def test_pieces_and_hosts_agree_on_widths():
     assert common.piece_cols(WIDTH) == PIECE == common.PIECE_HI
     assert LO == 128  # wgmma's and TMA's power-of-two piece
     for d in (136, 160, 190, 192):
-        assert bwd.backward_widths(d, 128) == (WIDTH, 128)
+        assert fwd.forward_widths(d, 128) == bwd.backward_widths(d, 128) == (WIDTH, 128)
 
 
 class _Smem:

@@ -297,14 +297,16 @@ PIECE_HI = 64
 
 
 def forward_widths(d: int, dv: int) -> tuple[int, int] | None:
-    """(head dim, head dim of V) of the forward kernel that computes (d, dv), or None.
+    """(head dim, head dim of V) of the kernels (forward and backward) that compute (d, dv),
+    or None.
 
     kernel_head_dim's width on both sides, except that a V of at most 128 next to a wider
-    q·k (DeepSeek's 192/128) runs the 256/128 kernel: padding V to 256 would double the P·V
-    work for nothing."""
+    q·k runs a build with a 128-wide V (padding V to 256 would double the P·V work for
+    nothing): 192/128 (q and k in pieces, `PIECE_HI`) where q·k is at most 192 wide
+    (DeepSeek-V3's 192/128), 256/128 above."""
     width = kernel_head_dim(d, dv)
     if width == 256 and dv <= 128 and d != dv:
-        return 256, 128
+        return (128 + PIECE_HI if d <= 128 + PIECE_HI else 256), 128
     return None if width is None else (width, width)
 
 

@@ -109,17 +109,8 @@ SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
 PIECE_HI = common.PIECE_HI
 piece_cols = common.piece_cols
 
-
-def backward_widths(d: int, dv: int) -> tuple[int, int] | None:
-    """(head dim, head dim of V) of the backward kernel that computes (d, dv), or None.
-
-    `common.forward_widths`, except that a q·k head dim in (128, 192] beside a V of at most
-    128 (DeepSeek-V3's 192/128) runs the 192/128 build, which splits the head dim into a
-    128- and a 64-wide piece, instead of the 256/128 one with zero columns."""
-    widths = common.forward_widths(d, dv)
-    if widths == (256, 128) and d <= 128 + PIECE_HI:
-        return 128 + PIECE_HI, 128
-    return widths
+# The forward's widths (`common.forward_widths`): both directions build 192/128 in pieces.
+backward_widths = common.forward_widths
 
 
 @functools.lru_cache(maxsize=None)
