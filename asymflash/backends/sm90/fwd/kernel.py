@@ -20,6 +20,11 @@ barrier parity across tiles, so the loader fetches the next tile's Q (released b
 warpgroup after its last S = Q·Kᵀ) and first K/V blocks while the consumers finish the last
 P·V, the normalisation and the store of the current one.
 
+Head dim 192 (d_v <= 128, DeepSeek-V3's MLA prefill; `FwdConsts.PIECES`): Gluon's tensors
+are powers of two, so each Q buffer and K slot is a 128-wide and a 64-wide piece, filled by
+three 64-column TMA boxes (`common.load_pieces`), and S = Q_lo·K_loᵀ + Q_hi·K_hiᵀ is two
+wgmmas into one accumulator: no MMA on the zero columns a 256-wide build would carry.
+
 Masks are bottom-right aligned (see `core/params.py`). The key-block range of a CTA is split
 into a peeled first block (always masked, which also covers empty rows and empty key
 sequences), a masked prefix (sliding-window left edge), an unmasked middle and a masked
@@ -51,8 +56,8 @@ _EMU_LITERALS = tuple(ptx_f32(c) for c in (*POLY_COEFFS[::-1], X_MIN, FLOOR_MAGI
 if GLUON_ERROR is None:
     from ..bounds import key_blocks
     from ..common import (
-        copy_rows,
         PIECE,
+        copy_rows,
         fence_async_shared,
         gl,
         gluon,
