@@ -207,8 +207,9 @@ def test_output_leaves_through_a_tma_store(kw):
 def test_forward_widths_keep_a_narrow_v_narrow():
     from asymflash.backends.sm90.common import forward_widths
 
-    assert forward_widths(192, 128) == (256, 128)  # DeepSeek: V not padded to 256
-    assert forward_widths(256, 128) == (256, 128) and forward_widths(160, 96) == (256, 128)
+    # DeepSeek: V not padded to 256, q·k up to 192 on the 192 build (in pieces)
+    assert forward_widths(192, 128) == (192, 128) and forward_widths(160, 96) == (192, 128)
+    assert forward_widths(256, 128) == (256, 128) and forward_widths(200, 128) == (256, 128)
     assert forward_widths(96, 96) == (128, 128) and forward_widths(128, 64) == (128, 128)
     assert forward_widths(160, 160) == (256, 256) and forward_widths(200, 136) == (256, 256)
     assert forward_widths(64, 64) == (64, 64) and forward_widths(40, 40) is None
@@ -493,3 +494,124 @@ def test_persistent_launch_plan(d, causal, seqlen, batch):
         assert p.cfg.persistent is False and p.grid == p.num_tiles, kw
         assert p.cfg.consumer_wgs == 2
     assert plan(uniform=False).o_width == 32
+
+
+# d_qk 192 / d_v 128 (DeepSeek-V3's MLA prefill): its own build, Q and K as a 128- and a
+# 64-wide piece (FwdConsts.PIECES, 64-column TMA boxes), against the 256/128 build it
+# replaces (and which zero-filled columns 192-255).
+D192 = {"head_dim": 192, "head_dim_v": 128}
+
+
+def test_d192_build_runs_no_mma_on_zero_columns():
+    # On the same tile (64-key blocks, causal, 3-D boxes) each S = Q·Kᵀ is 12 HGMMA K-steps
+    # (8 over the 128-wide piece, 4 over the 64-wide one) where 256/128 issued 16; P·V the
+    # same. 7 issue sites of each (two warpgroups' code): S 84 vs 112, P·V 28 both; MMA work
+    # sum(N x count) 8960 vs 10752 (5/6: 192 + 128 against 256 + 128 columns per key).
+    kw = {"has_right": True, "heads_axis": True, "cfg": {"block_n": 64, "stages": 2}}
+    rep = compile_report(**D192, **kw)
+    ref = compile_report(head_dim=256, head_dim_v=128, **kw)
+    assert rep["hgmma_shapes"] == {"64x64x16": 84, "64x128x16": 28}, rep
+    assert ref["hgmma_shapes"] == {"64x64x16": 112, "64x128x16": 28}, ref
+
+    def work(r):
+        return sum(int(k.split("x")[1]) * v for k, v in r["hgmma_shapes"].items())
+
+    assert (work(rep), work(ref)) == (8960, 10752)
+    # the pieces take less shared memory than the zero columns did (Q 48 KB, K 24 KB a stage)
+    assert rep["shared"] < ref["shared"] - 60 * 1024, (rep["shared"], ref["shared"])
+    assert rep["tma_load_3d"] >= 3 and rep["local"] == 0, rep
+
+
+def test_d192_default_build():
+    # The default tile: 128-key blocks, 2 stages; every HGMMA 64x128x16 (S 12 K-steps, P·V 8,
+    # at 7 issue sites: 140), i.e. MMA work 17920 for 128 keys where 256/128 did 10752 for
+    # 64. wgmmas asynchronous (ptxas's verdict), no local memory, the warp_specialize
+    # budgets; Q 48 KB + K 96 KB + V 64 KB with O staged in Q's 128-wide piece.
+    rep = sass_report(_BUILD, json.dumps({**D192, "has_right": True}), ptxas=True)
+    assert rep["hgmma_shapes"] == {"64x128x16": 140}, rep
+    assert rep["wgmma_serialized"] is False, "ptxas serialised the wgmmas"
+    assert 240 in rep["maxnreg"] and 24 in rep["maxnreg"], rep
+    assert 208 * 1024 <= rep["shared"] <= 209 * 1024, rep
+    assert rep["tma_store"] >= 1, rep  # O staged in Q's buffer, stored by TMA
+    within_budget(rep, rep["local"], 0)
+
+
+# The 192 build across the kernel's features, and the budgets seen (sm_90a): none but on
+# the persistent grid, which keeps a few values of the tile loop in local memory (4 / 2
+# LDL+STL, none in the key loops; 12 with the tail skip, as d=256's 24), and in the 224 KB
+# of its turn-shared O tile.
+D192_VARIANTS = [
+    ({"has_right": True, "heads_axis": True}, 0),
+    ({"uniform": False, "has_seqused": True, "has_sink": True, "dtype": "float16"}, 0),
+    ({"has_left": True, "has_right": True}, 0),
+    ({"tma_store": False, "uniform": False}, 0),
+    # softcap takes 64-key blocks (fwd.SOFTCAP_FIELDS: 128-key ones spill 4, 10 with a
+    # window, sink and varlen)
+    ({"softcap": True, "has_left": True, "has_right": True, "has_sink": True,
+      "uniform": False, "has_seqused": True, "cfg": {"block_n": 64, "stages": 3}}, 0),
+    ({"has_right": True, "cfg": {"pingpong": True, "lpt": True}}, 0),
+    ({"has_right": True, "cfg": {"block_n": 64, "stages": 3, "tail_skip": True}}, 0),
+    ({"cfg": {"persistent": True}}, 4),
+    ({"has_right": True, "cfg": {"persistent": True, "lpt": True}}, 2),
+    ({"has_right": True, "cfg": {"persistent": True, "lpt": True, "pingpong": True}}, 2),
+    ({"has_right": True, "uniform": False, "has_seqused": True, "cfg": {"persistent": True}},
+     0),
+    ({"has_right": True, "cfg": {"block_n": 64, "stages": 3, "tail_skip": True,
+                                 "persistent": True, "lpt": True}}, 12),
+]
+
+
+@pytest.mark.parametrize("kw,max_local", D192_VARIANTS,
+                         ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items())
+                         if isinstance(x, dict) else str(x))
+def test_d192_variants_compile(kw, max_local):
+    rep = compile_report(**D192, **kw)
+    cfg = kw.get("cfg", {})
+    n = cfg.get("block_n", 128)
+    # S at N = block_n, P·V at N = 128
+    assert set(rep["hgmma_shapes"]) == {f"64x{n}x16", "64x128x16"}, rep
+    assert 240 in rep["maxnreg"] and 24 in rep["maxnreg"], rep
+    persistent = cfg.get("persistent", False)
+    assert rep["shared"] <= (224 if persistent else 208) * 1024 + 1024, rep
+    assert rep["tma_store"] >= (0 if kw.get("tma_store") is False else 1), rep
+    assert rep["local_in_step_loops"] == 0, rep
+    within_budget(rep, rep["local"], max_local)
+
+
+def test_d192_routing():
+    """Which build and config a 192/128 call's forward takes (`forward_widths`,
+    `launch_plan`), and the configs the build refuses."""
+    from asymflash.backends.sm90.common import piece_cols
+
+    assert piece_cols(192) == 64 and piece_cols(128) == 128 and piece_cols(256) == 256
+    assert fwd.forward_widths(136, 64) == (192, 128) and fwd.forward_widths(190, 126) == (
+        192, 128)
+    assert fwd.forward_widths(192, 192) == (256, 256)  # V wider than 128: 256/256
+
+    def plan(seqlen=4096, wr=-1, softcap=False, uniform=True, sink=False):
+        return fwd.launch_plan(192, 128, seqlen, seqlen, uniform, False, -1, wr, softcap,
+                               sink, 2, 128, 128, 132, None)
+
+    for kw, block_n, persistent, tail_skip in (
+            (dict(), 128, False, False),
+            (dict(seqlen=16384), 128, True, False),  # unmasked from 16k: as d=256
+            (dict(wr=0), 128, True, False),  # MLA prefill (causal 4k): persistent, LPT
+            (dict(wr=0, seqlen=1024), 64, True, True),  # short causal: as d=256
+            (dict(wr=0, softcap=True), 64, False, False),
+            (dict(softcap=True, uniform=False), 64, False, False),
+            (dict(sink=True), 128, False, False)):
+        p = plan(**kw)
+        c = p.constexprs
+        assert (c["HEAD_DIM"], c["HEAD_DIM_V"], c["BLOCK_N"]) == (192, 128, block_n), kw
+        assert c["STAGES"] == (2 if block_n == 128 else 3), kw
+        assert bool(c["PERSISTENT"]) is persistent and c["TAIL_SKIP"] is tail_skip, kw
+        assert c["Q_BUFS"] == 1 and c["NUM_WG"] == 2, kw  # no room for a second Q buffer
+    assert plan().o_width == 128 and plan(seqlen=4000).o_width == 32
+    base = fwd._DEFAULT_CONFIGS[192]
+    with pytest.raises(ValueError, match="q_buffers"):
+        fwd.check_config(replace(base, persistent=True, q_buffers=2), 192)
+    with pytest.raises(ValueError, match="256 keys"):
+        fwd.check_config(replace(base, stages=3), 192)
+    with pytest.raises(ValueError, match="consumer_wgs"):
+        fwd.check_config(replace(base, consumer_wgs=3, persistent=True), 192)
+    fwd.check_config(replace(base, block_n=64, stages=4, persistent=True), 192)

@@ -11,7 +11,9 @@ if GLUON_ERROR is None:
         fence_async_shared,
         gl,
         gluon,
+        load_pieces,
         mbarrier,
+        piece_col,
         thread_barrier,
         tma,
         warpgroup_mma,
@@ -32,12 +34,10 @@ if GLUON_ERROR is None:
         key_walk,
         load_kv,
         load_kv_pieces,
-        load_pieces,
         load_qdo,
         load_rows,
         mask_coords,
         mma_layout,
-        piece_col,
         release_dq_turn_after_tma,
         stage_dq,
         stat_buffers,
@@ -281,7 +281,7 @@ if GLUON_ERROR is None:
     #
     # Head dim 192 (PIECES; d_v <= 128, DeepSeek-V3's 128 + 64 rope): Gluon's tiles are powers
     # of two, so K and each Q slot are a 128-wide and a 64-wide piece (each head read as three
-    # 64-column TMA boxes, `parts.load_pieces`), Sᵀ = K·Qᵀ is two MMAs into one accumulator
+    # 64-column TMA boxes, `common.load_pieces`), Sᵀ = K·Qᵀ is two MMAs into one accumulator
     # (K-steps over 128 and 64 columns), dK and dQ a 128- and a 64-column accumulator each.
     # No MMA runs on zero columns (the 256/128 build it replaces did 1024 units of MMA work
     # per step for 832). dQ leaves row-major as 64-column boxes, the high piece staged in a

@@ -7,7 +7,16 @@ from __future__ import annotations
 from ..common import GLUON_ERROR
 
 if GLUON_ERROR is None:
-    from ..common import fence_async_shared, gl, gluon, mbarrier, thread_barrier, tma, tma_store
+    from ..common import (
+        PIECE_HI,
+        fence_async_shared,
+        gl,
+        gluon,
+        mbarrier,
+        thread_barrier,
+        tma,
+        tma_store,
+    )
 
     # Layouts of a consumer warpgroup's 64-row tile: S (64 x BLOCK_N), O (64 x HEAD_DIM_V),
     # P as the register operand of P·V, and one value per row of S.
@@ -70,7 +79,8 @@ if GLUON_ERROR is None:
             # sequence (192-row tiles) stores nothing.
             # Wide rows on the persistent grid: one staging tile, the warpgroups take turns
             # (`o_staging`); the turn barrier sits after the Q (and ping-pong) barriers.
-            SHARED: gl.constexpr = o_staging(o_desc.block_shape, HEAD_DIM_V, cfg.PERSISTENT) == 2
+            SHARED: gl.constexpr = o_staging(o_desc.block_shape, cfg.HEAD_DIM, HEAD_DIM_V,
+                                             cfg.PERSISTENT) == 2
             o_tile = bufs.o.index(0 if SHARED else WG)
             if SHARED:
                 # Warpgroup w's k-th turn follows 2k + w arrivals: parity 1 - w every time.
@@ -117,16 +127,17 @@ if GLUON_ERROR is None:
         return block_shape[1] == width
 
     @gluon.constexpr_function
-    def o_staging(block_shape, width, persistent):
+    def o_staging(block_shape, head_dim, width, persistent):
         """Where the TMA-store epilogue stages O: 0, one tile per warpgroup of its own
         (dv <= 128, or no TMA store at all); wide rows (d = dv = 256: a tile each does not
         fit next to the 192 KB of Q and the K/V rings; the host gives such a box only where
-        dv = d, `output_box_width`) 1: in the warpgroup's Q buffer on the plain grid, where
-        Q is dead after the last S; 2: on the persistent grid, in one 32 KB tile the
-        warpgroups take turns at (there the next tile's Q lands during the epilogue; staged
-        in the Q buffer it had to wait for the store, at half the speed for short causal
-        calls)."""
-        if block_shape[1] != width or width <= 128:
+        dv = d, `output_box_width`), and q·k 192 wide (two 16 KB tiles do not fit next to
+        the 208 KB of Q and the 128-key rings) 1: in the warpgroup's Q buffer on the plain
+        grid, where Q is dead after the last S (at 192 its 128-wide piece, O's shape); 2: on
+        the persistent grid, in one tile the warpgroups take turns at (there the next tile's
+        Q lands during the epilogue; staged in the Q buffer it had to wait for the store, at
+        half the speed for short causal calls at d = 256)."""
+        if block_shape[1] != width or (width <= 128 and head_dim != 128 + PIECE_HI):
             return 0
         return 2 if persistent else 1
 

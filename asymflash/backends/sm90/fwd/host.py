@@ -25,6 +25,7 @@ from ..common import (  # noqa: F401 - tests and scripts read the descriptor hel
     kernel_head_dim,
     layout_and_token,
     pad_head_dim,
+    piece_cols,
     row_head_strides,
     rows_dense,
     smem_layout,
@@ -37,6 +38,7 @@ from .config import (  # noqa: F401 - re-exported: tests and scripts read them h
     _DEFAULT_CONFIGS,
     L2_KV_BUDGET,
     SHORT_MASKED,
+    SOFTCAP_FIELDS,
     FwdConfig,
     check_config,
     default_for_call,
@@ -124,7 +126,7 @@ def launch_plan(d: int, dv: int, max_seqlen_q: int, max_seqlen_k: int, uniform: 
     o_width = output_box_width(d, dv, uniform and max_seqlen_q % 64 == 0)
     if cfg is None:
         cfg = default_for_call(d, local, window_right >= 0, max_seqlen_q, dense, plain,
-                               packed=not uniform)
+                               packed=not uniform, softcap=softcap)
     if tricks[0] is not None:
         cfg = replace(cfg, exp2_emu_every=tricks[0])
     if tricks[1] is not None:
@@ -208,8 +210,9 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
         return f"tensordesc<{ty}[{dims}],{smem_layout(block, dtype)!r}>"
 
     o_width = output_box_width(head_dim, head_dim_v) if tma_store else 32
+    cols = piece_cols(head_dim)  # q and k boxes: the head, or at 192 its 64-column pieces
     signature = {
-        "q_desc": desc([64, head_dim]), "k_desc": desc([cfg.block_n, head_dim]),
+        "q_desc": desc([64, cols]), "k_desc": desc([cfg.block_n, cols]),
         "v_desc": desc([cfg.block_n, head_dim_v]),
         "o_desc": f"tensordesc<{ty}[64, {o_width}],{smem_layout((64, o_width), dtype)!r}>",
         "out_ptr": f"*{ty}", "lse_ptr": "*fp32",
@@ -268,8 +271,8 @@ def unsupported(q, k, v, seq: SeqInfo, params: AttnParams, sink) -> str | None:
     """None when this kernel computes the call exactly, else why not (for the dispatcher)."""
     d, dv = q.shape[-1], v.shape[-1]
     if kernel_head_dim(d, dv) is None:
-        return (f"sm90 forward supports head dims 64/64, 128/128, 256/256 and (zero-padded) "
-                f"any d, dv with 64 < max(d, dv) <= 256; got {d}/{dv}")
+        return (f"sm90 forward supports head dims 64/64, 128/128, 192/128, 256/256 and "
+                f"(zero-padded) any d, dv with 64 < max(d, dv) <= 256; got {d}/{dv}")
     why = hopper_input_reason(q, k, v, sink, None, "forward")
     if why is not None:
         return why
@@ -331,19 +334,7 @@ def _launch(q, k, v, seq: SeqInfo, params: AttnParams, sink, plan: LaunchPlan, p
     # The kernel writes all `width` columns: padded dims get a wider output, cut by forward.
     out = torch.empty((total_q, hq, dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
-    # 2-D views (rows, heads*dim): a head is a column offset, so one descriptor serves all
-    # heads and sequences; rows past a sequence end are masked (keys) or not stored (queries).
-    # Padded head dims, and inputs whose heads do not lie side by side in a row, take
-    # (rows, heads, dim) boxes instead.
-    block_n = plan.cfg.block_n
-    if padded or not (rows_dense(q) and rows_dense(k) and rows_dense(v)):
-        q_desc = tma_heads(q, 64, d)
-        k_desc = tma_heads(k, block_n, d)
-        v_desc = tma_heads(v, block_n, dv)
-    else:
-        q_desc = tma_rows(q, (64, d))
-        k_desc = tma_rows(k, (block_n, d))
-        v_desc = tma_rows(v, (block_n, dv))
+    q_desc, k_desc, v_desc = input_descriptors(q, k, v, d, dv, plan.cfg.block_n, padded)
     o_desc = tma_rows(out, (64, plan.o_width))
     qk_scale, softcap_pre = exp2_scales(params)
     has_seqused = seq.seqused_k is not None
@@ -366,6 +357,20 @@ def packed_grid(plan: LaunchPlan, total_q: int, batch: int, hq: int) -> int:
     if c["PERSISTENT"] or c["UNIFORM"] or c["LPT"]:
         return plan.grid
     return hq * (total_q // (2 * BLOCK_M_WG) + batch)
+
+
+def input_descriptors(q, k, v, d: int, dv: int, block_n: int, padded: bool):
+    """TMA descriptors of q, k, v for kernel widths (d, dv). 2-D views (rows, heads*dim): a
+    head is a column offset, so one descriptor serves all heads and sequences; rows past a
+    sequence end are masked (keys) or not stored (queries). Padded head dims, and inputs
+    whose heads do not lie side by side in a row, take (rows, heads, dim) boxes instead.
+    q and k boxes span the head, or at d = 192 a 64-column piece (`piece_cols`: the kernel
+    loads three per head)."""
+    cols = piece_cols(d)
+    if padded or not (rows_dense(q) and rows_dense(k) and rows_dense(v)):
+        return tma_heads(q, 64, cols), tma_heads(k, block_n, cols), tma_heads(v, block_n, dv)
+    return (tma_rows(q, (64, cols)), tma_rows(k, (block_n, cols)),
+            tma_rows(v, (block_n, dv)))
 
 
 class ForwardRunner:

@@ -20,6 +20,11 @@ barrier parity across tiles, so the loader fetches the next tile's Q (released b
 warpgroup after its last S = Q·Kᵀ) and first K/V blocks while the consumers finish the last
 P·V, the normalisation and the store of the current one.
 
+Head dim 192 (d_v <= 128, DeepSeek-V3's MLA prefill; `FwdConsts.PIECES`): Gluon's tensors
+are powers of two, so each Q buffer and K slot is a 128-wide and a 64-wide piece, filled by
+three 64-column TMA boxes (`common.load_pieces`), and S = Q_lo·K_loᵀ + Q_hi·K_hiᵀ is two
+wgmmas into one accumulator: no MMA on the zero columns a 256-wide build would carry.
+
 Masks are bottom-right aligned (see `core/params.py`). The key-block range of a CTA is split
 into a peeled first block (always masked, which also covers empty rows and empty key
 sequences), a masked prefix (sliding-window left edge), an unmasked middle and a masked
@@ -51,10 +56,12 @@ _EMU_LITERALS = tuple(ptx_f32(c) for c in (*POLY_COEFFS[::-1], X_MIN, FLOOR_MAGI
 if GLUON_ERROR is None:
     from ..bounds import key_blocks
     from ..common import (
+        PIECE,
         copy_rows,
         fence_async_shared,
         gl,
         gluon,
+        load_pieces,
         mbarrier,
         sequence,
         tile_layout,
@@ -101,9 +108,14 @@ if GLUON_ERROR is None:
         for wg in gl.static_range(cfg.NUM_WG):
             if cfg.PERSISTENT:
                 mbarrier.wait(bufs.q_empty.index(q_slot0 + wg), q_phase ^ 1)
-            mbarrier.expect(bufs.q_bar.index(q_slot0 + wg), call.q_desc.block_type.nbytes)
-            copy_rows(call.q_desc, q_row + wg * 64, q_head, cfg.HEAD_DIM,
-                       bufs.q_bar.index(q_slot0 + wg), bufs.q.index(q_slot0 + wg), True)
+            if cfg.PIECES:  # three 64-column boxes (`load_pieces`)
+                load_pieces(call.q_desc, bufs.q.index(q_slot0 + wg),
+                            bufs.q_hi.index(q_slot0 + wg), bufs.q_bar.index(q_slot0 + wg),
+                            q_row + wg * 64, q_head, 64, cfg.HEAD_DIM, True)
+            else:
+                mbarrier.expect(bufs.q_bar.index(q_slot0 + wg), call.q_desc.block_type.nbytes)
+                copy_rows(call.q_desc, q_row + wg * 64, q_head, cfg.HEAD_DIM,
+                          bufs.q_bar.index(q_slot0 + wg), bufs.q.index(q_slot0 + wg), True)
         for i in range(n_hi - n_lo):
             pos = it0 + i
             slot = pos % cfg.STAGES
@@ -112,9 +124,14 @@ if GLUON_ERROR is None:
             phase = ((pos // cfg.STAGES) & 1) ^ 1
             row = kv_row + (n_lo + i) * cfg.BLOCK_N
             mbarrier.wait(bufs.k_empty.index(slot), phase)
-            mbarrier.expect(bufs.k_ready.index(slot), call.k_desc.block_type.nbytes)
-            copy_rows(call.k_desc, row, kv_head, cfg.HEAD_DIM, bufs.k_ready.index(slot),
-                       bufs.k.index(slot), True)
+            if cfg.PIECES:
+                load_pieces(call.k_desc, bufs.k.index(slot), bufs.k_hi.index(slot),
+                            bufs.k_ready.index(slot), row, kv_head, cfg.BLOCK_N, cfg.HEAD_DIM,
+                            True)
+            else:
+                mbarrier.expect(bufs.k_ready.index(slot), call.k_desc.block_type.nbytes)
+                copy_rows(call.k_desc, row, kv_head, cfg.HEAD_DIM, bufs.k_ready.index(slot),
+                          bufs.k.index(slot), True)
             mbarrier.wait(bufs.v_empty.index(slot), phase)
             mbarrier.expect(bufs.v_ready.index(slot), call.v_desc.block_type.nbytes)
             copy_rows(call.v_desc, row, kv_head, cfg.HEAD_DIM_V, bufs.v_ready.index(slot),
@@ -138,10 +155,11 @@ if GLUON_ERROR is None:
         mbarrier.arrive(bars.index(TURNS + (WG + 1) % TURNS), count=1)
 
     @gluon.jit
-    def _step(i, n, q, bufs, call, cfg, tile, acc, p_op, m_i, l_i, rows, shift,
+    def _step(i, n, q, q_hi, bufs, call, cfg, tile, acc, p_op, m_i, l_i, rows, shift,
               MASKED: gl.constexpr, q_phase, WG: gl.constexpr):
         """Ring position i holds key block n; P_{i-1} (p_op) still has to meet V_{i-1}.
-        With PINGPONG the two wgmmas are issued in this warpgroup's turn (`_take_turn`)."""
+        With PINGPONG the wgmmas are issued in this warpgroup's turn (`_take_turn`).
+        q_hi: Q's 64-wide piece at head dim 192 (cfg.PIECES), else q."""
         STAGES: gl.constexpr = cfg.STAGES
         PINGPONG: gl.constexpr = cfg.PINGPONG
         s_layout: gl.constexpr = make_s_layout(cfg.BLOCK_N)
@@ -156,12 +174,15 @@ if GLUON_ERROR is None:
         s_zero = gl.zeros([64, cfg.BLOCK_N], gl.float32, s_layout)
         s_tok = warpgroup_mma(q, bufs.k.index(slot).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
+        if cfg.PIECES:  # the 64-wide pieces' K-steps into the same S (issued in order)
+            s_tok = warpgroup_mma(q_hi, bufs.k_hi.index(slot).permute((1, 0)), s_tok,
+                                  is_async=True)
         if not PINGPONG:
             mbarrier.wait(bufs.v_ready.index(prev), ((i - 1) // STAGES) & 1)
         o_tok = warpgroup_mma(p_op, bufs.v.index(prev), acc, is_async=True)
         if PINGPONG:
             _pass_turn(bufs.q_bar, WG, PINGPONG)
-        # wgmma groups retire in order: with one group left in flight, S_i is complete.
+        # wgmma groups retire in order: with one group left in flight (P·V), S_i is complete.
         s = warpgroup_mma_wait(1, deps=[s_tok])
         mbarrier.arrive(bufs.k_empty.index(slot))
         s = scores(s, n, rows, shift, tile.seqlen_k, call, cfg, MASKED)
@@ -182,21 +203,26 @@ if GLUON_ERROR is None:
         return acc, p_op, m_i, l_i
 
     @gluon.jit
-    def _consumer_loop(lo, hi, base, q, bufs, call, cfg, tile, acc, p_op, m_i, l_i, rows,
-                       shift, MASKED: gl.constexpr, q_phase, WG: gl.constexpr):
+    def _consumer_loop(lo, hi, base, q, q_hi, bufs, call, cfg, tile, acc, p_op, m_i, l_i,
+                       rows, shift, MASKED: gl.constexpr, q_phase, WG: gl.constexpr):
         # Ring position of key block n: n + base (base = ring position of n_lo minus n_lo).
         for n in range(lo, hi):
-            acc, p_op, m_i, l_i = _step(n + base, n, q, bufs, call, cfg, tile, acc, p_op, m_i,
-                                        l_i, rows, shift, MASKED, q_phase, WG)
+            acc, p_op, m_i, l_i = _step(n + base, n, q, q_hi, bufs, call, cfg, tile, acc, p_op,
+                                        m_i, l_i, rows, shift, MASKED, q_phase, WG)
         return acc, p_op, m_i, l_i
 
     @gluon.jit
     def _tile_begin(bufs, cfg, it0, q_slot, q_phase, WG: gl.constexpr):
         """Wait for the tile's Q (buffer q_slot, parity q_phase) and its first key block (ring
-        position it0), then issue S_0 = Q·K_0ᵀ without waiting: (Q, S_0 in flight)."""
+        position it0), then issue S_0 = Q·K_0ᵀ without waiting: (Q, Q's 64-wide piece at
+        head dim 192 or Q again, S_0 in flight)."""
         s_layout: gl.constexpr = make_s_layout(cfg.BLOCK_N)
         mbarrier.wait(bufs.q_bar.index(q_slot), q_phase)
         q = bufs.q.index(q_slot)
+        if cfg.PIECES:
+            q_hi = bufs.q_hi.index(q_slot)
+        else:
+            q_hi = q
         slot0 = it0 % cfg.STAGES
         mbarrier.wait(bufs.k_ready.index(slot0), (it0 // cfg.STAGES) & 1)
         if cfg.PINGPONG:
@@ -204,13 +230,16 @@ if GLUON_ERROR is None:
         s_tok = warpgroup_mma(q, bufs.k.index(slot0).permute((1, 0)),
                               gl.zeros([64, cfg.BLOCK_N], gl.float32, s_layout), use_acc=False,
                               is_async=True)
+        if cfg.PIECES:
+            s_tok = warpgroup_mma(q_hi, bufs.k_hi.index(slot0).permute((1, 0)), s_tok,
+                                  is_async=True)
         if cfg.PINGPONG:
             _pass_turn(bufs.q_bar, WG, cfg.PINGPONG)
-        return q, s_tok
+        return q, q_hi, s_tok
 
     @gluon.jit
-    def _tile_run(q, s_tok, bufs, call, cfg, tile, rows, shift, n_lo, n_a, n_b, n_end, it0,
-                  q_slot, q_phase, WG: gl.constexpr):
+    def _tile_run(q, q_hi, s_tok, bufs, call, cfg, tile, rows, shift, n_lo, n_a, n_b, n_end,
+                  it0, q_slot, q_phase, WG: gl.constexpr):
         """From S_0 (the only wgmma group in flight) to the issue of the last P·V, over key
         blocks [n_lo, n_end) (n_end: this warpgroup's last block, `_warpgroup_end`): returns
         (O in flight, its P operand, row max, row sum, the last V slot)."""
@@ -232,13 +261,15 @@ if GLUON_ERROR is None:
         base = it0 - n_lo
         n_a = gl.minimum(n_a, n_end)
         n_b = gl.minimum(n_b, n_end)
-        acc, p_op, m_i, l_i = _consumer_loop(n_lo + 1, n_a, base, q, bufs, call, cfg, tile,
+        acc, p_op, m_i, l_i = _consumer_loop(n_lo + 1, n_a, base, q, q_hi, bufs, call, cfg,
+                                             tile, acc, p_op, m_i, l_i, rows, shift, True,
+                                             q_phase, WG)
+        acc, p_op, m_i, l_i = _consumer_loop(n_a, n_b, base, q, q_hi, bufs, call, cfg, tile,
+                                             acc, p_op, m_i, l_i, rows, shift, False, q_phase,
+                                             WG)
+        acc, p_op, m_i, l_i = _consumer_loop(n_b, n_end, base, q, q_hi, bufs, call, cfg, tile,
                                              acc, p_op, m_i, l_i, rows, shift, True, q_phase,
                                              WG)
-        acc, p_op, m_i, l_i = _consumer_loop(n_a, n_b, base, q, bufs, call, cfg, tile, acc,
-                                             p_op, m_i, l_i, rows, shift, False, q_phase, WG)
-        acc, p_op, m_i, l_i = _consumer_loop(n_b, n_end, base, q, bufs, call, cfg, tile, acc,
-                                             p_op, m_i, l_i, rows, shift, True, q_phase, WG)
 
         if cfg.PERSISTENT:
             # Every S wgmma of this tile has retired (each step ends with a full wait).
@@ -305,9 +336,9 @@ if GLUON_ERROR is None:
         """
         row_layout: gl.constexpr = make_row_layout(cfg.BLOCK_N)
         rows = tile.m0 + WG * 64 + gl.arange(0, 64, layout=row_layout)
-        q, s_tok = _tile_begin(bufs, cfg, it0, q_slot, q_phase, WG)
+        q, q_hi, s_tok = _tile_begin(bufs, cfg, it0, q_slot, q_phase, WG)
         n_end = _warpgroup_end(tile, call.window_right, n_lo, n_hi, cfg, WG)
-        o_tok, p_op, m_i, l_i, slot = _tile_run(q, s_tok, bufs, call, cfg, tile, rows,
+        o_tok, p_op, m_i, l_i, slot = _tile_run(q, q_hi, s_tok, bufs, call, cfg, tile, rows,
                                                 tile.seqlen_k - tile.seqlen_q, n_lo, n_a, n_b,
                                                 n_end, it0, q_slot, q_phase, WG)
         acc = _tile_finish(o_tok, p_op, bufs.v_empty, slot)
@@ -391,15 +422,27 @@ if GLUON_ERROR is None:
         # per warpgroup: the loader brings the next tile's Q a whole tile ahead) only with
         # PERSISTENT, without PINGPONG and at d <= 128, so never with O_STAGING 2 (both
         # checked on the host).
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFS * NUM_WG, 64, HEAD_DIM],
+        # HEAD_DIM 192 (PIECES): q_smem and k_smem hold columns 0-127, q_hi and k_hi
+        # 128-191 (Gluon's tensors are powers of two; q and k arrive as 64-column boxes).
+        PIECES: gl.constexpr = HEAD_DIM == 128 + PIECE
+        QK_LO: gl.constexpr = HEAD_DIM - PIECE if PIECES else HEAD_DIM
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFS * NUM_WG, 64, QK_LO],
                                            tile_layout(q_desc.layout))
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, QK_LO],
                                            tile_layout(k_desc.layout))
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM_V],
                                            tile_layout(v_desc.layout))
+        if PIECES:
+            q_hi = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFS * NUM_WG, 64, PIECE],
+                                             tile_layout(q_desc.layout))
+            k_hi = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, PIECE],
+                                             tile_layout(k_desc.layout))
+        else:  # stand-ins (FwdSmem has one type per field), never read
+            q_hi = q_smem
+            k_hi = k_smem
         # O staging for the TMA-store epilogue, one tile per consumer warpgroup (a 32-column
         # stand-in, optimised away, when the host left it off: `output_box_width`).
-        O_STAGING: gl.constexpr = o_staging(o_desc.block_shape, HEAD_DIM_V, PERSISTENT)
+        O_STAGING: gl.constexpr = o_staging(o_desc.block_shape, HEAD_DIM, HEAD_DIM_V, PERSISTENT)
         if O_STAGING == 1:
             o_smem = q_smem
         elif O_STAGING == 2:
@@ -424,7 +467,7 @@ if GLUON_ERROR is None:
         sched = gl.allocate_shared_memory(gl.int32, [2, 4],
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
         bufs = FwdSmem(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                       v_empty, sched, o_smem)
+                       v_empty, sched, o_smem, q_hi, k_hi)
         cfg = FwdConsts(HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT,
                         HAS_RIGHT, SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD,
                         PERSISTENT, PINGPONG, NUM_WG, Q_BUFS, TAIL_SKIP)

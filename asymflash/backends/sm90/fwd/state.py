@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..common import GLUON_ERROR
 
 if GLUON_ERROR is None:
-    from ..common import aggregate, gl, gluon, tma
+    from ..common import PIECE_HI, aggregate, gl, gluon, tma
 
     # Every role gets the CTA's state as three aggregates, (bufs, call, cfg): an argument
     # tuple held in a variable would turn its constexpr entries into runtime values, so
@@ -20,8 +20,8 @@ if GLUON_ERROR is None:
     class FwdSmem:
         """The CTA's shared memory and mbarriers (allocated by `attn_fwd_kernel`)."""
 
-        q: gl.shared_memory_descriptor  # [Q_BUFS * NUM_WG, 64, HEAD_DIM]
-        k: gl.shared_memory_descriptor  # K ring [STAGES, BLOCK_N, HEAD_DIM]
+        q: gl.shared_memory_descriptor  # [Q_BUFS * NUM_WG, 64, HEAD_DIM] (192: 128, `q_hi`)
+        k: gl.shared_memory_descriptor  # K ring [STAGES, BLOCK_N, HEAD_DIM] (192: 128)
         v: gl.shared_memory_descriptor  # V ring [STAGES, BLOCK_N, HEAD_DIM_V]
         # Q landed, per Q buffer; then the ping-pong turn barriers and the staging tile's
         # turn barrier (`q_bar_count`)
@@ -33,6 +33,10 @@ if GLUON_ERROR is None:
         v_empty: gl.shared_memory_descriptor
         sched: gl.shared_memory_descriptor  # the persistent loader's tiles (`publish_tile`)
         o: gl.shared_memory_descriptor  # O staging (`o_staging`)
+        # Head dim 192 (FwdConsts.PIECES): Q's and K's 64-wide pieces (columns 128-191; q and
+        # k above hold columns 0-127). Other widths: q and k again, never read.
+        q_hi: gl.shared_memory_descriptor  # [Q_BUFS * NUM_WG, 64, 64]
+        k_hi: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, 64]
 
     @aggregate
     class FwdCall:
@@ -88,6 +92,9 @@ if GLUON_ERROR is None:
         Q_BUFS: gl.constexpr
         TAIL_SKIP: gl.constexpr
         BLOCK_M: gl.constexpr  # 64 * NUM_WG
+        # HEAD_DIM 192: Q and K held as a 128- and a 64-wide piece (Gluon's tensors are
+        # powers of two), S = Q_lo·K_loᵀ + Q_hi·K_hiᵀ (two wgmmas into one accumulator)
+        PIECES: gl.constexpr
 
         @gluon.constexpr_function
         def __init__(self, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED,
@@ -112,6 +119,7 @@ if GLUON_ERROR is None:
             self.Q_BUFS = gl.constexpr(Q_BUFS)
             self.TAIL_SKIP = gl.constexpr(TAIL_SKIP)
             self.BLOCK_M = gl.constexpr(64 * NUM_WG)
+            self.PIECES = gl.constexpr(HEAD_DIM == 128 + PIECE_HI)
 
     @aggregate
     class QTile:
