@@ -39,10 +39,11 @@ run_tests() {
   # One pytest per file, all at once (kernel compiles are CPU-bound; the machine has 16
   # cores), each with its own time limit and log, so a file cut by its limit still shows
   # which tests passed. FILE@I/N runs the I-th of N slices of FILE (conftest's --shard): the
-  # forward's GPU file compiles one kernel set after another and needs five slices.
-  local files=(${TEST_FILES:-tests/gpu/test_gpu.py tests/gpu/test_sm90_gpu.py@0/5 \
-      tests/gpu/test_sm90_gpu.py@1/5 tests/gpu/test_sm90_gpu.py@2/5 \
-      tests/gpu/test_sm90_gpu.py@3/5 tests/gpu/test_sm90_gpu.py@4/5 \
+  # forward's GPU file compiles one kernel set after another and needs seven slices.
+  local files=(${TEST_FILES:-tests/gpu/test_gpu.py tests/gpu/test_sm90_gpu.py@0/7 \
+      tests/gpu/test_sm90_gpu.py@1/7 tests/gpu/test_sm90_gpu.py@2/7 \
+      tests/gpu/test_sm90_gpu.py@3/7 tests/gpu/test_sm90_gpu.py@4/7 \
+      tests/gpu/test_sm90_gpu.py@5/7 tests/gpu/test_sm90_gpu.py@6/7 \
       tests/gpu/test_sm90_bwd_gpu.py tests/gpu/test_portable_tiles_gpu.py \
       tests/interpreted/test_attention.py tests/interpreted/test_varlen.py \
       tests/interpreted/test_kvcache.py tests/interpreted/test_portable_values.py \
