@@ -90,17 +90,15 @@ if GLUON_ERROR is None:
         tile_store,
     )
     from .softmax import (
+        block_scores,
         online_softmax,
         rescale_if_moved,
-        scores,
     )
     from .state import FwdCall, FwdConsts, FwdSmem, QTile
 
     @gluon.jit
-    def _load_tile(bufs, call, cfg, q_row, q_head, kv_row, kv_head, n_lo, n_hi, it0, q_slot0,
-                   q_phase):
-        """Q of one tile (NUM_WG x 64 rows) into Q buffers q_slot0, q_slot0 + 1, ..., then
-        its key blocks [n_lo, n_hi) at ring positions it0, ...
+    def _load_q(bufs, call, cfg, q_row, q_head, q_slot0, q_phase):
+        """Q of one tile (NUM_WG x 64 rows from q_row) into Q buffers q_slot0, q_slot0 + 1, ...
 
         On the persistent grid a Q buffer is refilled only after its warpgroup released the
         tile it last held (q_empty, parity q_phase ^ 1: the first wait passes at once).
@@ -116,26 +114,36 @@ if GLUON_ERROR is None:
                 mbarrier.expect(bufs.q_bar.index(q_slot0 + wg), call.q_desc.block_type.nbytes)
                 copy_rows(call.q_desc, q_row + wg * 64, q_head, cfg.HEAD_DIM,
                           bufs.q_bar.index(q_slot0 + wg), bufs.q.index(q_slot0 + wg), True)
+
+    @gluon.jit
+    def _load_kv(bufs, call, cfg, pos, row, kv_head):
+        """The key block at rows [row, row + BLOCK_N) of kv_head into ring position pos."""
+        slot = pos % cfg.STAGES
+        # Fresh mbarriers count as having completed the phase before phase 0, so the first
+        # pass through the ring does not wait.
+        phase = ((pos // cfg.STAGES) & 1) ^ 1
+        mbarrier.wait(bufs.k_empty.index(slot), phase)
+        if cfg.PIECES:
+            load_pieces(call.k_desc, bufs.k.index(slot), bufs.k_hi.index(slot),
+                        bufs.k_ready.index(slot), row, kv_head, cfg.BLOCK_N, cfg.HEAD_DIM,
+                        True)
+        else:
+            mbarrier.expect(bufs.k_ready.index(slot), call.k_desc.block_type.nbytes)
+            copy_rows(call.k_desc, row, kv_head, cfg.HEAD_DIM, bufs.k_ready.index(slot),
+                      bufs.k.index(slot), True)
+        mbarrier.wait(bufs.v_empty.index(slot), phase)
+        mbarrier.expect(bufs.v_ready.index(slot), call.v_desc.block_type.nbytes)
+        copy_rows(call.v_desc, row, kv_head, cfg.HEAD_DIM_V, bufs.v_ready.index(slot),
+                  bufs.v.index(slot), True)
+
+    @gluon.jit
+    def _load_tile(bufs, call, cfg, q_row, q_head, kv_row, kv_head, n_lo, n_hi, it0, q_slot0,
+                   q_phase):
+        """Q of one tile (`_load_q`), then its key blocks [n_lo, n_hi) at ring positions
+        it0, ..."""
+        _load_q(bufs, call, cfg, q_row, q_head, q_slot0, q_phase)
         for i in range(n_hi - n_lo):
-            pos = it0 + i
-            slot = pos % cfg.STAGES
-            # Fresh mbarriers count as having completed the phase before phase 0, so the first
-            # pass through the ring does not wait.
-            phase = ((pos // cfg.STAGES) & 1) ^ 1
-            row = kv_row + (n_lo + i) * cfg.BLOCK_N
-            mbarrier.wait(bufs.k_empty.index(slot), phase)
-            if cfg.PIECES:
-                load_pieces(call.k_desc, bufs.k.index(slot), bufs.k_hi.index(slot),
-                            bufs.k_ready.index(slot), row, kv_head, cfg.BLOCK_N, cfg.HEAD_DIM,
-                            True)
-            else:
-                mbarrier.expect(bufs.k_ready.index(slot), call.k_desc.block_type.nbytes)
-                copy_rows(call.k_desc, row, kv_head, cfg.HEAD_DIM, bufs.k_ready.index(slot),
-                          bufs.k.index(slot), True)
-            mbarrier.wait(bufs.v_empty.index(slot), phase)
-            mbarrier.expect(bufs.v_ready.index(slot), call.v_desc.block_type.nbytes)
-            copy_rows(call.v_desc, row, kv_head, cfg.HEAD_DIM_V, bufs.v_ready.index(slot),
-                       bufs.v.index(slot), True)
+            _load_kv(bufs, call, cfg, it0 + i, kv_row + (n_lo + i) * cfg.BLOCK_N, kv_head)
 
     @gluon.jit
     def _take_turn(bars, k, WG: gl.constexpr, TURNS: gl.constexpr):
@@ -156,10 +164,11 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _step(i, n, q, q_hi, bufs, call, cfg, tile, acc, p_op, m_i, l_i, rows, shift,
-              MASKED: gl.constexpr, q_phase, WG: gl.constexpr):
+              MASKED: gl.constexpr, q_phase, WG: gl.constexpr, mods=None):
         """Ring position i holds key block n; P_{i-1} (p_op) still has to meet V_{i-1}.
         With PINGPONG the wgmmas are issued in this warpgroup's turn (`_take_turn`).
-        q_hi: Q's 64-wide piece at head dim 192 (cfg.PIECES), else q."""
+        q_hi: Q's 64-wide piece at head dim 192 (cfg.PIECES), else q. mods: a flex call's
+        score_mod and mask_mod (`block_scores`), or None."""
         STAGES: gl.constexpr = cfg.STAGES
         PINGPONG: gl.constexpr = cfg.PINGPONG
         s_layout: gl.constexpr = make_s_layout(cfg.BLOCK_N)
@@ -185,7 +194,7 @@ if GLUON_ERROR is None:
         # wgmma groups retire in order: with one group left in flight (P·V), S_i is complete.
         s = warpgroup_mma_wait(1, deps=[s_tok])
         mbarrier.arrive(bufs.k_empty.index(slot))
-        s = scores(s, n, rows, shift, tile.seqlen_k, call, cfg, MASKED)
+        s = block_scores(s, n, rows, shift, call, cfg, tile, MASKED, mods)
         p, m_i, l_i, alpha = online_softmax(s, m_i, l_i, call.qk_scale, cfg.EMU_EVERY,
                                             cfg.RESCALE_THRESHOLD)
         # p_op is a register operand of the P·V in flight: keep it alive until that group retires.
@@ -243,21 +252,9 @@ if GLUON_ERROR is None:
         """From S_0 (the only wgmma group in flight) to the issue of the last P·V, over key
         blocks [n_lo, n_end) (n_end: this warpgroup's last block, `_warpgroup_end`): returns
         (O in flight, its P operand, row max, row sum, the last V slot)."""
-        STAGES: gl.constexpr = cfg.STAGES
-        p_layout: gl.constexpr = make_p_layout(cfg.HEAD_DIM_V)
-        row_layout: gl.constexpr = make_row_layout(cfg.BLOCK_N)
-        m_i = gl.full([64], -float("inf"), gl.float32, row_layout)
-        l_i = gl.zeros([64], gl.float32, row_layout)
-        acc = gl.zeros([64, cfg.HEAD_DIM_V], gl.float32, make_o_layout(cfg.HEAD_DIM_V))
-
         # Peeled first block: no P·V to overlap with yet, and always masked.
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-        mbarrier.arrive(bufs.k_empty.index(it0 % STAGES))
-        s = scores(s, n_lo, rows, shift, tile.seqlen_k, call, cfg, True)
-        p, m_i, l_i, _alpha = online_softmax(s, m_i, l_i, call.qk_scale, cfg.EMU_EVERY,
-                                             cfg.RESCALE_THRESHOLD)
-        p_op = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
-
+        acc, p_op, m_i, l_i = _first_block(s_tok, q, bufs, call, cfg, tile, rows, shift, n_lo,
+                                           it0, True)
         base = it0 - n_lo
         n_a = gl.minimum(n_a, n_end)
         n_b = gl.minimum(n_b, n_end)
@@ -275,16 +272,39 @@ if GLUON_ERROR is None:
             # Every S wgmma of this tile has retired (each step ends with a full wait).
             mbarrier.arrive(bufs.q_empty.index(q_slot), count=1)
 
-        # Last P·V, left in flight.
-        last = n_end - 1 + base
-        slot = last % STAGES
-        mbarrier.wait(bufs.v_ready.index(slot), (last // STAGES) & 1)
+        o_tok, slot = _last_pv(bufs, cfg, acc, p_op, n_end - 1 + base, q_phase, WG)
+        return o_tok, p_op, m_i, l_i, slot
+
+    @gluon.jit
+    def _first_block(s_tok, q, bufs, call, cfg, tile, rows, shift, n, it0, MASKED: gl.constexpr,
+                     mods=None):
+        """The peeled first key block n at ring position it0 (S_0 in flight, no P·V to
+        overlap with yet): returns (O = 0, P_0 as P·V's operand, row max, row sum)."""
+        p_layout: gl.constexpr = make_p_layout(cfg.HEAD_DIM_V)
+        row_layout: gl.constexpr = make_row_layout(cfg.BLOCK_N)
+        m_i = gl.full([64], -float("inf"), gl.float32, row_layout)
+        l_i = gl.zeros([64], gl.float32, row_layout)
+        acc = gl.zeros([64, cfg.HEAD_DIM_V], gl.float32, make_o_layout(cfg.HEAD_DIM_V))
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        mbarrier.arrive(bufs.k_empty.index(it0 % cfg.STAGES))
+        s = block_scores(s, n, rows, shift, call, cfg, tile, MASKED, mods)
+        p, m_i, l_i, _alpha = online_softmax(s, m_i, l_i, call.qk_scale, cfg.EMU_EVERY,
+                                             cfg.RESCALE_THRESHOLD)
+        p_op = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
+        return acc, p_op, m_i, l_i
+
+    @gluon.jit
+    def _last_pv(bufs, cfg, acc, p_op, last, q_phase, WG: gl.constexpr):
+        """Issue the tile's last P·V (ring position last) and leave it in flight: returns
+        (its token, its V slot)."""
+        slot = last % cfg.STAGES
+        mbarrier.wait(bufs.v_ready.index(slot), (last // cfg.STAGES) & 1)
         if cfg.PINGPONG:
             _take_turn(bufs.q_bar, q_phase + last + 1, WG, cfg.PINGPONG)
         o_tok = warpgroup_mma(p_op, bufs.v.index(slot), acc, is_async=True)
         if cfg.PINGPONG:
             _pass_turn(bufs.q_bar, WG, cfg.PINGPONG)
-        return o_tok, p_op, m_i, l_i, slot
+        return o_tok, slot
 
     @gluon.jit
     def _tile_finish(o_tok, p_op, v_empty, slot):
@@ -399,29 +419,12 @@ if GLUON_ERROR is None:
                 tc += 1
         tma.store_wait(0)  # the last tile's O store reads o_smem
 
-    # Lengths, counts and windows stay runtime values: one compile serves every shape
-    # (Triton would specialise on the value 1 and on divisibility by 16 otherwise).
-    @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_batch",
-                                  "num_m_blocks", "group", "window_left", "window_right",
-                                  "num_tiles", "hb_chunk"])
-    def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
-                         used_k_ptr, sink_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_batch,
-                         num_m_blocks, group, qk_scale, softcap_pre, window_left, window_right,
-                         num_tiles, hb_chunk,
-                         HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, UNIFORM: gl.constexpr,
-                         HAS_SEQUSED: gl.constexpr, HAS_LEFT: gl.constexpr,
-                         HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr,
-                         LPT: gl.constexpr, EMU_EVERY: gl.constexpr,
-                         RESCALE_THRESHOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
-                         PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
-                         TAIL_SKIP: gl.constexpr):
-        # PINGPONG: how many consumer warpgroups take turns issuing their wgmmas (NUM_WG, or 0
-        # for none). NUM_WG = 3 only with PERSISTENT; Q_BUFS = 2 (a second Q buffer
-        # per warpgroup: the loader brings the next tile's Q a whole tile ahead) only with
-        # PERSISTENT, without PINGPONG and at d <= 128, so never with O_STAGING 2 (both
-        # checked on the host).
+    @gluon.jit
+    def allocate_smem(q_desc, k_desc, v_desc, o_desc, HEAD_DIM: gl.constexpr,
+                      HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr,
+                      PERSISTENT: gl.constexpr):
+        """The CTA's shared memory and mbarriers (not yet initialised) as a FwdSmem."""
         # HEAD_DIM 192 (PIECES): q_smem and k_smem hold columns 0-127, q_hi and k_hi
         # 128-191 (Gluon's tensors are powers of two; q and k arrive as 64-column boxes).
         PIECES: gl.constexpr = HEAD_DIM == 128 + PIECE
@@ -468,6 +471,66 @@ if GLUON_ERROR is None:
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
         bufs = FwdSmem(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
                        v_empty, sched, o_smem, q_hi, k_hi)
+        return bufs
+
+    @gluon.jit
+    def _init_persistent_barriers(bufs, o_desc, HEAD_DIM: gl.constexpr,
+                                  HEAD_DIM_V: gl.constexpr, STAGES: gl.constexpr,
+                                  NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
+                                  PINGPONG: gl.constexpr):
+        """The mbarriers of a persistent CTA (`allocate_smem`'s order)."""
+        O_STAGING: gl.constexpr = o_staging(o_desc.block_shape, HEAD_DIM, HEAD_DIM_V, True)
+        for wg in gl.static_range(o_turn_index(PINGPONG, NUM_WG, Q_BUFS)):
+            mbarrier.init(bufs.q_bar.index(wg), count=1)
+        if O_STAGING == 2:
+            mbarrier.init(bufs.q_bar.index(o_turn_index(PINGPONG, NUM_WG, Q_BUFS)), count=1)
+        for wg in gl.static_range(Q_BUFS * NUM_WG):
+            mbarrier.init(bufs.q_empty.index(wg), count=1)
+        for st in gl.static_range(STAGES):
+            mbarrier.init(bufs.k_ready.index(st), count=1)
+            mbarrier.init(bufs.v_ready.index(st), count=1)
+            mbarrier.init(bufs.k_empty.index(st), count=NUM_WG)
+            mbarrier.init(bufs.v_empty.index(st), count=NUM_WG)
+        fence_async_shared()
+
+    @gluon.jit
+    def init_tile_barriers(bufs, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+        """The mbarriers of a one-tile CTA (two consumer warpgroups)."""
+        for wg in gl.static_range(4 if PINGPONG else 2):
+            mbarrier.init(bufs.q_bar.index(wg), count=1)
+        for st in gl.static_range(STAGES):
+            mbarrier.init(bufs.k_ready.index(st), count=1)
+            mbarrier.init(bufs.v_ready.index(st), count=1)
+            # Both consumer warpgroups must release a slot before it is refilled.
+            mbarrier.init(bufs.k_empty.index(st), count=2)
+            mbarrier.init(bufs.v_empty.index(st), count=2)
+        fence_async_shared()
+
+    # Lengths, counts and windows stay runtime values: one compile serves every shape
+    # (Triton would specialise on the value 1 and on divisibility by 16 otherwise).
+    @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_batch",
+                                  "num_m_blocks", "group", "window_left", "window_right",
+                                  "num_tiles", "hb_chunk"])
+    def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+                         used_k_ptr, sink_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_batch,
+                         num_m_blocks, group, qk_scale, softcap_pre, window_left, window_right,
+                         num_tiles, hb_chunk,
+                         HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, UNIFORM: gl.constexpr,
+                         HAS_SEQUSED: gl.constexpr, HAS_LEFT: gl.constexpr,
+                         HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr,
+                         LPT: gl.constexpr, EMU_EVERY: gl.constexpr,
+                         RESCALE_THRESHOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                         LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
+                         PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
+                         TAIL_SKIP: gl.constexpr):
+        # PINGPONG: how many consumer warpgroups take turns issuing their wgmmas (NUM_WG, or 0
+        # for none). NUM_WG = 3 only with PERSISTENT; Q_BUFS = 2 (a second Q buffer
+        # per warpgroup: the loader brings the next tile's Q a whole tile ahead) only with
+        # PERSISTENT, without PINGPONG and at d <= 128, so never with O_STAGING 2 (both
+        # checked on the host).
+        bufs = allocate_smem(q_desc, k_desc, v_desc, o_desc, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+                             STAGES, NUM_WG, Q_BUFS, PINGPONG, PERSISTENT)
         cfg = FwdConsts(HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT,
                         HAS_RIGHT, SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD,
                         PERSISTENT, PINGPONG, NUM_WG, Q_BUFS, TAIL_SKIP)
@@ -475,18 +538,8 @@ if GLUON_ERROR is None:
             # grid = min(#SMs, #tiles); every role walks tiles pid, pid + grid, ... and keeps
             # its own ring position, so the loader runs ahead into the next tile (its Q once
             # the consumers released the current one, its K/V as ring slots free up).
-            for wg in gl.static_range(o_turn_index(PINGPONG, NUM_WG, Q_BUFS)):
-                mbarrier.init(q_bar.index(wg), count=1)
-            if O_STAGING == 2:
-                mbarrier.init(q_bar.index(o_turn_index(PINGPONG, NUM_WG, Q_BUFS)), count=1)
-            for wg in gl.static_range(Q_BUFS * NUM_WG):
-                mbarrier.init(q_empty.index(wg), count=1)
-            for st in gl.static_range(STAGES):
-                mbarrier.init(k_ready.index(st), count=1)
-                mbarrier.init(v_ready.index(st), count=1)
-                mbarrier.init(k_empty.index(st), count=NUM_WG)
-                mbarrier.init(v_empty.index(st), count=NUM_WG)
-            fence_async_shared()
+            _init_persistent_barriers(bufs, o_desc, HEAD_DIM, HEAD_DIM_V, STAGES, NUM_WG, Q_BUFS,
+                                      PINGPONG)
             call = FwdCall(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
                            used_k_ptr, sink_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_batch,
                            num_m_blocks, group, qk_scale, softcap_pre, window_left,
@@ -519,15 +572,7 @@ if GLUON_ERROR is None:
                 n_lo, n_a, n_b, n_hi = key_blocks(m0, seqlen_q, seqlen_k, window_left,
                                                    window_right, HAS_LEFT, HAS_RIGHT, BLOCK_N,
                                                    128)
-                for wg in gl.static_range(4 if PINGPONG else 2):
-                    mbarrier.init(q_bar.index(wg), count=1)
-                for st in gl.static_range(STAGES):
-                    mbarrier.init(k_ready.index(st), count=1)
-                    mbarrier.init(v_ready.index(st), count=1)
-                    # Both consumer warpgroups must release a slot before it is refilled.
-                    mbarrier.init(k_empty.index(st), count=2)
-                    mbarrier.init(v_empty.index(st), count=2)
-                fence_async_shared()
+                init_tile_barriers(bufs, STAGES, PINGPONG)
 
                 kv_head = head // group
                 # One sequence per CTA: its own lengths stand in for the longest ones.

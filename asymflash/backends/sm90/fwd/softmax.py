@@ -131,6 +131,43 @@ if GLUON_ERROR is None:
         return s
 
     @gluon.jit
+    def block_scores(s, n, rows, shift, call, cfg, tile, MASKED: gl.constexpr, mods=None):
+        """`scores` of key block n, or a flex call's (`flex_scores`) where mods is given."""
+        if mods is None:
+            out = scores(s, n, rows, shift, tile.seqlen_k, call, cfg, MASKED)
+        else:
+            out = flex_scores(s, n, rows, tile, cfg, mods, MASKED)
+        return out
+
+    @gluon.jit
+    def flex_scores(s, n, rows, tile, cfg, mods, MASKED: gl.constexpr):
+        """A flex call's logits of key block n (`fwd/flex.py`): score_mod of the scaled
+        scores (natural units out: the call's qk_scale is then log2(e) alone), and where the
+        block is a partial one of the BlockMask (MASKED) mask_mod and the sequence bounds,
+        or for a full block the key bound alone where the last block is ragged. Disallowed
+        scores become -inf. mods = (FlexMods, the captured tensors' (ptr, sizes, strides)
+        tuple)."""
+        fl, captured = mods
+        BLOCK_N: gl.constexpr = cfg.BLOCK_N
+        s_layout: gl.constexpr = make_s_layout(BLOCK_N)
+        cols = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        q_idx = gl.expand_dims(rows, 1)
+        kv_idx = gl.expand_dims(cols, 0)
+        inb = (q_idx < tile.seqlen_q) & (kv_idx < tile.seqlen_k)
+        if fl.HAS_SCORE:
+            s = fl.SCORE_MOD(s * fl.scale, fl.b, fl.h, q_idx, kv_idx, inb, captured)
+        if MASKED:
+            ok = inb
+            if fl.HAS_MASK:
+                # skip_mask: the peeled first block is a full one (no partial blocks listed)
+                ok = ok & (fl.MASK_MOD(fl.b, fl.h, q_idx, kv_idx, inb, captured)
+                           | fl.skip_mask)
+            s = gl.where(ok, s, -float("inf"))
+        elif not fl.EVEN_K:
+            s = gl.where(inb, s, -float("inf"))
+        return s
+
+    @gluon.jit
     def online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY: gl.constexpr,
                         RESCALE_THRESHOLD: gl.constexpr):
         """One block of the online softmax in log2 units.
