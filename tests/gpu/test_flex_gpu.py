@@ -34,6 +34,24 @@ def _torch_flex(*args, **kw):
     return _compiled["fn"](*args, **kw)
 
 
+
+def _check_against_reference(out, lse, grads, wrt, dout, score_mod, block_mask, dtype):
+    """out, lse and the gradients of wrt (q, k, v, then captured tensors) against the fp32
+    reference by the FA rule (the baseline: the reference in the inputs' dtype); returns
+    the reference's (out, lse)."""
+    q, k, v = wrt[:3]
+    ref = flex_attention_ref(q, k, v, score_mod, block_mask, enable_gqa=True)
+    low = flex_attention_ref(q, k, v, score_mod, block_mask, enable_gqa=True,
+                             compute_dtype=dtype)
+    assert_fa_close("out", out, ref[0], low[0], atol=1e-3)
+    assert_lse_close(lse, ref[1])
+    ref_grads = torch.autograd.grad(ref[0], wrt, dout.float())
+    low_grads = torch.autograd.grad(low[0], wrt, dout)
+    for name, g, r, lo in zip(("dq", "dk", "dv", "dtable"), grads, ref_grads, low_grads):
+        assert_fa_close(name, g, r, lo, atol=1e-2 * max(1.0, r.abs().max().item()))
+    return ref
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c[:6]))
 @pytest.mark.parametrize("mod", sorted(MODS))
 def test_flex_realistic(mod, case):
@@ -49,15 +67,7 @@ def test_flex_realistic(mod, case):
                                             return_lse=True)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, wrt, dout)
-    ref = flex_attention_ref(q, k, v, score_mod, block_mask, enable_gqa=True)
-    low = flex_attention_ref(q, k, v, score_mod, block_mask, enable_gqa=True,
-                             compute_dtype=dtype)
-    assert_fa_close("out", out, ref[0], low[0], atol=1e-3)
-    assert_lse_close(lse, ref[1])
-    ref_grads = torch.autograd.grad(ref[0], wrt, dout.float())
-    low_grads = torch.autograd.grad(low[0], wrt, dout)
-    for name, g, r, lo in zip(("dq", "dk", "dv", "dtable"), grads, ref_grads, low_grads):
-        assert_fa_close(name, g, r, lo, atol=1e-2 * max(1.0, r.abs().max().item()))
+    ref = _check_against_reference(out, lse, grads, wrt, dout, score_mod, block_mask, dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         t_out = _torch_flex(q, k, v, score_mod=score_mod, block_mask=block_mask,
@@ -172,12 +182,4 @@ def test_sm90_flex_empty_query_blocks_and_training_step():
     empty[256:384] = empty[640:768] = True
     assert torch.equal(out[:, :, empty], torch.zeros_like(out[:, :, empty]))
     assert torch.isneginf(lse[:, :, empty]).all()
-    ref = flex_attention_ref(q, k, v, score_mod, block_mask, enable_gqa=True)
-    low = flex_attention_ref(q, k, v, score_mod, block_mask, enable_gqa=True,
-                             compute_dtype=torch.bfloat16)
-    assert_fa_close("out", out, ref[0], low[0], atol=1e-3)
-    assert_lse_close(lse, ref[1])
-    ref_grads = torch.autograd.grad(ref[0], wrt, dout.float())
-    low_grads = torch.autograd.grad(low[0], wrt, dout)
-    for name, g, r, lo in zip(("dq", "dk", "dv", "dtable"), grads, ref_grads, low_grads):
-        assert_fa_close(name, g, r, lo, atol=1e-2 * max(1.0, r.abs().max().item()))
+    _check_against_reference(out, lse, grads, wrt, dout, score_mod, block_mask, torch.bfloat16)
