@@ -61,6 +61,7 @@ print(_json.dumps(dict(
     hgmma_shapes={_k: _v for _k, _v in __import__("collections").Counter(
         _re.findall(r"HGMMA\.(\d+x\d+x\d+)", _sass)).items()},
     local=len(_re.findall(r"\b(LDL|STL)\b", _sass)), mufu_ex2=_sass.count("MUFU.EX2"),
+    f2f=len(_re.findall(r"\bF2F\.", _sass)),  # conversion-pipe conversions
     # local-memory instructions between the first and the last HGMMA: the main loop's body
     # (spills around the loop, in the prologue or the epilogue, cost once per CTA)
     local_in_loop=len(_re.findall(r"\b(LDL|STL)\b", _sass[_sass.find("HGMMA"):
