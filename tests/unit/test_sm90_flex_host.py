@@ -84,10 +84,27 @@ def test_gathering_mods_take_64_key_blocks():
     assert flex.flex_config(256).block_n == 64
 
 
-def test_refused_without_hopper_and_backward_is_portables():
-    """On a machine without an sm_90 GPU the sm90 flex forward names why; it has no
-    backward, so the dispatcher never picks it for one."""
+def test_refused_without_hopper():
+    """On a machine without an sm_90 GPU the sm90 flex kernels name why (the dispatcher then
+    takes the portable ones)."""
     q = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16)
-    why = flex.unsupported_flex(q, q, q, _problem(), False)
-    assert why is not None and ("sm90" in why or "Hopper" in why or "gluon" in why.lower())
-    assert not hasattr(flex, "flex_backward")
+    for why in (flex.unsupported_flex(q, q, q, _problem(), False),
+                flex.unsupported_flex_backward(q, q, q, _problem())):
+        assert why is not None and ("sm90" in why or "Hopper" in why or "gluon" in why.lower())
+
+
+def test_backward_problem_reason():
+    bias = torch.randn(4, 300, requires_grad=True)
+    learned = lambda s, b, h, q, kv: s + bias[h, q % 300]  # noqa: E731
+    assert flex.backward_problem_reason(_problem(), 128) is None
+    assert "captured" in flex.backward_problem_reason(_problem(learned), 128)
+    with torch.no_grad():
+        frozen = _problem(lambda s, b, h, q, kv: s + TABLE[h, q % 300])
+    assert flex.backward_problem_reason(frozen, 128) is None
+    det = FlexProblem(None, None, _problem().layout, 0.1, 1, deterministic=True)
+    assert "deterministic" in flex.backward_problem_reason(det, 128)
+    assert flex.backward_problem_reason(_problem(block=(64, 128)), 64) is None
+    assert "block size (96, 128)" in flex.backward_problem_reason(_problem(block=(96, 128)),
+                                                                  128)
+    assert "block size (128, 64)" in flex.backward_problem_reason(_problem(block=(128, 64)),
+                                                                  128)

@@ -1,7 +1,8 @@
-"""FlexAttention's forward on Hopper (`fwd/flex_kernel.py`), for the flex dispatcher
-(`runtime.dispatch.pick_flex`): `unsupported_flex` says why a call cannot run here,
-`flex_forward` runs it. There is no flex backward here: the dispatcher pairs this forward
-with the portable backward (both compute core/flex.py's semantics).
+"""FlexAttention on Hopper, for the flex dispatcher (`runtime.dispatch.pick_flex`): the
+forward on the warp-specialised forward kernel (`fwd/flex_kernel.py`), the backward on the
+backward's synchronous body (`bwd/flex_parts.py`, d <= 128). `unsupported_flex` /
+`unsupported_flex_backward` say why a call cannot run here (the dispatcher then takes the
+portable kernels, which compute the same semantics), `flex_forward` / `flex_backward` run it.
 
 q, k, v arrive as torch's flex takes them, (batch, heads, seqlen, dim). The kernel reads
 them in place through 2-D TMA descriptors where each head's rows are evenly spaced: a
@@ -23,6 +24,7 @@ from .fwd.host import _consumer_regs, _launch_options
 
 NAME = "sm90"
 HEAD_DIMS = (64, 128, 256)
+BWD_HEAD_DIMS = (64, 128)  # the backward's synchronous body
 BLOCK_Q = 128  # a CTA's query rows: the BlockMask's query blocks must be this tall
 LOG2E = 1.4426950408889634
 
@@ -206,3 +208,133 @@ def compile_for_target(d: int = 128, score=None, mask=None, captured_sig=(), eve
         signature[name] = "constexpr"
     src = GluonASTSource(flex_fwd_kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=_launch_options(cfg))
+
+
+@functools.lru_cache(maxsize=None)
+def flex_bwd_config(d: int):
+    """The backward's tile for a flex call: the synchronous body's (no warp
+    specialisation), 64 query rows a step (d=64's default 128 leaves no registers for the
+    mods), dQ row-major."""
+    from .bwd.config import _DEFAULT_CONFIGS as BWD_CONFIGS
+
+    return replace(BWD_CONFIGS[d], split_warpgroups=False, dq_fragment=False, block_m=64)
+
+
+def unsupported_flex_backward(q, k, v, problem) -> str | None:
+    why = hopper_input_reason(q, k, v, None, BWD_HEAD_DIMS, "flex backward")
+    if why is not None:
+        return why
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        return "an empty sequence"
+    why = backward_problem_reason(problem, q.shape[-1])
+    if why is not None:
+        return why
+    for t in (*problem.captured_values()[0], *problem.captured_values()[1]):
+        if t.device != q.device:
+            return f"a captured tensor is on {t.device}, q on {q.device}"
+    if max(q.numel() // q.shape[-1], k.numel() // k.shape[-1]) >= 2**31 - 1024:
+        return "rows exceed int32 TMA coordinates"
+    return None
+
+
+def backward_problem_reason(problem, d: int) -> str | None:
+    """Why the flex backward cannot take this call's mods, captured tensors and BlockMask
+    at head dim d, or None."""
+    if any(t.requires_grad for t in problem.captured_values()[0]):
+        return "gradients of captured tensors (the portable backward adds them)"
+    if problem.deterministic or torch.are_deterministic_algorithms_enabled():
+        return "deterministic gradients (dQ partials meet in TMA reduce-adds, in any order)"
+    layout = problem.layout
+    if layout.kinds.shape[2:] != (1, 1):
+        bq, bk = layout.block_q, layout.block_k
+        block_n = flex_bwd_config(d).block_n
+        if bq % 64 or bk % block_n:
+            return (f"BlockMask block size {(bq, bk)} (the sm90 flex backward takes multiples "
+                    f"of (64, {block_n}))")
+    return None
+
+
+def _bshd_rows(t: torch.Tensor) -> torch.Tensor:
+    """(batch · seqlen, heads, dim) rows of a (batch, heads, seqlen, dim) tensor: a view of
+    BSHD storage (how a projection's output usually arrives), else a copy."""
+    batch, heads, seqlen, dim = t.shape
+    return t.transpose(1, 2).reshape(batch * seqlen, heads, dim)
+
+
+def flex_backward(dout, dlse, q, k, v, out, lse, problem, captured_need_grad):
+    """(dq, dk, dv, captured gradients: None each) of a flex call; dq, dk, dv as
+    (batch, heads, seqlen, dim) views of BSHD storage."""
+    from ...core.params import AttnParams, MaskSpec, SeqInfo
+    from ...runtime.launch import sm_count
+    from ..portable.flex import block_lists, mod_functions
+    from ..portable.flex_emit import captured_args
+    from .bwd import host as bwd
+
+    batch, heads, seqlen_q, d = q.shape
+    hkv, seqlen_k = k.shape[1], k.shape[2]
+    cfg = flex_bwd_config(d)
+    layout = problem.layout
+    recut = layout.kinds.shape[2:] == (1, 1)
+    bq, bk = (128, cfg.block_n) if recut else (layout.block_q, layout.block_k)
+    num, idx = block_lists(layout, str(q.device), seqlen_q, seqlen_k, bq, bk, batch, heads,
+                           True)
+    score, mask = problem.score, problem.mask
+    score_fn, mask_fn, dmod_fn = mod_functions(score, mask, True)
+    captured = problem.captured_values()[0] + problem.captured_values()[1]
+    seq = SeqInfo.dense(batch, seqlen_q, seqlen_k, q.device)
+    params = AttnParams(softmax_scale=problem.scale, mask=MaskSpec())
+    plan = bwd.launch_plan(d, d, seqlen_q, seqlen_k, True, False, -1, -1, False, False,
+                           batch, hkv, sm_count(q.device), cfg, heads)
+    assert not plan.split and not plan.dq_fragment, plan
+    rows = [bwd.common.tma_ready(_bshd_rows(t)) for t in (q, k, v)]
+    lse_rows = lse.transpose(0, 1).reshape(heads, batch * seqlen_q)
+    dlse_rows = None if dlse is None else dlse.transpose(0, 1).reshape(heads, -1)
+    c = plan.constexprs
+    consts = {name: c[name] for name in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "DV_OVERLAP",
+                                         "DP_EARLY", "KV_TMA_STORE", "DK_LATE", "STATS_LATE")}
+    consts.update({name: value for name, value in c.items() if name.islower()})  # launch
+    consts.update(BK=bk, SUB=bq // cfg.block_m, SCORE_MOD=score_fn, MASK_MOD=mask_fn,
+                  DMOD=dmod_fn, HAS_SCORE=score is not None, HAS_MASK=mask is not None)
+    extra = (num, idx, captured_args(captured), *num.stride(), *idx.stride()[:4])
+    dq, dk, dv, _ = bwd._run(plan, d, d, False, _bshd_rows(dout), *rows, _bshd_rows(out),
+                             lse_rows, dlse_rows, seq, params, None, flex=(extra, consts))
+
+    def as_bhsd(t, seqlen):
+        return t.view(batch, seqlen, t.shape[1], d).transpose(1, 2)
+
+    return (as_bhsd(dq, seqlen_q), as_bhsd(dk, seqlen_k), as_bhsd(dv, seqlen_k),
+            [None] * len(captured_need_grad))
+
+
+def compile_backward_for_target(d: int = 128, score=None, mask=None, captured_sig=(),
+                                sub: int = 2, dtype=torch.bfloat16, arch: int = 90):
+    """Compile the flex backward (`bwd/entry.attn_bwd_flex_kernel`) without a GPU (CI
+    check); arguments as `compile_for_target`'s."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from ..portable.flex import mod_functions
+    from .bwd import entry
+    from .bwd import host as bwd
+
+    cfg = flex_bwd_config(d)
+    signature = bwd.kernel_signature(d, d, cfg, False, dtype)
+    signature.update({"num_ptr": "*i32", "idx_ptr": "*i32",
+                      "captured": (*captured_sig, "i32")})
+    for name in ("num_sb", "num_sh", "num_sk", "num_sn", "idx_sb", "idx_sh", "idx_sk",
+                 "idx_sn"):
+        signature[name] = "i32"
+    score_fn, mask_fn, dmod_fn = mod_functions(score, mask, True)
+    c = bwd._constexprs(d, d, cfg, uniform=True, has_seqused=False, has_left=False,
+                        has_right=False, softcap=False, kv_tma_store=True)
+    constexprs = {name: c[name] for name in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "DV_OVERLAP",
+                                             "DP_EARLY", "KV_TMA_STORE", "DK_LATE",
+                                             "STATS_LATE")}
+    constexprs.update(BK=cfg.block_n, SUB=sub, SCORE_MOD=score_fn, MASK_MOD=mask_fn,
+                      DMOD=dmod_fn, HAS_SCORE=score is not None, HAS_MASK=mask is not None)
+    for name in constexprs:
+        signature[name] = "constexpr"
+    src = GluonASTSource(entry.attn_bwd_flex_kernel, signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=bwd._launch_options(False, cfg))
