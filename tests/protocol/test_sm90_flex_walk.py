@@ -1,8 +1,10 @@
-"""The sm90 flex forward's key-block walk (`fwd/flex_kernel._walk_block`), run on integers
-(no GPU): the loader and both consumer warpgroups call it with the same step numbers, so
-it alone decides which key blocks a tile sees and in which order. Against the BlockMask's
-lists as `portable.flex.block_lists` builds them: every partial block, then every full
-one, each as SUB kernel blocks in order, nothing else."""
+"""The sm90 flex kernels' walks over a BlockMask's lists, run on integers (no GPU), against
+the lists as `portable.flex.block_lists` builds them. The forward (`fwd/flex_kernel.
+_walk_block`): the loader and both consumer warpgroups call it with the same step numbers,
+so it alone decides which key blocks a tile sees: every partial block, then every full
+one, each as SUB kernel blocks in order. The backward (`bwd/flex_parts.flex_step`,
+`flex_steps`): a key block's CTA visits, for each q head of its GQA group in order, the
+query blocks listed partial (masked) then full, SUB steps of BLOCK_M rows each."""
 
 from __future__ import annotations
 
@@ -38,13 +40,12 @@ class Pointer:
 
 
 class _GlLoads(_Gl):
-    load = staticmethod(lambda p: p.read())
+    load = staticmethod(lambda p, mask=True, other=0: p.read() if mask else other)
+    where = staticmethod(lambda c, a, b: a if c else b)
 
 
 def walk_block(walk, i):
-    fn = python_body(flex_kernel._walk_block)
-    env = dict(fn.__globals__, gl=_GlLoads)
-    return types.FunctionType(fn.__code__, env)(walk, i)
+    return python_body(flex_kernel._walk_block, gl=_GlLoads)(walk, i)
 
 
 @pytest.mark.parametrize("sub", [1, 2])
@@ -70,3 +71,39 @@ def test_walk_visits_partial_then_full_blocks_of_each_query_block(seed, sub):
                     for kb in torch.nonzero(row == kind).flatten().tolist()
                     for s in range(sub)]
             assert steps == want, (h, qb, steps, want)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_backward_walk_visits_each_heads_listed_query_blocks(seed, group):
+    from asymflash.backends.sm90.bwd import flex_parts
+
+    g = torch.Generator().manual_seed(seed)
+    batch, heads, n_q, n_k, sub, block_m = 2, 2 * group, 6, 5, 2, 64
+    kinds = torch.randint(0, 3, (batch, heads, n_q, n_k), generator=g).to(torch.uint8)
+    kinds[0, 0, :, 2] = EMPTY  # a key block no query block sees (for head 0)
+    layout = BlockLayout(kinds, sub * block_m, 128, None)
+    num, idx = block_lists(layout, "cpu", n_q * sub * block_m, n_k * 128, sub * block_m, 128,
+                           batch, heads, True)
+    fl = types.SimpleNamespace(
+        num=Pointer(num.flatten().tolist()), idx=Pointer(idx.flatten().tolist()),
+        num_sb=num.stride(0), num_sh=num.stride(1), num_sk=num.stride(2), num_sn=num.stride(3),
+        idx_sb=idx.stride(0), idx_sh=idx.stride(1), idx_sk=idx.stride(2), idx_sn=idx.stride(3),
+        BK=128, SUB=sub)
+    steps_of = python_body(flex_parts.flex_steps, gl=_GlLoads)
+    step = python_body(flex_parts.flex_step, gl=_GlLoads)
+    for b in range(batch):
+        for hk in range(heads // group):
+            for kb in range(n_k):
+                h_first = hk * group
+                want = [(h, qb * sub * block_m + s * block_m, kind == PARTIAL)
+                        for h in range(h_first, h_first + group)
+                        for kind in (PARTIAL, FULL)
+                        for qb in torch.nonzero(kinds[b, h, :, kb] == kind).flatten().tolist()
+                        for s in range(sub)]
+                n = steps_of(fl, b, kb * 128, h_first, group)
+                got = [tuple(step(fl, b, kb * 128, h_first, group, it, block_m))
+                       for it in range(n)]
+                assert n == len(want) and got == want, (b, hk, kb, got, want)
+                # the prefetch past the last step reads nothing outside the lists
+                step(fl, b, kb * 128, h_first, group, n, block_m)
