@@ -139,13 +139,14 @@ _WIDEN_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 @triton.jit
 def widen(x, dtype: tl.constexpr):
     """A cache tile in q's dtype. e4m3 to bf16 without the conversion pipe, where `.to`
-    takes two conversions per value (e4m3 -> f16 -> bf16: 384 per thread per 128-key block
-    of the sm_90a decode, the likely bound of the e4m3 decode, docs/tuning.md): a byte's
-    sign at bf16's sign bit and its exponent and mantissa bits 4 places up are the value
-    times 2^-120, subnormals included, so one multiply by 2^120 finishes it. The NaN bytes
-    (0x7f, 0xff) read as +-480. Compiled: `WIDEN_E4M3_PTX`, five instructions per two values
-    (tests/unit/test_fp8_widen.py runs it on every byte; the same steps as tensor ops, the
-    interpreter's form below, took 40 % more instructions in the key loop)."""
+    takes two conversions per value (e4m3 -> f16 -> bf16; 384 per thread per 128-key block
+    of the sm_90a decode): a byte's sign at bf16's sign bit and its exponent and mantissa
+    bits 4 places up are the value times 2^-120, subnormals included, so one multiply by
+    2^120 finishes it. The NaN bytes (0x7f, 0xff) read as +-480. Compiled:
+    `WIDEN_E4M3_PTX`, five instructions per two values (tests/unit/test_fp8_widen.py runs
+    it on every byte; the same steps as tensor ops, the interpreter's form below, took 40 %
+    more instructions in the key loop). Not yet timed: see docs/tuning.md for why it may
+    not pay (the loop may be bound by issue, not by the conversion pipe)."""
     if x.dtype == tl.float8e4nv and dtype == tl.bfloat16:
         if _WIDEN_PTX:
             return tl.inline_asm_elementwise(WIDEN_E4M3_PTX, "=r,=r,r", [x],
