@@ -69,7 +69,7 @@ run_tests() {
     # over 540 s to about a minute. The others run in one process each.
     workers=(-n 0)
     [ "$f" = tests/gpu/test_sm90_bwd_gpu.py ] && workers=(-n 6)
-    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfs \
+    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfsx \
       ${PYTEST_K:+-k "$PYTEST_K"} "${shard[@]}" "${workers[@]}" "$f" > "${logs[-1]}" 2>&1 &
     pids+=($!)
   done

@@ -98,9 +98,9 @@ def test_decode_widening_of_every_e4m3_byte():
 
 
 # Measured 2026-12-05 (H200, triton 3.6.0): fp8 538.7 us (249 GB/s) against bf16 287.4 us
-# (934 GB/s), 0.53x the tokens/s; issue 43 wants >= 1.8x. strict: passing is news.
-@pytest.mark.xfail(strict=True, reason="the e4m3 cache decode reads half the bytes but runs "
-                   "at 0.53x the bf16 cache's speed (issue 43)")
+# (934 GB/s), 0.53x the tokens/s; issue 43 wants >= 1.8x. Until it is not slower the test
+# reports xfail with the times in its reason (gpu-check.sh shows it: -rx), so each run's
+# numbers are in the log; passing is news.
 def test_fp8_cache_decode_is_not_slower_than_bf16():
     import triton.testing
 
@@ -115,7 +115,9 @@ def test_fp8_cache_decode_is_not_slower_than_bf16():
     ms16 = triton.testing.do_bench(lambda: flash_attn_with_kvcache(
         q, kb, vb, cache_seqlens=lens, page_table=table_b))
     gbs = lambda nbytes, ms: nbytes / ms / 1e6  # noqa: E731
-    print(f"\nfp8 cache decode {c}: fp8 {ms8 * 1e3:.1f} us "
-          f"({gbs(kc.nbytes + vc.nbytes, ms8):.0f} GB/s), bf16 {ms16 * 1e3:.1f} us "
-          f"({gbs(kb.nbytes + vb.nbytes, ms16):.0f} GB/s): {ms16 / ms8:.2f}x tokens/s")
-    assert ms8 <= 1.1 * ms16, "an fp8 cache reads half the bytes: it must not be slower"
+    times = (f"fp8 cache decode {c}: fp8 {ms8 * 1e3:.1f} us "
+             f"({gbs(kc.nbytes + vc.nbytes, ms8):.0f} GB/s), bf16 {ms16 * 1e3:.1f} us "
+             f"({gbs(kb.nbytes + vb.nbytes, ms16):.0f} GB/s): {ms16 / ms8:.2f}x tokens/s")
+    print("\n" + times)
+    if ms8 > 1.1 * ms16:  # an fp8 cache reads half the bytes: it must not be slower
+        pytest.xfail(f"slower than the bf16 cache (issue 43): {times}")
