@@ -64,12 +64,23 @@ def gathers_2d(score, mask) -> bool:
 
 
 def unsupported_flex(q, k, v, problem, need_grad: bool) -> str | None:
-    why = hopper_input_reason(q, k, v, None, HEAD_DIMS, "flex forward")
+    return _reason(q, k, v, problem, HEAD_DIMS, "flex forward", problem_reason)
+
+
+def unsupported_flex_backward(q, k, v, problem) -> str | None:
+    return _reason(q, k, v, problem, BWD_HEAD_DIMS, "flex backward", backward_problem_reason)
+
+
+def _reason(q, k, v, problem, head_dims, direction: str, problem_check) -> str | None:
+    """Why a flex call cannot run on the sm90 kernel of `direction`, or None: the Hopper
+    checks, empty sequences, `problem_check` (mods, BlockMask), captured tensors' devices
+    and int32 TMA row coordinates."""
+    why = hopper_input_reason(q, k, v, None, head_dims, direction)
     if why is not None:
         return why
     if q.shape[2] == 0 or k.shape[2] == 0:
         return "an empty sequence"
-    why = problem_reason(problem, q.shape[-1])
+    why = problem_check(problem, q.shape[-1])
     if why is not None:
         return why
     for t in (*problem.captured_values()[0], *problem.captured_values()[1]):
@@ -218,23 +229,6 @@ def flex_bwd_config(d: int):
     from .bwd.config import _DEFAULT_CONFIGS as BWD_CONFIGS
 
     return replace(BWD_CONFIGS[d], split_warpgroups=False, dq_fragment=False, block_m=64)
-
-
-def unsupported_flex_backward(q, k, v, problem) -> str | None:
-    why = hopper_input_reason(q, k, v, None, BWD_HEAD_DIMS, "flex backward")
-    if why is not None:
-        return why
-    if q.shape[2] == 0 or k.shape[2] == 0:
-        return "an empty sequence"
-    why = backward_problem_reason(problem, q.shape[-1])
-    if why is not None:
-        return why
-    for t in (*problem.captured_values()[0], *problem.captured_values()[1]):
-        if t.device != q.device:
-            return f"a captured tensor is on {t.device}, q on {q.device}"
-    if max(q.numel() // q.shape[-1], k.numel() // k.shape[-1]) >= 2**31 - 1024:
-        return "rows exceed int32 TMA coordinates"
-    return None
 
 
 def backward_problem_reason(problem, d: int) -> str | None:
