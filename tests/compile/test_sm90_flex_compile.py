@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from sass_report import sass_report
+from sass_report import sass_report, within_budget
 
 _BUILD = r"""
 import json, sys
@@ -57,10 +57,10 @@ def test_flex_forward_builds_for_sm90(kw):
     rep = sass_report(_BUILD, json.dumps(kw), ptxas=True)
     assert rep["hgmma"] > 0, "no HGMMA"
     assert rep["wgmma_serialized"] is False, "ptxas serialised the wgmmas"
-    assert rep["local_in_step_loops"] == 0, rep
     assert rep["shared"] <= 227 * 1024, rep["shared"]
     # the two consumer warpgroups' register budget, as the dense forward's
     assert 240 in rep["maxnreg"], rep["maxnreg"]
+    within_budget(rep, rep["local_in_step_loops"], 0, "local-memory instructions in the key loop")
 
 
 # (d, mods): local-memory instructions in the backward's step loop (sm_90a, triton 3.6,
@@ -78,4 +78,5 @@ def test_flex_backward_builds_for_sm90(case):
     rep = sass_report(_BUILD, json.dumps({"d": d, "mods": mods, "backward": True}))
     assert rep["hgmma"] > 0, "no HGMMA"
     assert rep["step_loops"] == 1, rep["step_loops"]
-    assert rep["local_in_step_loops"] <= BACKWARD_LOOP_LOCAL[case], rep
+    within_budget(rep, rep["local_in_step_loops"], BACKWARD_LOOP_LOCAL[case],
+                  "local-memory instructions in the step loop")
