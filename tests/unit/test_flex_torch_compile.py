@@ -17,7 +17,7 @@ from torch._dynamo.testing import CompileCounter
 
 import asymflash
 from asymflash import flash_attn_func
-from asymflash.api import flex, flex_ops
+from asymflash.api import flex, flex_compiled, flex_ops
 from asymflash.core import flex_ir, flex_trace
 from asymflash.reference import flex_attention_ref
 
@@ -262,9 +262,9 @@ def test_repeated_op_calls_reuse_the_problem():
     """The op's one-block layout is a fresh tensor per compiled call; the problem (and what
     backends cache on it) is found again all the same."""
     spec = flex_ops.encode(flex.prepare(*_bhsd(1, 2, 2, 17, 17), None, None, None, False))
-    first = flex_ops._problem(spec, flex._one_block(True), ())
-    assert flex_ops._problem(spec, flex._one_block(True), ()) is first
-    assert flex_ops._problem(spec, flex._one_block(False), ()) is not first
+    first = flex_ops._problem(spec, flex_compiled._one_block(True), ())
+    assert flex_ops._problem(spec, flex_compiled._one_block(True), ()) is first
+    assert flex_ops._problem(spec, flex_compiled._one_block(False), ()) is not first
 
 
 def test_opcheck():
