@@ -53,7 +53,7 @@ run_tests() {
       tests/gpu/test_decode_no_sync_gpu.py tests/gpu/test_models_suite_gpu.py \
       tests/gpu/test_warm_gpu.py tests/gpu/test_torch_sdpa_gpu.py tests/gpu/test_fp8_gpu.py \
       tests/unit/test_fp8.py tests/interpreted/test_fp8_portable.py tests/gpu/test_torch_cp_gpu.py \
-      tests/gpu/test_flex_gpu.py tests/gpu/test_cp_gpu.py})
+      tests/gpu/test_flex_gpu.py@0/2 tests/gpu/test_flex_gpu.py@1/2 tests/gpu/test_cp_gpu.py})
   local pids=() logs=() entry f name shard workers
   : > "$out/tests.log"
   for entry in "${files[@]}"; do
