@@ -20,7 +20,7 @@ from ..common import GLUON_ERROR
 
 if GLUON_ERROR is None:
     from ..common import aggregate, gl, gluon
-    from .epilogue import make_o_layout, make_row_layout, store_rows
+    from .epilogue import make_o_layout, make_row_layout, store_rows, tile_store
     from .kernel import (
         _first_block,
         _last_pv,
@@ -33,7 +33,6 @@ if GLUON_ERROR is None:
         init_tile_barriers,
     )
     from .state import FwdCall, FwdConsts, QTile
-    from .epilogue import tile_store
 
     @aggregate
     class FlexMods:
