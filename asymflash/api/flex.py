@@ -41,7 +41,8 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None,
     mod that uses an op outside the supported set, naming the op.
 
     Under torch.compile the attention is the custom op asymflash::flex_fwd (api/flex_ops.py);
-    a score_mod or BlockMask is traced eagerly at one graph break before it (see below).
+    a score_mod or BlockMask is traced eagerly at one graph break before it
+    (api/flex_compiled.py).
     """
     if torch.compiler.is_compiling():
         from .flex_compiled import compiled_flex
@@ -343,6 +344,3 @@ def _mods_problem(query, key, value, softmax_scale, window, softcap, score_mod, 
                       builtin_score(softcap, alibi_slopes, seqlen_q, seqlen_k), extra_mask)
     return dataclasses.replace(problem, deterministic=True) if deterministic else problem
 
-
-# ---------------------------------------------------------------- under torch.compile
-#
