@@ -152,10 +152,29 @@ if GLUON_ERROR is None:
         are stored block by block), 128-191 into `hi` [ROWS, 64]. Arrives on `bar` with the
         bytes of all three (`expect` here)."""
         mbarrier.expect(bar, 3 * desc.block_type.nbytes, pred=pred)
+        copy_pieces(desc, lo, hi, bar, row, head, ROWS, WIDTH, pred)
+
+    @gluon.jit
+    def copy_pieces(desc, lo, hi, bar, row, head, ROWS: gl.constexpr, WIDTH: gl.constexpr,
+                    pred):
+        """`load_pieces` without the `expect` (the caller's covers these bytes)."""
         halves = lo._reinterpret(desc.dtype, [2, ROWS, PIECE], lo.layout)
         copy_piece(desc, row, head, 0, WIDTH, bar, halves.index(0), pred)
         copy_piece(desc, row, head, PIECE, WIDTH, bar, halves.index(1), pred)
         copy_piece(desc, row, head, 2 * PIECE, WIDTH, bar, hi, pred)
+
+    @gluon.jit
+    def load_qdo_pieces(q_desc, do_desc, q_smem, q_hi, do_smem, ready, slot, h, row,
+                        ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                        pred):
+        """`load_qdo` at kernel head dim 192: Q of ring slot `slot` in its pieces
+        (`copy_pieces`), dO whole; one `expect` for all four boxes."""
+        bar = ready.index(slot)
+        mbarrier.expect(bar, 3 * q_desc.block_type.nbytes + do_desc.block_type.nbytes,
+                        pred=pred)
+        copy_pieces(q_desc, q_smem.index(slot), q_hi.index(slot), bar, row, h, ROWS, HEAD_DIM,
+                    pred)
+        copy_rows(do_desc, row, h, HEAD_DIM_V, bar, do_smem.index(slot), pred)
 
     @gluon.jit
     def key_operand_pieces(call, cfg, DO_BUFS: gl.constexpr):
@@ -182,10 +201,7 @@ if GLUON_ERROR is None:
                        HEAD_DIM_V: gl.constexpr):
         """`load_kv` at kernel head dim 192: K in its pieces (`load_pieces`), V whole."""
         mbarrier.expect(bar, 3 * k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        halves = k_lo._reinterpret(k_desc.dtype, [2, BLOCK_N, PIECE], k_lo.layout)
-        copy_piece(k_desc, row, hk, 0, HEAD_DIM, bar, halves.index(0), True)
-        copy_piece(k_desc, row, hk, PIECE, HEAD_DIM, bar, halves.index(1), True)
-        copy_piece(k_desc, row, hk, 2 * PIECE, HEAD_DIM, bar, k_hi, True)
+        copy_pieces(k_desc, k_lo, k_hi, bar, row, hk, BLOCK_N, HEAD_DIM, True)
         copy_rows(v_desc, row, hk, HEAD_DIM_V, bar, v_smem, True)
 
     @gluon.jit
