@@ -96,10 +96,6 @@ BWD = [
                                           "deterministic": True,
                                           "cfg": {"ws_persistent": True}}),
     ("bwd-d128-heads-axis", {"head_dim": 128, "heads_axis": True, "has_right": True}),
-    ("bwd-d192-128-ws-causal", {"head_dim": 192, "head_dim_v": 128, "heads_axis": True,
-                                "has_right": True}),
-    ("bwd-d192-128-wide-det", {"head_dim": 192, "head_dim_v": 128, "heads_axis": True,
-                               "deterministic": True}),
     ("bwd-plan-d64-causal-1k", {"head_dim": 64, "has_right": True, "plan": dict(
         max_seqlen_q=1024, max_seqlen_k=1024, batch=4, hq=16, hkv=16, window_right=0)}),
 ]
