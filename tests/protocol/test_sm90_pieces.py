@@ -1,7 +1,7 @@
 """The column arithmetic of the sm90 kernels' 192-wide builds (no GPU).
 
 At kernel head dim 192 (`common.forward_widths`: DeepSeek-V3's 192/128) the forward and
-`attn_bwd_wide` hold Q and K (and the backward dK, dQ) as a 128- and a 64-wide piece, and
+the backward (bwd_ws, bwd_wide) hold Q and K (and the backward dK, dQ) as a 128- and a 64-wide piece, and
 read each head of q and k as three 64-column boxes (`common.load_pieces`; the backward
 writes dQ back the same way). `load_pieces` runs here on stand-ins (its Python body, the
 TMA loads recorded instead of issued) for both descriptor kinds, and the recorded boxes
@@ -85,15 +85,55 @@ def run_load_pieces(desc, row, head, rows):
     """`common.load_pieces` on stand-ins: [(coordinates, destination)] of its TMA loads and
     the bytes it expects."""
     log = _Log()
+    body = types.FunctionType(common.load_pieces.fn.__code__,
+                              dict(common.load_pieces.fn.__globals__,
+                                   copy_pieces=_copy_pieces(log),
+                                   mbarrier=types.SimpleNamespace(expect=log.expect),
+                                   PIECE=PIECE))
+    body(desc, _Smem("lo"), _Smem("hi"), None, row, head, rows, WIDTH, True)
+    return log.loads, log.expects
+
+
+def _copy_pieces(log):
+    """`common.copy_pieces`'s body on stand-ins, its TMA loads recorded in `log`."""
     copy_env = dict(common.copy_piece.fn.__globals__, tma_load=log.tma_load,
                     heads_axis=lambda shape: len(shape) == 3,
                     piece_col=lambda h, c, w: on_ints(common.piece_col, h, c, w))
     copy = types.FunctionType(common.copy_piece.fn.__code__, copy_env)
-    env = dict(common.load_pieces.fn.__globals__, copy_piece=copy,
-               mbarrier=types.SimpleNamespace(expect=log.expect), PIECE=PIECE)
-    body = types.FunctionType(common.load_pieces.fn.__code__, env)
-    body(desc, _Smem("lo"), _Smem("hi"), None, row, head, rows, WIDTH, True)
-    return log.loads, log.expects
+    return types.FunctionType(common.copy_pieces.fn.__code__,
+                              dict(common.copy_pieces.fn.__globals__, copy_piece=copy,
+                                   PIECE=PIECE))
+
+
+def test_ws_ring_slot_takes_q_pieces_and_do_on_one_expect():
+    """bwd_ws at 192 (`parts.load_qdo_pieces`): a ring slot's Q as the three boxes of
+    `load_pieces` into that slot's pieces and dO whole, all on the slot's one `expect` (the
+    ready barrier counts it and the statistics' arrive only)."""
+    from asymflash.backends.sm90.bwd import parts
+
+    log = _Log()
+
+    class _Ring:
+        def __init__(self, name):
+            self.name = name
+
+        def index(self, slot):
+            return _Smem(f"{self.name}{slot}" if self.name != "q" else "lo")
+
+    copy_rows = lambda desc, row, head, width, bar, dst, pred: log.loads.append(  # noqa: E731
+        ([row, head * width], dst.name))
+    body = types.FunctionType(parts.load_qdo_pieces.fn.__code__,
+                              dict(parts.load_qdo_pieces.fn.__globals__,
+                                   copy_pieces=_copy_pieces(log), copy_rows=copy_rows,
+                                   mbarrier=types.SimpleNamespace(expect=log.expect)))
+    ready = types.SimpleNamespace(index=lambda slot: f"ready{slot}")
+    q_desc, do_desc = _Desc([64, PIECE]), _Desc([64, 128])
+    body(q_desc, do_desc, _Ring("q"), _Ring("hi"), _Ring("do"), ready, 1, 5, 320, 64, WIDTH,
+         128, True)
+    assert log.expects == [3 * 64 * PIECE * 2 + 64 * 128 * 2]
+    assert [dst for _, dst in log.loads] == ["lo0", "lo1", "hi1", "do1"]
+    assert [c for c, _ in log.loads] == [[320, 5 * WIDTH], [320, 5 * WIDTH + PIECE],
+                                         [320, 5 * WIDTH + 2 * PIECE], [320, 5 * 128]]
 
 
 @pytest.mark.parametrize("heads,rows,box_rows", [(1, 64, 64), (3, 100, 64), (16, 300, 128)])
