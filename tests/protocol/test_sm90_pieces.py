@@ -105,37 +105,6 @@ def _copy_pieces(log):
                                    PIECE=PIECE))
 
 
-def test_ws_ring_slot_takes_q_pieces_and_do_on_one_expect():
-    """bwd_ws at 192 (`parts.load_qdo_pieces`): a ring slot's Q as the three boxes of
-    `load_pieces` into that slot's pieces and dO whole, all on the slot's one `expect` (the
-    ready barrier counts it and the statistics' arrive only)."""
-    from asymflash.backends.sm90.bwd import parts
-
-    log = _Log()
-
-    class _Ring:
-        def __init__(self, name):
-            self.name = name
-
-        def index(self, slot):
-            return _Smem(f"{self.name}{slot}" if self.name != "q" else "lo")
-
-    copy_rows = lambda desc, row, head, width, bar, dst, pred: log.loads.append(  # noqa: E731
-        ([row, head * width], dst.name))
-    body = types.FunctionType(parts.load_qdo_pieces.fn.__code__,
-                              dict(parts.load_qdo_pieces.fn.__globals__,
-                                   copy_pieces=_copy_pieces(log), copy_rows=copy_rows,
-                                   mbarrier=types.SimpleNamespace(expect=log.expect)))
-    ready = types.SimpleNamespace(index=lambda slot: f"ready{slot}")
-    q_desc, do_desc = _Desc([64, PIECE]), _Desc([64, 128])
-    body(q_desc, do_desc, _Ring("q"), _Ring("hi"), _Ring("do"), ready, 1, 5, 320, 64, WIDTH,
-         128, True)
-    assert log.expects == [3 * 64 * PIECE * 2 + 64 * 128 * 2]
-    assert [dst for _, dst in log.loads] == ["lo0", "lo1", "hi1", "do1"]
-    assert [c for c, _ in log.loads] == [[320, 5 * WIDTH], [320, 5 * WIDTH + PIECE],
-                                         [320, 5 * WIDTH + 2 * PIECE], [320, 5 * 128]]
-
-
 @pytest.mark.parametrize("heads,rows,box_rows", [(1, 64, 64), (3, 100, 64), (16, 300, 128)])
 @pytest.mark.parametrize("d,heads_axis", [(192, False), (192, True), (160, True),
                                           (136, True)])
