@@ -7,7 +7,9 @@ dequantised tensors, with the bf16 computation of those values as the tolerance'
 (the FA rule, core.error_and_bound). Each cell's error is kept in the results, so the fp8
 path's error stands beside the bf16 kernel's on the same values.
 
-An fp8 provider's make_fwd takes (inputs, causal), inputs being Fp8Inputs.
+An fp8 provider's make_fwd takes (inputs, causal), inputs being Fp8Inputs. asymflash-fp8
+times flash_attn_func on the e4m3 tensors: on Hopper the sm90 fp8 kernel (the Vᵀ copy
+included), elsewhere the host cast to bf16 and the 16-bit kernels.
 """
 
 from __future__ import annotations

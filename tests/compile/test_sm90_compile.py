@@ -615,3 +615,78 @@ def test_d192_routing():
     with pytest.raises(ValueError, match="consumer_wgs"):
         fwd.check_config(replace(base, consumer_wgs=3, persistent=True), 192)
     fwd.check_config(replace(base, block_n=64, stages=4, persistent=True), 192)
+
+
+# The fp8 forward (e4m3 q, k and Vᵀ, `host.forward_fp8`): every wgmma an e4m3 one (SASS
+# QGMMA...E4M3.E4M3), within the same register budgets, no local memory; P becomes the
+# e4m3 A operand in registers: its key loops hold no byte permutes (PRMT), no shuffles
+# across lanes other than the row max / sum butterflies, no shared-memory loads or stores,
+# and one fp16 -> e4m3 conversion per two elements of P (`epilogue.p_operand_fp8`).
+FP8_CONFIGS = [
+    {"head_dim": 128},
+    {"head_dim": 128, "has_right": True},
+    {"head_dim": 128, "has_left": True, "has_right": True},
+    {"head_dim": 128, "cfg": {"persistent": True, "q_buffers": 2}},
+    {"head_dim": 128, "has_right": True, "cfg": {"persistent": True, "lpt": True}},
+    {"head_dim": 128, "has_right": True, "cfg": {"block_n": 64, "stages": 3, "tail_skip": True,
+                                                 "persistent": True, "lpt": True}},
+    {"head_dim": 64},
+    {"head_dim": 64, "has_right": True, "cfg": {"persistent": True, "lpt": True}},
+]
+
+
+@pytest.mark.parametrize("kw", FP8_CONFIGS,
+                         ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_fp8_compiles_to_e4m3_wgmma_without_data_movement(kw):
+    rep = compile_report(dtype="float8_e4m3fn", **kw)
+    assert rep["qgmma_e4m3"] > 0 and rep["hgmma"] == 0, rep
+    assert 240 in rep["maxnreg"] and 24 in rep["maxnreg"], rep
+    assert rep["shared"] <= 227 * 1024
+    ops = rep["step_ops"]
+    assert rep["step_loops"] > 0 and all(op.startswith("QGMMA") or "GMMA" not in op
+                                         for op in ops), ops
+    moved = {op: n for op, n in ops.items()
+             if op.split(".")[0] in ("PRMT", "LDS", "STS", "LDSM", "STSM")
+             or op.startswith("SHFL.IDX")}
+    assert not moved, moved
+    # per key block: the P operand's conversions, 1 per 2 elements of a 64 x BLOCK_N tile
+    # per 128 threads, and as many fp32 -> fp16x2 packs
+    block_n = kw.get("cfg", {}).get("block_n", 128)
+    per_step = 64 * block_n // 128 // 2
+    cvt = ops.get("F2FP.SATFINITE.E4M3.F16.UNPACK_B_MERGE_C", 0)
+    assert cvt > 0 and cvt % per_step == 0, ops
+    assert ops.get("F2FP.F16.F32.PACK_AB", 0) == cvt, ops
+    within_budget(rep, rep["local"], 0)
+
+
+def test_fp8_three_warpgroups_compile_but_are_not_planned():
+    # Three warpgroups taking turns (d=64's long-sequence plan at 16 bits, 160 registers
+    # each) build for fp8 too, but keep values in local memory inside the key loops (6
+    # local-memory instructions, 4 of them in the key loops, sm_90a): fp8 plans two.
+    rep = compile_report(dtype="float8_e4m3fn", head_dim=64,
+                         cfg={"persistent": True, "consumer_wgs": 3, "q_buffers": 1,
+                              "pingpong": True})
+    assert rep["qgmma_e4m3"] > 0 and 160 in rep["maxnreg"], rep
+    Budgets(rep).check(rep["local"], 6).check(
+        rep["local_in_step_loops"], 4, "local-memory instructions in the key loops").verdict()
+    plan = fwd.launch_plan(64, 64, 16384, 16384, True, False, -1, -1, False, False, 2, 16, 16,
+                           132, None, fwd.NO_TRICKS, True)
+    assert plan.cfg.consumer_wgs == 2, plan.cfg
+
+
+def test_fp8_build_keeps_wgmmas_asynchronous():
+    # The e4m3 P operand is no dependency of the P·V wait (`kernel._wait_pv`): ptxas must
+    # keep its registers itself, without serialising the wgmmas.
+    rep = sass_report(_BUILD, json.dumps({"head_dim": 128, "dtype": "float8_e4m3fn",
+                                          "has_right": True}), ptxas=True)
+    assert rep["wgmma_serialized"] is False, "ptxas serialised the fp8 wgmmas"
+
+
+def test_fp8_configs_refused_where_not_built():
+    with pytest.raises(ValueError, match="head dims"):
+        fwd.check_config(fwd.FwdConfig(), 256, fp8=True)
+    with pytest.raises(ValueError, match="rescale_threshold"):
+        fwd.check_config(fwd.FwdConfig(rescale_threshold=8.0), 128, fp8=True)
+    plan = fwd.launch_plan(128, 128, 16384, 16384, True, False, -1, -1, False, False, 2, 16,
+                           16, 132, None, fwd.NO_TRICKS, True)
+    assert plan.constexprs["FP8"] and plan.constexprs["RESCALE_THRESHOLD"] == 0.0

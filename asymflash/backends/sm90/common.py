@@ -119,12 +119,15 @@ LN2 = 0.6931471805599453
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # compiled widths: tensor shapes are powers of two
 
 GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-SIG_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# e4m3 tiles exist for the fp8 forward only (`fwd/host.py`, `forward_fp8`): kept out of
+# GL_DTYPES, which is what `hopper_input_reason` accepts for every kernel.
+TILE_DTYPES = {**GL_DTYPES, torch.float8_e4m3fn: "float8e4nv"}
+SIG_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv"}
 
 
 @functools.lru_cache(maxsize=None)
 def _smem_layout_cached(block: tuple, dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, GL_DTYPES[dtype]))
+    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, TILE_DTYPES[dtype]))
 
 
 def smem_layout(block, dtype):

@@ -224,9 +224,20 @@ def persistent_launch(cfg: FwdConfig, max_seqlen_q: int, max_seqlen_k: int, unif
     return cfg, grid, hb_chunk
 
 
-def check_config(cfg: FwdConfig, head_dim: int) -> None:
+# Head dims of the fp8 build (`host.forward_fp8`). d=256 would stage O in Q's buffer
+# (`epilogue.o_staging`), a bf16 tile in an e4m3 buffer of half its size.
+FP8_HEAD_DIMS = (64, 128)
+
+
+def check_config(cfg: FwdConfig, head_dim: int, fp8: bool = False) -> None:
     """Refuse configs the kernel cannot build (before anything is launched); `persistent`
-    decided (the plain grid ignores q_buffers)."""
+    decided (the plain grid ignores q_buffers). fp8: the e4m3 build."""
+    if fp8 and head_dim not in FP8_HEAD_DIMS:
+        raise ValueError(f"the fp8 forward is built for head dims {FP8_HEAD_DIMS}, "
+                         f"got {head_dim}")
+    if fp8 and cfg.rescale_threshold:
+        raise ValueError("the fp8 forward needs FwdConfig.rescale_threshold=0 (P is scaled "
+                         "to e4m3's range against the exact running max)")
     if cfg.q_buffers not in (1, 2):
         raise ValueError(f"FwdConfig.q_buffers must be 1 or 2, got {cfg.q_buffers}")
     # (d=256 with one K/V stage fits two Q buffers but was slower: see docs/tuning.md)

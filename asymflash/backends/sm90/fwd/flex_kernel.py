@@ -93,7 +93,7 @@ if GLUON_ERROR is None:
             acc, p_op, m_i, l_i = _step(i, _walk_block(walk, i), q, q_hi, bufs, call, cfg,
                                         tile, acc, p_op, m_i, l_i, rows, 0, False, 0, WG, mods)
         o_tok, slot = _last_pv(bufs, cfg, acc, p_op, total - 1, 0, WG)
-        acc = _tile_finish(o_tok, p_op, bufs.v_empty, slot)
+        acc = _tile_finish(o_tok, p_op, bufs.v_empty, slot, False)
         tile_store(acc, m_i, l_i, rows, bufs, call, cfg, tile, WG)
 
     @gluon.jit
@@ -150,13 +150,14 @@ if GLUON_ERROR is None:
             init_tile_barriers(bufs, STAGES, 0)
             cfg = FwdConsts(HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, True, False, False, False,
                             False, False, False, EMU_EVERY, RESCALE_THRESHOLD, False, 0, 2, 1,
-                            False)
+                            False, False)
             # n_heads 1 and head 0 for the epilogue: out and lse rows are q_start + row
             one = gl.to_tensor(1)
             none = gl.to_tensor(-1)
             call = FwdCall(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, num_ptr, num_ptr,
                            num_ptr, lse_ptr, seqlen_q, seqlen_k, seqlen_q, one, one,
-                           num_m_blocks, group, qk_scale, scale, none, none, one, one)
+                           num_m_blocks, group, qk_scale, scale, none, none, one, one,
+                           num_ptr, num_ptr, num_ptr, one)  # (no fp8 descales)
             tile = QTile(q_start, m0, seqlen_q, seqlen_k, gl.to_tensor(0))
             mods = FlexMods(SCORE_MOD, MASK_MOD, HAS_SCORE, HAS_MASK, EVEN_K, b, h, scale,
                             n_part == 0)

@@ -36,6 +36,7 @@ from ..common import (  # noqa: F401 - tests and scripts read the descriptor hel
 )
 from .config import (  # noqa: F401 - re-exported: tests and scripts read them here
     _DEFAULT_CONFIGS,
+    FP8_HEAD_DIMS,
     L2_KV_BUDGET,
     SHORT_MASKED,
     SOFTCAP_FIELDS,
@@ -51,6 +52,7 @@ from .config import (  # noqa: F401 - re-exported: tests and scripts read them h
 if GLUON_ERROR is None:
     import triton
 
+    from ..common import TensorDescriptor
     from .kernel import attn_fwd_kernel
 
 BLOCK_M_WG = 64  # query rows per consumer warpgroup (the wgmma M)
@@ -117,9 +119,11 @@ NO_TRICKS = (None, None)  # what callers with an explicit FwdConfig pass to `lau
 def launch_plan(d: int, dv: int, max_seqlen_q: int, max_seqlen_k: int, uniform: bool,
                 has_seqused: bool, window_left: int, window_right: int, softcap: bool,
                 has_sink: bool, batch: int, hq: int, hkv: int, sms: int,
-                cfg: FwdConfig | None, tricks: tuple = NO_TRICKS) -> LaunchPlan:
+                cfg: FwdConfig | None, tricks: tuple = NO_TRICKS,
+                fp8: bool = False) -> LaunchPlan:
     """The config, grid and constexprs of one call (cfg: an override, or None; tricks:
-    `fa4_tricks()`, applied to the config; callers with an override pass NO_TRICKS)."""
+    `fa4_tricks()`, applied to the config; callers with an override pass NO_TRICKS; fp8:
+    the e4m3 build, `forward_fp8`)."""
     plain = not softcap and not has_sink and window_left < 0
     local = window_left >= 0 or window_right >= 0
     dense = uniform and not has_seqused
@@ -127,18 +131,25 @@ def launch_plan(d: int, dv: int, max_seqlen_q: int, max_seqlen_k: int, uniform: 
     if cfg is None:
         cfg = default_for_call(d, local, window_right >= 0, max_seqlen_q, dense, plain,
                                packed=not uniform, softcap=softcap)
+        if fp8 and cfg.consumer_wgs == 3:
+            # the fp8 build of three warpgroups keeps values in local memory inside its key
+            # loops (tests/compile), and was never measured: two warpgroups
+            cfg = default_for_call(d, local, window_right >= 0, 0, dense, plain,
+                                   packed=not uniform, softcap=softcap)
     if tricks[0] is not None:
         cfg = replace(cfg, exp2_emu_every=tricks[0])
     if tricks[1] is not None:
         cfg = replace(cfg, rescale_threshold=tricks[1])
+    if fp8 and cfg.rescale_threshold:  # fp8 scales P by 2^8 against the exact max
+        cfg = replace(cfg, rescale_threshold=0.0)
     num_m_blocks = cdiv(max_seqlen_q, BLOCK_M_WG * max(cfg.consumer_wgs, 1))
     num_tiles = num_m_blocks * hq * batch
     cfg, grid, hb_chunk = persistent_launch(cfg, max_seqlen_q, max_seqlen_k, dense, batch,
                                             num_tiles, hq, hkv, d, dv, sms, plain, window_right)
-    check_config(cfg, d)
+    check_config(cfg, d, fp8)
     consts = _constexprs(d, dv, cfg, uniform=dense, has_seqused=has_seqused,
                          has_left=window_left >= 0, has_right=window_right >= 0,
-                         softcap=softcap, has_sink=has_sink)
+                         softcap=softcap, has_sink=has_sink, fp8=fp8)
     consts.update(_launch_options(cfg))
     return LaunchPlan(cfg, grid, hb_chunk, num_m_blocks, num_tiles, consts, o_width)
 
@@ -154,7 +165,7 @@ def output_box_width(d: int, dv: int, full_tiles: bool = True) -> int:
 
 
 def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, has_left,
-                has_right, softcap, has_sink):
+                has_right, softcap, has_sink, fp8=False):
     return {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim_v, "BLOCK_N": cfg.block_n,
             "STAGES": cfg.stages, "UNIFORM": uniform, "HAS_SEQUSED": has_seqused,
             "HAS_LEFT": has_left, "HAS_RIGHT": has_right, "SOFTCAP": softcap,
@@ -166,7 +177,8 @@ def _constexprs(head_dim, head_dim_v, cfg: FwdConfig, *, uniform, has_seqused, h
             "NUM_WG": cfg.consumer_wgs, "Q_BUFS": cfg.q_buffers if cfg.persistent else 1,
             # ping-pong counts its turns per key block: there every warpgroup visits them all
             "TAIL_SKIP": bool(cfg.tail_skip and has_right and cfg.block_n == 64
-                              and not cfg.pingpong)}
+                              and not cfg.pingpong),
+            "FP8": bool(fp8)}
 
 
 def _consumer_regs(cfg: FwdConfig) -> int:
@@ -188,20 +200,24 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
     """Compile the kernel without a GPU (CI check); returns triton's CompiledKernel.
     cfg: a config, or a dict of overrides of the head dim's default one;
     heads_axis: with the (rows, heads, dim) descriptors of head dims between the widths;
-    tma_store: the TMA-store epilogue (where `output_box_width` allows it)."""
+    tma_store: the TMA-store epilogue (where `output_box_width` allows it);
+    dtype=torch.float8_e4m3fn: the fp8 build (`forward_fp8`: e4m3 q, k and Vᵀ, bf16 out)."""
     if GLUON_ERROR is not None:
         raise RuntimeError(GLUON_ERROR)
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    fp8 = dtype == torch.float8_e4m3fn
     if cfg is None or isinstance(cfg, dict):
         cfg = replace(_DEFAULT_CONFIGS[head_dim], **(cfg or {}))
-    check_config(cfg, head_dim)
+    check_config(cfg, head_dim, fp8)
     feats = {"uniform": True, "has_seqused": False, "has_left": False, "has_right": False,
-                 "softcap": False, "has_sink": False}
+                 "softcap": False, "has_sink": False, "fp8": fp8}
     feats.update(features)
     ty = SIG_DTYPES[dtype]
+    out_dtype = torch.bfloat16 if fp8 else dtype
+    oty = SIG_DTYPES[out_dtype]
 
     def desc(block):
         if heads_axis:
@@ -213,13 +229,19 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
     cols = piece_cols(head_dim)  # q and k boxes: the head, or at 192 its 64-column pieces
     signature = {
         "q_desc": desc([64, cols]), "k_desc": desc([cfg.block_n, cols]),
-        "v_desc": desc([cfg.block_n, head_dim_v]),
-        "o_desc": f"tensordesc<{ty}[64, {o_width}],{smem_layout((64, o_width), dtype)!r}>",
-        "out_ptr": f"*{ty}", "lse_ptr": "*fp32",
+        # fp8: Vᵀ's (dv, keys) box, never through the heads axis (`transpose_v_fp8`)
+        "v_desc": (f"tensordesc<{ty}[{head_dim_v}, {cfg.block_n}],"
+                   f"{smem_layout((head_dim_v, cfg.block_n), dtype)!r}>" if fp8
+                   else desc([cfg.block_n, head_dim_v])),
+        "o_desc": (f"tensordesc<{oty}[64, {o_width}],"
+                   f"{smem_layout((64, o_width), out_dtype)!r}>"),
+        "out_ptr": f"*{oty}", "lse_ptr": "*fp32",
         "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "used_k_ptr": "*i32", "sink_ptr": "*fp32",
         "seqlen_q": "i32", "seqlen_k": "i32", "total_q": "i32", "n_heads": "i32", "n_batch": "i32",
         "num_m_blocks": "i32", "group": "i32", "qk_scale": "fp32", "softcap_pre": "fp32",
-        "window_left": "i32", "window_right": "i32", "num_tiles": "i32", "hb_chunk": "i32"}
+        "window_left": "i32", "window_right": "i32", "num_tiles": "i32", "hb_chunk": "i32",
+        "q_descale_ptr": "*fp32", "k_descale_ptr": "*fp32", "v_descale_ptr": "*fp32",
+        "v_cols": "i32"}
     constexprs = _constexprs(head_dim, head_dim_v, cfg, **feats)
     for name in constexprs:
         signature[name] = "constexpr"
@@ -342,7 +364,8 @@ def _launch(q, k, v, seq: SeqInfo, params: AttnParams, sink, plan: LaunchPlan, p
             seq.seqused_k if has_seqused else seq.cu_seqlens_q,
             sink if sink is not None else lse, seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq,
             seq.batch, plan.num_m_blocks, hq // hkv, qk_scale, softcap_pre,
-            params.mask.window_left, params.mask.window_right, plan.num_tiles, plan.hb_chunk)
+            params.mask.window_left, params.mask.window_right, plan.num_tiles, plan.hb_chunk,
+            lse, lse, lse, 0)  # the fp8 arguments, unused
     grid = packed_grid(plan, total_q, seq.batch, hq)
     if bound is None or not bound((grid,), args):
         _launcher()[(grid, )](*args, **plan.constexprs)
@@ -402,3 +425,126 @@ def forward_runner(q, k, v, seq: SeqInfo, params: AttnParams, sink):
     if packs_gqa(q.shape[0], q.shape[1], k.shape[1], seq, params, sink):
         return None
     return ForwardRunner(q, k, v, seq, params, sink)
+
+
+# --- fp8 (e4m3) forward -----------------------------------------------------------------
+# FA3's semantics: attention of q·q_descale, k·k_descale, v·v_descale, descales fp32
+# (batch, nheads_kv), out bf16, lse fp32. q and k are read as they are (e4m3 tiles by TMA,
+# S = Q·Kᵀ by fp8 wgmma: K's (keys, d) rows are already K-major). wgmma takes fp8 operands
+# K-major only, and for P·V the K dimension is the keys: V's tiles must have the keys
+# contiguous, so the host writes Vᵀ once (one read and one write of V, about 1 % of the
+# attention's time at 16k keys) instead of a transpose in shared memory inside the key loop.
+
+FP8_KEY_GROUP = 32  # keys per group of `fp8_key_order`: one k32 wgmma step
+
+
+def fp8_key_order(n: int) -> torch.Tensor:
+    """Position j of a group of n keys (n a multiple of 32) holds key order[j]: the order in
+    which the kernel's e4m3 P operand holds the keys of a block (`epilogue.p_operand_fp8`):
+    A column 16h + 4t + 2a + b is S column 8(2h + a) + 2t + b."""
+    idx = torch.arange(n).view(n // FP8_KEY_GROUP, 2, 2, 4, 2)  # (.., h, a, t, b)
+    return idx.permute(0, 1, 3, 2, 4).reshape(n)  # (.., h, t, a, b)
+
+
+def transpose_v_fp8(v: torch.Tensor, batch: int) -> tuple[torch.Tensor, int]:
+    """(Vᵀ, key columns per sequence) of a dense e4m3 v (batch · seqlen_k, nheads_kv, dv):
+    Vᵀ is (nheads_kv · dv, batch · cols), cols = seqlen_k rounded up to 32 (zeros past the
+    end: P is 0 there, and 0 · 0 stays 0 where stale bytes could be NaN), the keys of each
+    32-key group in `fp8_key_order`. One copy of V, fused in one torch op where possible."""
+    total, hkv, dv = v.shape
+    seqlen = total // batch
+    cols = -(-seqlen // FP8_KEY_GROUP) * FP8_KEY_GROUP
+    src = v.reshape(batch, seqlen, hkv, dv)
+    if cols != seqlen:
+        src = torch.cat([src, src.new_zeros(batch, cols - seqlen, hkv, dv)], dim=1)
+    groups = cols // FP8_KEY_GROUP
+    # keys (g, h, a, t, b) -> columns (g, h, t, a, b); rows (head, dim)
+    vt = src.view(batch, groups, 2, 2, 4, 2, hkv, dv).permute(6, 7, 0, 1, 2, 4, 3, 5)
+    return vt.reshape(hkv * dv, batch * cols), cols
+
+
+def _matrix_desc(t: torch.Tensor, block) -> "TensorDescriptor":
+    """TMA descriptor of a contiguous 2-D tensor (rows, cols) with box `block`."""
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides = t, list(t.shape), [t.stride(0), 1]
+    desc.block_shape, desc.padding = list(block), "zero"
+    desc.layout, desc.asym_token = layout_and_token(tuple(block), t.dtype)
+    return desc
+
+
+def fp8_unsupported(q, k, v, seq: SeqInfo, params: AttnParams | None,
+                    sink=None) -> str | None:
+    """None when the fp8 kernel computes the call (q, k, v e4m3, dense), else why not (the
+    caller then runs the 16-bit kernels on host-cast inputs, `api/fp8.py`). params None: the
+    caller checked softcap itself (`api/fp8.kernel_reason`)."""
+    if GLUON_ERROR is not None:
+        return GLUON_ERROR
+    from ....runtime.dispatch import SM90_TESTED_TRITON, sm90_triton_allowed
+
+    if not sm90_triton_allowed(triton.__version__):
+        return f"sm90 fp8 forward verified with triton {SM90_TESTED_TRITON}"
+    fp8 = torch.float8_e4m3fn
+    if not (q.dtype == k.dtype == v.dtype == fp8):
+        return "the sm90 fp8 forward takes e4m3 q, k and v"
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        return "sm90 fp8 forward needs CUDA tensors"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "sm90 fp8 forward needs an sm_90 (Hopper) GPU"
+    d, dv = q.shape[-1], v.shape[-1]
+    if d != dv or d not in FP8_HEAD_DIMS:
+        return f"sm90 fp8 forward supports head dims {FP8_HEAD_DIMS} (d == dv), got {d}/{dv}"
+    if not seq.uniform or seq.seqused_k is not None:
+        # Vᵀ's key columns are per dense sequence (`transpose_v_fp8`)
+        return "sm90 fp8 forward: dense sequences only"
+    if (params is not None and params.softcap > 0) or sink is not None:
+        return "sm90 fp8 forward: no softcap or sink"
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % hkv:
+        return f"nheads_q {hq} is not a multiple of nheads_kv {hkv}"
+    if q.shape[0] == 0 or k.shape[0] == 0 or seq.max_seqlen_q == 0:
+        return "empty q or k"
+    if max(q.shape[0], k.shape[0]) >= 2**31 - 3 * BLOCK_M:
+        return "sequence rows exceed int32 TMA coordinates"
+    if any(t.stride(-1) != 1 for t in (q, k)):
+        return "sm90 fp8 forward needs q and k with a contiguous head dim"
+    return None
+
+
+def forward_fp8(q, k, v, seq: SeqInfo, params: AttnParams, descales,
+                cfg: FwdConfig | None = None):
+    """The fp8 forward (`fp8_unsupported` is None): q (total_q, Hq, d), k, v (total_k, Hkv,
+    d) e4m3, descales (q, k, v) fp32 (batch, Hkv) or None (1). Returns out (total_q, Hq, d)
+    bf16 and lse (Hq, total_q) fp32, natural log."""
+    batch = seq.batch
+    total_q, hq, d = q.shape
+    hkv = k.shape[1]
+    # the 2-D (rows, heads · d) reads of q and k need the heads of a row side by side and
+    # TMA's 16-byte alignment, else a fresh (aligned) copy
+    q = q if rows_dense(q) and tma_layout_reason(q, "q") is None else \
+        q.clone(memory_format=torch.contiguous_format)
+    k = k if rows_dense(k) and tma_layout_reason(k, "k") is None else \
+        k.clone(memory_format=torch.contiguous_format)
+    vt, v_cols = transpose_v_fp8(v, batch)
+    ones = None
+    scales = []
+    for s in descales:
+        if s is None:
+            if ones is None:
+                ones = torch.ones((batch, hkv), dtype=torch.float32, device=q.device)
+            s = ones
+        scales.append(s.float().contiguous())
+    plan = launch_plan(d, d, seq.max_seqlen_q, seq.max_seqlen_k, True, False,
+                       params.mask.window_left, params.mask.window_right, False, False,
+                       batch, hq, hkv, sm_count(q.device), cfg,
+                       NO_TRICKS if cfg is not None else fa4_tricks(), True)
+    out = torch.empty((total_q, hq, d), dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
+    block_n = plan.cfg.block_n
+    qk_scale, softcap_pre = exp2_scales(params)
+    args = (tma_rows(q, (64, d)), tma_rows(k, (block_n, d)), _matrix_desc(vt, (d, block_n)),
+            tma_rows(out, (64, plan.o_width)), out, lse, seq.cu_seqlens_q, seq.cu_seqlens_k,
+            seq.cu_seqlens_q, lse, seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, batch,
+            plan.num_m_blocks, hq // hkv, qk_scale, softcap_pre, params.mask.window_left,
+            params.mask.window_right, plan.num_tiles, plan.hb_chunk, *scales, v_cols)
+    _launcher()[(plan.grid, )](*args, **plan.constexprs)
+    return out, lse

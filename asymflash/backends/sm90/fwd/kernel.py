@@ -39,6 +39,12 @@ call, by the switches ASYMFLASH_SM90_EXP2_EMU=k and ASYMFLASH_SM90_RESCALE=t (`f
   by more than t (log2 units), and O is rescaled only in warps where some row moved. Exact:
   the final normalisation uses the same stale max for O and for the row sum. On at d=256.
 
+FP8 (`host.forward_fp8`): e4m3 Q and K tiles, V given transposed (fp8 wgmma reads both
+operands K-major), P rounded to e4m3 in registers as the A operand of P·V
+(`epilogue.p_operand_fp8`: the keys of each 32-key group renumbered so that no value leaves
+its thread; the host's Vᵀ holds them in that order), the descales folded into the softmax
+scale and O's normalisation.
+
 Lengths, head counts, window sizes and scales are runtime arguments; a kernel is compiled
 once per (dtype, head dims, config, feature switches).
 """
@@ -66,6 +72,7 @@ if GLUON_ERROR is None:
         sequence,
         tile_layout,
         tma,
+        tma_load,
         to_16bit,
         warpgroup_mma,
         warpgroup_mma_wait,
@@ -79,12 +86,14 @@ if GLUON_ERROR is None:
         wave_tile,
     )
     from .epilogue import (
+        P_SHIFT_FP8,
         make_o_layout,
         make_p_layout,
         make_row_layout,
         make_s_layout,
         o_staging,
         o_turn_index,
+        p_operand_fp8,
         q_bar_count,
         stacked,
         tile_store,
@@ -94,7 +103,7 @@ if GLUON_ERROR is None:
         online_softmax,
         rescale_if_moved,
     )
-    from .state import FwdCall, FwdConsts, FwdSmem, QTile
+    from .state import FwdCall, FwdConsts, FwdSmem, QTile, descale_index, with_qk_scale
 
     @gluon.jit
     def _load_q(bufs, call, cfg, q_row, q_head, q_slot0, q_phase):
@@ -133,8 +142,16 @@ if GLUON_ERROR is None:
                       bufs.k.index(slot), True)
         mbarrier.wait(bufs.v_empty.index(slot), phase)
         mbarrier.expect(bufs.v_ready.index(slot), call.v_desc.block_type.nbytes)
-        copy_rows(call.v_desc, row, kv_head, cfg.HEAD_DIM_V, bufs.v_ready.index(slot),
-                  bufs.v.index(slot), True)
+        if cfg.FP8:
+            # Vᵀ (kv_heads · dv rows, batch · v_cols key columns; `host.transpose_v_fp8`):
+            # dense sequences, so row = sequence · seqlen_k + the block's first key
+            seq = row // call.seqlen_k
+            tma_load(call.v_desc, [kv_head * cfg.HEAD_DIM_V,
+                                   seq * call.v_cols + row - seq * call.seqlen_k],
+                     bufs.v_ready.index(slot), bufs.v.index(slot))
+        else:
+            copy_rows(call.v_desc, row, kv_head, cfg.HEAD_DIM_V, bufs.v_ready.index(slot),
+                      bufs.v.index(slot), True)
 
     @gluon.jit
     def _load_tile(bufs, call, cfg, q_row, q_head, kv_row, kv_head, n_lo, n_hi, it0, q_slot0,
@@ -144,6 +161,10 @@ if GLUON_ERROR is None:
         _load_q(bufs, call, cfg, q_row, q_head, q_slot0, q_phase)
         for i in range(n_hi - n_lo):
             _load_kv(bufs, call, cfg, it0 + i, kv_row + (n_lo + i) * cfg.BLOCK_N, kv_head)
+
+    @gluon.constexpr_function
+    def p_shift(fp8):
+        return P_SHIFT_FP8 if fp8 else 0.0
 
     @gluon.jit
     def _take_turn(bars, k, WG: gl.constexpr, TURNS: gl.constexpr):
@@ -171,8 +192,8 @@ if GLUON_ERROR is None:
         score_mod and mask_mod (`block_scores`), or None."""
         STAGES: gl.constexpr = cfg.STAGES
         PINGPONG: gl.constexpr = cfg.PINGPONG
-        s_layout: gl.constexpr = make_s_layout(cfg.BLOCK_N)
-        o_layout: gl.constexpr = make_o_layout(cfg.HEAD_DIM_V)
+        s_layout: gl.constexpr = make_s_layout(cfg.BLOCK_N, cfg.FP8)
+        o_layout: gl.constexpr = make_o_layout(cfg.HEAD_DIM_V, cfg.FP8)
         p_layout: gl.constexpr = make_p_layout(cfg.HEAD_DIM_V)
         slot = i % STAGES
         prev = (i - 1) % STAGES
@@ -188,7 +209,11 @@ if GLUON_ERROR is None:
                                   is_async=True)
         if not PINGPONG:
             mbarrier.wait(bufs.v_ready.index(prev), ((i - 1) // STAGES) & 1)
-        o_tok = warpgroup_mma(p_op, bufs.v.index(prev), acc, is_async=True)
+        if cfg.FP8:
+            o_tok = warpgroup_mma(p_op.to(gl.float8e4nv), bufs.v.index(prev).permute((1, 0)),
+                                  acc, is_async=True)
+        else:
+            o_tok = warpgroup_mma(p_op, bufs.v.index(prev), acc, is_async=True)
         if PINGPONG:
             _pass_turn(bufs.q_bar, WG, PINGPONG)
         # wgmma groups retire in order: with one group left in flight (P·V), S_i is complete.
@@ -196,9 +221,12 @@ if GLUON_ERROR is None:
         mbarrier.arrive(bufs.k_empty.index(slot))
         s = block_scores(s, n, rows, shift, call, cfg, tile, MASKED, mods)
         p, m_i, l_i, alpha = online_softmax(s, m_i, l_i, call.qk_scale, cfg.EMU_EVERY,
-                                            cfg.RESCALE_THRESHOLD)
+                                            cfg.RESCALE_THRESHOLD, p_shift(cfg.FP8))
         # p_op is a register operand of the P·V in flight: keep it alive until that group retires.
-        acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+        if cfg.FP8:  # (`_tile_finish`)
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
+        else:
+            acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
         mbarrier.arrive(bufs.v_empty.index(prev))
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
         if cfg.RESCALE_THRESHOLD > 0:
@@ -208,7 +236,10 @@ if GLUON_ERROR is None:
             acc = rescale_if_moved(acc, alpha_o)
         else:
             acc = acc * gl.expand_dims(alpha_o, 1)
-            p_op = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
+            if cfg.FP8:
+                p_op = p_operand_fp8(p, cfg.HEAD_DIM_V)
+            else:
+                p_op = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
         return acc, p_op, m_i, l_i
 
     @gluon.jit
@@ -225,7 +256,7 @@ if GLUON_ERROR is None:
         """Wait for the tile's Q (buffer q_slot, parity q_phase) and its first key block (ring
         position it0), then issue S_0 = Q·K_0ᵀ without waiting: (Q, Q's 64-wide piece at
         head dim 192 or Q again, S_0 in flight)."""
-        s_layout: gl.constexpr = make_s_layout(cfg.BLOCK_N)
+        s_layout: gl.constexpr = make_s_layout(cfg.BLOCK_N, cfg.FP8)
         mbarrier.wait(bufs.q_bar.index(q_slot), q_phase)
         q = bufs.q.index(q_slot)
         if cfg.PIECES:
@@ -281,16 +312,20 @@ if GLUON_ERROR is None:
         """The peeled first key block n at ring position it0 (S_0 in flight, no P·V to
         overlap with yet): returns (O = 0, P_0 as P·V's operand, row max, row sum)."""
         p_layout: gl.constexpr = make_p_layout(cfg.HEAD_DIM_V)
-        row_layout: gl.constexpr = make_row_layout(cfg.BLOCK_N)
+        row_layout: gl.constexpr = make_row_layout(cfg.BLOCK_N, cfg.FP8)
         m_i = gl.full([64], -float("inf"), gl.float32, row_layout)
         l_i = gl.zeros([64], gl.float32, row_layout)
-        acc = gl.zeros([64, cfg.HEAD_DIM_V], gl.float32, make_o_layout(cfg.HEAD_DIM_V))
+        acc = gl.zeros([64, cfg.HEAD_DIM_V], gl.float32,
+                       make_o_layout(cfg.HEAD_DIM_V, cfg.FP8))
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(bufs.k_empty.index(it0 % cfg.STAGES))
         s = block_scores(s, n, rows, shift, call, cfg, tile, MASKED, mods)
         p, m_i, l_i, _alpha = online_softmax(s, m_i, l_i, call.qk_scale, cfg.EMU_EVERY,
-                                             cfg.RESCALE_THRESHOLD)
-        p_op = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
+                                             cfg.RESCALE_THRESHOLD, p_shift(cfg.FP8))
+        if cfg.FP8:
+            p_op = p_operand_fp8(p, cfg.HEAD_DIM_V)
+        else:
+            p_op = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
         return acc, p_op, m_i, l_i
 
     @gluon.jit
@@ -301,15 +336,27 @@ if GLUON_ERROR is None:
         mbarrier.wait(bufs.v_ready.index(slot), (last // cfg.STAGES) & 1)
         if cfg.PINGPONG:
             _take_turn(bufs.q_bar, q_phase + last + 1, WG, cfg.PINGPONG)
-        o_tok = warpgroup_mma(p_op, bufs.v.index(slot), acc, is_async=True)
+        if cfg.FP8:
+            o_tok = warpgroup_mma(p_op.to(gl.float8e4nv), bufs.v.index(slot).permute((1, 0)),
+                                  acc, is_async=True)
+        else:
+            o_tok = warpgroup_mma(p_op, bufs.v.index(slot), acc, is_async=True)
         if cfg.PINGPONG:
             _pass_turn(bufs.q_bar, WG, cfg.PINGPONG)
         return o_tok, slot
 
     @gluon.jit
-    def _tile_finish(o_tok, p_op, v_empty, slot):
-        """Wait for the last P·V and free its V slot; returns O."""
-        acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+    def _tile_finish(o_tok, p_op, v_empty, slot, FP8: gl.constexpr):
+        """Wait for the last P·V and free its V slot; returns O.
+
+        fp8 (`_tile_finish`): the P·V's e4m3 A registers are made at its issue from the
+        fp16 P (`epilogue.p_operand_fp8`) and the wait's lowering takes no 8-bit values, so
+        no P is a dependency of the wait; ptxas itself keeps a wgmma's A registers until
+        its wait_group, or serialises the wgmmas (tests/compile checks it does not)."""
+        if FP8:
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
+        else:
+            acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
         mbarrier.arrive(v_empty.index(slot))
         return acc
 
@@ -354,14 +401,20 @@ if GLUON_ERROR is None:
         retired, so the loader can bring a later tile's Q during the last P·V and the store.
         Ping-pong (one Q buffer per warpgroup only) counts its turns from q_phase.
         """
-        row_layout: gl.constexpr = make_row_layout(cfg.BLOCK_N)
+        row_layout: gl.constexpr = make_row_layout(cfg.BLOCK_N, cfg.FP8)
         rows = tile.m0 + WG * 64 + gl.arange(0, 64, layout=row_layout)
+        if cfg.FP8:
+            # q·k of the dequantised tensors is qd·kd·(q·k) of the e4m3 ones: both descales
+            # of the tile's (sequence, kv head) go into the softmax scale
+            at = descale_index(call, tile)
+            call = with_qk_scale(call, call.qk_scale * gl.load(call.q_descale_ptr + at)
+                                 * gl.load(call.k_descale_ptr + at))
         q, q_hi, s_tok = _tile_begin(bufs, cfg, it0, q_slot, q_phase, WG)
         n_end = _warpgroup_end(tile, call.window_right, n_lo, n_hi, cfg, WG)
         o_tok, p_op, m_i, l_i, slot = _tile_run(q, q_hi, s_tok, bufs, call, cfg, tile, rows,
                                                 tile.seqlen_k - tile.seqlen_q, n_lo, n_a, n_b,
                                                 n_end, it0, q_slot, q_phase, WG)
-        acc = _tile_finish(o_tok, p_op, bufs.v_empty, slot)
+        acc = _tile_finish(o_tok, p_op, bufs.v_empty, slot, cfg.FP8)
         tile_store(acc, m_i, l_i, rows, bufs, call, cfg, tile, WG)
         if cfg.TAIL_SKIP:  # the blocks past this warpgroup's end, released once its O is out
             _release_blocks(bufs, n_end, n_hi, it0 - n_lo, cfg.STAGES)
@@ -423,8 +476,9 @@ if GLUON_ERROR is None:
     def allocate_smem(q_desc, k_desc, v_desc, o_desc, HEAD_DIM: gl.constexpr,
                       HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                       NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr,
-                      PERSISTENT: gl.constexpr):
-        """The CTA's shared memory and mbarriers (not yet initialised) as a FwdSmem."""
+                      PERSISTENT: gl.constexpr, FP8: gl.constexpr = False):
+        """The CTA's shared memory and mbarriers (not yet initialised) as a FwdSmem (FP8:
+        the e4m3 build's, V transposed)."""
         # HEAD_DIM 192 (PIECES): q_smem and k_smem hold columns 0-127, q_hi and k_hi
         # 128-191 (Gluon's tensors are powers of two; q and k arrive as 64-column boxes).
         PIECES: gl.constexpr = HEAD_DIM == 128 + PIECE
@@ -433,8 +487,14 @@ if GLUON_ERROR is None:
                                            tile_layout(q_desc.layout))
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, QK_LO],
                                            tile_layout(k_desc.layout))
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM_V],
-                                           tile_layout(v_desc.layout))
+        # fp8: Vᵀ tiles (dv x keys): fp8 wgmma reads B K-major (keys contiguous), so P·V
+        # takes them transposed
+        if FP8:
+            v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, HEAD_DIM_V, BLOCK_N],
+                                               v_desc.layout)
+        else:
+            v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM_V],
+                                               tile_layout(v_desc.layout))
         if PIECES:
             q_hi = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFS * NUM_WG, 64, PIECE],
                                              tile_layout(q_desc.layout))
@@ -508,13 +568,15 @@ if GLUON_ERROR is None:
 
     # Lengths, counts and windows stay runtime values: one compile serves every shape
     # (Triton would specialise on the value 1 and on divisibility by 16 otherwise).
+    # The fp8 arguments come last, so the 16-bit builds keep their parameter offsets.
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_batch",
                                   "num_m_blocks", "group", "window_left", "window_right",
-                                  "num_tiles", "hb_chunk"])
+                                  "num_tiles", "hb_chunk", "v_cols"])
     def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
                          used_k_ptr, sink_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_batch,
                          num_m_blocks, group, qk_scale, softcap_pre, window_left, window_right,
-                         num_tiles, hb_chunk,
+                         num_tiles, hb_chunk, q_descale_ptr, k_descale_ptr, v_descale_ptr,
+                         v_cols,
                          HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, UNIFORM: gl.constexpr,
                          HAS_SEQUSED: gl.constexpr, HAS_LEFT: gl.constexpr,
@@ -523,17 +585,17 @@ if GLUON_ERROR is None:
                          RESCALE_THRESHOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                          LOADER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
                          PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
-                         TAIL_SKIP: gl.constexpr):
+                         TAIL_SKIP: gl.constexpr, FP8: gl.constexpr):
         # PINGPONG: how many consumer warpgroups take turns issuing their wgmmas (NUM_WG, or 0
         # for none). NUM_WG = 3 only with PERSISTENT; Q_BUFS = 2 (a second Q buffer
         # per warpgroup: the loader brings the next tile's Q a whole tile ahead) only with
         # PERSISTENT, without PINGPONG and at d <= 128, so never with O_STAGING 2 (both
         # checked on the host).
         bufs = allocate_smem(q_desc, k_desc, v_desc, o_desc, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-                             STAGES, NUM_WG, Q_BUFS, PINGPONG, PERSISTENT)
+                             STAGES, NUM_WG, Q_BUFS, PINGPONG, PERSISTENT, FP8)
         cfg = FwdConsts(HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED, HAS_LEFT,
                         HAS_RIGHT, SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD,
-                        PERSISTENT, PINGPONG, NUM_WG, Q_BUFS, TAIL_SKIP)
+                        PERSISTENT, PINGPONG, NUM_WG, Q_BUFS, TAIL_SKIP, FP8)
         if PERSISTENT:
             # grid = min(#SMs, #tiles); every role walks tiles pid, pid + grid, ... and keeps
             # its own ring position, so the loader runs ahead into the next tile (its Q once
@@ -543,7 +605,8 @@ if GLUON_ERROR is None:
             call = FwdCall(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
                            used_k_ptr, sink_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_batch,
                            num_m_blocks, group, qk_scale, softcap_pre, window_left,
-                           window_right, num_tiles, hb_chunk)
+                           window_right, num_tiles, hb_chunk, q_descale_ptr, k_descale_ptr,
+                           v_descale_ptr, v_cols)
             if NUM_WG == 3:
                 gl.warp_specialize([
                     (_consumer_role_persistent, (bufs, call, cfg, 0)),
@@ -579,7 +642,8 @@ if GLUON_ERROR is None:
                 call = FwdCall(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_q_ptr,
                                cu_k_ptr, used_k_ptr, sink_ptr, seqlen_q, seqlen_k, total_q,
                                n_heads, n_batch, num_m_blocks, group, qk_scale, softcap_pre,
-                               window_left, window_right, num_tiles, hb_chunk)
+                               window_left, window_right, num_tiles, hb_chunk, q_descale_ptr,
+                               k_descale_ptr, v_descale_ptr, v_cols)
                 tile = QTile(q_start, m0, seqlen_q, seqlen_k, head)
                 # One tile: ring position 0, Q buffer WG, parity 0 (constants here). The
                 # workers get the values computed here (loaded lengths, key blocks) through

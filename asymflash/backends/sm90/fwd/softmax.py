@@ -113,7 +113,7 @@ if GLUON_ERROR is None:
         BLOCK_N: gl.constexpr = cfg.BLOCK_N
         HAS_LEFT: gl.constexpr = cfg.HAS_LEFT
         HAS_RIGHT: gl.constexpr = cfg.HAS_RIGHT
-        s_layout: gl.constexpr = make_s_layout(BLOCK_N)
+        s_layout: gl.constexpr = make_s_layout(BLOCK_N, cfg.FP8)
         window_left = call.window_left
         window_right = call.window_right
         if cfg.SOFTCAP:
@@ -169,11 +169,13 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY: gl.constexpr,
-                        RESCALE_THRESHOLD: gl.constexpr):
+                        RESCALE_THRESHOLD: gl.constexpr, P_SHIFT: gl.constexpr = 0.0):
         """One block of the online softmax in log2 units.
 
         Returns P (fp32, unnormalised), the new running max/sum and the factor O must be
         multiplied by. m_i is in scaled log2 units; -inf while a row has seen no key.
+        P_SHIFT > 0 (fp8, `epilogue.P_SHIFT`): P and the row sum carry a factor 2^P_SHIFT,
+        taken off the max that each row subtracts (one add per row, none per element).
         """
         m_blk = gl.max(s, 1) * qk_scale
         m_cand = gl.maximum(m_i, m_blk)
@@ -187,6 +189,9 @@ if GLUON_ERROR is None:
         m_sub = gl.where(m_new == -float("inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_sub)
         # s * qk_scale - m folds into one FFMA per element before the exponential.
-        p = exp2(s * qk_scale - gl.expand_dims(m_sub, 1), EMU_EVERY)
+        if P_SHIFT != 0:
+            p = exp2(s * qk_scale - gl.expand_dims(m_sub - P_SHIFT, 1), EMU_EVERY)
+        else:
+            p = exp2(s * qk_scale - gl.expand_dims(m_sub, 1), EMU_EVERY)
         l_i = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_i, alpha
