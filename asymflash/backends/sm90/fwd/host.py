@@ -476,7 +476,7 @@ def fp8_unsupported(q, k, v, seq: SeqInfo, params: AttnParams, sink=None) -> str
     if not seq.uniform or seq.seqused_k is not None:
         # Vᵀ's key columns are per dense sequence (`transpose_v_fp8`)
         return "sm90 fp8 forward: dense sequences only"
-    if params.softcap > 0 or sink is not None:
+    if (params is not None and params.softcap > 0) or sink is not None:
         return "sm90 fp8 forward: no softcap or sink"
     hq, hkv = q.shape[1], k.shape[1]
     if hq % hkv:
