@@ -81,18 +81,25 @@ P_E4M3_SUBNORMAL = 2.0 ** -18
 S_ACC_REL = 2.0 ** -12
 
 
-def p_e4m3_bound(q8, k8, v8, descales, softmax_scale=None, **kw):
+def p_e4m3_bound(q8, k8, v8, descales, softmax_scale=None, s_error=None, **kw):
     """(out bound, lse bound) for the sm90 fp8 kernel's result, as above; q8, k8, v8 BSHD,
-    kw the call's mask (causal, window_size)."""
+    kw the call's mask (causal, window_size). s_error: a bound on each row's score error
+    (batch, seqlen_q, heads, natural-log units) where known (0 for exactly summed scores,
+    or measured on the same tensor cores: test_fp8_gpu.hw_score_error), else the 14-bit
+    accumulator model above."""
     qd, kd, vd = (dequantize(t, s, dtype=torch.float64)
                   for t, s in zip((q8, k8, v8), descales))
     scale = softmax_scale or qd.shape[-1] ** -0.5
     absv, _ = attention_ref(qd, kd, vd.abs(), softmax_scale=softmax_scale,
                             compute_dtype=torch.float64, **kw)
     group = qd.shape[2] // kd.shape[2]
-    # per row: |q_r| * max_j |k_j| of the row's kv head (natural-log units)
-    k_norm = kd.norm(dim=-1).amax(dim=1).repeat_interleave(group, dim=1)  # (batch, heads)
-    e_s = S_ACC_REL * scale * qd.norm(dim=-1) * k_norm[:, None, :]  # (batch, seqlen_q, heads)
+    if s_error is not None:
+        e_s = torch.as_tensor(s_error, dtype=torch.float64, device=qd.device).expand(
+            qd.shape[:3])
+    else:
+        # per row: |q_r| * max_j |k_j| of the row's kv head (natural-log units)
+        k_norm = kd.norm(dim=-1).amax(dim=1).repeat_interleave(group, dim=1)  # (batch, heads)
+        e_s = S_ACC_REL * scale * qd.norm(dim=-1) * k_norm[:, None, :]  # (batch, sq, heads)
     v_sum = vd.abs().sum(dim=1).repeat_interleave(group, dim=1)[:, None]  # every key
     out_bound = (P_E4M3_REL + e_s[..., None]) * absv + P_E4M3_SUBNORMAL * v_sum + 1e-3
     return out_bound, e_s.transpose(1, 2) + 1e-4
