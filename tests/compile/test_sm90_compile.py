@@ -632,6 +632,9 @@ FP8_CONFIGS = [
                                                  "persistent": True, "lpt": True}},
     {"head_dim": 64},
     {"head_dim": 64, "has_right": True, "cfg": {"persistent": True, "lpt": True}},
+    # d=256: 64-key blocks, O staged in a tile of its own (`epilogue.o_staging`)
+    {"head_dim": 256, "cfg": {"block_n": 64}},
+    {"head_dim": 256, "has_right": True, "cfg": {"block_n": 64}},
 ]
 
 
@@ -684,7 +687,7 @@ def test_fp8_build_keeps_wgmmas_asynchronous():
 
 def test_fp8_configs_refused_where_not_built():
     with pytest.raises(ValueError, match="head dims"):
-        fwd.check_config(fwd.FwdConfig(), 256, fp8=True)
+        fwd.check_config(fwd.FwdConfig(), 96, fp8=True)
     with pytest.raises(ValueError, match="rescale_threshold"):
         fwd.check_config(fwd.FwdConfig(rescale_threshold=8.0), 128, fp8=True)
     plan = fwd.launch_plan(128, 128, 16384, 16384, True, False, -1, -1, False, False, 2, 16,

@@ -169,6 +169,8 @@ FP8_KERNEL_CASES = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, d, mask
     (4, 384, 384, 16, 16, 128, {"causal": True}),  # the short-masked config (64-key blocks)
     (2, 4096, 4096, 16, 2, 64, {"causal": True}),
     (2, 2048, 2048, 16, 16, 64, {}),
+    (2, 2048, 2048, 8, 8, 256, {}),  # O staged in a tile of its own
+    (2, 1000, 1000, 8, 2, 256, {"causal": True}),
 ]
 
 

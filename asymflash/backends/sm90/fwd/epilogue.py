@@ -139,7 +139,7 @@ if GLUON_ERROR is None:
             # Wide rows on the persistent grid: one staging tile, the warpgroups take turns
             # (`o_staging`); the turn barrier sits after the Q (and ping-pong) barriers.
             SHARED: gl.constexpr = o_staging(o_desc.block_shape, cfg.HEAD_DIM, HEAD_DIM_V,
-                                             cfg.PERSISTENT) == 2
+                                             cfg.PERSISTENT, cfg.FP8) == 2
             o_tile = bufs.o.index(0 if SHARED else WG)
             if SHARED:
                 # Warpgroup w's k-th turn follows 2k + w arrivals: parity 1 - w every time.
@@ -186,7 +186,7 @@ if GLUON_ERROR is None:
         return block_shape[1] == width
 
     @gluon.constexpr_function
-    def o_staging(block_shape, head_dim, width, persistent):
+    def o_staging(block_shape, head_dim, width, persistent, fp8=False):
         """Where the TMA-store epilogue stages O: 0, one tile per warpgroup of its own
         (dv <= 128, or no TMA store at all); wide rows (d = dv = 256: a tile each does not
         fit next to the 192 KB of Q and the K/V rings; the host gives such a box only where
@@ -195,8 +195,9 @@ if GLUON_ERROR is None:
         grid, where Q is dead after the last S (at 192 its 128-wide piece, O's shape); 2: on
         the persistent grid, in one tile the warpgroups take turns at (there the next tile's
         Q lands during the epilogue; staged in the Q buffer it had to wait for the store, at
-        half the speed for short causal calls at d = 256)."""
-        if block_shape[1] != width or (width <= 128 and head_dim != 128 + PIECE_HI):
+        half the speed for short causal calls at d = 256). fp8 (e4m3 Q, half the bytes: a bf16
+        O tile does not fit its buffer, and a tile of its own does fit) 0."""
+        if block_shape[1] != width or fp8 or (width <= 128 and head_dim != 128 + PIECE_HI):
             return 0
         return 2 if persistent else 1
 

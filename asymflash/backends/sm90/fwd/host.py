@@ -210,7 +210,10 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     fp8 = dtype == torch.float8_e4m3fn
     if cfg is None or isinstance(cfg, dict):
-        cfg = replace(_DEFAULT_CONFIGS[head_dim], **(cfg or {}))
+        base = _DEFAULT_CONFIGS[head_dim]
+        if fp8:  # as `launch_plan`: P is scaled against the exact running max
+            base = replace(base, rescale_threshold=0.0)
+        cfg = replace(base, **(cfg or {}))
     check_config(cfg, head_dim, fp8)
     feats = {"uniform": True, "has_seqused": False, "has_left": False, "has_right": False,
                  "softcap": False, "has_sink": False, "fp8": fp8}

@@ -505,7 +505,8 @@ if GLUON_ERROR is None:
             k_hi = k_smem
         # O staging for the TMA-store epilogue, one tile per consumer warpgroup (a 32-column
         # stand-in, optimised away, when the host left it off: `output_box_width`).
-        O_STAGING: gl.constexpr = o_staging(o_desc.block_shape, HEAD_DIM, HEAD_DIM_V, PERSISTENT)
+        O_STAGING: gl.constexpr = o_staging(o_desc.block_shape, HEAD_DIM, HEAD_DIM_V, PERSISTENT,
+                                            FP8)
         if O_STAGING == 1:
             o_smem = q_smem
         elif O_STAGING == 2:
@@ -537,9 +538,9 @@ if GLUON_ERROR is None:
     def _init_persistent_barriers(bufs, o_desc, HEAD_DIM: gl.constexpr,
                                   HEAD_DIM_V: gl.constexpr, STAGES: gl.constexpr,
                                   NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
-                                  PINGPONG: gl.constexpr):
+                                  PINGPONG: gl.constexpr, FP8: gl.constexpr):
         """The mbarriers of a persistent CTA (`allocate_smem`'s order)."""
-        O_STAGING: gl.constexpr = o_staging(o_desc.block_shape, HEAD_DIM, HEAD_DIM_V, True)
+        O_STAGING: gl.constexpr = o_staging(o_desc.block_shape, HEAD_DIM, HEAD_DIM_V, True, FP8)
         for wg in gl.static_range(o_turn_index(PINGPONG, NUM_WG, Q_BUFS)):
             mbarrier.init(bufs.q_bar.index(wg), count=1)
         if O_STAGING == 2:
@@ -601,7 +602,7 @@ if GLUON_ERROR is None:
             # its own ring position, so the loader runs ahead into the next tile (its Q once
             # the consumers released the current one, its K/V as ring slots free up).
             _init_persistent_barriers(bufs, o_desc, HEAD_DIM, HEAD_DIM_V, STAGES, NUM_WG, Q_BUFS,
-                                      PINGPONG)
+                                      PINGPONG, FP8)
             call = FwdCall(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
                            used_k_ptr, sink_ptr, seqlen_q, seqlen_k, total_q, n_heads, n_batch,
                            num_m_blocks, group, qk_scale, softcap_pre, window_left,
