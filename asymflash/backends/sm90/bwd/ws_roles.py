@@ -28,10 +28,10 @@ if GLUON_ERROR is None:
         next_step,
     )
     from .parts import (
+        PIECE,
         add_dq_tile,
         fragment_block,
         in_fragments,
-        PIECE,
         load_kv,
         load_kv_pieces,
         load_qdo,
@@ -387,7 +387,8 @@ if GLUON_ERROR is None:
                 cfg.HAS_RIGHT, cfg.MASK_MODE)
             if PIECES:
                 # dK and dV hold 160 registers: dV retires (and Pᵀ's operand with it) before
-                # dPᵀ's accumulator is live beside Pᵀ (together 240: hundreds of spills)
+                # dPᵀ's accumulator is live beside Pᵀ (issued beside dV, sm_90a: 399
+                # local-memory instructions against 179)
                 gl.static_assert(not (cfg.DP_EARLY or cfg.DV_OVERLAP),
                                  "head dim 192: dPᵀ after dV")
                 p_op = gl.convert_layout(p.to(dtype), pv_op_layout)
@@ -413,7 +414,7 @@ if GLUON_ERROR is None:
             smem.ds.index(ds_slot).slice(WG * KEYS, KEYS).store(ds16)
             fence_async_shared()
             mbarrier.arrive(smem.ds_ready.index(2 * ds_slot + WG), count=1)
-            if PIECES:  # dK's A from the slot (`ds_mine`): no operand registers
+            if PIECES:  # dK's A operand: this warpgroup's half of the slot (no registers)
                 ds_op = smem.ds.index(ds_slot).slice(WG * KEYS, KEYS)
             else:
                 ds_op = gl.convert_layout(ds16, dsq_op_layout)
