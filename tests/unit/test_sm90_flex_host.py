@@ -108,3 +108,15 @@ def test_backward_problem_reason():
                                                                   128)
     assert "block size (128, 64)" in flex.backward_problem_reason(_problem(block=(128, 64)),
                                                                   128)
+
+
+def test_flex_backward_keeps_list_strides_runtime():
+    """Triton makes an int argument of value 1 a constexpr unless told not to; the flex
+    backward puts the BlockMask lists' strides into FlexBwd's tensor fields, which refuse
+    one (the first GPU run: every call with a stride of 1 failed to compile)."""
+    entry = pytest.importorskip("asymflash.backends.sm90.bwd.entry")
+    if not hasattr(entry, "attn_bwd_flex_kernel"):
+        pytest.skip("triton's Gluon (the kernels' source) is not importable here")
+    strides = [f"{t}_s{a}" for t in ("num", "idx") for a in "bhkn"]
+    assert set(strides) <= set(entry.attn_bwd_flex_kernel.do_not_specialize)
+

@@ -129,8 +129,12 @@ if GLUON_ERROR is None:
     # FlexAttention's backward (`sm90/flex.py`): `attn_bwd_kernel`'s runtime arguments, then
     # the BlockMask's transposed lists, the captured tensors and the mods; the synchronous
     # body with its d <= 128 switches (KIND_SYNC builds, not deterministic, no stagger).
+    # The lists' strides stay runtime values too: Triton would make a stride of 1 a constexpr,
+    # which FlexBwd's tensor fields refuse.
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
-                                  "group", "window_left", "window_right", "num_m_blocks"])
+                                  "group", "window_left", "window_right", "num_m_blocks",
+                                  "num_sb", "num_sh", "num_sk", "num_sn", "idx_sb", "idx_sh",
+                                  "idx_sk", "idx_sn"])
     def attn_bwd_flex_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc,
                              lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr,
                              used_k_ptr, sem_ptr, seqlen_q, seqlen_k, total_q, n_heads,
