@@ -132,12 +132,14 @@ def takes_fp8_kernel(q8, k8, v8, softcap=0.0, **_):
     return fp8.kernel_reason(q8, k8, v8, softcap) is None
 
 
-def check_fp8_result(out, lse, q8, k8, v8, descales, **kw):
+def check_fp8_result(out, lse, q8, k8, v8, descales, s_error=None, **kw):
     """out/lse of a flash_attn_func fp8 call: the e4m3-P bound where the sm90 fp8 kernel
-    ran, else the FA rule of `assert_fp8_close`."""
+    ran (s_error: its score error, as `p_e4m3_bound` takes it), else the FA rule of
+    `assert_fp8_close`."""
     ref = expected(q8, k8, v8, descales, **kw)
     if takes_fp8_kernel(q8, k8, v8, **kw):
-        assert_p_e4m3_close(out, lse, ref, p_e4m3_bound(q8, k8, v8, descales, **kw))
+        assert_p_e4m3_close(out, lse, ref, p_e4m3_bound(q8, k8, v8, descales,
+                                                        s_error=s_error, **kw))
     else:
         assert_fp8_close(out, lse, ref)
 
