@@ -1,7 +1,7 @@
 """The column arithmetic of the sm90 kernels' 192-wide builds (no GPU).
 
 At kernel head dim 192 (`common.forward_widths`: DeepSeek-V3's 192/128) the forward and
-`attn_bwd_wide` hold Q and K (and the backward dK, dQ) as a 128- and a 64-wide piece, and
+the backward (bwd_ws, bwd_wide) hold Q and K (and the backward dK, dQ) as a 128- and a 64-wide piece, and
 read each head of q and k as three 64-column boxes (`common.load_pieces`; the backward
 writes dQ back the same way). `load_pieces` runs here on stand-ins (its Python body, the
 TMA loads recorded instead of issued) for both descriptor kinds, and the recorded boxes
@@ -85,15 +85,24 @@ def run_load_pieces(desc, row, head, rows):
     """`common.load_pieces` on stand-ins: [(coordinates, destination)] of its TMA loads and
     the bytes it expects."""
     log = _Log()
+    body = types.FunctionType(common.load_pieces.fn.__code__,
+                              dict(common.load_pieces.fn.__globals__,
+                                   copy_pieces=_copy_pieces(log),
+                                   mbarrier=types.SimpleNamespace(expect=log.expect),
+                                   PIECE=PIECE))
+    body(desc, _Smem("lo"), _Smem("hi"), None, row, head, rows, WIDTH, True)
+    return log.loads, log.expects
+
+
+def _copy_pieces(log):
+    """`common.copy_pieces`'s body on stand-ins, its TMA loads recorded in `log`."""
     copy_env = dict(common.copy_piece.fn.__globals__, tma_load=log.tma_load,
                     heads_axis=lambda shape: len(shape) == 3,
                     piece_col=lambda h, c, w: on_ints(common.piece_col, h, c, w))
     copy = types.FunctionType(common.copy_piece.fn.__code__, copy_env)
-    env = dict(common.load_pieces.fn.__globals__, copy_piece=copy,
-               mbarrier=types.SimpleNamespace(expect=log.expect), PIECE=PIECE)
-    body = types.FunctionType(common.load_pieces.fn.__code__, env)
-    body(desc, _Smem("lo"), _Smem("hi"), None, row, head, rows, WIDTH, True)
-    return log.loads, log.expects
+    return types.FunctionType(common.copy_pieces.fn.__code__,
+                              dict(common.copy_pieces.fn.__globals__, copy_piece=copy,
+                                   PIECE=PIECE))
 
 
 @pytest.mark.parametrize("heads,rows,box_rows", [(1, 64, 64), (3, 100, 64), (16, 300, 128)])

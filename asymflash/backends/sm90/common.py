@@ -443,6 +443,12 @@ if GLUON_ERROR is None:
         are stored block by block), 128-191 into `hi` [ROWS, 64]. Arrives on `bar` with the
         bytes of all three (`expect` here)."""
         mbarrier.expect(bar, 3 * desc.block_type.nbytes, pred=pred)
+        copy_pieces(desc, lo, hi, bar, row, head, ROWS, WIDTH, pred)
+
+    @gluon.jit
+    def copy_pieces(desc, lo, hi, bar, row, head, ROWS: gl.constexpr, WIDTH: gl.constexpr,
+                    pred):
+        """`load_pieces` without the `expect` (the caller's covers these bytes)."""
         halves = lo._reinterpret(desc.dtype, [2, ROWS, PIECE], lo.layout)
         copy_piece(desc, row, head, 0, WIDTH, bar, halves.index(0), pred)
         copy_piece(desc, row, head, PIECE, WIDTH, bar, halves.index(1), pred)

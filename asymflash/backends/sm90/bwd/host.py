@@ -1,9 +1,10 @@
 """FlashAttention backward for Hopper (sm_90a), written in Gluon.
 
 `kernel.py`'s synchronous body runs d=64 with softcap, a sliding window, or a causal mask
-below 2k rows, and d=128 with softcap; other d=64 and d=128 calls run `kernel_ws.py`'s
-warp-specialised version of the same plan (warpgroups out of phase,
-BwdConfig.split_warpgroups), d=256 `kernel.py`'s wide body. The host side here serves all
+below 2k rows, and d=128 with softcap; other d=64 and d=128 calls and d=192 run
+`kernel_ws.py`'s warp-specialised version of the same plan (warpgroups out of phase,
+BwdConfig.split_warpgroups), d=256 (and d=192 deterministic or with softcap) `kernel.py`'s
+wide body. The host side here serves all
 three, through one launch entry (`entry.py`).
 
 One CTA owns BLOCK_N keys of one (sequence, kv head) and keeps K, V (shared memory) and the
@@ -120,8 +121,9 @@ from .plan import (  # noqa: F401 - re-exported: tests and scripts read them her
 if GLUON_ERROR is None:
     import triton
 
-# 64 and 128 run kernel.py's synchronous body (or kernel_ws.py's), 192 and 256 its wide one
-# (the warpgroups split the head dim; 192 as a 128- and a 64-wide piece): `_kind`.
+# 64 and 128 run kernel.py's synchronous body (or kernel_ws.py's), 256 its wide one (the
+# warpgroups split the head dim), 192 kernel_ws.py's or the wide one, as a 128- and a
+# 64-wide piece: `_kind`.
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
 
 

@@ -20,6 +20,7 @@ if GLUON_ERROR is None:
     from ..common import (
         PIECE,
         copy_piece,
+        copy_pieces,
         copy_rows,
         gl,
         gluon,
@@ -123,6 +124,19 @@ if GLUON_ERROR is None:
         copy_rows(desc, row, head, WIDTH, bar, dst, pred)
 
     @gluon.jit
+    def load_qdo_pieces(q_desc, do_desc, q_smem, q_hi, do_smem, ready, slot, h, row,
+                        ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                        pred):
+        """`load_qdo` at kernel head dim 192: Q of ring slot `slot` in its pieces
+        (`copy_pieces`), dO whole; one `expect` for all four boxes."""
+        bar = ready.index(slot)
+        mbarrier.expect(bar, 3 * q_desc.block_type.nbytes + do_desc.block_type.nbytes,
+                        pred=pred)
+        copy_pieces(q_desc, q_smem.index(slot), q_hi.index(slot), bar, row, h, ROWS, HEAD_DIM,
+                    pred)
+        copy_rows(do_desc, row, h, HEAD_DIM_V, bar, do_smem.index(slot), pred)
+
+    @gluon.jit
     def key_operand_pieces(call, cfg, DO_BUFS: gl.constexpr):
         """`key_operands` at kernel head dim 192: K and the two-slot Q ring as a 128-wide and
         a 64-wide piece each (Gluon's tiles are powers of two): (k_lo, k_hi, v, q_lo, q_hi,
@@ -147,10 +161,7 @@ if GLUON_ERROR is None:
                        HEAD_DIM_V: gl.constexpr):
         """`load_kv` at kernel head dim 192: K in its pieces (`load_pieces`), V whole."""
         mbarrier.expect(bar, 3 * k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        halves = k_lo._reinterpret(k_desc.dtype, [2, BLOCK_N, PIECE], k_lo.layout)
-        copy_piece(k_desc, row, hk, 0, HEAD_DIM, bar, halves.index(0), True)
-        copy_piece(k_desc, row, hk, PIECE, HEAD_DIM, bar, halves.index(1), True)
-        copy_piece(k_desc, row, hk, 2 * PIECE, HEAD_DIM, bar, k_hi, True)
+        copy_pieces(k_desc, k_lo, k_hi, bar, row, hk, BLOCK_N, HEAD_DIM, True)
         copy_rows(v_desc, row, hk, HEAD_DIM_V, bar, v_smem, True)
 
     @gluon.jit

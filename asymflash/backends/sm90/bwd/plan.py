@@ -150,10 +150,10 @@ def _dq_tile(head_dim: int, cfg: BwdConfig, split: bool) -> tuple[int, int]:
     """(rows, columns) of dQ one reduce adds: the whole row block, or half of its columns at
     d=256 (bwd_wide); in bwd_ws each warpgroup's half, of the columns (64-row steps) or the
     rows."""
-    if split:
-        return (64, head_dim // 2) if cfg.block_m == 64 else (cfg.block_m // 2, head_dim)
     if head_dim == 192:  # three 64-column boxes (the 128-wide piece takes two)
         return cfg.block_m, piece_cols(head_dim)
+    if split:
+        return (64, head_dim // 2) if cfg.block_m == 64 else (cfg.block_m // 2, head_dim)
     return cfg.block_m, head_dim // 2 if head_dim == 256 else head_dim
 
 
