@@ -12,7 +12,8 @@
    backward and torch SDPA cuDNN (autograd.grad of its output). Every timed cell first checks
    ours against the portable gradients (max error relative to the largest gradient).
 
---dims / --seqlens / --causal narrow the timed grid; --set FIELD=VALUE times a BwdConfig variant.
+--dims / --seqlens / --causal narrow the timed grid (a dims token D/DV times a head dim of V
+apart, e.g. --dims 192/128: DeepSeek-V3's MLA shape); --set FIELD=VALUE times a BwdConfig variant.
 --variant NAME:FIELD=VALUE,... adds a column timing ours with those BwdConfig fields (and
 `deterministic`) changed from the config the call's dispatch picks, in the same process as
 the default; --no-peers skips the portable and cuDNN timings (portable still computes the
@@ -104,17 +105,24 @@ def worker_case(name):
            "s": round(time.time() - t0, 1)})
 
 
-def _bench_inputs(d, causal, seqlen):
+def _widths(token):
+    """(head dim, head dim of V) of a --dims token: 128, or 192/128."""
+    d, _, dv = str(token).partition("/")
+    return int(d), int(dv or d)
+
+
+def _bench_inputs(token, causal, seqlen):
     import torch
 
     from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
 
+    d, dv = _widths(token)
     hq = 2048 // d
     batch = 16384 // seqlen
     total = batch * seqlen
     dev = "cuda"
-    q, k, v, dout = (torch.randn(total, hq, d, device=dev, dtype=torch.bfloat16)
-                     for _ in range(4))
+    q, k, v, dout = (torch.randn(total, hq, width, device=dev, dtype=torch.bfloat16)
+                     for width in (d, d, dv, dv))
     seq = SeqInfo.dense(batch, seqlen, seqlen, dev)
     params = AttnParams(d ** -0.5, MaskSpec(-1, 0 if causal else -1))
     return q, k, v, dout, seq, params, batch, hq
@@ -126,11 +134,11 @@ def _forward(q, k, v, seq, params, batch, seqlen):
     import torch
 
     try:
-        hq, d = q.shape[1], q.shape[2]
-        qb, kb, vb = (t.view(batch, seqlen, -1, d).transpose(1, 2) for t in (q, k, v))
+        hq, dv = q.shape[1], v.shape[2]
+        qb, kb, vb = (t.view(batch, seqlen, -1, t.shape[2]).transpose(1, 2) for t in (q, k, v))
         res = torch.ops.aten._scaled_dot_product_flash_attention(
             qb, kb, vb, 0.0, params.mask.causal, False, scale=params.softmax_scale)
-        out = res[0].transpose(1, 2).reshape(batch * seqlen, hq, d).contiguous()
+        out = res[0].transpose(1, 2).reshape(batch * seqlen, hq, dv).contiguous()
         lse = res[1][..., :seqlen].permute(1, 0, 2).reshape(hq, batch * seqlen).contiguous()
         return out, lse.float()
     except Exception:  # noqa: BLE001 - fall back to asymflash's own forward
@@ -158,7 +166,8 @@ def _bench_cell(d, causal, seqlen, warm_only):
 
     res = {"d": d, "causal": causal, "seqlen": seqlen}
     q, k, v, dout, seq, params, batch, hq = _bench_inputs(d, causal, seqlen)
-    flops = 2.5 * 4 * batch * hq * seqlen * seqlen * d / (2 if causal else 1)
+    width, width_v = _widths(d)
+    flops = 2.5 * 2 * batch * hq * seqlen * seqlen * (width + width_v) / (2 if causal else 1)
 
     def tflops(fn):
         # ASYMFLASH_PROBE_REP: ms of timed calls per column (25 by default; a 16k call takes
@@ -181,7 +190,7 @@ def _bench_cell(d, causal, seqlen, warm_only):
     timed = {}  # column -> the call it times (ours and its variants)
     cfg = None
     if why is None and os.environ.get("ASYMFLASH_PROBE_CFG"):
-        cfg = dataclasses.replace(bwd.select_config(d),
+        cfg = dataclasses.replace(bwd.select_config(width),
                                   **json.loads(os.environ["ASYMFLASH_PROBE_CFG"]))
     if why is not None:
         res["ours"] = "refused"
@@ -215,9 +224,9 @@ def _bench_cell(d, causal, seqlen, warm_only):
             from torch.nn.attention import SDPBackend, sdpa_kernel
             from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-            qb, kb, vb = (x.view(batch, seqlen, -1, d).transpose(1, 2).detach()
+            qb, kb, vb = (x.view(batch, seqlen, -1, x.shape[2]).transpose(1, 2).detach()
                           .requires_grad_(True) for x in (q, k, v))
-            dob = dout.view(batch, seqlen, hq, d).transpose(1, 2)
+            dob = dout.view(batch, seqlen, hq, width_v).transpose(1, 2)
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 o = sdpa(qb, kb, vb, is_causal=bool(causal))
             res["cudnn"] = tflops(
@@ -337,7 +346,8 @@ def main():
                     help="an extra column: ours with these BwdConfig fields (or deterministic) "
                          "changed, e.g. det:deterministic=true,stagger=false")
     ap.add_argument("--no-peers", action="store_true", help="skip portable and cuDNN timings")
-    ap.add_argument("--dims", default=",".join(map(str, DIMS)), help="head dims, e.g. 256")
+    ap.add_argument("--dims", default=",".join(map(str, DIMS)),
+                    help="head dims, e.g. 256 or 192/128 (q·k / V)")
     ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)), help="e.g. 2048,16384")
     ap.add_argument("--causal", default="0,1", help="0, 1 or 0,1")
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
@@ -362,7 +372,7 @@ def main():
 
     t_start = time.time()
     deadline = t_start + args.budget
-    dims = [int(x) for x in args.dims.split(",")]
+    dims = [x if "/" in x else int(x) for x in args.dims.split(",")]
     seqlens = [int(x) for x in args.seqlens.split(",")]
     causals = [int(x) for x in args.causal.split(",")]
     cells = [(d, c, s) for d in dims for c in causals for s in seqlens]
@@ -442,13 +452,13 @@ def main():
         rec = results["cases"].get(name, {"status": "?"})
         print(f"  {name:26s} {rec.get('status')}  {rec.get('err/bound', '')}")
     print("\nbackward TFLOP/s, bf16, nheads = 2048/d, batch*seqlen = 16k")
-    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} {'ours':>16} {'portable':>10} {'cudnn':>10} "
+    print(f"{'d':>7} {'causal':>6} {'seqlen':>6} {'ours':>16} {'portable':>10} {'cudnn':>10} "
           f"{'ours/cudnn':>10} {'rel_err':>9}")
-    for r in sorted(results["cells"], key=lambda r: (r["d"], r["causal"], r["seqlen"])):
+    for r in sorted(results["cells"], key=lambda r: (_widths(r["d"]), r["causal"], r["seqlen"])):
         ratio = ""
         if isinstance(r.get("ours"), float) and isinstance(r.get("cudnn"), float):
             ratio = f"{r['ours'] / r['cudnn']:.2f}"
-        print(f"{r['d']:>4} {r['causal']:>6} {r['seqlen']:>6} {str(r.get('ours', '')):>16} "
+        print(f"{str(r['d']):>7} {r['causal']:>6} {r['seqlen']:>6} {str(r.get('ours', '')):>16} "
               f"{str(r.get('portable', '')):>10} {str(r.get('cudnn', '')):>10} {ratio:>10} "
               f"{str(r.get('rel_err', '')):>9}"
               + "".join(f" {name}={r.get(name, '')}" for name in _variants()))
