@@ -144,3 +144,56 @@ def test_flex_dq_scatter_of_row_column_and_scalar_reads_builds_for_sm90():
     assert report["mma"] > 0, "no tensor-core instructions"
     assert 0 < report["red"] < 64, f"{report['red']} fp32 global reductions"
     within_budget(report, report["local"], 7)
+
+
+# The C tuple typed as Triton's launcher types it, from real captured tensors: an element
+# equal to 1 becomes a constant there (the compile tests above type every element i32).
+_BUILD_SPECIALISED = r"""
+import sys, torch, triton
+from triton.backends.compiler import GPUTarget, BaseBackend
+from triton.compiler import ASTSource
+from triton._C.libtriton import native_specialize_impl
+from asymflash.backends.portable.flex import _TILES, _keep_all, flex_fwd_kernel as fn
+from asymflash.backends.portable.flex_emit import captured_args, jit_function
+from asymflash.core import flex_trace
+table = torch.randn(128, 128) > 0  # strides (128, 1): a tuple element of 1 without the bias
+mask = flex_trace.trace(lambda b, h, q, kv: table[q // 16, kv // 16], "mask")
+d = 128
+c = _TILES[d]
+cons = dict(SCORE_MOD=_keep_all, MASK_MOD=jit_function(mask.root), HAS_SCORE=False,
+            HAS_MASK=True, D=d, DV=d, BLOCK_D=d, BLOCK_DV=d, BLOCK_M=c.block_m,
+            BLOCK_N=c.block_n, BQ=128, BK=128)
+cons = {k: v for k, v in cons.items() if k in fn.arg_names}
+pointers = {"LSE": "*fp32", "PNUM": "*i32", "PIDX": "*i32", "FNUM": "*i32", "FIDX": "*i32"}
+sig = {}
+ci = fn.arg_names.index("C")
+# the C tuple's types and constants as Triton's launcher specialises the real values
+# (ints equal to 1 become constants, whatever do_not_specialize says)
+types, keys = native_specialize_impl(BaseBackend, captured_args(mask.captured), False, True, True)
+def walk(t, k, path):
+    if isinstance(t, tuple):
+        for i, (a, b) in enumerate(zip(t, k)):
+            walk(a, b, path + (i,))
+    elif t == "constexpr":
+        cons[path] = k
+walk(types, keys, (ci,))
+for arg in fn.arg_names:
+    if arg in cons:
+        sig[arg] = "constexpr"
+    elif arg == "C":
+        sig[arg] = types
+    elif arg in pointers or arg[0].isupper():
+        sig[arg] = pointers.get(arg, "*bf16")
+    else:
+        sig[arg] = "fp32" if arg == "scale" else "i32"
+kernel = triton.compile(ASTSource(fn, sig, cons), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": c.num_warps, "num_stages": c.num_stages})
+"""
+
+
+def test_flex_forward_builds_as_the_launcher_specialises_its_tuple():
+    """A mask reading a table of strides (128, 1), the C tuple specialised from the real
+    values: it builds (without flex_emit.TUPLE_BIAS the stride of 1 became a constant that
+    reached the emitted mod as None: the first GPU run failed every such call)."""
+    report = sass_report(_BUILD_SPECIALISED)
+    assert report["mma"] > 0, "no tensor-core instructions"

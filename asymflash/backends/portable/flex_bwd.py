@@ -22,7 +22,7 @@ from ...core.flex import memo_by_identity
 from . import Config, head_blocks
 from .common import dot, load_rows, store_rows
 from .flex import block_lists, mod_functions, tiles
-from .flex_emit import captured_args, jit_grad_function
+from .flex_emit import captured_args, jit_grad_function, tuple_ints
 
 # (BLOCK_M, BLOCK_N, warps, stages) per head-dim class, from a sweep of sm_90a builds of the
 # compile test's mods (tests/compile/test_flex_compile.py), fewest local-memory instructions:
@@ -216,7 +216,7 @@ def flex_backward(dout, dlse, q, k, v, out, lse, problem, captured_need_grad):
     dq = torch.empty(batch, heads, seqlen_q, d, dtype=q.dtype, device=q.device)
     buffers = [torch.zeros(captured[i].shape, dtype=torch.float32, device=q.device)
                for i in slots]
-    grads = [(g, tuple(int(s) for s in g.stride())) for g in buffers]
+    grads = [(g, tuple_ints(g.stride())) for g in buffers]
     flex_bwd_dq_kernel[(triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * heads)](
         q, k, v, dout, lse, delta, dq, num, idx, cap, (*(x for g in grads for x in g), 0),
         *strides, *num.stride(), *idx.stride()[:4], heads, problem.group, seqlen_q,

@@ -185,7 +185,7 @@ class _Emitter:
         out = []
         for dim, idx in enumerate(node.index):
             i = self.value(idx)
-            out.append(self.assign(f"tl.where(({i}) < 0, ({i}) + {size}[{dim}], {i})"))
+            out.append(self.assign(f"tl.where(({i}) < 0, ({i}) + {_unbiased(size, dim)}, {i})"))
         self.names[key] = out
         return out
 
@@ -196,8 +196,8 @@ class _Emitter:
         the kernel's own mask discards."""
         size = f"C[{3 * node.slot + 1}]"
         pos = self.position(node)
-        offset = " + ".join(f"{i} * {strides}[{d}]" for d, i in enumerate(pos))
-        ok = _all([f"({i} >= 0) & ({i} < {size}[{d}])" for d, i in enumerate(pos)])
+        offset = " + ".join(f"{i} * {_unbiased(strides, d)}" for d, i in enumerate(pos))
+        ok = _all([f"({i} >= 0) & ({i} < {_unbiased(size, d)})" for d, i in enumerate(pos)])
         return f"{ptr} + {offset}", ok
 
     def load(self, node: Load) -> str:
@@ -311,10 +311,28 @@ def jit_source(source: str, fn_name: str):
     return fn
 
 
+# Sizes and strides travel in the C and G tuples plus this bias: Triton turns a tuple's
+# element equal to 1 into a constexpr whatever do_not_specialize says, and triton 3.6 handed
+# such an element to the emitted mods as None (a stride of 1: "'NoneType' object has no
+# attribute 'type'", the first GPU run; tests/compile/test_flex_compile.py builds it so).
+# 2^20 keeps a value's divisibility by 16 (Triton's other specialisation).
+TUPLE_BIAS = 1 << 20
+
+
+def tuple_ints(values) -> tuple:
+    """Sizes or strides as the emitted functions take them (`TUPLE_BIAS`)."""
+    return tuple(int(v) + TUPLE_BIAS for v in values)
+
+
+def _unbiased(name: str, dim: int) -> str:
+    return f"({name}[{dim}] - {TUPLE_BIAS})"
+
+
 def captured_args(captured) -> tuple:
-    """The C tuple of the emitted functions for these captured tensors. It ends with a 0:
-    Triton drops an empty tuple argument, and the functions take C either way."""
+    """The C tuple of the emitted functions for these captured tensors: (ptr, sizes,
+    strides) each (`tuple_ints`). It ends with a 0: Triton drops an empty tuple argument,
+    and the functions take C either way."""
     out = []
     for t in captured:
-        out += [t, tuple(int(s) for s in t.shape), tuple(int(s) for s in t.stride())]
+        out += [t, tuple_ints(t.shape), tuple_ints(t.stride())]
     return (*out, 0)
