@@ -34,8 +34,12 @@ class BlockLayout:
     has_partial: bool = True   # whether any block is PARTIAL (mask_mod is ever evaluated)
 
     def element_kinds(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """(Bm, Hm, len(rows), len(cols)) kinds of the given query rows and key columns."""
-        return self.kinds[:, :, (rows // self.block_q).long()][..., (cols // self.block_k).long()]
+        """(Bm, Hm, len(rows), len(cols)) kinds of the given query rows and key columns (on
+        the layout's device, which may differ from the indices': a layout without a
+        BlockMask is built on the CPU)."""
+        dev = self.kinds.device
+        r, c = (rows // self.block_q).long().to(dev), (cols // self.block_k).long().to(dev)
+        return self.kinds[:, :, r][..., c]
 
 
 def _mark(kinds, num, indices, value):
