@@ -8,12 +8,36 @@ from __future__ import annotations
 import pytest
 from sass_report import sass_report, within_budget
 
-_BUILD = r"""
+# Shared by the build scripts below (each runs in a worker interpreter): the signature of a
+# flex kernel with its constexprs, tuple arguments ("C", "G") typed as given, pointers as
+# named (others bf16 tensors), scalars i32 (scale fp32); and its sm_90a compile.
+_SIGNATURE = r"""
+def signature(fn, cons, tuples, pointers):
+    sig = {}
+    for arg in fn.arg_names:
+        if arg in cons:
+            sig[arg] = "constexpr"
+        elif arg in tuples:
+            sig[arg] = tuples[arg]
+        elif arg in pointers or arg[0].isupper():
+            sig[arg] = pointers.get(arg, "*bf16")
+        else:
+            sig[arg] = "fp32" if arg == "scale" else "i32"
+    return sig
+
+
+def compile_sm90(fn, sig, cons, tiles):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    return triton.compile(ASTSource(fn, sig, cons), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
+"""
+
+_BUILD = _SIGNATURE + r"""
 import sys
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from asymflash.backends.portable.flex import _TILES, flex_fwd_kernel
 from asymflash.backends.portable.flex_bwd import (_DKDV_TILES, _DQ_GRAD_TILES, _DQ_TILES,
                                                  _no_grads, flex_bwd_dkdv_kernel,
@@ -41,20 +65,11 @@ cons = dict(SCORE_MOD=jit_function(score.root), MASK_MOD=jit_function(shift_slot
 cons = {k: v for k, v in cons.items() if k in fn.arg_names}
 pointers = {"LSE": "*fp32", "DELTA": "*fp32", "PNUM": "*i32", "PIDX": "*i32", "FNUM": "*i32",
             "FIDX": "*i32", "NUM": "*i32", "IDX": "*i32"}
-sig = {}
-for arg in fn.arg_names:
-    if arg in cons:
-        sig[arg] = "constexpr"
-    elif arg == "C":  # (table, its sizes, its strides, doc, sizes, strides, the closing 0)
-        sig[arg] = ("*fp32", ("i32", "i32"), ("i32", "i32"), "*i64", ("i32",), ("i32",), "i32")
-    elif arg == "G":  # (the table's fp32 gradient, its strides, the closing 0)
-        sig[arg] = ("*fp32", ("i32", "i32"), "i32") if grad else ("i32",)
-    elif arg in pointers or arg[0].isupper():
-        sig[arg] = pointers.get(arg, "*bf16")
-    else:
-        sig[arg] = "fp32" if arg == "scale" else "i32"
-kernel = triton.compile(ASTSource(fn, sig, cons), target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": c.num_warps, "num_stages": c.num_stages})
+# C: (table, its sizes, its strides, doc, sizes, strides, the closing 0); G: (the table's
+# fp32 gradient, its strides, the closing 0)
+tuples = {"C": ("*fp32", ("i32", "i32"), ("i32", "i32"), "*i64", ("i32",), ("i32",), "i32"),
+          "G": ("*fp32", ("i32", "i32"), "i32") if grad else ("i32",)}
+kernel = compile_sm90(fn, signature(fn, cons, tuples, pointers), cons, c)
 """
 
 
@@ -92,12 +107,10 @@ def test_flex_dq_with_captured_gradient_scatter_builds_for_sm90(d):
     within_budget(report, report["local"], budget)
 
 
-_BUILD_REDUCED = r"""
+_BUILD_REDUCED = _SIGNATURE + r"""
 import sys
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from asymflash.backends.portable.flex import _keep_all
 from asymflash.backends.portable.flex_bwd import _DQ_GRAD_TILES, flex_bwd_dq_kernel as fn
 from asymflash.backends.portable.flex_emit import jit_function, jit_grad_function
@@ -120,18 +133,8 @@ ints = lambda t: ("i32",) * t.dim()
 caps = [x for t in score.captured for x in (ptr[t.dtype], ints(t), ints(t))]
 grads = [x for t in score.captured for x in ("*fp32", ints(t))]
 pointers = {"LSE": "*fp32", "DELTA": "*fp32", "NUM": "*i32", "IDX": "*i32"}
-sig = {}
-for arg in fn.arg_names:
-    if arg in cons:
-        sig[arg] = "constexpr"
-    elif arg in ("C", "G"):
-        sig[arg] = (*(caps if arg == "C" else grads), "i32")
-    elif arg in pointers or arg[0].isupper():
-        sig[arg] = pointers.get(arg, "*bf16")
-    else:
-        sig[arg] = "fp32" if arg == "scale" else "i32"
-kernel = triton.compile(ASTSource(fn, sig, cons), target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": c.num_warps, "num_stages": c.num_stages})
+tuples = {"C": (*caps, "i32"), "G": (*grads, "i32")}
+kernel = compile_sm90(fn, signature(fn, cons, tuples, pointers), cons, c)
 """
 
 
@@ -148,10 +151,9 @@ def test_flex_dq_scatter_of_row_column_and_scalar_reads_builds_for_sm90():
 
 # The C tuple typed as Triton's launcher types it, from real captured tensors: an element
 # equal to 1 becomes a constant there (the compile tests above type every element i32).
-_BUILD_SPECIALISED = r"""
+_BUILD_SPECIALISED = _SIGNATURE + r"""
 import sys, torch, triton
-from triton.backends.compiler import GPUTarget, BaseBackend
-from triton.compiler import ASTSource
+from triton.backends.compiler import BaseBackend
 from triton._C.libtriton import native_specialize_impl
 from asymflash.backends.portable.flex import _TILES, _keep_all, flex_fwd_kernel as fn
 from asymflash.backends.portable.flex_emit import captured_args, jit_function
@@ -165,7 +167,6 @@ cons = dict(SCORE_MOD=_keep_all, MASK_MOD=jit_function(mask.root), HAS_SCORE=Fal
             BLOCK_N=c.block_n, BQ=128, BK=128)
 cons = {k: v for k, v in cons.items() if k in fn.arg_names}
 pointers = {"LSE": "*fp32", "PNUM": "*i32", "PIDX": "*i32", "FNUM": "*i32", "FIDX": "*i32"}
-sig = {}
 ci = fn.arg_names.index("C")
 # the C tuple's types and constants as Triton's launcher specialises the real values
 # (ints equal to 1 become constants, whatever do_not_specialize says)
@@ -177,17 +178,7 @@ def walk(t, k, path):
     elif t == "constexpr":
         cons[path] = k
 walk(types, keys, (ci,))
-for arg in fn.arg_names:
-    if arg in cons:
-        sig[arg] = "constexpr"
-    elif arg == "C":
-        sig[arg] = types
-    elif arg in pointers or arg[0].isupper():
-        sig[arg] = pointers.get(arg, "*bf16")
-    else:
-        sig[arg] = "fp32" if arg == "scale" else "i32"
-kernel = triton.compile(ASTSource(fn, sig, cons), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": c.num_warps, "num_stages": c.num_stages})
+kernel = compile_sm90(fn, signature(fn, cons, {"C": types}, pointers), cons, c)
 """
 
 
