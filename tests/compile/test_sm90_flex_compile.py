@@ -66,10 +66,11 @@ def test_flex_forward_builds_for_sm90(kw):
 # (d, mods): local-memory instructions in the backward's step loop (sm_90a, triton 3.6,
 # 2026-12-05): none at d=64; at d=128 the synchronous body sits at the register limit
 # without mods (the dense d=128 default runs the warp-specialised body), and a gathering
-# mod (bias table + document mask) costs 60.
+# mod (bias table + document mask) costs 70 (60 while the captured table's unit stride was
+# a compile-time 1: runtime strides, flex_emit.TUPLE_BIAS, hold a few more registers).
 BACKWARD_LOOP_LOCAL = {(64, "bias_doc"): 0, (64, "softcap"): 0, (64, "causal"): 0,
                        (128, "none"): 0, (128, "causal"): 0, (128, "softcap"): 4,
-                       (128, "bias_doc"): 60}
+                       (128, "bias_doc"): 70}
 
 
 @pytest.mark.parametrize("case", sorted(BACKWARD_LOOP_LOCAL), ids=lambda c: f"{c[0]}-{c[1]}")
