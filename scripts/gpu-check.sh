@@ -22,7 +22,8 @@
 #   bash scripts/gpu-check.sh fp8        the fp8 forward grid (d 64/128) beside bf16 and cuDNN fp8
 #   bash scripts/gpu-check.sh full       tests, sanitize, bench, first-call
 #
-# Knobs: TEST_FILES, TEST_TIMEOUT (s per file, default 300), PYTEST_K, BENCH_WARMUP (ms per
+# Knobs: TEST_FILES, TEST_TIMEOUT (s per file, default 300), TIMING_TIMEOUT (the timing
+# tests, run alone after the rest: default 300), PYTEST_K, BENCH_WARMUP (ms per
 # cell, default 100), BENCH_TIMEOUT (default 300), SANITIZE_TIMEOUT (default 240 per tool).
 set -uo pipefail
 mode=${1:-tests}
@@ -70,7 +71,8 @@ run_tests() {
     workers=(-n 0)
     [ "$f" = tests/gpu/test_sm90_bwd_gpu.py ] && workers=(-n 6)
     timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfsx \
-      ${PYTEST_K:+-k "$PYTEST_K"} "${shard[@]}" "${workers[@]}" "$f" > "${logs[-1]}" 2>&1 &
+      -m "not timing" ${PYTEST_K:+-k "$PYTEST_K"} "${shard[@]}" "${workers[@]}" "$f" \
+      > "${logs[-1]}" 2>&1 &
     pids+=($!)
   done
   local i rc
@@ -83,6 +85,16 @@ run_tests() {
       echo "CUT: ${files[$i]} by its ${TEST_TIMEOUT:-300} s limit" | tee -a "$out/tests.log"
     fi
   done
+  # Tests that time kernels (marker `timing`) run alone, after the rest: beside a dozen
+  # other files on the same GPU their numbers measured the neighbours.
+  local unique=($(printf '%s\n' "${files[@]%@*}" | sort -u))
+  timeout "${TIMING_TIMEOUT:-300}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfsx \
+    -m timing ${PYTEST_K:+-k "$PYTEST_K"} "${unique[@]}" > "$out/timing.log" 2>&1
+  rc=$?
+  [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ] && status=1  # 5: no timing test among the files
+  cat "$out/timing.log" >> "$out/tests.log" && rm "$out/timing.log"
+  [ "$rc" -eq 124 ] && echo "CUT: the timing tests by their ${TIMING_TIMEOUT:-300} s limit" \
+    | tee -a "$out/tests.log"
   local passed failed
   passed=$(grep -cE " PASSED" "$out/tests.log")
   failed=$(grep -cE "^(FAILED|ERROR|CUT)" "$out/tests.log")

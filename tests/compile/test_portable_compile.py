@@ -152,3 +152,24 @@ def test_dq_from_fragments_reads_whole_rows(width, cols):
     rep = sass_report(_CONVERT, str(width), str(cols))
     assert rep["ldg128"] == width // 8 and rep["ldg32"] <= 2, rep  # (+2: the sequence bounds)
     within_budget(rep, rep["local"], 0)
+
+
+_INDEX_CHECKS = _PRELUDE + r"""
+from asymflash.backends.portable.cache_checks import BLOCK, _check_kernel as fn
+
+pages, rows, pad, repeats = (a == "1" for a in sys.argv[1:5])
+cons = dict(HAS_PAGES=pages, HAS_ROWS=rows, HAS_PAD=pad, NO_REPEATS=repeats, BLOCK=BLOCK)
+sig = {arg: ("constexpr" if arg in cons else "*i32" if arg[0].isupper() or arg.endswith(
+    ("_in", "_out")) or arg == "ok" else "i32") for arg in fn.arg_names}
+kernel = triton.compile(ASTSource(fn, sig, cons), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": 2})
+"""
+
+
+@pytest.mark.parametrize("pages,rows,pad,repeats", [(1, 0, 0, 0), (1, 0, 1, 0), (0, 1, 1, 1),
+                                                    (1, 1, 1, 1)])
+def test_index_checks_build_for_sm90(pages, rows, pad, repeats):
+    """kvcache's one-launch index checks (backends/portable/cache_checks.py): a small kernel,
+    builds for sm_90a without local memory."""
+    rep = sass_report(_INDEX_CHECKS, str(pages), str(rows), str(pad), str(repeats))
+    within_budget(rep, rep["local"], 0)

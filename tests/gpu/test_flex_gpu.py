@@ -38,7 +38,7 @@ def _torch_flex(*args, **kw):
 def _check_against_reference(out, lse, grads, wrt, dout, score_mod, block_mask, dtype):
     """out, lse and the gradients of wrt (q, k, v, then captured tensors) against the fp32
     reference by the FA rule (the baseline: the reference in the inputs' dtype); returns
-    the reference's (out, lse)."""
+    the reference's (out, lse) and its fp32 gradients."""
     q, k, v = wrt[:3]
     ref = flex_attention_ref(q, k, v, score_mod, block_mask, enable_gqa=True)
     low = flex_attention_ref(q, k, v, score_mod, block_mask, enable_gqa=True,
@@ -49,7 +49,7 @@ def _check_against_reference(out, lse, grads, wrt, dout, score_mod, block_mask, 
     low_grads = torch.autograd.grad(low[0], wrt, dout)
     for name, g, r, lo in zip(("dq", "dk", "dv", "dtable"), grads, ref_grads, low_grads):
         assert_fa_close(name, g, r, lo, atol=1e-2 * max(1.0, r.abs().max().item()))
-    return ref
+    return ref, ref_grads
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c[:6]))
@@ -67,7 +67,8 @@ def test_flex_realistic(mod, case):
                                             return_lse=True)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, wrt, dout)
-    ref = _check_against_reference(out, lse, grads, wrt, dout, score_mod, block_mask, dtype)
+    ref, ref_grads = _check_against_reference(out, lse, grads, wrt, dout, score_mod,
+                                              block_mask, dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         t_out = _torch_flex(q, k, v, score_mod=score_mod, block_mask=block_mask,

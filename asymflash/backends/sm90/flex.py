@@ -134,7 +134,7 @@ def flex_forward(q, k, v, problem):
     from ..portable.flex_emit import captured_args
 
     batch, heads, seqlen_q, d = q.shape
-    hkv, seqlen_k, dv = k.shape[1], k.shape[2], v.shape[-1]
+    seqlen_k, dv = k.shape[2], v.shape[-1]
     cfg = flex_config(d, gathers_2d(problem.score, problem.mask))
     layout = problem.layout
     bk = cfg.block_n if layout.kinds.shape[2:] == (1, 1) else layout.block_k
