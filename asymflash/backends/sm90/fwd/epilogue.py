@@ -84,6 +84,15 @@ if GLUON_ERROR is None:
         x = gl.convert_layout(x, make_p_layout_fp8(HEAD_DIM_V), assert_trivial=True)
         return to_16bit(x, gl.float16)
 
+    @gluon.jit
+    def p_operand(p, dtype: gl.constexpr, HEAD_DIM_V: gl.constexpr, FP8: gl.constexpr):
+        """P (fp32, S's layout) as the P·V MMA's A operand: `p_operand_fp8`'s for fp8
+        builds, else in q's 16-bit type."""
+        if FP8:
+            return p_operand_fp8(p, HEAD_DIM_V)
+        else:
+            return gl.convert_layout(to_16bit(p, dtype), make_p_layout(HEAD_DIM_V))
+
     @gluon.constexpr_function
     def make_row_layout(block_n, fp8=False):
         return gl.SliceLayout(1, make_s_layout(block_n, fp8))

@@ -93,7 +93,7 @@ if GLUON_ERROR is None:
         make_s_layout,
         o_staging,
         o_turn_index,
-        p_operand_fp8,
+        p_operand,
         q_bar_count,
         stacked,
         tile_store,
@@ -236,10 +236,7 @@ if GLUON_ERROR is None:
             acc = rescale_if_moved(acc, alpha_o)
         else:
             acc = acc * gl.expand_dims(alpha_o, 1)
-            if cfg.FP8:
-                p_op = p_operand_fp8(p, cfg.HEAD_DIM_V)
-            else:
-                p_op = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
+            p_op = p_operand(p, q.dtype, cfg.HEAD_DIM_V, cfg.FP8)
         return acc, p_op, m_i, l_i
 
     @gluon.jit
@@ -311,7 +308,6 @@ if GLUON_ERROR is None:
                      mods=None):
         """The peeled first key block n at ring position it0 (S_0 in flight, no P·V to
         overlap with yet): returns (O = 0, P_0 as P·V's operand, row max, row sum)."""
-        p_layout: gl.constexpr = make_p_layout(cfg.HEAD_DIM_V)
         row_layout: gl.constexpr = make_row_layout(cfg.BLOCK_N, cfg.FP8)
         m_i = gl.full([64], -float("inf"), gl.float32, row_layout)
         l_i = gl.zeros([64], gl.float32, row_layout)
@@ -322,10 +318,7 @@ if GLUON_ERROR is None:
         s = block_scores(s, n, rows, shift, call, cfg, tile, MASKED, mods)
         p, m_i, l_i, _alpha = online_softmax(s, m_i, l_i, call.qk_scale, cfg.EMU_EVERY,
                                              cfg.RESCALE_THRESHOLD, p_shift(cfg.FP8))
-        if cfg.FP8:
-            p_op = p_operand_fp8(p, cfg.HEAD_DIM_V)
-        else:
-            p_op = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
+        p_op = p_operand(p, q.dtype, cfg.HEAD_DIM_V, cfg.FP8)
         return acc, p_op, m_i, l_i
 
     @gluon.jit
