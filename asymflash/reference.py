@@ -26,6 +26,7 @@ def attention_ref(
     learnable_sink: Optional[torch.Tensor] = None,
     upcast: bool = True,
     compute_dtype: torch.dtype = torch.float32,
+    p_dtype: Optional[torch.dtype] = None,
 ):
     """Attention on BSHD tensors; returns (out, lse).
 
@@ -40,6 +41,10 @@ def attention_ref(
     upcast=True computes in `compute_dtype` (fp32, or fp64 for tests of the reference itself)
     and returns out in that dtype; upcast=False computes the matmuls in the input dtype with
     the softmax in fp32, the same-dtype baseline of the FlashAttention tolerance rule.
+    p_dtype (an 8-bit float, with upcast=False) rounds P to it before P·V, as fp8 kernels
+    run P·V (FlashAttention-3): the weights scaled so a row's largest is 256 (inside e4m3's
+    normal range), rounded through fp16, the denominator from the unrounded weights; the
+    baseline of such kernels.
     lse is (batch, nheads_q, seqlen_q) in fp32 (natural log) — or compute_dtype when upcast.
     """
     batch, seqlen_q, nheads_q, d = q.shape
@@ -71,6 +76,8 @@ def attention_ref(
     if learnable_sink is not None:
         denom = denom + torch.exp(sink - safe_max)
     lse = (safe_max + torch.log(denom)).squeeze(-1)
+    if p_dtype is not None:
+        p = (p * 256).to(torch.float16).to(p_dtype).to(stat) / 256
     p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
     out = torch.einsum("bhqk,bkhd->bqhd", p.to(work), vf)
     if not upcast:

@@ -22,7 +22,8 @@
 #   bash scripts/gpu-check.sh fp8        the fp8 forward grid (d 64/128) beside bf16 and cuDNN fp8
 #   bash scripts/gpu-check.sh full       tests, sanitize, bench, first-call
 #
-# Knobs: TEST_FILES, TEST_TIMEOUT (s per file, default 300), PYTEST_K, BENCH_WARMUP (ms per
+# Knobs: TEST_FILES, TEST_TIMEOUT (s per file, default 300), TIMING_TIMEOUT (the timing
+# tests, run alone after the rest: default 300), PYTEST_K, BENCH_WARMUP (ms per
 # cell, default 100), BENCH_TIMEOUT (default 300), SANITIZE_TIMEOUT (default 240 per tool).
 set -uo pipefail
 mode=${1:-tests}
@@ -39,10 +40,11 @@ run_tests() {
   # One pytest per file, all at once (kernel compiles are CPU-bound; the machine has 16
   # cores), each with its own time limit and log, so a file cut by its limit still shows
   # which tests passed. FILE@I/N runs the I-th of N slices of FILE (conftest's --shard): the
-  # forward's GPU file compiles one kernel set after another and needs five slices.
-  local files=(${TEST_FILES:-tests/gpu/test_gpu.py tests/gpu/test_sm90_gpu.py@0/5 \
-      tests/gpu/test_sm90_gpu.py@1/5 tests/gpu/test_sm90_gpu.py@2/5 \
-      tests/gpu/test_sm90_gpu.py@3/5 tests/gpu/test_sm90_gpu.py@4/5 \
+  # forward's GPU file compiles one kernel set after another and needs seven slices.
+  local files=(${TEST_FILES:-tests/gpu/test_gpu.py tests/gpu/test_sm90_gpu.py@0/7 \
+      tests/gpu/test_sm90_gpu.py@1/7 tests/gpu/test_sm90_gpu.py@2/7 \
+      tests/gpu/test_sm90_gpu.py@3/7 tests/gpu/test_sm90_gpu.py@4/7 \
+      tests/gpu/test_sm90_gpu.py@5/7 tests/gpu/test_sm90_gpu.py@6/7 \
       tests/gpu/test_sm90_bwd_gpu.py tests/gpu/test_portable_tiles_gpu.py \
       tests/interpreted/test_attention.py tests/interpreted/test_varlen.py \
       tests/interpreted/test_kvcache.py tests/interpreted/test_portable_values.py \
@@ -52,7 +54,7 @@ run_tests() {
       tests/gpu/test_decode_no_sync_gpu.py tests/gpu/test_models_suite_gpu.py \
       tests/gpu/test_warm_gpu.py tests/gpu/test_torch_sdpa_gpu.py tests/gpu/test_fp8_gpu.py \
       tests/unit/test_fp8.py tests/interpreted/test_fp8_portable.py tests/gpu/test_torch_cp_gpu.py \
-      tests/gpu/test_flex_gpu.py tests/gpu/test_cp_gpu.py})
+      tests/gpu/test_flex_gpu.py@0/2 tests/gpu/test_flex_gpu.py@1/2 tests/gpu/test_cp_gpu.py})
   local pids=() logs=() entry f name shard workers
   : > "$out/tests.log"
   for entry in "${files[@]}"; do
@@ -69,7 +71,8 @@ run_tests() {
     workers=(-n 0)
     [ "$f" = tests/gpu/test_sm90_bwd_gpu.py ] && workers=(-n 6)
     timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfsx \
-      ${PYTEST_K:+-k "$PYTEST_K"} "${shard[@]}" "${workers[@]}" "$f" > "${logs[-1]}" 2>&1 &
+      -m "not timing" ${PYTEST_K:+-k "$PYTEST_K"} "${shard[@]}" "${workers[@]}" "$f" \
+      > "${logs[-1]}" 2>&1 &
     pids+=($!)
   done
   local i rc
@@ -82,6 +85,16 @@ run_tests() {
       echo "CUT: ${files[$i]} by its ${TEST_TIMEOUT:-300} s limit" | tee -a "$out/tests.log"
     fi
   done
+  # Tests that time kernels (marker `timing`) run alone, after the rest: beside a dozen
+  # other files on the same GPU their numbers measured the neighbours.
+  local unique=($(printf '%s\n' "${files[@]%@*}" | sort -u))
+  timeout "${TIMING_TIMEOUT:-300}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfsx \
+    -m timing ${PYTEST_K:+-k "$PYTEST_K"} "${unique[@]}" > "$out/timing.log" 2>&1
+  rc=$?
+  [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ] && status=1  # 5: no timing test among the files
+  cat "$out/timing.log" >> "$out/tests.log" && rm "$out/timing.log"
+  [ "$rc" -eq 124 ] && echo "CUT: the timing tests by their ${TIMING_TIMEOUT:-300} s limit" \
+    | tee -a "$out/tests.log"
   local passed failed
   passed=$(grep -cE " PASSED" "$out/tests.log")
   failed=$(grep -cE "^(FAILED|ERROR|CUT)" "$out/tests.log")

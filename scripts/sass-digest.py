@@ -68,6 +68,20 @@ FWD = [
     ("fwd-d128-tail-skip", {"head_dim": 128, "has_right": True,
                             "cfg": {"tail_skip": True, "block_n": 64, "stages": 3,
                                     "persistent": True, "lpt": True}}),
+    # d_qk 192 / d_v 128 (q and k in a 128- and a 64-wide piece), and the launch plans of
+    # DeepSeek-V3's MLA prefill (128 heads, 2 x 4k, causal) and of a softcap call (64-key
+    # blocks) with a window, a sink and packed sequences
+    ("fwd-d192-128", {"head_dim": 192, "head_dim_v": 128}),
+    ("fwd-d192-128-heads-axis-causal", {"head_dim": 192, "head_dim_v": 128, "heads_axis": True,
+                                        "has_right": True}),
+    ("fwd-plan-d192-128-causal-4k", {"head_dim": 192, "head_dim_v": 128, "has_right": True,
+                                     "plan": dict(max_seqlen_q=4096, max_seqlen_k=4096,
+                                                  batch=2, hq=128, hkv=128, window_right=0)}),
+    ("fwd-plan-d192-128-softcap-window-sink-varlen", {
+        "head_dim": 192, "head_dim_v": 128, "has_left": True, "has_right": True,
+        "softcap": True, "has_sink": True, "uniform": False, "has_seqused": True,
+        "plan": dict(max_seqlen_q=1000, max_seqlen_k=1000, batch=4, hq=16, hkv=16,
+                     window_left=100, window_right=50)}),
     # launch plans of real calls: d=64 16k rows (three warpgroups, persistent), causal 512
     # rows (tail skip), and a pack-GQA decode-like call (32:4 heads, 16 rows x 8 = 128)
     ("fwd-plan-d64-16k", {"head_dim": 64, "plan": dict(
@@ -96,6 +110,9 @@ BWD = [
                                           "deterministic": True,
                                           "cfg": {"ws_persistent": True}}),
     ("bwd-d128-heads-axis", {"head_dim": 128, "heads_axis": True, "has_right": True}),
+    # (No d=192 build: ptxas (CUDA 12.9) names a few of its registers differently from run
+    # to run of the same PTX, so its digest changes with nothing changed. Compare its PTX
+    # without line info instead: TRITON_DISABLE_LINE_INFO=1, `kernel.asm["ptx"]`.)
     ("bwd-plan-d64-causal-1k", {"head_dim": 64, "has_right": True, "plan": dict(
         max_seqlen_q=1024, max_seqlen_k=1024, batch=4, hq=16, hkv=16, window_right=0)}),
 ]

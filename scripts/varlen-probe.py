@@ -38,7 +38,7 @@ def _variants(default_cfg):
                    dataclasses.replace(default_cfg, persistent=persistent, lpt=lpt))
 
 
-def _probe_draw(case, seed, fa4, rep) -> list:
+def _probe_draw(case, seed, fa4, rep, only=None) -> list:
     """Rows of one document mix: every variant checked against the default, then timed."""
     from triton.testing import do_bench
 
@@ -56,6 +56,8 @@ def _probe_draw(case, seed, fa4, rep) -> list:
     want = fwd.forward(q, k, v, seq, params, None)[0]
     results = {}
     for name, cfg in _variants(fwd_config.select_config(q.shape[-1], v.shape[-1], params)):
+        if only is not None and name not in only:
+            continue
         try:
             out = fwd.forward(q, k, v, seq, params, None, cfg=cfg)[0]
         except ValueError as e:  # check_config's refusal of a combination
@@ -93,6 +95,10 @@ def replay(case, seed, sms=132, block_m=128, block_n=128, overhead=1.5, dead=0.0
     launch = [cost(m, n) if m * block_m < n else dead
               for m in range(num_m_blocks - 1, -1, -1) for n in lens for _ in range(heads)]
     live = sorted((c for c in launch if c != dead), reverse=True)
+    # the default since the packed grid (`sched.packed_tile`): document by document, heads
+    # outer, query blocks in order, no tile past a document's end
+    packed = [cost(m, n) for n in lens for _ in range(heads)
+              for m in range(-(-n // block_m))]
 
     def makespan(costs):
         free = [0.0] * sms
@@ -103,7 +109,7 @@ def replay(case, seed, sms=132, block_m=128, block_n=128, overhead=1.5, dead=0.0
     bound = max(sum(live) / sms, live[0])
     return dict(seed=seed, docs=len(lens), longest=max(lens), live=len(live),
                 empty=len(launch) - len(live), plain_lpt=makespan(launch) / bound,
-                ideal_lpt=makespan(live) / bound,
+                ideal_lpt=makespan(live) / bound, packed_in_order=makespan(packed) / bound,
                 overhead_share=overhead * len(live) / sum(live))
 
 
@@ -116,18 +122,22 @@ def main(argv=None) -> int:
     p.add_argument("--rep", type=int, default=100, help="ms of timing per variant")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     p.add_argument("--replay", action="store_true", help="host replay of the plain grid only")
+    p.add_argument("--only", default=None,
+                   help="variants beside the default, comma-separated names as in the table "
+                        "(e.g. 'persistent=0 lpt=1')")
     args = p.parse_args(argv)
     base = select_cases(models_suite(), [args.case])[0]
     median, sigma, cap, _ = base.doc_dist
     if args.replay:
         print("| seed | docs | longest | live CTAs | empty CTAs | plain LPT / bound | "
-              "ideal LPT / bound | fixed share |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "ideal LPT / bound | packed in order / bound | fixed share |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for seed in args.seed:
             lens = doc_lengths(base.seqlen_q, cap, median, sigma, seed)
             r = replay(dataclasses.replace(base, doc_lens=lens), seed)
             print(f"| {seed} | {r['docs']} | {r['longest']} | {r['live']} | {r['empty']} | "
-                  f"{r['plain_lpt']:.3f} | {r['ideal_lpt']:.3f} | {r['overhead_share']:.2f} |")
+                  f"{r['plain_lpt']:.3f} | {r['ideal_lpt']:.3f} | {r['packed_in_order']:.3f} | "
+                  f"{r['overhead_share']:.2f} |")
         return 0
     if not torch.cuda.is_available():
         print("varlen-probe: needs the GPU", file=sys.stderr)
@@ -140,7 +150,8 @@ def main(argv=None) -> int:
     for seed in args.seed:
         lens = doc_lengths(base.seqlen_q, cap, median, sigma, seed)
         case = dataclasses.replace(base, doc_lens=lens, doc_dist=(median, sigma, cap, seed))
-        rows += _probe_draw(case, seed, fa4, args.rep)
+        rows += _probe_draw(case, seed, fa4, args.rep,
+                            None if args.only is None else {"default", *args.only.split(",")})
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "varlen-probe.json"), "w") as f:
         json.dump(dict(case=args.case, torch=torch.__version__, rows=rows), f, indent=1)

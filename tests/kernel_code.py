@@ -58,14 +58,20 @@ class Indices:
         return i
 
 
-def python_body(jit_fn, mbarrier=None):
-    """`jit_fn`'s Python function, its Gluon names replaced by the integer stand-ins."""
+def python_body(jit_fn, mbarrier=None, gl=None):
+    """`jit_fn`'s Python function, its Gluon names replaced by the integer stand-ins (`gl`:
+    another stand-in class) and the jitted functions it calls by their own Python bodies."""
     fn = getattr(jit_fn, "fn", None)
     if fn is None:
         pytest.skip("triton's Gluon (the kernels' source) is not importable here")
-    env = dict(fn.__globals__, gl=_Gl)
+    env = dict(fn.__globals__, gl=gl or _Gl)
     if mbarrier is not None:
         env["mbarrier"] = mbarrier
+    for name in fn.__code__.co_names:
+        callee = env.get(name)
+        if callee is not jit_fn and callable(getattr(callee, "fn", None)) \
+                and hasattr(callee, "__call__") and type(callee).__name__.endswith("JITFunction"):
+            env[name] = python_body(callee, mbarrier, gl)
     return types.FunctionType(fn.__code__, env, fn.__name__, fn.__defaults__, fn.__closure__)
 
 

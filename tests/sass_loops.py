@@ -1,5 +1,5 @@
 """The step loops of a kernel's SASS (nvdisasm -c text): loops (a backward branch to a label)
-whose body holds HGMMA and no inner loop that does. Shared by the compile tests'
+whose body holds HGMMA (QGMMA: fp8) and no inner loop that does. Shared by the compile tests'
 `sass_report` and `scripts/bwd-step-sass.py`."""
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def step_loops(sass: str) -> list[list[str]]:
         m = re.search(r"\bBRA\b.*?\(?\.(L_x_\d+)\)?", text)
         if m and addr < end and labels.get(m.group(1), addr + 1) <= addr:
             loops.add((labels[m.group(1)], addr))
-    mma = [(a, b) for a, b in loops if any(a <= x <= b and "HGMMA" in t for x, t in ins)]
+    # (HGMMA, or QGMMA for fp8 operands)
+    mma = [(a, b) for a, b in loops if any(a <= x <= b and "GMMA" in t for x, t in ins)]
     inner = [(a, b) for a, b in mma
              if not any((c, d) != (a, b) and a <= c and d <= b for c, d in mma)]
     return [[t for x, t in ins if a <= x <= b] for a, b in sorted(inner)]

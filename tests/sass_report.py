@@ -53,14 +53,23 @@ from sass_loops import step_loops as _step_loops_of
 _step_loops = _step_loops_of(_sass)
 _local_in_steps = sum(1 for _body in _step_loops for t in _body
                       if _re.search(r"\b(LDL|STL)\b", t))
+# instructions of the step loops (all of them together) by opcode, predicates dropped
+_step_ops = {}
+for _body in _step_loops:
+    for _t in _body:
+        _op = _re.sub(r"^@!?U?P\w+\s+", "", _t).split()[0]
+        _step_ops[_op] = _step_ops.get(_op, 0) + 1
 print(_json.dumps(dict(
     wgmma_serialized=_serialized, step_loops=len(_step_loops),
-    local_in_step_loops=_local_in_steps,
+    local_in_step_loops=_local_in_steps, step_ops=_step_ops,
+    # fp8 wgmmas (SASS names them QGMMA; PTX wgmma...e4m3.e4m3)
+    qgmma_e4m3=len(_re.findall(r"\bQGMMA\.\S+\.E4M3\.E4M3\b", _sass)),
     hgmma=_sass.count("HGMMA"), mma=_sass.count("HGMMA") + _sass.count("HMMA"),
     # HGMMA instructions by shape (M x N x K), e.g. {"64x32x16": 28}
     hgmma_shapes={_k: _v for _k, _v in __import__("collections").Counter(
         _re.findall(r"HGMMA\.(\d+x\d+x\d+)", _sass)).items()},
     local=len(_re.findall(r"\b(LDL|STL)\b", _sass)), mufu_ex2=_sass.count("MUFU.EX2"),
+    f2f=len(_re.findall(r"\bF2F\.", _sass)),  # conversion-pipe conversions
     # local-memory instructions between the first and the last HGMMA: the main loop's body
     # (spills around the loop, in the prologue or the epilogue, cost once per CTA)
     local_in_loop=len(_re.findall(r"\b(LDL|STL)\b", _sass[_sass.find("HGMMA"):

@@ -18,6 +18,7 @@ The CPU keeps the host checks, whose errors name the argument, the entry and its
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -78,3 +79,14 @@ def checked(lens, geom: CacheGeometry, page_table=None, batch_idx=None, leftpad=
     safe, ok = clamped(lens, geom, page_table, batch_idx, leftpad)
     torch._assert_async(ok, MESSAGE)
     return safe
+
+
+def device_checks(geom: CacheGeometry, device: torch.device, page_table=None, batch_idx=None):
+    """What one call signature runs on every call, as `checked` takes its arguments: on CUDA
+    with a page table or cache rows, one kernel (backends/portable/cache_checks.py: those
+    make `clamped`'s torch ops a dozen launches); else `checked`'s few torch ops."""
+    if device.type != "cuda" or (page_table is None and batch_idx is None):
+        return functools.partial(checked, geom=geom)
+    from ..backends.portable.cache_checks import OneLaunchChecks
+
+    return OneLaunchChecks(geom, MESSAGE)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from ..core.masks import normalize_window
@@ -65,6 +66,17 @@ def flash_attn_func(
     if fp8.wanted(q, k, v, descales, out_dtype):
         batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else None
         fp8.check_inputs(q, k, v, descales, out_dtype, batch)
+        if score_mod is None and mask_mod is None and alibi_slopes is None and not dropout_p:
+            result = fp8.kernel_forward(q, k, v, descales, softmax_scale, causal, window_size,
+                                        softcap, learnable_sink)
+            if result is not None:  # the sm90 fp8 kernel (descales applied)
+                out, lse = result
+                if return_lse or return_attn_probs:
+                    lse = lse.view(q.shape[2], q.shape[0], q.shape[1]).transpose(0, 1)
+                    result = (out, lse, None) if return_attn_probs else (out, lse)
+                else:
+                    result = out
+                return fp8.finish(result, None, None, out_dtype or torch.bfloat16)
         q, k, v, work = fp8.rewrite(q, k, v, descales)
         result = flash_attn_func(
             q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink,

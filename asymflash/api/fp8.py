@@ -11,8 +11,11 @@ are folded where they are linear: q_descale * k_descale into q (scores are (q qd
 (P (v vd) = vd (P v)). The only rounding added is q's (one bf16 rounding) and the output's
 before its scale. flash_attn_with_kvcache and paged prefill run on the decode kernels
 (portable Triton, CPU), which read the e4m3 cache in place and widen its tiles in registers
-(api/kvcache_fp8.py); the forward kernels (dense, varlen) read 16 bits only, so there k and
-v are cast on the host first (a copy): a first step, until a kernel loads e4m3 tiles too.
+(api/kvcache_fp8.py). Dense e4m3 q, k, v on Hopper run the sm90 fp8 kernel
+(`kernel_forward`: e4m3 tiles, fp8 wgmmas, the descales folded in the kernel,
+backends/sm90/fwd/host.py `forward_fp8`); the other forward calls (varlen, softcap, sink,
+other head dims, other GPUs) cast k and v on the host first (a copy) and run the 16-bit
+kernels.
 """
 
 from __future__ import annotations
@@ -127,6 +130,60 @@ def rewrite(q, k, v, descales, batch_of_row=None):
     return q2, k.to(work), v.to(work), work
 
 
+def kernel_reason(q, k, v, softcap=0.0, sink=None) -> str | None:
+    """None where flash_attn_func's dense fp8 call runs the sm90 fp8 kernel
+    (`kernel_forward`), else why the host cast runs instead: no Hopper, the sm90 backend not
+    allowed or another backend forced, 16-bit q, softcap, sink, head dims, or shapes that
+    the 16-bit path's checks are left to refuse."""
+    if not (is_fp8(q) and is_fp8(k) and is_fp8(v)):
+        return "the fp8 kernel takes e4m3 q, k and v"
+    if not q.is_cuda:
+        return "the fp8 kernel needs CUDA tensors"
+    if sink is not None or softcap:
+        return "the fp8 kernel has no softcap or sink"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.device != q.device or \
+            v.device != q.device or k.shape[:-1] != v.shape[:-1] or \
+            k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
+        return "shapes for the 16-bit path's checks"
+    from ..runtime.dispatch import backend_names, forced_backend
+
+    if forced_backend() not in (None, "sm90") or "sm90" not in backend_names(q.device):
+        return "the sm90 backend does not run here"
+    from ..backends.sm90.fwd import host
+
+    return host.fp8_unsupported(*_rows(q, k, v), _dense_seq(q, k), None)
+
+
+def _rows(q, k, v):
+    """(total, heads, dim) views of dense (batch, seqlen, heads, dim) q, k, v."""
+    return tuple(t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]) for t in (q, k, v))
+
+
+def _dense_seq(q, k):
+    from ..core.params import SeqInfo
+
+    return SeqInfo.dense(q.shape[0], q.shape[1], k.shape[1], q.device)
+
+
+def kernel_forward(q, k, v, descales, softmax_scale, causal, window_size, softcap, sink):
+    """(out (batch, seqlen_q, nheads_q, dv) bf16, lse (nheads_q, batch * seqlen_q) fp32) of
+    flash_attn_func's dense fp8 call from the sm90 fp8 kernel, every descale applied; None
+    where `kernel_reason` names a reason (the caller then casts on the host).
+    check_inputs ran already."""
+    if kernel_reason(q, k, v, softcap, sink) is not None:
+        return None
+    from ..backends.sm90.fwd import host
+    from ..core.masks import normalize_window
+    from ..core.params import AttnParams
+
+    check.check_scalars(softmax_scale, window_size, softcap)
+    batch, seqlen_q, hq, d = q.shape
+    scale = 1.0 / d ** 0.5 if softmax_scale is None else float(softmax_scale)
+    params = AttnParams(scale, normalize_window(causal, window_size))
+    out, lse = host.forward_fp8(*_rows(q, k, v), _dense_seq(q, k), params, descales)
+    return out.view(batch, seqlen_q, hq, out.shape[-1]), lse
+
+
 def finish(result, v_descale, batch_of_row, out_dtype):
     """The entry point's result with v's descale applied to out and out cast to out_dtype."""
     out = result[0] if isinstance(result, tuple) else result
@@ -145,5 +202,6 @@ def rows_to_batch(cu_seqlens_q, total: int, batch: int):
     return torch.searchsorted(cu_seqlens_q[1:].long(), rows, right=True).clamp_(max=batch - 1)
 
 
-__all__ = ["ALL_FP8", "FP8", "check_inputs", "finish", "fold_q", "rewrite",
+__all__ = ["ALL_FP8", "FP8", "check_inputs", "finish", "fold_q", "kernel_forward",
+           "kernel_reason", "rewrite",
            "reads_e4m3", "rows_to_batch", "wanted"]

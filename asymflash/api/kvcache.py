@@ -13,7 +13,6 @@ its tiled forward (the cache is only as big as the CPU can hold anyway).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -220,7 +219,7 @@ def _remember(key, backend, q, spec, params, sink, num_splits, return_lse, unifo
     has no runner, and while a CUDA graph captures: the runner's first launch binds the
     compiled kernel, which belongs outside a capture). uniform_len: the length of
     cache_seqlens None / an int, or None for a lengths tensor. checks: the device checks
-    (cache_checks.checked with the call's geometry) the plan runs on every call, or None."""
+    (cache_checks.device_checks for the call's geometry) the plan runs on every call, or None."""
     make = getattr(backend, "decode_runner", None)
     if key is None or make is None or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
@@ -405,8 +404,9 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, pag
             if seqlen_new > capacity:
                 check._fail(ValueError, "k", f"appends {seqlen_new} tokens",
                             f"more than the cache's capacity of {capacity}")
-            checks = functools.partial(cache_checks.checked, geom=cache_checks.CacheGeometry(
-                seqlen_new, capacity, num_rows, page_size, k_cache.shape[0], seqlen_new > 0))
+            checks = cache_checks.device_checks(cache_checks.CacheGeometry(
+                seqlen_new, capacity, num_rows, page_size, k_cache.shape[0], seqlen_new > 0),
+                q.device, page_table, cache_batch_idx)
             seqlens, page_table, cache_batch_idx, cache_leftpad = checks(
                 seqlens, page_table=page_table, batch_idx=cache_batch_idx,
                 leftpad=cache_leftpad)

@@ -428,7 +428,8 @@ def main(argv: list | None = None) -> int:
                       "pass if max|x - ref| <= 2 * max|plain - ref| + 2^-10 * max|ref|, "
                       "plain = attention_ref(upcast=False) in the input dtype" + (
                           "; fp8: the reference and plain see the dequantised inputs "
-                          "(plain in bf16)" if fp8 else "")}
+                          "(plain in bf16, its P rounded to e4m3 before P·V as fp8 kernels run it)"
+                          if fp8 else "")}
 
     def checkpoint(partial: Run) -> None:
         write_outputs(out_dir, partial, env, dict(extra, partial=True), plots=False)

@@ -244,6 +244,7 @@ def _why(q, reasons: list) -> str:
 #         unsupported_flex's answer holds for the backward too)
 # The tiled torch module ("cpu") runs on every device, so it ends every device's list.
 _FLEX_MODULES = {
+    "sm90": "asymflash.backends.sm90.flex",  # forward only: its backward is the portable one
     "portable": "asymflash.backends.portable.flex",
     "cpu": "asymflash.backends.flex_torch",
 }

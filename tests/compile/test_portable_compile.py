@@ -114,12 +114,15 @@ def test_decode_kernel_builds_for_sm90(paged, leftpad):
 
 @pytest.mark.parametrize("paged", [True, False])
 def test_decode_kernel_builds_for_sm90_over_an_e4m3_cache(paged):
-    """The same kernel reading an fp8 cache (tiles widened to bf16 in registers) builds
-    with tensor-core instructions (sm_90a, triton 3.6: 31 local-memory instructions, paged
-    or contiguous, against the bf16 build's ~150); the bound is the bf16 build's. An sm_80
+    """The same kernel reading an fp8 cache (tiles widened to bf16 in registers,
+    `decode.widen`) builds with tensor-core instructions (sm_90a, triton 3.6, paged: 104
+    local-memory instructions, 4 of them in the key loop, the rest in the masked tail's
+    loop over the new keys, against the bf16 build's ~150); the bound is the bf16 build's,
+    and no instruction is left on the conversion pipe (`F2F`). An sm_80
     build fails (no e4m3 type before Ada): api/fp8.reads_e4m3 keeps such GPUs off it."""
     report = sass_report(_DECODE_BUILD, str(int(paged)), "0", "fp8")
     assert report["mma"] > 0, "no tensor-core instructions"
+    assert report["f2f"] == 0, report["f2f"]
     within_budget(report, report["local"], 199)
 
 
@@ -148,4 +151,25 @@ def test_dq_from_fragments_reads_whole_rows(width, cols):
     # d=256).
     rep = sass_report(_CONVERT, str(width), str(cols))
     assert rep["ldg128"] == width // 8 and rep["ldg32"] <= 2, rep  # (+2: the sequence bounds)
+    within_budget(rep, rep["local"], 0)
+
+
+_INDEX_CHECKS = _PRELUDE + r"""
+from asymflash.backends.portable.cache_checks import BLOCK, _check_kernel as fn
+
+pages, rows, pad, repeats = (a == "1" for a in sys.argv[1:5])
+cons = dict(HAS_PAGES=pages, HAS_ROWS=rows, HAS_PAD=pad, NO_REPEATS=repeats, BLOCK=BLOCK)
+sig = {arg: ("constexpr" if arg in cons else "*i32" if arg[0].isupper() or arg.endswith(
+    ("_in", "_out")) or arg == "ok" else "i32") for arg in fn.arg_names}
+kernel = triton.compile(ASTSource(fn, sig, cons), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": 2})
+"""
+
+
+@pytest.mark.parametrize("pages,rows,pad,repeats", [(1, 0, 0, 0), (1, 0, 1, 0), (0, 1, 1, 1),
+                                                    (1, 1, 1, 1)])
+def test_index_checks_build_for_sm90(pages, rows, pad, repeats):
+    """kvcache's one-launch index checks (backends/portable/cache_checks.py): a small kernel,
+    builds for sm_90a without local memory."""
+    rep = sass_report(_INDEX_CHECKS, str(pages), str(rows), str(pad), str(repeats))
     within_budget(rep, rep["local"], 0)

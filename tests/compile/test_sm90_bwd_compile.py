@@ -203,12 +203,19 @@ CONFIGS = [
     ({"head_dim": 64, "deterministic": True, "cfg": {"ws_persistent": True}}, 160),
     ({"head_dim": 64, "has_right": True, "deterministic": True,
       "cfg": {"ws_persistent": True}}, 224),
-    # 192/128: bwd_wide with the head dim in a 128- and a 64-wide piece (0 seen in each)
-    ({"head_dim": 192, "head_dim_v": 128}, 4),
-    ({"head_dim": 192, "head_dim_v": 128, "has_right": True}, 4),
-    ({"head_dim": 192, "head_dim_v": 128, "has_right": True, "deterministic": True}, 4),
+    # 192/128, the head dim in a 128- and a 64-wide piece: bwd_ws's 128-key tile by default
+    # (dK and dV hold 160 of 240 registers: the loops' loop-invariant scalars and MMA
+    # descriptors spill, 100 seen unmasked, 143 causal, 162 with a window), bwd_wide's
+    # 64-key one in deterministic mode and with softcap (0 seen in each)
+    ({"head_dim": 192, "head_dim_v": 128}, 128),
+    ({"head_dim": 192, "head_dim_v": 128, "has_right": True}, 176),
     ({"head_dim": 192, "head_dim_v": 128, "has_left": True, "has_right": True,
-      "uniform": False, "has_seqused": True}, 8),
+      "uniform": False, "has_seqused": True}, 200),
+    ({"head_dim": 192, "head_dim_v": 128, "has_right": True, "deterministic": True}, 4),
+    ({"head_dim": 192, "head_dim_v": 128, "has_right": True, "softcap": True}, 8),
+    ({"head_dim": 192, "head_dim_v": 128, "has_left": True, "has_right": True,
+      "uniform": False, "has_seqused": True,
+      "cfg": {"split_warpgroups": False, "block_n": 64, "stats_late": False}}, 8),
 ]
 
 
@@ -247,6 +254,8 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
                 # bwd.py's kernel)
                 in_loop = 160 if kw.get("has_right") else (
                     8 if cfg.ws_dq_warp and cfg.dq_fragment else 80)
+            if kw["head_dim"] == 192:  # (see CONFIGS) 49 seen in the step loops unmasked
+                in_loop = 176 if kw.get("has_right") else 128
         if _persistent(kw):
             # the tile loop spans prologue and epilogue: count the step loops' own (d=128 0
             # seen, 5 with the dQ warp; d=64 7 in its late warpgroup's, a step behind)
@@ -261,7 +270,8 @@ def test_bwd_compiles_with_hgmma_and_budgets(kw, max_local):
         # a load warp at 24 registers, two compute warpgroups at 240; dQ by two reduces
         # (each warpgroup's columns), dK and dV by two TMA stores each
         assert 240 in rep["maxnreg"] and 24 in rep["maxnreg"], rep
-        assert rep["tma_store"] >= 4 or kw.get("uniform") is False, rep
+        # (192: dK's 192-wide rows have no TMA box: stored by rows)
+        assert rep["tma_store"] >= 4 or kw.get("uniform") is False or kw["head_dim"] == 192, rep
     if _persistent(kw) and kw.get("deterministic"):  # the step loops' own (see CONFIGS)
         assert rep["step_loops"] == 2, rep
         allowed = (120 if kw["head_dim"] == 64 else 48) if kw.get("has_right") else (
@@ -721,29 +731,56 @@ def test_launch_plans_pass_every_constexpr(d, causal, det, softcap, seqlen):
     assert wanted <= set(plan.constexprs), wanted - set(plan.constexprs)
 
 
-# 192/128 (DeepSeek-V3's 128 + 64 rope / 128): its own build, the head dim in a 128- and a
-# 64-wide piece (attn_bwd_wide's PIECES), against the 256/128 build it replaces.
+# 192/128 (DeepSeek-V3's 128 + 64 rope / 128): its own builds, the head dim in a 128- and a
+# 64-wide piece, against the 256/128 build they replace.
+_WIDE_192 = {"split_warpgroups": False, "block_n": 64, "stats_late": False}
+
+
+def _mma_work(rep):
+    """sum(N x count) over the HGMMA instructions (each M=64, K=16)."""
+    return sum(int(k.split("x")[1]) * v for k, v in rep["hgmma_shapes"].items())
+
+
 def test_d192_build_runs_no_mma_on_zero_columns():
-    rep = compile_report(head_dim=192, head_dim_v=128, has_right=True, heads_axis=True)
-    ref = compile_report(head_dim=256, head_dim_v=128, has_right=True, heads_axis=True)
-    # per step (one 64 x 64 block; HGMMA M=64, K=16, N per warpgroup): Sᵀ 8 + 4 (K-steps
-    # over 128 + 64 columns) and dPᵀ 8 at N=32; dV 4 at N=64; dK and dQ 4 at N=64 (low
-    # piece) + 4 at N=32 (high piece). MMA work sum(N x count) 1664 vs 256/128's 2048
-    # (= 832 / 1024 units of the issue's count)
-    assert rep["hgmma_shapes"] == {"64x32x16": 28, "64x64x16": 12}, rep
+    wide = compile_report(head_dim=192, head_dim_v=128, has_right=True, heads_axis=True,
+                          cfg=_WIDE_192)
+    ref = compile_report(head_dim=256, head_dim_v=128, has_right=True, heads_axis=True,
+                         cfg={"stats_late": False})
+    # bwd_wide, per step (one 64 x 64 block; N per warpgroup): Sᵀ 8 + 4 (K-steps over 128
+    # + 64 columns) and dPᵀ 8 at N=32; dV 4 at N=64; dK and dQ 4 at N=64 (low piece) + 4 at
+    # N=32 (high piece). MMA work 1664 vs 256/128's 2048 (= 832 / 1024 units of the issue's
+    # count)
+    assert wide["hgmma_shapes"] == {"64x32x16": 28, "64x64x16": 12}, wide
     assert ref["hgmma_shapes"] == {"64x32x16": 24, "64x64x16": 12, "64x128x16": 4}, ref
-
-    def work(r):
-        return sum(int(k.split("x")[1]) * v for k, v in r["hgmma_shapes"].items())
-
-    assert (work(rep), work(ref)) == (1664, 2048)
-    assert rep["tma_load_3d"] >= 4 and rep["tma_reduce"] > 0 and rep["red"] == 0, rep
+    assert (_mma_work(wide), _mma_work(ref)) == (1664, 2048)
+    assert wide["tma_load_3d"] >= 4 and wide["tma_reduce"] > 0 and wide["red"] == 0, wide
     # dQ as row-major 64-column boxes (two 32-column TMA boxes each), no fragment order
-    assert rep["fp32_boxes"] == [[64, 32]], rep
-    assert rep["local"] == 0 and rep["regs"] <= 255, rep
+    assert wide["fp32_boxes"] == [[64, 32]], wide
+    assert wide["local"] == 0 and wide["regs"] <= 255, wide
     # the pieces take less shared memory than the zero columns did (K 24 KB, Q 2 x 24 KB,
     # beside a 16 KB staging tile of the high dQ piece)
-    assert rep["shared"] < ref["shared"] <= 227 * 1024, (rep["shared"], ref["shared"])
+    assert wide["shared"] < ref["shared"] <= 227 * 1024, (wide["shared"], ref["shared"])
+
+
+def test_d192_ws_build():
+    """bwd_ws's 192 build: each warpgroup 64 keys, no MMA on zero columns, MMAs at N >= 64."""
+    rep = compile_report(head_dim=192, head_dim_v=128, has_right=True, heads_axis=True)
+    # per step and warpgroup (64 keys x 64 query rows): Sᵀ 8 + 4 K-steps and dPᵀ 8 at N=64,
+    # dV 4 at N=128, dK 4 at N=128 (low piece) + 4 at N=64; dQ 64-column pieces of 8
+    # K-steps, two in warpgroup 0 (columns 0-127, one step late: once more after the loop),
+    # one in warpgroup 1. In the two loops: 2 x (8 + 4 + 8 + 4) + 3 x 8 = 72 at N=64, 16 at
+    # N=128; after them 16
+    assert rep["hgmma_shapes"] == {"64x64x16": 88, "64x128x16": 16}, rep
+    # a step's MMA work (64 x N x 16 per HGMMA) is its useful work, 64 query rows x 128 keys
+    # x (192 + 128 + 128 + 192 + 192) multiply-adds: none on zero columns
+    per_step = _mma_work(rep) - 16 * 64
+    assert per_step * 64 * 16 == 64 * 128 * (192 + 128 + 128 + 192 + 192)
+    assert rep["step_loops"] == 2 and 240 in rep["maxnreg"], rep
+    assert rep["tma_load_3d"] >= 4 and rep["tma_reduce"] > 0 and rep["red"] == 0, rep
+    assert rep["fp32_boxes"] == [[64, 32]], rep  # 64 x 64 fp32 dQ pieces, row-major
+    assert rep["regs"] <= 255 and rep["shared"] <= 227 * 1024, rep
+    assert rep["wgmma_serialized"] is not True, rep
+    within_budget(rep, rep["local_in_step_loops"], 112, "spills in the step loops (85 seen)")
 
 
 def test_d192_routing():
@@ -758,17 +795,20 @@ def test_d192_routing():
     assert widths(128, 128) == (128, 128) and widths(96, 96) == (128, 128)
     assert widths(64, 64) == (64, 64) and widths(256, 256) == (256, 256)
     assert bwd.piece_cols(192) == 64 and bwd.piece_cols(128) == 128
-    for det in (False, True):
+    for det, softcap in ((False, False), (True, False), (False, True)):
         for wr in (-1, 0):
-            plan = bwd.launch_plan(192, 128, 4096, 4096, True, False, -1, wr, False, det, 2,
+            plan = bwd.launch_plan(192, 128, 4096, 4096, True, False, -1, wr, softcap, det, 2,
                                    128, 132, None, hq=128)
             c = plan.constexprs
-            assert c["KIND"] == bwd.entry.KIND_WIDE and not plan.split, plan
+            ws = not (det or softcap)  # bwd_ws's 128-key tile, else bwd_wide's 64-key one
+            assert c["KIND"] == (bwd.entry.KIND_WS if ws else bwd.entry.KIND_WIDE), plan
+            assert plan.split == ws and not c["PERSISTENT"]
             assert (c["HEAD_DIM"], c["HEAD_DIM_V"], c["BLOCK_M"], c["BLOCK_N"]) == (
-                192, 128, 64, 64)
+                192, 128, 64, 128 if ws else 64)
             assert not (c["KV_TMA_STORE"] or c["DQ_IN_OPS"] or c["HI_LATE"] or plan.dq_fragment)
             assert plan.dq_block == (64, 64)
-            assert c["RELEASE_AT"] == 1  # warp 0 alone does not issue its reduces (config)
+            if det:
+                assert c["RELEASE_AT"] == 1  # warp 0 alone does not issue its reduces (config)
     with pytest.raises(ValueError, match="row-major"):
         bwd.select_config(192, replace(bwd.select_config(192), dq_fragment=True))
     with pytest.raises(ValueError, match="turn_release"):

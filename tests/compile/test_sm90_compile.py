@@ -32,6 +32,10 @@ CONFIGS = [
     {"head_dim": 128, "dtype": "float16", "has_right": True},
     {"head_dim": 128, "has_left": True, "has_right": True, "softcap": True, "has_sink": True,
          "uniform": False, "has_seqused": True},
+    # packed documents in order: tiles found by searching cu_seqlens (`sched.packed_tile`)
+    {"head_dim": 128, "has_right": True, "uniform": False, "cfg": {"lpt": False}},
+    {"head_dim": 64, "uniform": False, "cfg": {"lpt": False}},
+    {"head_dim": 256, "has_right": True, "uniform": False, "cfg": {"lpt": False}},
 ]
 
 
@@ -203,8 +207,9 @@ def test_output_leaves_through_a_tma_store(kw):
 def test_forward_widths_keep_a_narrow_v_narrow():
     from asymflash.backends.sm90.common import forward_widths
 
-    assert forward_widths(192, 128) == (256, 128)  # DeepSeek: V not padded to 256
-    assert forward_widths(256, 128) == (256, 128) and forward_widths(160, 96) == (256, 128)
+    # DeepSeek: V not padded to 256, q·k up to 192 on the 192 build (in pieces)
+    assert forward_widths(192, 128) == (192, 128) and forward_widths(160, 96) == (192, 128)
+    assert forward_widths(256, 128) == (256, 128) and forward_widths(200, 128) == (256, 128)
     assert forward_widths(96, 96) == (128, 128) and forward_widths(128, 64) == (128, 128)
     assert forward_widths(160, 160) == (256, 256) and forward_widths(200, 136) == (256, 256)
     assert forward_widths(64, 64) == (64, 64) and forward_widths(40, 40) is None
@@ -489,3 +494,202 @@ def test_persistent_launch_plan(d, causal, seqlen, batch):
         assert p.cfg.persistent is False and p.grid == p.num_tiles, kw
         assert p.cfg.consumer_wgs == 2
     assert plan(uniform=False).o_width == 32
+
+
+# d_qk 192 / d_v 128 (DeepSeek-V3's MLA prefill): its own build, Q and K as a 128- and a
+# 64-wide piece (FwdConsts.PIECES, 64-column TMA boxes), against the 256/128 build it
+# replaces (and which zero-filled columns 192-255).
+D192 = {"head_dim": 192, "head_dim_v": 128}
+
+
+def test_d192_build_runs_no_mma_on_zero_columns():
+    # On the same tile (64-key blocks, causal, 3-D boxes) each S = Q·Kᵀ is 12 HGMMA K-steps
+    # (8 over the 128-wide piece, 4 over the 64-wide one) where 256/128 issued 16; P·V the
+    # same. 7 issue sites of each (two warpgroups' code): S 84 vs 112, P·V 28 both; MMA work
+    # sum(N x count) 8960 vs 10752 (5/6: 192 + 128 against 256 + 128 columns per key).
+    kw = {"has_right": True, "heads_axis": True, "cfg": {"block_n": 64, "stages": 2}}
+    rep = compile_report(**D192, **kw)
+    ref = compile_report(head_dim=256, head_dim_v=128, **kw)
+    assert rep["hgmma_shapes"] == {"64x64x16": 84, "64x128x16": 28}, rep
+    assert ref["hgmma_shapes"] == {"64x64x16": 112, "64x128x16": 28}, ref
+
+    def work(r):
+        return sum(int(k.split("x")[1]) * v for k, v in r["hgmma_shapes"].items())
+
+    assert (work(rep), work(ref)) == (8960, 10752)
+    # the pieces take less shared memory than the zero columns did (Q 48 KB, K 24 KB a stage)
+    assert rep["shared"] < ref["shared"] - 60 * 1024, (rep["shared"], ref["shared"])
+    assert rep["tma_load_3d"] >= 3 and rep["local"] == 0, rep
+
+
+def test_d192_default_build():
+    # The default tile: 128-key blocks, 2 stages; every HGMMA 64x128x16 (S 12 K-steps, P·V 8,
+    # at 7 issue sites: 140), i.e. MMA work 17920 for 128 keys where 256/128 did 10752 for
+    # 64. wgmmas asynchronous (ptxas's verdict), no local memory, the warp_specialize
+    # budgets; Q 48 KB + K 96 KB + V 64 KB with O staged in Q's 128-wide piece.
+    rep = sass_report(_BUILD, json.dumps({**D192, "has_right": True}), ptxas=True)
+    assert rep["hgmma_shapes"] == {"64x128x16": 140}, rep
+    assert rep["wgmma_serialized"] is False, "ptxas serialised the wgmmas"
+    assert 240 in rep["maxnreg"] and 24 in rep["maxnreg"], rep
+    assert 208 * 1024 <= rep["shared"] <= 209 * 1024, rep
+    assert rep["tma_store"] >= 1, rep  # O staged in Q's buffer, stored by TMA
+    within_budget(rep, rep["local"], 0)
+
+
+# The 192 build across the kernel's features, and the budgets seen (sm_90a): none but on
+# the persistent grid, which keeps a few values of the tile loop in local memory (4 / 2
+# LDL+STL, none in the key loops; 12 with the tail skip, as d=256's 24), and in the 224 KB
+# of its turn-shared O tile.
+D192_VARIANTS = [
+    ({"has_right": True, "heads_axis": True}, 0),
+    ({"uniform": False, "has_seqused": True, "has_sink": True, "dtype": "float16"}, 0),
+    ({"has_left": True, "has_right": True}, 0),
+    ({"tma_store": False, "uniform": False}, 0),
+    # softcap takes 64-key blocks (fwd.SOFTCAP_FIELDS: 128-key ones spill 4, 10 with a
+    # window, sink and varlen)
+    ({"softcap": True, "has_left": True, "has_right": True, "has_sink": True,
+      "uniform": False, "has_seqused": True, "cfg": {"block_n": 64, "stages": 3}}, 0),
+    ({"has_right": True, "cfg": {"pingpong": True, "lpt": True}}, 0),
+    ({"has_right": True, "cfg": {"block_n": 64, "stages": 3, "tail_skip": True}}, 0),
+    ({"cfg": {"persistent": True}}, 4),
+    ({"has_right": True, "cfg": {"persistent": True, "lpt": True}}, 2),
+    ({"has_right": True, "cfg": {"persistent": True, "lpt": True, "pingpong": True}}, 2),
+    ({"has_right": True, "uniform": False, "has_seqused": True, "cfg": {"persistent": True}},
+     0),
+    ({"has_right": True, "cfg": {"block_n": 64, "stages": 3, "tail_skip": True,
+                                 "persistent": True, "lpt": True}}, 12),
+]
+
+
+@pytest.mark.parametrize("kw,max_local", D192_VARIANTS,
+                         ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items())
+                         if isinstance(x, dict) else str(x))
+def test_d192_variants_compile(kw, max_local):
+    rep = compile_report(**D192, **kw)
+    cfg = kw.get("cfg", {})
+    n = cfg.get("block_n", 128)
+    # S at N = block_n, P·V at N = 128
+    assert set(rep["hgmma_shapes"]) == {f"64x{n}x16", "64x128x16"}, rep
+    assert 240 in rep["maxnreg"] and 24 in rep["maxnreg"], rep
+    persistent = cfg.get("persistent", False)
+    assert rep["shared"] <= (224 if persistent else 208) * 1024 + 1024, rep
+    assert rep["tma_store"] >= (0 if kw.get("tma_store") is False else 1), rep
+    assert rep["local_in_step_loops"] == 0, rep
+    within_budget(rep, rep["local"], max_local)
+
+
+def test_d192_routing():
+    """Which build and config a 192/128 call's forward takes (`forward_widths`,
+    `launch_plan`), and the configs the build refuses."""
+    from asymflash.backends.sm90.common import piece_cols
+
+    assert piece_cols(192) == 64 and piece_cols(128) == 128 and piece_cols(256) == 256
+    assert fwd.forward_widths(136, 64) == (192, 128) and fwd.forward_widths(190, 126) == (
+        192, 128)
+    assert fwd.forward_widths(192, 192) == (256, 256)  # V wider than 128: 256/256
+
+    def plan(seqlen=4096, wr=-1, softcap=False, uniform=True, sink=False):
+        return fwd.launch_plan(192, 128, seqlen, seqlen, uniform, False, -1, wr, softcap,
+                               sink, 2, 128, 128, 132, None)
+
+    for kw, block_n, persistent, tail_skip in (
+            (dict(), 128, False, False),
+            (dict(seqlen=16384), 128, True, False),  # unmasked from 16k: as d=256
+            (dict(wr=0), 128, True, False),  # MLA prefill (causal 4k): persistent, LPT
+            (dict(wr=0, seqlen=1024), 64, True, True),  # short causal: as d=256
+            (dict(wr=0, softcap=True), 64, False, False),
+            (dict(softcap=True, uniform=False), 64, False, False),
+            (dict(sink=True), 128, False, False)):
+        p = plan(**kw)
+        c = p.constexprs
+        assert (c["HEAD_DIM"], c["HEAD_DIM_V"], c["BLOCK_N"]) == (192, 128, block_n), kw
+        assert c["STAGES"] == (2 if block_n == 128 else 3), kw
+        assert bool(c["PERSISTENT"]) is persistent and c["TAIL_SKIP"] is tail_skip, kw
+        assert c["Q_BUFS"] == 1 and c["NUM_WG"] == 2, kw  # no room for a second Q buffer
+    assert plan().o_width == 128 and plan(seqlen=4000).o_width == 32
+    base = fwd._DEFAULT_CONFIGS[192]
+    with pytest.raises(ValueError, match="q_buffers"):
+        fwd.check_config(replace(base, persistent=True, q_buffers=2), 192)
+    with pytest.raises(ValueError, match="256 keys"):
+        fwd.check_config(replace(base, stages=3), 192)
+    with pytest.raises(ValueError, match="consumer_wgs"):
+        fwd.check_config(replace(base, consumer_wgs=3, persistent=True), 192)
+    fwd.check_config(replace(base, block_n=64, stages=4, persistent=True), 192)
+
+
+# The fp8 forward (e4m3 q, k and Vᵀ, `host.forward_fp8`): every wgmma an e4m3 one (SASS
+# QGMMA...E4M3.E4M3), within the same register budgets, no local memory; P becomes the
+# e4m3 A operand in registers: its key loops hold no byte permutes (PRMT), no shuffles
+# across lanes other than the row max / sum butterflies, no shared-memory loads or stores,
+# and one fp16 -> e4m3 conversion per two elements of P (`epilogue.p_operand_fp8`).
+FP8_CONFIGS = [
+    {"head_dim": 128},
+    {"head_dim": 128, "has_right": True},
+    {"head_dim": 128, "has_left": True, "has_right": True},
+    {"head_dim": 128, "cfg": {"persistent": True, "q_buffers": 2}},
+    {"head_dim": 128, "has_right": True, "cfg": {"persistent": True, "lpt": True}},
+    {"head_dim": 128, "has_right": True, "cfg": {"block_n": 64, "stages": 3, "tail_skip": True,
+                                                 "persistent": True, "lpt": True}},
+    {"head_dim": 64},
+    {"head_dim": 64, "has_right": True, "cfg": {"persistent": True, "lpt": True}},
+    # d=256: 64-key blocks, O staged in a tile of its own (`epilogue.o_staging`)
+    {"head_dim": 256, "cfg": {"block_n": 64}},
+    {"head_dim": 256, "has_right": True, "cfg": {"block_n": 64}},
+]
+
+
+@pytest.mark.parametrize("kw", FP8_CONFIGS,
+                         ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_fp8_compiles_to_e4m3_wgmma_without_data_movement(kw):
+    rep = compile_report(dtype="float8_e4m3fn", **kw)
+    assert rep["qgmma_e4m3"] > 0 and rep["hgmma"] == 0, rep
+    assert 240 in rep["maxnreg"] and 24 in rep["maxnreg"], rep
+    assert rep["shared"] <= 227 * 1024
+    ops = rep["step_ops"]
+    assert rep["step_loops"] > 0 and all(op.startswith("QGMMA") or "GMMA" not in op
+                                         for op in ops), ops
+    moved = {op: n for op, n in ops.items()
+             if op.split(".")[0] in ("PRMT", "LDS", "STS", "LDSM", "STSM")
+             or op.startswith("SHFL.IDX")}
+    assert not moved, moved
+    # per key block: the P operand's conversions, 1 per 2 elements of a 64 x BLOCK_N tile
+    # per 128 threads, and as many fp32 -> fp16x2 packs
+    block_n = kw.get("cfg", {}).get("block_n", 128)
+    per_step = 64 * block_n // 128 // 2
+    cvt = ops.get("F2FP.SATFINITE.E4M3.F16.UNPACK_B_MERGE_C", 0)
+    assert cvt > 0 and cvt % per_step == 0, ops
+    assert ops.get("F2FP.F16.F32.PACK_AB", 0) == cvt, ops
+    within_budget(rep, rep["local"], 0)
+
+
+def test_fp8_three_warpgroups_compile_but_are_not_planned():
+    # Three warpgroups taking turns (d=64's long-sequence plan at 16 bits, 160 registers
+    # each) build for fp8 too, but keep values in local memory inside the key loops (6
+    # local-memory instructions, 4 of them in the key loops, sm_90a): fp8 plans two.
+    rep = compile_report(dtype="float8_e4m3fn", head_dim=64,
+                         cfg={"persistent": True, "consumer_wgs": 3, "q_buffers": 1,
+                              "pingpong": True})
+    assert rep["qgmma_e4m3"] > 0 and 160 in rep["maxnreg"], rep
+    Budgets(rep).check(rep["local"], 6).check(
+        rep["local_in_step_loops"], 4, "local-memory instructions in the key loops").verdict()
+    plan = fwd.launch_plan(64, 64, 16384, 16384, True, False, -1, -1, False, False, 2, 16, 16,
+                           132, None, fwd.NO_TRICKS, True)
+    assert plan.cfg.consumer_wgs == 2, plan.cfg
+
+
+def test_fp8_build_keeps_wgmmas_asynchronous():
+    # The e4m3 P operand is no dependency of the P·V wait (`kernel._wait_pv`): ptxas must
+    # keep its registers itself, without serialising the wgmmas.
+    rep = sass_report(_BUILD, json.dumps({"head_dim": 128, "dtype": "float8_e4m3fn",
+                                          "has_right": True}), ptxas=True)
+    assert rep["wgmma_serialized"] is False, "ptxas serialised the fp8 wgmmas"
+
+
+def test_fp8_configs_refused_where_not_built():
+    with pytest.raises(ValueError, match="head dims"):
+        fwd.check_config(fwd.FwdConfig(), 96, fp8=True)
+    with pytest.raises(ValueError, match="rescale_threshold"):
+        fwd.check_config(fwd.FwdConfig(rescale_threshold=8.0), 128, fp8=True)
+    plan = fwd.launch_plan(128, 128, 16384, 16384, True, False, -1, -1, False, False, 2, 16,
+                           16, 132, None, fwd.NO_TRICKS, True)
+    assert plan.constexprs["FP8"] and plan.constexprs["RESCALE_THRESHOLD"] == 0.0

@@ -612,10 +612,11 @@ def test_sm90_backward_dq_atomics_repeatable_within_tolerance():
     assert max_err(a[0], b[0]) <= 2e-2 * max(1.0, a[0].float().abs().max().item())
 
 
-# DeepSeek-V3-style 192/128 (128 + 64 rope / 128) at training sizes: the 192 build
-# (`attn_bwd_wide`'s pieces) over many key blocks and steps, GQA, causal and not, lengths
-# that do and do not fill whole 64-row blocks, varlen, and deterministic mode (bitwise
-# repeats as well as the reference).
+# DeepSeek-V3-style 192/128 (128 + 64 rope / 128) at training sizes: the 192 builds (the
+# head dim in a 128- and a 64-wide piece; bwd_ws's 128-key tile, bwd_wide's 64-key one in
+# deterministic mode and with softcap) over many key blocks and steps, GQA, causal and not,
+# lengths that do and do not fill whole 64-row and 128-key blocks, varlen, and
+# deterministic mode (bitwise repeats as well as the reference).
 D192_CASES = [
     dict(name="d192-b2-4096-causal", lens_q=[4096] * 2, lens_k=[4096] * 2, hq=16, hkv=16,
          d=192, dv=128, window=(-1, 0)),
@@ -638,6 +639,8 @@ D192_CASES = [
          dv=64, window=(-1, 0), dtype=torch.float16),
     dict(name="d192-local", lens_q=[900], lens_k=[900], hq=4, hkv=2, d=192, dv=128,
          window=(200, 50)),
+    dict(name="d192-softcap-causal-gqa", lens_q=[203] * 2, lens_k=[203] * 2, hq=4, hkv=2,
+         d=192, dv=128, window=(-1, 0), softcap=30.0),
 ]
 
 
@@ -646,9 +649,11 @@ D192_CASES = [
 def test_sm90_backward_d192_matches_reference(case):
     from asymflash.backends.sm90.bwd import host as bwd
 
-    assert bwd_width(case) == 192 and bwd.launch_plan(
-        192, 128, max(case["lens_q"]), max(case["lens_k"]), True, False, -1, -1, False,
-        False, 1, case["hkv"], 132, None).constexprs["KIND"] == bwd.entry.KIND_WIDE
+    det, softcap = case.get("deterministic", False), case.get("softcap", 0.0) > 0
+    kind = bwd.launch_plan(192, 128, max(case["lens_q"]), max(case["lens_k"]), True, False, -1,
+                           -1, softcap, det, 1, case["hkv"], 132, None).constexprs["KIND"]
+    assert bwd_width(case) == 192
+    assert kind == (bwd.entry.KIND_WIDE if det or softcap else bwd.entry.KIND_WS)
     for name, (g, r32, rlow, atol) in run_case(case).items():
         assert g.shape == r32.shape, name
         assert_fa_close(name, g, r32, rlow, atol=atol)

@@ -151,9 +151,9 @@ def test_sm90_forward_matches_reference(case):
 
 
 # Head dims the kernel runs zero-padded (fwd.forward_widths): 96 -> 128, 80 -> 128,
-# 128/64 -> 128, 160 -> 256, 192/128 -> 256/128, through (rows, heads, dim) TMA descriptors
-# that zero-fill the missing columns; 100 (not a multiple of 8, only reachable by calling
-# the backend directly) from zero-padded copies.
+# 128/64 -> 128, 160 -> 256, through (rows, heads, dim) TMA descriptors that zero-fill the
+# missing columns; 100 (not a multiple of 8, only reachable by calling the backend directly)
+# from zero-padded copies. 192/128 runs its own build (D192_CASES below).
 PADDED_CASES = [
     # (batch, sq, sk, hq, hkv, d, dv, dtype, window, softcap, sink, varlen)
     (2, 1000, 1000, 4, 2, 96, 96, torch.bfloat16, (-1, 0), 0.0, False, False),
@@ -346,3 +346,177 @@ def test_sm90_forward_tail_skip_matches_reference(case, persistent):
     _forward_case_matches(
         case, lambda cfg: replace(cfg, **fwd.SHORT_MASKED[d][1], persistent=persistent),
         bitwise=True)
+
+
+# Packed documents on the plain grid in order: each CTA finds its document by searching
+# cu_seqlens_q (`sched.packed_tile`: every stride-th document, then the ones between; more
+# than 128 documents take both levels), the grid sized by the total rows
+# (`host.packed_grid`). Lengths skewed, some empty; the packed rows start past row 0 and end
+# before the tensor does (rows no sequence owns are not compared).
+PACKED_DOC_CASES = [
+    # (documents, seed, d, window, different key lengths)
+    (300, 0, 128, (-1, 0), False),
+    (129, 1, 64, (-1, -1), True),
+    (130, 2, 256, (100, 50), True),
+    (7, 3, 128, (-1, 0), True),
+]
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", PACKED_DOC_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_sm90_forward_packed_documents_find_their_tiles(case):
+    from asymflash.backends.sm90.fwd import host as fwd
+
+    docs, seed, d, window, own_keys = case
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hq, hkv = 4, 2
+
+    def lengths():
+        lens = (torch.randn(docs, generator=g, device="cuda") * 1.2).exp() * 150
+        lens = lens.int().clamp(0, 1500)
+        lens[torch.randint(0, docs, (max(docs // 20, 1),), generator=g, device="cuda")] = 0
+        return lens
+
+    lens_q = lengths()
+    lens_k = lengths() if own_keys else lens_q
+    lead, trail = 5, 7
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"),
+                      lens_q.cumsum(0).int()]) + lead
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"),
+                      lens_k.cumsum(0).int()])
+    seq = SeqInfo(cu_q, cu_k, int(lens_q.max()), int(lens_k.max()), None, False)
+    total_q, total_k = int(cu_q[-1]) + trail, max(int(cu_k[-1]), 1)
+    q = torch.randn(total_q, hq, d, generator=g, device="cuda").to(torch.bfloat16)
+    k = torch.randn(total_k, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    v = torch.randn(total_k, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(*window))
+    plan = fwd.launch_plan(d, d, seq.max_seqlen_q, seq.max_seqlen_k, False, False, *window,
+                           False, False, docs, hq, hkv, 132, None)
+    assert not (plan.constexprs["LPT"] or plan.constexprs["PERSISTENT"]), plan
+    assert fwd.packed_grid(plan, total_q, docs, hq) == hq * (total_q // 128 + docs)
+    out_err, lse_err, tol = check_forward(fwd, q, k, v, seq, params,
+                                          q_rows=(lead, total_q - trail))
+    assert out_err <= tol, (out_err, tol)
+    assert lse_err <= 1e-3, lse_err
+
+
+# d_qk 192 / d_v <= 128 (DeepSeek-V3's MLA prefill): the 192/128 build (fwd.forward_widths),
+# Q and K as a 128- and a 64-wide piece read as 64-column TMA boxes, S from two wgmmas into
+# one accumulator, O staged in Q's 128-wide piece (plain grid) or in one turn-shared tile
+# (persistent grid). lens: "dense", or (lens_q, lens_k) of packed sequences.
+D192_CASES = [
+    # (batch, sq, sk, hq, hkv, d, dv, dtype, window, softcap, sink, lens)
+    (2, 1024, 1024, 8, 8, 192, 128, torch.bfloat16, (-1, -1), 0.0, False, "dense"),
+    (2, 1024, 1024, 8, 8, 192, 128, torch.bfloat16, (-1, 0), 0.0, False, "dense"),
+    # GQA, more keys than queries, ragged last tiles (the default takes 64-key blocks and the
+    # tail skip up to 1k causal rows)
+    (2, 777, 900, 8, 2, 192, 128, torch.float16, (-1, 0), 0.0, False, "dense"),
+    (3, 203, 113, 4, 1, 192, 128, torch.bfloat16, (-1, 0), 0.0, False, "dense"),
+    # 64 rows: the second warpgroup has none (O staged in Q: nothing stored from it)
+    (4, 64, 64, 4, 1, 192, 128, torch.bfloat16, (-1, 0), 0.0, False, "dense"),
+    # short GQA queries, packed (fwd.packs_gqa): a group's 8 q heads as rows of one tile
+    (3, 16, 1000, 16, 2, 192, 128, torch.bfloat16, (-1, -1), 0.0, False, "dense"),
+    # many tiles per CTA on the persistent grid (ring positions and Q parities carry over)
+    (8, 1024, 1024, 32, 8, 192, 128, torch.bfloat16, (-1, 0), 0.0, False, "dense"),
+    (2, 2048, 2048, 16, 16, 192, 128, torch.bfloat16, (-1, -1), 0.0, False, "dense"),
+    # packed sequences of odd lengths, an empty key sequence
+    (4, 0, 0, 4, 2, 192, 128, torch.bfloat16, (-1, 0), 0.0, False,
+     ([1, 17, 113, 203], [17, 1, 203, 113])),
+    (4, 0, 0, 4, 4, 192, 128, torch.bfloat16, (-1, -1), 0.0, False,
+     ([203, 113, 17, 1], [113, 0, 1, 203])),
+    # windows, softcap (64-key blocks: fwd.SOFTCAP_FIELDS) and a sink
+    (2, 640, 900, 8, 2, 192, 128, torch.bfloat16, (100, 50), 0.0, False, "dense"),
+    (2, 640, 640, 4, 4, 192, 128, torch.bfloat16, (-1, 0), 30.0, True, "dense"),
+    (4, 0, 0, 4, 2, 192, 128, torch.float16, (40, 9), 15.0, True,
+     ([1, 17, 113, 203], [17, 33, 203, 113])),
+    # head dims run on the 192 build zero-padded: 160/128 and 136/64 through 3-D boxes that
+    # zero-fill the 64-wide piece (and V), 190/126 from zero-padded copies
+    (2, 640, 640, 4, 2, 160, 128, torch.bfloat16, (-1, 0), 0.0, False, "dense"),
+    (2, 300, 500, 4, 4, 136, 64, torch.bfloat16, (-1, -1), 0.0, True, "dense"),
+    (2, 333, 333, 2, 1, 190, 126, torch.bfloat16, (-1, 0), 0.0, False, "dense"),
+    (4, 0, 0, 4, 2, 160, 128, torch.bfloat16, (-1, 0), 0.0, False,
+     ([1, 17, 113, 203], [17, 1, 203, 113])),
+]
+
+
+def _d192_inputs(case):
+    batch, sq, sk, hq, hkv, d, dv, dtype, window, softcap, use_sink, lens = case
+    if lens == "dense":
+        q, k, v, seq = make_inputs(batch, sq, sk, hq, hkv, d, dv, dtype)
+    else:
+        g = torch.Generator(device="cuda").manual_seed(sum(lens[0]) + d)
+        cu = [torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
+                           device="cuda") for n in lens]
+        seq = SeqInfo(cu[0], cu[1], max(lens[0]), max(lens[1]), None, False)
+        tq, tk = sum(lens[0]), max(sum(lens[1]), 1)
+        q = torch.randn(tq, hq, d, generator=g, device="cuda").to(dtype)
+        k = torch.randn(tk, hkv, d, generator=g, device="cuda").to(dtype)
+        v = torch.randn(tk, hkv, dv, generator=g, device="cuda").to(dtype)
+    params = AttnParams(softmax_scale=d ** -0.5, mask=MaskSpec(*window), softcap=softcap)
+    sink = torch.randn(hq, device="cuda") if use_sink else None
+    return q, k, v, seq, params, sink
+
+
+def _d192_ids(c):
+    return "-".join(map(str, c)).replace("torch.", "").replace(" ", "")
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("grid", ["default", "plain-grid", "persistent", "plain-pingpong",
+                                  "persistent-pingpong", "tail-skip", "persistent-tail-skip"])
+@pytest.mark.parametrize("case", D192_CASES, ids=_d192_ids)
+def test_sm90_forward_d192_matches_reference(case, grid):
+    # The default config of each call (`launch_plan`), and both grids forced, with and
+    # without ping-pong, and 64-key blocks with the tail skip (fwd.SHORT_MASKED[192]): the
+    # forced variants ten times more, for the same bits (a ring slot or Q piece refilled
+    # while a warpgroup still read it would show as a change).
+    from dataclasses import replace
+
+    from asymflash.backends.sm90.fwd import host as fwd
+
+    q, k, v, seq, params, sink = _d192_inputs(case)
+    d, dv = case[5], case[6]
+    assert fwd.forward_widths(d, dv) == (192, 128)
+    flags = grid.split("-")
+    cfg = None
+    if grid != "default":
+        if "tail" in flags and params.mask.window_right < 0:
+            pytest.skip("the tail skip needs a right bound")
+        cfg = replace(fwd.select_config(192, 128, params), persistent="persistent" in flags,
+                      pingpong="pingpong" in flags)
+        if "tail" in flags:
+            cfg = replace(cfg, **fwd.SHORT_MASKED[192][1])
+    before = [t.clone() for t in (q, k, v)]
+    out_err, lse_err, tol = check_forward(fwd, q, k, v, seq, params, sink, cfg=cfg)
+    assert out_err <= tol, (out_err, tol)
+    assert lse_err <= 1e-3, lse_err
+    out, lse = fwd.forward(q, k, v, seq, params, sink, cfg=cfg)
+    assert out.shape == (q.shape[0], q.shape[1], dv) and out.is_contiguous()
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))  # inputs untouched
+    if cfg is not None:
+        for _ in range(10):
+            again = fwd.forward(q, k, v, seq, params, sink, cfg=cfg)
+            assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_forward_d192_through_the_api(causal):
+    """flash_attn_func with DeepSeek-V3's head dims (192/128) on the sm90 backend: the
+    planned call (`forward_runner`, a bound launch from the third call) against the
+    reference, strided q and k (views of one buffer, as a fused projection leaves them)."""
+    from helpers import assert_fa_close, reference_pair
+
+    from asymflash import flash_attn_func
+    from asymflash.runtime.dispatch import use_backend
+
+    torch.manual_seed(192 + causal)
+    qk = torch.randn(2, 1000, 2, 8, 192, device="cuda", dtype=torch.bfloat16)
+    q, k = qk.unbind(2)
+    v = torch.randn(2, 1000, 8, 128, device="cuda", dtype=torch.bfloat16)
+    out32, outlow = (r[0] for r in reference_pair(q, k, v, None, causal=causal))
+    with use_backend("sm90"):
+        for _ in range(3):
+            out = flash_attn_func(q, k, v, causal=causal)
+            assert out.shape == (2, 1000, 8, 128)
+            assert_fa_close("out", out, out32, outlow, atol=2e-3)

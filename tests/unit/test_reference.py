@@ -90,3 +90,29 @@ def test_fully_masked_rows_are_zero_not_nan():
     out, lse = attention_ref(q, k, v, causal=True)
     assert torch.all(out[0, :3] == 0) and torch.all(lse[0, :, :3] == float("-inf"))
     assert torch.isfinite(out).all()
+
+
+def test_p_dtype_rounds_the_scaled_weights_to_e4m3():
+    """attention_ref(p_dtype=e4m3) against the same steps written out: the weights of each row
+    scaled so its largest is 256, rounded through fp16 to e4m3, P·V over the unrounded sum;
+    and it is off the exact result by more than the bf16 baseline (what it is for)."""
+    torch.manual_seed(7)
+    q, k, v = (torch.randn(2, s, h, 40) for s, h in ((17, 6), (113, 2), (113, 2)))
+    got, _ = attention_ref(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True,
+                           upcast=False, p_dtype=torch.float8_e4m3fn)
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    kb, vb = kb.repeat_interleave(3, dim=2), vb.repeat_interleave(3, dim=2).float()
+    # the scores as the bf16 baseline forms them (a bf16 product), then fp32
+    s = torch.einsum("bqhd,bkhd->bhqk", qb, kb).float() * 40 ** -0.5
+    rows, cols = torch.arange(17)[:, None], torch.arange(113)[None, :]
+    s = s.masked_fill(cols > rows + 113 - 17, float("-inf"))
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    p8 = (p * 256).half().to(torch.float8_e4m3fn).float() / 256
+    want = torch.einsum("bhqk,bkhd->bqhd", (p8 / p.sum(-1, keepdim=True)).bfloat16().float(),
+                        vb)
+    assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max()
+    exact, _ = attention_ref(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True,
+                             compute_dtype=torch.float64)
+    plain, _ = attention_ref(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True,
+                             upcast=False)
+    assert (got.double() - exact).abs().max() > 2 * (plain.double() - exact).abs().max()

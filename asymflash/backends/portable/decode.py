@@ -29,6 +29,7 @@ once: in the kernel without splits, in the merge with them.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,52 @@ def num_splits_heuristic(tiles: int, key_blocks: int, sms: int,
     want = per_sm * sms // tiles
     most = max(1, key_blocks // MIN_BLOCKS_PER_SPLIT)
     return max(1, min(want, most, MAX_SPLITS))
+
+
+# e4m3 -> bf16, four bytes of $2 to two bf16 pairs $0, $1 (`widen`): bytes 0, 1 (then 2,
+# 3) go to the high bytes of two 16-bit lanes (prmt); shifted right by 4, with the sign
+# that lands on bit 11 cleared, their exponent and mantissa bits sit where bf16's do; each
+# lane's top bit, the sign, comes from before the shift (lop3 0xE4: w where c, else t);
+# then times 2^120 (0x7B80 in bf16).
+WIDEN_E4M3_PTX = tl.constexpr("""{
+    .reg .b32 w, t, c, k;
+    mov.b32 c, 0x80008000;
+    mov.b32 k, 0x7B807B80;
+    prmt.b32 w, $2, 0, 0x1404;
+    shr.b32 t, w, 4;
+    and.b32 t, t, 0x07FF07FF;
+    lop3.b32 $0, w, t, c, 0xE4;
+    mul.rn.bf16x2 $0, $0, k;
+    prmt.b32 w, $2, 0, 0x3424;
+    shr.b32 t, w, 4;
+    and.b32 t, t, 0x07FF07FF;
+    lop3.b32 $1, w, t, c, 0xE4;
+    mul.rn.bf16x2 $1, $1, k;
+}""")
+# The interpreter runs no PTX: there `widen` takes the same bit steps as tensor ops.
+_WIDEN_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
+@triton.jit
+def widen(x, dtype: tl.constexpr):
+    """A cache tile in q's dtype. e4m3 to bf16 without the conversion pipe, where `.to`
+    takes two conversions per value (e4m3 -> f16 -> bf16; 384 per thread per 128-key block
+    of the sm_90a decode): a byte's sign at bf16's sign bit and its exponent and mantissa
+    bits 4 places up are the value times 2^-120, subnormals included, so one multiply by
+    2^120 finishes it. The NaN bytes (0x7f, 0xff) read as +-480. Compiled:
+    `WIDEN_E4M3_PTX`, five instructions per two values (tests/unit/test_fp8_widen.py runs
+    it on every byte; the same steps as tensor ops, the interpreter's form below, took 40 %
+    more instructions in the key loop). Not yet timed: see docs/tuning.md for why it may
+    not pay (the loop may be bound by issue, not by the conversion pipe)."""
+    if x.dtype == tl.float8e4nv and dtype == tl.bfloat16:
+        if _WIDEN_PTX:
+            return tl.inline_asm_elementwise(WIDEN_E4M3_PTX, "=r,=r,r", [x],
+                                             dtype=tl.bfloat16, is_pure=True, pack=4)
+        b = x.to(tl.uint8, bitcast=True).to(tl.uint16)
+        bits = ((b & 0x80) << 8) | ((b & 0x7F) << 4)
+        scaled = bits.to(tl.bfloat16, bitcast=True).to(tl.float32) * 1.329227995784916e36
+        return scaled.to(tl.bfloat16)  # (times 2^120: exact)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -264,7 +311,7 @@ def decode_kernel(
             k = tl.load(k_base + k_off[:, None] + offs_d[None, :], mask=d_ok, other=0.0)
         # An e4m3 cache widens exactly to q's dtype here (descales are folded into q and
         # out by api/fp8.py); a no-op for a 16-bit cache.
-        k = k.to(q.dtype)
+        k = widen(k, q.dtype)
         s, _ = log2_scores(dot(q, tl.trans(k), None), softmax_scale, softcap, SOFTCAP)
         if LEFT or RIGHT:
             ok = tile_valid(pos, cols, seqlen_q, seqlen_k, window_left, window_right, LEFT,
@@ -275,7 +322,7 @@ def decode_kernel(
             v = tl.load(v_base + v_off[:, None] + offs_dv[None, :])
         else:
             v = tl.load(v_base + v_off[:, None] + offs_dv[None, :], mask=dv_ok, other=0.0)
-        v = v.to(q.dtype)
+        v = widen(v, q.dtype)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
 
     # The last partial block of the cache and the new keys: masked, from either source.
@@ -294,7 +341,7 @@ def decode_kernel(
                     mask=in_cache[:, None] & d_ok, other=0.0)
         v = tl.load(v_base + v_off[:, None] + offs_dv[None, :],
                     mask=in_cache[:, None] & dv_ok, other=0.0)
-        k, v = k.to(q.dtype), v.to(q.dtype)
+        k, v = widen(k, q.dtype), widen(v, q.dtype)
         if HAS_NEW:
             is_new = (cols >= cache_len) & (cols < seqlen_k)
             j = tl.maximum(cols - cache_len, 0).to(tl.int64)
@@ -304,8 +351,8 @@ def decode_kernel(
             v_new = tl.load(V_NEW + b64 * stride_nvb + kv_head * stride_nvh
                             + j[:, None] * stride_nvt + offs_dv[None, :],
                             mask=is_new[:, None] & dv_ok, other=0.0)
-            k = tl.where(is_new[:, None], k_new.to(q.dtype), k)
-            v = tl.where(is_new[:, None], v_new.to(q.dtype), v)
+            k = tl.where(is_new[:, None], widen(k_new, q.dtype), k)
+            v = tl.where(is_new[:, None], widen(v_new, q.dtype), v)
         s, _ = log2_scores(dot(q, tl.trans(k), None), softmax_scale, softcap, SOFTCAP)
         ok = tile_valid(pos, cols, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT)
         s = tl.where(ok, s, float("-inf"))

@@ -241,9 +241,11 @@ def emit_source(root, fn_name: str = "mod") -> str:
     em = _Emitter()
     result = em.value(root)
     body = "\n".join(em.lines)
-    ret = f"tl.broadcast_to({result}, inb.shape)"
+    # A select on inb broadcasts a scalar or a row / column to the tile in inb's layout
+    # (the Gluon kernels' tiles carry one; tl.full and tl.broadcast_to of a scalar have none)
+    ret = f"tl.where(inb, {result}, {result})"
     if isinstance(root, Const):  # a constant mod (e.g. a mask that keeps everything)
-        ret = f"tl.full(inb.shape, {result}, {_TL_DTYPES[root.dtype]})"
+        ret = f"tl.where(inb, {result}, {result}).to({_TL_DTYPES[root.dtype]})"
     args = "b, h, q_idx, kv_idx, inb, C"
     if root.dtype != torch.bool:
         args = "score, " + args

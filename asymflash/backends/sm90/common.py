@@ -119,12 +119,15 @@ LN2 = 0.6931471805599453
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # compiled widths: tensor shapes are powers of two
 
 GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-SIG_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# e4m3 tiles exist for the fp8 forward only (`fwd/host.py`, `forward_fp8`): kept out of
+# GL_DTYPES, which is what `hopper_input_reason` accepts for every kernel.
+TILE_DTYPES = {**GL_DTYPES, torch.float8_e4m3fn: "float8e4nv"}
+SIG_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv"}
 
 
 @functools.lru_cache(maxsize=None)
 def _smem_layout_cached(block: tuple, dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, GL_DTYPES[dtype]))
+    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, TILE_DTYPES[dtype]))
 
 
 def smem_layout(block, dtype):
@@ -289,16 +292,31 @@ def kernel_head_dim(d: int, dv: int) -> int | None:
     return 128 if width <= 128 else 256
 
 
+# The q·k head dim of the builds that hold it as two pieces, a 128-wide one and this much
+# more (Gluon's tensors are powers of two): DeepSeek-V3's 192 (128 + 64 rope) beside a V of
+# at most 128, with q and k read as 64-column TMA boxes (`piece_cols`), so no MMA runs on the
+# zero columns a 256-wide build would carry.
+PIECE_HI = 64
+
+
 def forward_widths(d: int, dv: int) -> tuple[int, int] | None:
-    """(head dim, head dim of V) of the forward kernel that computes (d, dv), or None.
+    """(head dim, head dim of V) of the kernels (forward and backward) that compute (d, dv),
+    or None.
 
     kernel_head_dim's width on both sides, except that a V of at most 128 next to a wider
-    q·k (DeepSeek's 192/128) runs the 256/128 kernel: padding V to 256 would double the P·V
-    work for nothing."""
+    q·k runs a build with a 128-wide V (padding V to 256 would double the P·V work for
+    nothing): 192/128 (q and k in pieces, `PIECE_HI`) where q·k is at most 192 wide
+    (DeepSeek-V3's 192/128), 256/128 above."""
     width = kernel_head_dim(d, dv)
     if width == 256 and dv <= 128 and d != dv:
-        return 256, 128
+        return (128 + PIECE_HI if d <= 128 + PIECE_HI else 256), 128
     return None if width is None else (width, width)
+
+
+def piece_cols(width: int) -> int:
+    """Columns of a q / k box at kernel head dim `width`: the whole head, or at 192 the
+    64-column piece (three per head; TMA boxes are powers of two)."""
+    return PIECE_HI if width == 128 + PIECE_HI else width
 
 
 def pad_head_dim(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -396,6 +414,48 @@ if GLUON_ERROR is None:
                                                             desc.layout), pred=pred)
         else:
             tma_load(desc, [row, head * WIDTH], bar, dst, pred=pred)
+
+    # Kernel head dim 192 (`PIECE_HI`): q and k as a 128-wide and a 64-wide piece, each
+    # head read as three 64-column TMA boxes (`piece_cols`).
+    PIECE = gl.constexpr(PIECE_HI)
+
+    @gluon.jit
+    def piece_col(head, col, WIDTH: gl.constexpr):
+        """Column of a 64-column piece at `col` of head `head` in a (rows, heads·WIDTH)
+        tensor: head·WIDTH + col (the q and k boxes of `copy_piece`, the backward's dQ
+        pieces' reduces)."""
+        return head * WIDTH + col
+
+    @gluon.jit
+    def copy_piece(desc, row, head, col, WIDTH: gl.constexpr, bar, dst, pred):
+        """TMA-load the 64-column box at column `col` of head `head`, rows [row, row + box),
+        into dst [box, 64]: `copy_rows` for one piece of a head (a (rows, heads, dim) box
+        zero-fills columns past dim, as there)."""
+        if heads_axis(desc.block_shape):
+            tma_load(desc, [row, head, col], bar,
+                     dst._reinterpret(desc.dtype, desc.block_shape, desc.layout), pred=pred)
+        else:
+            tma_load(desc, [row, piece_col(head, col, WIDTH)], bar, dst, pred=pred)
+
+    @gluon.jit
+    def load_pieces(desc, lo, hi, bar, row, head, ROWS: gl.constexpr, WIDTH: gl.constexpr,
+                    pred):
+        """TMA-load rows [row, row + ROWS) of head `head` (WIDTH = 192 columns) as three
+        64-column boxes: columns 0-127 into `lo` [ROWS, 128] (its two 128-byte swizzle
+        column blocks, which lie one after the other: NVMMA tiles wider than their swizzle
+        are stored block by block), 128-191 into `hi` [ROWS, 64]. Arrives on `bar` with the
+        bytes of all three (`expect` here)."""
+        mbarrier.expect(bar, 3 * desc.block_type.nbytes, pred=pred)
+        copy_pieces(desc, lo, hi, bar, row, head, ROWS, WIDTH, pred)
+
+    @gluon.jit
+    def copy_pieces(desc, lo, hi, bar, row, head, ROWS: gl.constexpr, WIDTH: gl.constexpr,
+                    pred):
+        """`load_pieces` without the `expect` (the caller's covers these bytes)."""
+        halves = lo._reinterpret(desc.dtype, [2, ROWS, PIECE], lo.layout)
+        copy_piece(desc, row, head, 0, WIDTH, bar, halves.index(0), pred)
+        copy_piece(desc, row, head, PIECE, WIDTH, bar, halves.index(1), pred)
+        copy_piece(desc, row, head, 2 * PIECE, WIDTH, bar, hi, pred)
 
     @gluon.jit
     def sequence(batch, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, used_k_ptr,

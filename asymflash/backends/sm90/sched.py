@@ -40,6 +40,49 @@ if GLUON_ERROR is None:
             hb = tile // num_m_blocks
         return m_blk, hb % n_heads, hb // n_heads
 
+    # Sequences searched at once by `packed_tile` (one per thread of the CTA's 4 warps).
+    SEARCH_SPAN = gl.constexpr(128)
+
+    @gluon.jit
+    def packed_tile(tile, n_heads, n_batch, cu_q_ptr, BLOCK_M: gl.constexpr):
+        """(query block, head, sequence) of a tile of the plain grid over packed sequences.
+
+        The grid holds no tile for query blocks past a sequence's end (a grid sized by the
+        longest sequence left most of its CTAs empty on packed documents). Sequence b owns
+        the tiles [H·s(b), H·s(b + 1)) with s(b) = (cu_q[b] - cu_q[0]) // BLOCK_M + b: its
+        ceil(len_b / BLOCK_M) query blocks for each of the H heads, heads outer (a head's
+        K/V stays hot in L2 while its blocks run), and H tiles to spare at most, which are
+        empty (returned with the query block past the sequence's end). s is monotone, so
+        the sequence is the last b with s(b) <= tile // H: counted over SEARCH_SPAN
+        sequences at once, in two levels (every stride-th sequence, then the stride-1 after
+        the last one counted), from cu_seqlens_q alone: no host pass. The host sizes the
+        grid H·(total_q // BLOCK_M + batch) (`host.packed_grid`), which covers s(batch).
+        """
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        c = tile // n_heads
+        base = gl.load(cu_q_ptr)
+        idx = gl.arange(0, SEARCH_SPAN, layout=layout)
+        stride = gl.maximum((n_batch - 2) // SEARCH_SPAN + 1, 1)
+        at = 1 + idx * stride
+        ok = at < n_batch
+        s_at = (gl.load(cu_q_ptr + at, mask=ok, other=0) - base) // BLOCK_M + at
+        counted = gl.sum((ok & (s_at <= c)).to(gl.int32), 0)
+        last = 1 + gl.maximum(counted - 1, 0) * stride
+        more = 0
+        for f in range(0, stride - 1, SEARCH_SPAN):
+            at = last + 1 + f + idx
+            ok = (f + idx < stride - 1) & (at < n_batch)
+            s_at = (gl.load(cu_q_ptr + at, mask=ok, other=0) - base) // BLOCK_M + at
+            more += gl.sum((ok & (s_at <= c)).to(gl.int32), 0)
+        batch = gl.where(counted > 0, last + more, 0)
+        q_start = gl.load(cu_q_ptr + batch)
+        n_blocks = gl.maximum((gl.load(cu_q_ptr + batch + 1) - q_start + BLOCK_M - 1)
+                              // BLOCK_M, 1)
+        r = tile - n_heads * ((q_start - base) // BLOCK_M + batch)
+        head = r // n_blocks
+        m_blk = gl.where(head < n_heads, r - head * n_blocks, n_blocks)
+        return m_blk, gl.minimum(head, n_heads - 1), batch
+
     @gluon.jit
     def wave_tile(wave, pid, nprog):
         """Tile of CTA pid in a wave of nprog consecutive tiles: CTA order reversed on odd

@@ -144,12 +144,17 @@ _DEFAULT_CONFIGS = {
     64: BwdConfig(block_m=128, block_n=128, dq_swizzle=32),
     128: BwdConfig(block_m=64, block_n=128, dv_overlap=False, dk_late=True,
                    split_warpgroups=True, dq_fragment=True, ws_dk_after_dq=True),
-    # d_qk = 192, d_v <= 128 (DeepSeek-V3's 128 + 64 rope / 128): bwd_wide's tile with the
-    # head dim in a 128- and a 64-wide piece (Gluon's tensors are powers of two), so no MMA
-    # runs on zero columns (the 256/128 build did 1024 units of MMA work a step for 832).
-    # dQ leaves row-major: its pieces are 64-column boxes (`host._dq_tile`); the dQ halves
-    # have no room in dv = 128's 16 KB dO buffer, so no dq_in_operands.
-    192: BwdConfig(block_m=64, block_n=64, dv_overlap=False, stats_late=False),
+    # d_qk = 192, d_v <= 128 (DeepSeek-V3's 128 + 64 rope / 128): the head dim in a 128- and
+    # a 64-wide piece (Gluon's tensors are powers of two), so no MMA runs on zero columns
+    # (the 256/128 build did 1024 units of MMA work a step for 832); dQ leaves row-major as
+    # 64-column boxes (`plan._dq_tile`). bwd_ws's 128-key tile (each warpgroup 64 keys, as
+    # at d=128) halves the Q/dO loads and dQ reduces per key of bwd_wide's 64-key one, whose
+    # MMAs the warpgroups split down to 32 columns; dK and dV then hold 160 of a partition's
+    # 240 registers, so dPᵀ is issued after the probabilities (dp_early off). Deterministic
+    # and softcap calls keep bwd_wide's 64-key tile (`select_config`; no dq_in_operands:
+    # the dQ halves have no room in dv = 128's 16 KB dO buffer).
+    192: BwdConfig(block_m=64, block_n=128, dv_overlap=False, dp_early=False,
+                   split_warpgroups=True),
     256: BwdConfig(block_m=64, block_n=64, dv_overlap=False,  # FA3's hdim-256 tile
                    stats_late=False, dq_fragment=True, dq_in_operands=True,
                    dq_hi_late=True),
@@ -212,7 +217,8 @@ def _splits_warpgroups(head_dim: int, cfg: BwdConfig, softcap: bool) -> bool:
     """Whether a call runs `bwd_ws`'s kernel (BwdConfig.split_warpgroups). Not with softcap:
     its chain-rule tile does not fit a partition's 240 registers (sm_90a: 40 local-memory
     instructions in every step)."""
-    return (cfg.split_warpgroups and (head_dim, cfg.block_m) in ((128, 64), (64, 64), (64, 128))
+    return (cfg.split_warpgroups
+            and (head_dim, cfg.block_m) in ((128, 64), (64, 64), (64, 128), (192, 64))
             and not softcap)
 
 
@@ -303,15 +309,21 @@ def select_config(head_dim: int, override: BwdConfig | None = None,
             cfg = replace(cfg, ws_persistent=True)
         if head_dim == 64 and masked and not softcap:
             cfg = replace(cfg, mask_scores=True)  # BwdConfig.mask_scores has the numbers
+        if head_dim == 192 and (deterministic or softcap):
+            # bwd_ws has no dQ pieces for its dQ warp, nor registers for softcap's tile
+            # (`_splits_warpgroups`): bwd_wide's 64-key tile
+            cfg = replace(cfg, split_warpgroups=False, block_n=64, stats_late=False)
         if softcap:
             # The softcap chain-rule tile takes the registers dPᵀ's early issue needs (d=128:
             # 2 spill instructions in the unmasked loop otherwise; d=64 with 128-row steps:
             # ~200).
             cfg = replace(cfg, dp_early=False)
-    # The MMA layouts hard-wire two warpgroups; d <= 128 gives each warpgroup 64 keys, d = 192
-    # and d = 256 have them share 64 keys. 64 query rows per step, or 128 at d = 64
-    # (registers allow it).
-    block_n = 64 if head_dim in (192, 256) else 128
+    # The MMA layouts hard-wire two warpgroups; d <= 128 and bwd_ws at d = 192 give each
+    # warpgroup 64 keys, bwd_wide (d = 192, d = 256) has them share 64 keys. 64 query rows
+    # per step, or 128 at d = 64 (registers allow it).
+    wide = head_dim == 256 or (head_dim == 192 and not _splits_warpgroups(head_dim, cfg,
+                                                                           softcap))
+    block_n = 64 if wide else 128
     block_ms = (64, 128) if head_dim == 64 else (64,)
     if cfg.ws_kv_buffers not in (1, 2) or (cfg.ws_kv_buffers == 2 and (
             head_dim != 64 or cfg.block_m != 64)):

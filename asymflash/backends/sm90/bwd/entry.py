@@ -14,6 +14,7 @@ KIND_SYNC, KIND_WIDE, KIND_WS = 0, 1, 2
 
 if GLUON_ERROR is None:
     from ..common import aggregate, gl, gluon, tma
+    from .flex_parts import FlexBwd
     from .kernel import attn_bwd_sync, attn_bwd_wide
     from .kernel_ws import attn_bwd_ws
 
@@ -124,3 +125,38 @@ if GLUON_ERROR is None:
             attn_bwd_wide(call, cfg)
         else:
             attn_bwd_sync(call, cfg)
+
+    # FlexAttention's backward (`sm90/flex.py`): `attn_bwd_kernel`'s runtime arguments, then
+    # the BlockMask's transposed lists, the captured tensors and the mods; the synchronous
+    # body with its d <= 128 switches (KIND_SYNC builds, not deterministic, no stagger).
+    # The lists' strides stay runtime values too: Triton would make a stride of 1 a constexpr,
+    # which FlexBwd's tensor fields refuse.
+    @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "n_heads", "n_kv_heads",
+                                  "group", "window_left", "window_right", "num_m_blocks",
+                                  "num_sb", "num_sh", "num_sk", "num_sn", "idx_sb", "idx_sh",
+                                  "idx_sk", "idx_sn"])
+    def attn_bwd_flex_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc,
+                             lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr,
+                             used_k_ptr, sem_ptr, seqlen_q, seqlen_k, total_q, n_heads,
+                             n_kv_heads, group, num_m_blocks, qk_scale, softmax_scale,
+                             softcap_pre, window_left, window_right, num_ptr, idx_ptr,
+                             captured, num_sb, num_sh, num_sk, num_sn, idx_sb, idx_sh, idx_sk,
+                             idx_sn, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                             BLOCK_N: gl.constexpr, DV_OVERLAP: gl.constexpr,
+                             DP_EARLY: gl.constexpr, KV_TMA_STORE: gl.constexpr,
+                             DK_LATE: gl.constexpr, STATS_LATE: gl.constexpr,
+                             BK: gl.constexpr, SUB: gl.constexpr, SCORE_MOD: gl.constexpr,
+                             MASK_MOD: gl.constexpr, DMOD: gl.constexpr,
+                             HAS_SCORE: gl.constexpr, HAS_MASK: gl.constexpr):
+        call = BwdCall(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
+                       delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, used_k_ptr, sem_ptr,
+                       seqlen_q, seqlen_k, total_q, n_heads, n_kv_heads, group, num_m_blocks,
+                       qk_scale, softmax_scale, softcap_pre, window_left, window_right)
+        # dense lengths, no mask bounds (the mods mask), the plain grid in key-block order
+        cfg = BwdConsts(HEAD_DIM, HEAD_DIM, BLOCK_M, BLOCK_N, True, False, False, False, False,
+                        DV_OVERLAP, DP_EARLY, False, False, 1, KV_TMA_STORE, 0, DK_LATE,
+                        STATS_LATE, False, False, False, 0, 0, False, False, 0, False, 1)
+        flex = FlexBwd(num_ptr, idx_ptr, num_sb, num_sh, num_sk, num_sn, idx_sb, idx_sh,
+                       idx_sk, idx_sn, softmax_scale, BK, SUB, SCORE_MOD, MASK_MOD, DMOD,
+                       HAS_SCORE, HAS_MASK)
+        attn_bwd_sync(call, cfg, (flex, captured))

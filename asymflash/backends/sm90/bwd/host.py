@@ -1,9 +1,10 @@
 """FlashAttention backward for Hopper (sm_90a), written in Gluon.
 
 `kernel.py`'s synchronous body runs d=64 with softcap, a sliding window, or a causal mask
-below 2k rows, and d=128 with softcap; other d=64 and d=128 calls run `kernel_ws.py`'s
-warp-specialised version of the same plan (warpgroups out of phase,
-BwdConfig.split_warpgroups), d=256 `kernel.py`'s wide body. The host side here serves all
+below 2k rows, and d=128 with softcap; other d=64 and d=128 calls and d=192 run
+`kernel_ws.py`'s warp-specialised version of the same plan (warpgroups out of phase,
+BwdConfig.split_warpgroups), d=256 (and d=192 deterministic or with softcap) `kernel.py`'s
+wide body. The host side here serves all
 three, through one launch entry (`entry.py`).
 
 One CTA owns BLOCK_N keys of one (sequence, kv head) and keeps K, V (shared memory) and the
@@ -120,8 +121,9 @@ from .plan import (  # noqa: F401 - re-exported: tests and scripts read them her
 if GLUON_ERROR is None:
     import triton
 
-# 64 and 128 run kernel.py's synchronous body (or kernel_ws.py's), 192 and 256 its wide one
-# (the warpgroups split the head dim; 192 as a 128- and a 64-wide piece): `_kind`.
+# 64 and 128 run kernel.py's synchronous body (or kernel_ws.py's), 256 its wide one (the
+# warpgroups split the head dim), 192 kernel_ws.py's or the wide one, as a 128- and a
+# 64-wide piece: `_kind`.
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
 
 
@@ -142,6 +144,37 @@ def _unused_semaphore(device: torch.device) -> torch.Tensor:
     """The semaphore argument of calls that are not deterministic (never read): one per
     device instead of a fresh zeroed tensor (an allocation and a fill launch) per call."""
     return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def kernel_signature(head_dim, head_dim_v, cfg: BwdConfig, split: bool, dtype,
+                     heads_axis: bool = False) -> dict:
+    """The launch entry's runtime arguments as `triton.compile` types (compile checks)."""
+    ty = common.SIG_DTYPES[dtype]
+
+    def rows_desc(block):
+        dims = ", ".join(map(str, block))
+        return f"tensordesc<{ty}[{dims}],{common.smem_layout(block, dtype)!r}>"
+
+    def desc(block):
+        if heads_axis:  # q, k, v, dO through common.tma_heads (head dims between the widths)
+            return rows_desc([block[0], 1, block[1]])
+        return rows_desc(block)
+
+    dq_block, dq_layout = _dq_box_and_layout(head_dim, cfg, split)
+    cols = piece_cols(head_dim)
+    signature = {
+        "q_desc": desc([cfg.block_m, cols]), "k_desc": desc([cfg.block_n, cols]),
+        "v_desc": desc([cfg.block_n, head_dim_v]), "do_desc": desc([cfg.block_m, head_dim_v]),
+        "dq_desc": f"tensordesc<fp32[{dq_block[0]}, {dq_block[1]}],{dq_layout!r}>",
+        "dk_desc": rows_desc([_key_rows(cfg, split), cols]),
+        "dv_desc": rows_desc([_key_rows(cfg, split), head_dim_v]),
+        "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": f"*{ty}",
+        "dv_ptr": f"*{ty}", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "used_k_ptr": "*i32",
+        "sem_ptr": "*i32", "seqlen_q": "i32", "seqlen_k": "i32", "total_q": "i32",
+        "n_heads": "i32", "n_kv_heads": "i32", "group": "i32", "num_m_blocks": "i32",
+        "qk_scale": "fp32", "softmax_scale": "fp32",
+        "softcap_pre": "fp32", "window_left": "i32", "window_right": "i32"}
+    return signature
 
 
 def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
@@ -167,32 +200,8 @@ def compile_for_target(head_dim=128, head_dim_v=None, dtype=torch.bfloat16,
     if overrides:
         cfg = select_config(head_dim, replace(cfg, **overrides))
     feats.setdefault("kv_tma_store", feats["uniform"] and not feats["has_seqused"])
-    ty = common.SIG_DTYPES[dtype]
-
-    def rows_desc(block):
-        dims = ", ".join(map(str, block))
-        return f"tensordesc<{ty}[{dims}],{common.smem_layout(block, dtype)!r}>"
-
-    def desc(block):
-        if heads_axis:  # q, k, v, dO through common.tma_heads (head dims between the widths)
-            return rows_desc([block[0], 1, block[1]])
-        return rows_desc(block)
-
     split = _splits_warpgroups(head_dim, cfg, feats["softcap"])
-    dq_block, dq_layout = _dq_box_and_layout(head_dim, cfg, split)
-    cols = piece_cols(head_dim)
-    signature = {
-        "q_desc": desc([cfg.block_m, cols]), "k_desc": desc([cfg.block_n, cols]),
-        "v_desc": desc([cfg.block_n, head_dim_v]), "do_desc": desc([cfg.block_m, head_dim_v]),
-        "dq_desc": f"tensordesc<fp32[{dq_block[0]}, {dq_block[1]}],{dq_layout!r}>",
-        "dk_desc": rows_desc([_key_rows(cfg, split), cols]),
-        "dv_desc": rows_desc([_key_rows(cfg, split), head_dim_v]),
-        "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": f"*{ty}",
-        "dv_ptr": f"*{ty}", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "used_k_ptr": "*i32",
-        "sem_ptr": "*i32", "seqlen_q": "i32", "seqlen_k": "i32", "total_q": "i32",
-        "n_heads": "i32", "n_kv_heads": "i32", "group": "i32", "num_m_blocks": "i32",
-        "qk_scale": "fp32", "softmax_scale": "fp32",
-        "softcap_pre": "fp32", "window_left": "i32", "window_right": "i32"}
+    signature = kernel_signature(head_dim, head_dim_v, cfg, split, dtype, heads_axis)
     constexprs = _constexprs(head_dim, head_dim_v, cfg, split=split, **feats)
     for name in constexprs:
         signature[name] = "constexpr"
@@ -254,11 +263,14 @@ def _plan_of(width, width_v, q, k, seq: SeqInfo, params: AttnParams, cfg) -> Lau
 
 
 def _run(plan: LaunchPlan, width, width_v, padded, dout, q, k, v, out, lse, dlse,
-         seq: SeqInfo, params: AttnParams, sink, sites: BackwardSites | None = None):
+         seq: SeqInfo, params: AttnParams, sink, sites: BackwardSites | None = None,
+         flex: tuple | None = None):
     """(dq, dk, dv, dsink) of one backward: allocate, build the descriptors, launch the
     preprocess, the main kernel and the dQ postprocess (through `sites`, a call plan
     runner's bound launches, where given). dk and dv are `width` (width_v) wide: `backward`
-    cuts padded ones. q, k, v: `tma_ready`; dout and lse as the caller has them."""
+    cuts padded ones. q, k, v: `tma_ready`; dout and lse as the caller has them. flex: (the
+    flex entry's extra arguments, its constexprs), which launches
+    `entry.attn_bwd_flex_kernel` instead (`sm90/flex.py`)."""
     # The portable preprocess and the sink gradient are shared with the portable backend.
     from ....core.softmax import sink_grad
     from ...portable import row_delta
@@ -332,7 +344,9 @@ def _run(plan: LaunchPlan, width, width_v, padded, dout, q, k, v, out, lse, dlse
             seq.seqused_k if has_seqused else seq.cu_seqlens_k, sem,
             seq.max_seqlen_q, seq.max_seqlen_k, total_q, hq, hkv, hq // hkv, plan.num_m_blocks,
             qk_scale, params.softmax_scale, softcap_pre, wl, wr)
-    if sites is None:
+    if flex is not None:
+        entry.attn_bwd_flex_kernel[plan.grid](*args, *flex[0], **flex[1])
+    elif sites is None:
         _launcher_for(width, plan.split)[plan.grid](*args, **plan.constexprs)
     else:
         sites.main(_launcher_for(width, plan.split), plan.grid, args, plan.constexprs)

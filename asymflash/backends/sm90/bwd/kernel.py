@@ -11,7 +11,9 @@ if GLUON_ERROR is None:
         fence_async_shared,
         gl,
         gluon,
+        load_pieces,
         mbarrier,
+        piece_col,
         thread_barrier,
         tma,
         warpgroup_mma,
@@ -20,6 +22,7 @@ if GLUON_ERROR is None:
     from ..sched import (
         next_step,
     )
+    from .flex_parts import flex_probabilities, flex_step, flex_steps
     from .parts import (
         add_dq_tile,
         after_dq_reduce,
@@ -32,12 +35,10 @@ if GLUON_ERROR is None:
         key_walk,
         load_kv,
         load_kv_pieces,
-        load_pieces,
         load_qdo,
         load_rows,
         mask_coords,
         mma_layout,
-        piece_col,
         release_dq_turn_after_tma,
         stage_dq,
         stat_buffers,
@@ -63,8 +64,10 @@ if GLUON_ERROR is None:
         return mma_layout(8, 1, head_dim)
 
     @gluon.jit
-    def attn_bwd_sync(call, cfg):
-        """The body `entry.attn_bwd_kernel` runs for d <= 128 without warp specialisation."""
+    def attn_bwd_sync(call, cfg, flex=None):
+        """The body `entry.attn_bwd_kernel` runs for d <= 128 without warp specialisation.
+        flex: a flex call's lists and mods (`flex_parts`; `entry.attn_bwd_flex_kernel`), or
+        None."""
         # Keys on the M axis: warpgroup w owns keys [w·64, w·64 + 64) of the block.
         s_layout: gl.constexpr = mma_layout(8, 1, cfg.BLOCK_M)
         dk_layout: gl.constexpr = mma_layout(8, 1, cfg.HEAD_DIM)
@@ -86,6 +89,8 @@ if GLUON_ERROR is None:
         if (n0 >= 0) & (n0 < seqlen_k):
             (shift, m_lo, group_blocks, n_steps, keys_oob, m_full_lo,
              m_full_hi) = key_walk(call, cfg, n0, seqlen_q, seqlen_k)
+            if flex is not None:  # the BlockMask's query blocks instead of a range
+                n_steps = flex_steps(flex[0], batch, n0, hk * call.group, call.group)
 
             k_smem, v_smem, q_smem, do_smem = key_operands(call, cfg, 2)
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
@@ -105,6 +110,9 @@ if GLUON_ERROR is None:
                     cfg.HEAD_DIM, cfg.HEAD_DIM_V)
             h_first, h, m0, stride, m_end = walk(call, cfg, hk, n_blk, n_seq, n_steps,
                                                  group_blocks, m_lo)
+            if flex is not None:
+                h, m0, masked = flex_step(flex[0], batch, n0, h_first, call.group, 0,
+                                          cfg.BLOCK_M)
             held = call.sem_ptr  # deferred release: the dQ turn this CTA still holds
             load_qdo(call.q_desc, call.do_desc, q_smem, do_smem, ready, 0, h, q_start + m0,
                      cfg.HEAD_DIM, cfg.HEAD_DIM_V, n_steps > 0)
@@ -125,6 +133,9 @@ if GLUON_ERROR is None:
                 slot = it % 2
                 h_next, m0_next = next_step(h, m0, m_lo, m_end, h_first, h_first + call.group,
                                             cfg.BLOCK_M)
+                if flex is not None:
+                    h_next, m0_next, masked_next = flex_step(flex[0], batch, n0, h_first,
+                                                             call.group, it + 1, cfg.BLOCK_M)
                 mbarrier.wait(ready.index(slot), (it // 2) & 1)
                 q_s = q_smem.index(slot)
                 do_s = do_smem.index(slot)
@@ -146,8 +157,13 @@ if GLUON_ERROR is None:
                 else:
                     s = warpgroup_mma_wait(0, deps=[s_tok])
                 lse2 = lse_smem.index(slot).load(col_layout)
-                p, p_ds = step_probabilities(call, cfg, s, lse2, m0, keys_oob, m_full_lo, m_full_hi,
-                                            kloc, cols, n_valid, diag_right, diag_left)
+                if flex is not None:
+                    p, p_ds = flex_probabilities(s, lse2, flex, batch, h, m0, n0, masked, kloc,
+                                                 cols, seqlen_q, seqlen_k)
+                else:
+                    p, p_ds = step_probabilities(call, cfg, s, lse2, m0, keys_oob, m_full_lo,
+                                                 m_full_hi, kloc, cols, n_valid, diag_right,
+                                                 diag_left)
                 if not cfg.DP_EARLY:
                     # Issued only now so that its 32 accumulator registers are not live while
                     # Pᵀ is formed; the other warpgroup keeps the tensor cores busy meanwhile.
@@ -228,6 +244,8 @@ if GLUON_ERROR is None:
                     dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])
                 h = h_next
                 m0 = m0_next
+                if flex is not None:
+                    masked = masked_next
 
             finish_dq(cfg, held, n_steps)  # (the last reduce reads dq_smem)
             for st in gl.static_range(2):
@@ -281,7 +299,7 @@ if GLUON_ERROR is None:
     #
     # Head dim 192 (PIECES; d_v <= 128, DeepSeek-V3's 128 + 64 rope): Gluon's tiles are powers
     # of two, so K and each Q slot are a 128-wide and a 64-wide piece (each head read as three
-    # 64-column TMA boxes, `parts.load_pieces`), Sᵀ = K·Qᵀ is two MMAs into one accumulator
+    # 64-column TMA boxes, `common.load_pieces`), Sᵀ = K·Qᵀ is two MMAs into one accumulator
     # (K-steps over 128 and 64 columns), dK and dQ a 128- and a 64-column accumulator each.
     # No MMA runs on zero columns (the 256/128 build it replaces did 1024 units of MMA work
     # per step for 832). dQ leaves row-major as 64-column boxes, the high piece staged in a

@@ -1,5 +1,6 @@
 """Warp-specialised sm90 backward: the two key warpgroups out of phase (d = 128; d = 64
-unmasked, causal from 1k rows, and deterministic), as a plain or a persistent grid.
+unmasked, causal from 1k rows, and deterministic; d = 192 as a 128- and a 64-wide piece,
+not deterministic), as a plain or a persistent grid (d <= 128).
 
 `kernel.py`'s kernel runs both warpgroups through every step together: a CTA-wide barrier
 publishes dSᵀ for dQ = dS·K, another stages dQ for its TMA reduce, and Triton adds its own
@@ -59,6 +60,12 @@ the turns in deterministic mode) it spills 6 unmasked and wins where `config.sel
 takes it. d=64 with 64-row steps (dQ split by columns, as d=128) compiles without spills,
 with two or three ring slots, and is slower than 128-row steps. Deterministic turns per
 warpgroup (a counter per dQ half) were not worth a second turn scheme.
+
+At d = 192 (`ws_roles.pieces`; d_v <= 128) Q, K and dK are a 128- and a 64-wide piece
+(Gluon's tiles are powers of two), dQ leaves as 64-column pieces (warpgroup 0 columns 0-127
+one after the other, warpgroup 1 columns 128-191), dV retires before dPᵀ is issued and dK's
+A operand is read from the dSᵀ slot: dK and dV alone hold 160 of the 240 registers. dK
+leaves by per-thread stores (no 192-wide TMA box); plain grid, no dQ warp.
 """
 
 from __future__ import annotations

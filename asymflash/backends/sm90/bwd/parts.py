@@ -18,15 +18,16 @@ if GLUON_ERROR is None:
 
     from ..bounds import allowed, key_block_walk, step_needs_mask
     from ..common import (
+        PIECE,
+        copy_piece,
+        copy_pieces,
         copy_rows,
         gl,
         gluon,
-        heads_axis,
         leading_tile,
         tanh,
         thread_barrier,
         tile_layout,
-        tma_load,
         tma_store,
     )
     from ..sched import key_block, key_block_origin, walk_start
@@ -122,40 +123,18 @@ if GLUON_ERROR is None:
         mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
         copy_rows(desc, row, head, WIDTH, bar, dst, pred)
 
-    # Kernel head dim 192 (`attn_bwd_wide`'s pieces): q and k as a 128-wide and a 64-wide
-    # piece, each head read as three 64-column TMA boxes (host.piece_cols).
-    PIECE = gl.constexpr(64)
-
     @gluon.jit
-    def piece_col(head, col, WIDTH: gl.constexpr):
-        """Column of a 64-column piece at `col` of head `head` in a (rows, heads·WIDTH)
-        tensor: head·WIDTH + col (the q and k boxes of `copy_piece`, the dQ pieces' reduces)."""
-        return head * WIDTH + col
-
-    @gluon.jit
-    def copy_piece(desc, row, head, col, WIDTH: gl.constexpr, bar, dst, pred):
-        """TMA-load the 64-column box at column `col` of head `head`, rows [row, row + box),
-        into dst [box, 64]: `copy_rows` for one piece of a head (a (rows, heads, dim) box
-        zero-fills columns past dim, as there)."""
-        if heads_axis(desc.block_shape):
-            tma_load(desc, [row, head, col], bar,
-                     dst._reinterpret(desc.dtype, desc.block_shape, desc.layout), pred=pred)
-        else:
-            tma_load(desc, [row, piece_col(head, col, WIDTH)], bar, dst, pred=pred)
-
-    @gluon.jit
-    def load_pieces(desc, lo, hi, bar, row, head, ROWS: gl.constexpr, WIDTH: gl.constexpr,
-                    pred):
-        """TMA-load rows [row, row + ROWS) of head `head` (WIDTH = 192 columns) as three
-        64-column boxes: columns 0-127 into `lo` [ROWS, 128] (its two 128-byte swizzle
-        column blocks, which lie one after the other: NVMMA tiles wider than their swizzle
-        are stored block by block), 128-191 into `hi` [ROWS, 64]. Arrives on `bar` with the
-        bytes of all three (`expect` here)."""
-        mbarrier.expect(bar, 3 * desc.block_type.nbytes, pred=pred)
-        halves = lo._reinterpret(desc.dtype, [2, ROWS, PIECE], lo.layout)
-        copy_piece(desc, row, head, 0, WIDTH, bar, halves.index(0), pred)
-        copy_piece(desc, row, head, PIECE, WIDTH, bar, halves.index(1), pred)
-        copy_piece(desc, row, head, 2 * PIECE, WIDTH, bar, hi, pred)
+    def load_qdo_pieces(q_desc, do_desc, q_smem, q_hi, do_smem, ready, slot, h, row,
+                        ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                        pred):
+        """`load_qdo` at kernel head dim 192: Q of ring slot `slot` in its pieces
+        (`copy_pieces`), dO whole; one `expect` for all four boxes."""
+        bar = ready.index(slot)
+        mbarrier.expect(bar, 3 * q_desc.block_type.nbytes + do_desc.block_type.nbytes,
+                        pred=pred)
+        copy_pieces(q_desc, q_smem.index(slot), q_hi.index(slot), bar, row, h, ROWS, HEAD_DIM,
+                    pred)
+        copy_rows(do_desc, row, h, HEAD_DIM_V, bar, do_smem.index(slot), pred)
 
     @gluon.jit
     def key_operand_pieces(call, cfg, DO_BUFS: gl.constexpr):
@@ -182,10 +161,7 @@ if GLUON_ERROR is None:
                        HEAD_DIM_V: gl.constexpr):
         """`load_kv` at kernel head dim 192: K in its pieces (`load_pieces`), V whole."""
         mbarrier.expect(bar, 3 * k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        halves = k_lo._reinterpret(k_desc.dtype, [2, BLOCK_N, PIECE], k_lo.layout)
-        copy_piece(k_desc, row, hk, 0, HEAD_DIM, bar, halves.index(0), True)
-        copy_piece(k_desc, row, hk, PIECE, HEAD_DIM, bar, halves.index(1), True)
-        copy_piece(k_desc, row, hk, 2 * PIECE, HEAD_DIM, bar, k_hi, True)
+        copy_pieces(k_desc, k_lo, k_hi, bar, row, hk, BLOCK_N, HEAD_DIM, True)
         copy_rows(v_desc, row, hk, HEAD_DIM_V, bar, v_smem, True)
 
     @gluon.jit

@@ -17,27 +17,13 @@ from .config import BwdConfig, _splits_warpgroups, head_chunk, select_config
 if GLUON_ERROR is None:
     from triton.experimental.gluon import language as gl
 
-# The head dim of q and k that bwd_wide takes as two pieces, a 128-wide one and this much
-# more (`attn_bwd_wide`): q, k and dK are read and written as 64-column boxes (`piece_cols`).
-PIECE_HI = 64
+# bwd_wide takes a q·k head dim of 192 as two pieces (`common.PIECE_HI`): q, k and dK are
+# read and written as 64-column boxes (`piece_cols`).
+PIECE_HI = common.PIECE_HI
+piece_cols = common.piece_cols
 
-
-def backward_widths(d: int, dv: int) -> tuple[int, int] | None:
-    """(head dim, head dim of V) of the backward kernel that computes (d, dv), or None.
-
-    `common.forward_widths`, except that a q·k head dim in (128, 192] beside a V of at most
-    128 (DeepSeek-V3's 192/128) runs the 192/128 build, which splits the head dim into a
-    128- and a 64-wide piece, instead of the 256/128 one with zero columns."""
-    widths = common.forward_widths(d, dv)
-    if widths == (256, 128) and d <= 128 + PIECE_HI:
-        return 128 + PIECE_HI, 128
-    return widths
-
-
-def piece_cols(width: int) -> int:
-    """Columns of a q / k / dK box at kernel head dim `width`: the whole head, or at 192 the
-    64-column piece (three per head; TMA boxes are powers of two)."""
-    return PIECE_HI if width == 128 + PIECE_HI else width
+# The forward's widths (`common.forward_widths`): both directions build 192/128 in pieces.
+backward_widths = common.forward_widths
 
 
 def _kind(head_dim: int, split: bool) -> int:
@@ -164,10 +150,10 @@ def _dq_tile(head_dim: int, cfg: BwdConfig, split: bool) -> tuple[int, int]:
     """(rows, columns) of dQ one reduce adds: the whole row block, or half of its columns at
     d=256 (bwd_wide); in bwd_ws each warpgroup's half, of the columns (64-row steps) or the
     rows."""
-    if split:
-        return (64, head_dim // 2) if cfg.block_m == 64 else (cfg.block_m // 2, head_dim)
     if head_dim == 192:  # three 64-column boxes (the 128-wide piece takes two)
         return cfg.block_m, piece_cols(head_dim)
+    if split:
+        return (64, head_dim // 2) if cfg.block_m == 64 else (cfg.block_m // 2, head_dim)
     return cfg.block_m, head_dim // 2 if head_dim == 256 else head_dim
 
 

@@ -28,16 +28,20 @@ if GLUON_ERROR is None:
         next_step,
     )
     from .parts import (
+        PIECE,
         add_dq_tile,
         fragment_block,
         in_fragments,
         load_kv,
+        load_kv_pieces,
         load_qdo,
+        load_qdo_pieces,
         mma_layout,
         probabilities,
         release_dq_turn_after_tma,
         stage_dq,
         stage_stats,
+        store_key_piece,
         store_key_rows,
         store_key_tiles,
         tma_reduce_add,
@@ -71,6 +75,10 @@ if GLUON_ERROR is None:
         dq_full: gl.shared_memory_descriptor  # warpgroup w's dQ tile staged (dQ warp)
         dq_empty: gl.shared_memory_descriptor  # ... and read by the dQ warp's reduce
         done: gl.shared_memory_descriptor  # both warpgroups past their last MMA
+        # Head dim 192 (`pieces`): q and k above hold columns 0-127, these 128-191 (Gluon's
+        # tiles are powers of two). Otherwise q and k again, never read.
+        q_hi: gl.shared_memory_descriptor  # [RING, BLOCK_M, 64]
+        k_hi: gl.shared_memory_descriptor  # [BLOCK_N, 64]
 
         @gluon.jit
         def for_tile(self, tile, KV_BUFS: gl.constexpr):
@@ -78,7 +86,22 @@ if GLUON_ERROR is None:
             return WsSmem(self.q, kv_buffer(self.k, tile, KV_BUFS),
                           kv_buffer(self.v, tile, KV_BUFS), self.do, self.ds, self.dq,
                           self.lse, self.delta, self.kv_bar, self.ready, self.empty,
-                          self.ds_ready, self.ds_free, self.dq_full, self.dq_empty, self.done)
+                          self.ds_ready, self.ds_free, self.dq_full, self.dq_empty, self.done,
+                          self.q_hi, kv_buffer(self.k_hi, tile, KV_BUFS))
+
+    @gluon.constexpr_function
+    def pieces(head_dim):
+        """Whether a build takes q and k as a 128- and a 64-wide piece (head dim 192: no MMA
+        on zero columns, `parts.load_pieces`)."""
+        return head_dim == 192
+
+    @gluon.constexpr_function
+    def dq_cols(head_dim, block_m):
+        """Columns of a warpgroup's dQ accumulator (`ws_dq`): a 64-column piece at head dim
+        192, half the columns with 64-row steps, all of them with 128-row steps."""
+        if pieces(head_dim):
+            return 64  # parts.PIECE
+        return head_dim // 2 if block_m == 64 else head_dim
 
     @gluon.jit
     def ws_loader(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, smem, k_row, hk,
@@ -93,8 +116,12 @@ if GLUON_ERROR is None:
         if PERSISTENT:
             if tile >= cfg.KV_BUFS:  # both warpgroups are done with this buffer's last tile
                 mbarrier.wait(kv_free.index(kv), ((tile - cfg.KV_BUFS) // cfg.KV_BUFS) & 1)
-        load_kv(k_desc, v_desc, smem.k, smem.v, smem.kv_bar.index(kv), k_row, hk, cfg.HEAD_DIM,
-                cfg.HEAD_DIM_V)
+        if pieces(cfg.HEAD_DIM):
+            load_kv_pieces(k_desc, v_desc, smem.k, smem.k_hi, smem.v, smem.kv_bar.index(kv),
+                           k_row, hk, cfg.BLOCK_N, cfg.HEAD_DIM, cfg.HEAD_DIM_V)
+        else:
+            load_kv(k_desc, v_desc, smem.k, smem.v, smem.kv_bar.index(kv), k_row, hk,
+                    cfg.HEAD_DIM, cfg.HEAD_DIM_V)
         if PERSISTENT and EPI == 0:  # `epilogue_buffers`
             if tile > 0:  # ... and past its dK/dV stores, staged through ring slots
                 mbarrier.wait(epi_done.index(0), (tile - 1) & 1)
@@ -108,8 +135,13 @@ if GLUON_ERROR is None:
             # CTA's first step waits for both; faster for short calls). `ready` takes a second
             # arrive, behind the statistics' stores (release semantics, behind a barrier of
             # this warp).
-            load_qdo(q_desc, do_desc, smem.q, smem.do, smem.ready, slot, h, q_start + m0,
-                     cfg.HEAD_DIM, cfg.HEAD_DIM_V, True)
+            if pieces(cfg.HEAD_DIM):
+                load_qdo_pieces(q_desc, do_desc, smem.q, smem.q_hi, smem.do, smem.ready, slot,
+                                h, q_start + m0, cfg.BLOCK_M, cfg.HEAD_DIM, cfg.HEAD_DIM_V,
+                                True)
+            else:
+                load_qdo(q_desc, do_desc, smem.q, smem.do, smem.ready, slot, h, q_start + m0,
+                         cfg.HEAD_DIM, cfg.HEAD_DIM_V, True)
             stage_stats(lse_ptr, delta_ptr, smem.lse, smem.delta, slot, h, m0, q_start,
                         seqlen_q, total_q, cfg.BLOCK_M, stat_layout, True)
             mbarrier.arrive(smem.ready.index(slot), count=1)
@@ -145,12 +177,31 @@ if GLUON_ERROR is None:
         MMA, stage, reduce-add (retires every MMA this warpgroup has in flight but the dK
         that WITH_DK issues behind it). With
         64-row steps (d=128) the warpgroups split dQ's columns, with 128-row steps (d=64)
-        its rows: one wgmma M either way. DET (deterministic mode): the staged tile goes to
+        its rows: one wgmma M either way; at head dim 192, 64-column pieces (`_dq_pieces`).
+        DET (deterministic mode): the staged tile goes to
         the dQ warp (`ws_dq_turns`), which adds it in turn. WITH_DK
         (`BwdConfig.ws_dk_after_dq`): dK += dSᵀ·Q is issued right after the dQ MMA and left
         in flight while dQ is staged (FA4's order); returns its token."""
         js = j % 2
         mbarrier.wait(smem.ds_ready.index(2 * js + 1 - WG), (j // 2) & 1)
+        if pieces(HEAD_DIM):
+            gl.static_assert(not (DET or WITH_DK), "head dim 192: no dQ warp, dK before dQ")
+            _dq_pieces(smem, dq_buf, dq_desc, js, q_start + m0, h * HEAD_DIM, softmax_scale,
+                       dq_zero, WG)
+        elif WITH_DK:
+            dk = _dq_half(smem, dq_buf, dq_desc, j, js, h, m0, q_start, softmax_scale, dq_zero,
+                          WG, HEAD_DIM, BLOCK_M, DET, dk, ds_op, q_s, True)
+        else:
+            _dq_half(smem, dq_buf, dq_desc, j, js, h, m0, q_start, softmax_scale, dq_zero, WG,
+                     HEAD_DIM, BLOCK_M, DET, dk, ds_op, q_s, False)
+        if WITH_DK:
+            return dk
+
+    @gluon.jit
+    def _dq_half(smem, dq_buf, dq_desc, j, js, h, m0, q_start, softmax_scale, dq_zero,
+                 WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                 DET: gl.constexpr, dk, ds_op, q_s, WITH_DK: gl.constexpr):
+        """`ws_dq`'s half of dQ (its columns or rows) once dSᵀ slot js is whole."""
         if BLOCK_M == 64:
             COLS: gl.constexpr = HEAD_DIM // 2
             dq_tok = warpgroup_mma(smem.ds.index(js).permute((1, 0)),
@@ -183,6 +234,39 @@ if GLUON_ERROR is None:
             tma_reduce_add(dq_desc, [row, col], dq_buf)
         if WITH_DK:
             return dk
+
+    @gluon.jit
+    def _dq_pieces(smem, dq_buf, dq_desc, js, row, col0, softmax_scale, dq_zero,
+                   WG: gl.constexpr):
+        """`ws_dq` at head dim 192, dQ's row block at (row, col0): 64-column pieces (half of
+        192 columns is no power of two), warpgroup 0 columns 0-127 one piece after the other
+        (both accumulators at once would not fit beside dK and dV), warpgroup 1 columns
+        128-191."""
+        if WG == 0:
+            _dq_piece(smem, dq_buf, dq_desc, js, smem.k.slice(0, PIECE, 1), row, col0,
+                      softmax_scale, dq_zero, False)
+            _dq_piece(smem, dq_buf, dq_desc, js, smem.k.slice(PIECE, PIECE, 1), row,
+                      col0 + PIECE, softmax_scale, dq_zero, True)
+        else:
+            _dq_piece(smem, dq_buf, dq_desc, js, smem.k_hi, row, col0 + 2 * PIECE,
+                      softmax_scale, dq_zero, True)
+
+    @gluon.jit
+    def _dq_piece(smem, dq_buf, dq_desc, js, k_piece, row, col, softmax_scale, dq_zero,
+                  LAST: gl.constexpr):
+        """One 64-column piece of dQ = dS·K at head dim 192 (`ws_dq`): MMA over the dSᵀ
+        slot js, stage in dq_buf once its previous reduce has read it, reduce-add at (row,
+        col). LAST: the warpgroup's last read of the dSᵀ slot (ds_free)."""
+        dq_tok = warpgroup_mma(smem.ds.index(js).permute((1, 0)), k_piece, dq_zero,
+                               use_acc=False, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=[dq_tok])
+        if LAST:
+            mbarrier.arrive(smem.ds_free.index(js))
+        tma.store_wait(0)
+        stage_dq(dq_buf, dq * softmax_scale, False, 64, PIECE)
+        fence_async_shared()
+        thread_barrier()
+        tma_reduce_add(dq_desc, [row, col], dq_buf)
 
     @gluon.jit
     def ws_dq_turns(smem, dq_desc, sem_ptr, q_start, n_steps, h, m0, m_lo, m_end, h_first,
@@ -236,10 +320,15 @@ if GLUON_ERROR is None:
          n_kv_heads, hk, n0, n_steps, h, m0, m_lo, m_end, h_first, group, keys_oob, m_full_lo,
          m_full_hi, qk_scale, softmax_scale, softcap_pre, window_left, window_right) = shared
         KEYS: gl.constexpr = cfg.BLOCK_N // 2
+        # Head dim 192: q, k and dK as a 128- and a 64-wide piece (`pieces`), dQ by
+        # 64-column pieces (`ws_dq`)
+        PIECES: gl.constexpr = pieces(cfg.HEAD_DIM)
+        DK_COLS: gl.constexpr = cfg.HEAD_DIM - PIECE if PIECES else cfg.HEAD_DIM
         DQ_ROWS: gl.constexpr = 64  # dQ = dS·K by halves of its columns or rows (ws_dq)
-        DQ_COLS: gl.constexpr = cfg.HEAD_DIM // 2 if cfg.BLOCK_M == 64 else cfg.HEAD_DIM
+        DQ_COLS: gl.constexpr = dq_cols(cfg.HEAD_DIM, cfg.BLOCK_M)
         s_layout: gl.constexpr = mma_layout(4, 1, cfg.BLOCK_M)
-        dk_layout: gl.constexpr = mma_layout(4, 1, cfg.HEAD_DIM)
+        dk_layout: gl.constexpr = mma_layout(4, 1, DK_COLS)
+        hi_layout: gl.constexpr = mma_layout(4, 1, PIECE)  # dK's high piece (PIECES)
         dv_layout: gl.constexpr = mma_layout(4, 1, cfg.HEAD_DIM_V)
         dq_layout: gl.constexpr = mma_layout(4, 1, DQ_COLS)
         pv_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout,
@@ -259,7 +348,12 @@ if GLUON_ERROR is None:
         n_valid = seqlen_k - n0
         diag_right = shift + window_right - n0
         diag_left = shift - window_left - n0
-        dk = gl.zeros([KEYS, cfg.HEAD_DIM], gl.float32, dk_layout)
+        dk = gl.zeros([KEYS, DK_COLS], gl.float32, dk_layout)
+        if PIECES:
+            gl.static_assert(not (cfg.DK_AFTER_DQ or cfg.PERSISTENT or cfg.KV_TMA_STORE),
+                             "head dim 192: dK before dQ, plain grid, dK/dV stored by rows")
+            k_hi_mine = smem.k_hi.slice(WG * KEYS, KEYS)
+            dk_hi = gl.zeros([KEYS, PIECE], gl.float32, hi_layout)
         dv = gl.zeros([KEYS, cfg.HEAD_DIM_V], gl.float32, dv_layout)
         s_zero = gl.zeros([KEYS, cfg.BLOCK_M], gl.float32, s_layout)
         dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, dq_layout)
@@ -276,6 +370,9 @@ if GLUON_ERROR is None:
             do_s = smem.do.index(slot)
             s_tok = warpgroup_mma(k_mine, q_s.permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
+            if PIECES:  # the high piece's K-steps into the same Sᵀ
+                q_hi_s = smem.q_hi.index(slot)
+                s_tok = warpgroup_mma(k_hi_mine, q_hi_s.permute((1, 0)), s_tok, is_async=True)
             if cfg.DP_EARLY:
                 dp_tok = warpgroup_mma(v_mine, do_s.permute((1, 0)), s_zero, use_acc=False,
                                        is_async=True)
@@ -288,15 +385,28 @@ if GLUON_ERROR is None:
                 step_needs_mask(m0, keys_oob, m_full_lo, m_full_hi, cfg.HAS_LEFT, cfg.HAS_RIGHT),
                 kloc, cols, n_valid, m0, diag_right, diag_left, cfg.SOFTCAP, cfg.HAS_LEFT,
                 cfg.HAS_RIGHT, cfg.MASK_MODE)
-            if not cfg.DP_EARLY:
+            if PIECES:
+                # dK and dV hold 160 registers: dV retires (and Pᵀ's operand with it) before
+                # dPᵀ's accumulator is live beside Pᵀ (issued beside dV, sm_90a: 399
+                # local-memory instructions against 179)
+                gl.static_assert(not (cfg.DP_EARLY or cfg.DV_OVERLAP),
+                                 "head dim 192: dPᵀ after dV")
+                p_op = gl.convert_layout(p.to(dtype), pv_op_layout)
+                dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
+                dv, p_op = warpgroup_mma_wait(0, deps=[dv_tok, p_op])
                 dp_tok = warpgroup_mma(v_mine, do_s.permute((1, 0)), s_zero, use_acc=False,
                                        is_async=True)
-            p_op = gl.convert_layout(p.to(dtype), pv_op_layout)
-            dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
-            if cfg.DV_OVERLAP:  # dSᵀ is formed while dV = Pᵀ·dO runs (retired with dK below)
-                dp = warpgroup_mma_wait(1, deps=[dp_tok])
+                dp = warpgroup_mma_wait(0, deps=[dp_tok])
             else:
-                dp, dv, p_op = warpgroup_mma_wait(0, deps=[dp_tok, dv_tok, p_op])
+                if not cfg.DP_EARLY:
+                    dp_tok = warpgroup_mma(v_mine, do_s.permute((1, 0)), s_zero,
+                                           use_acc=False, is_async=True)
+                p_op = gl.convert_layout(p.to(dtype), pv_op_layout)
+                dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
+                if cfg.DV_OVERLAP:  # dSᵀ is formed while dV = Pᵀ·dO runs (retired with dK)
+                    dp = warpgroup_mma_wait(1, deps=[dp_tok])
+                else:
+                    dp, dv, p_op = warpgroup_mma_wait(0, deps=[dp_tok, dv_tok, p_op])
             delta = smem.delta.index(slot).load(col_layout)
             ds16 = (p_ds * (dp - gl.expand_dims(delta, 0))).to(dtype)
             if g >= 2:  # both dQ MMAs of step g - 2 have read this dSᵀ slot
@@ -304,7 +414,10 @@ if GLUON_ERROR is None:
             smem.ds.index(ds_slot).slice(WG * KEYS, KEYS).store(ds16)
             fence_async_shared()
             mbarrier.arrive(smem.ds_ready.index(2 * ds_slot + WG), count=1)
-            ds_op = gl.convert_layout(ds16, dsq_op_layout)
+            if PIECES:  # dK's A operand: this warpgroup's half of the slot (no registers)
+                ds_op = smem.ds.index(ds_slot).slice(WG * KEYS, KEYS)
+            else:
+                ds_op = gl.convert_layout(ds16, dsq_op_layout)
             if cfg.DK_AFTER_DQ:  # dK issued inside ws_dq, behind the dQ MMA
                 if WG == cfg.LATE_WG:
                     if it > 0:
@@ -319,6 +432,8 @@ if GLUON_ERROR is None:
                                    True)
             else:
                 dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                if PIECES:
+                    dk_hi_tok = warpgroup_mma(ds_op, q_hi_s, dk_hi, is_async=True)
                 if WG == cfg.LATE_WG:  # one step late: the other half of this step is not there
                     if it > 0:
                         ws_dq(smem, dq_buf, dq_desc, g - 1, h_prev, m0_prev, q_start,
@@ -326,7 +441,9 @@ if GLUON_ERROR is None:
                 else:
                     ws_dq(smem, dq_buf, dq_desc, g, h, m0, q_start, softmax_scale, dq_zero, WG,
                           cfg.HEAD_DIM, cfg.BLOCK_M, DET)
-            if cfg.DV_OVERLAP:
+            if PIECES:
+                dk, dk_hi = warpgroup_mma_wait(0, deps=[dk_tok, dk_hi_tok])
+            elif cfg.DV_OVERLAP:
                 dk, dv, ds_op, p_op = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok, ds_op, p_op])
             else:
                 dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])
@@ -353,6 +470,13 @@ if GLUON_ERROR is None:
             dk_buf, dv_buf = epilogue_buffers(smem, dv_stage, dk_desc, dv_desc, WG, EPI)
             store_key_tiles(dk_desc, dv_desc, dk, dv, dk_buf, dv_buf,
                             k_start + n0 + WG * KEYS, hk, cfg.HEAD_DIM, cfg.HEAD_DIM_V)
+        elif PIECES:  # dK's pieces into its 192-wide rows
+            store_key_piece(dk_ptr, dk, n0 + WG * KEYS, k_start, seqlen_k, n_kv_heads, hk,
+                            cfg.HEAD_DIM, 0, DK_COLS, KEYS, dk_layout)
+            store_key_piece(dk_ptr, dk_hi * softmax_scale, n0 + WG * KEYS, k_start, seqlen_k,
+                            n_kv_heads, hk, cfg.HEAD_DIM, DK_COLS, PIECE, KEYS, hi_layout)
+            store_key_rows(dv_ptr, dv, n0 + WG * KEYS, k_start, seqlen_k, n_kv_heads, hk,
+                           cfg.HEAD_DIM_V, KEYS, dv_layout)
         else:
             store_key_rows(dk_ptr, dk, n0 + WG * KEYS, k_start, seqlen_k, n_kv_heads, hk,
                            cfg.HEAD_DIM, KEYS, dk_layout)
@@ -422,18 +546,29 @@ if GLUON_ERROR is None:
         (persistent grids, BwdConfig.ws_kv_buffers): K and V as that many buffers (one:
         plain tiles; `kv_buffer`)."""
         dtype: gl.constexpr = q_desc.dtype
+        PIECES: gl.constexpr = pieces(HEAD_DIM)
+        QK_LO: gl.constexpr = HEAD_DIM - PIECE if PIECES else HEAD_DIM  # (`WsSmem.q_hi`)
         if KV_BUFS == 1:
-            k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM],
+            k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, QK_LO],
                                                tile_layout(k_desc.layout))
             v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V],
                                                tile_layout(v_desc.layout))
         else:
+            gl.static_assert(not PIECES, "head dim 192: one K/V buffer")
             k_smem = gl.allocate_shared_memory(dtype, [KV_BUFS, BLOCK_N, HEAD_DIM],
                                                tile_layout(k_desc.layout))
             v_smem = gl.allocate_shared_memory(dtype, [KV_BUFS, BLOCK_N, HEAD_DIM_V],
                                                tile_layout(v_desc.layout))
-        q_smem = gl.allocate_shared_memory(dtype, [RING, BLOCK_M, HEAD_DIM],
+        q_smem = gl.allocate_shared_memory(dtype, [RING, BLOCK_M, QK_LO],
                                            tile_layout(q_desc.layout))
+        if PIECES:
+            q_hi = gl.allocate_shared_memory(dtype, [RING, BLOCK_M, PIECE],
+                                             tile_layout(q_desc.layout))
+            k_hi = gl.allocate_shared_memory(dtype, [BLOCK_N, PIECE],
+                                             tile_layout(k_desc.layout))
+        else:
+            q_hi = q_smem
+            k_hi = k_smem
         do_smem = gl.allocate_shared_memory(dtype, [RING, BLOCK_M, HEAD_DIM_V],
                                             tile_layout(do_desc.layout))
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
@@ -469,7 +604,8 @@ if GLUON_ERROR is None:
         for st in gl.static_range(4):
             mbarrier.init(ds_ready.index(st), count=1)
         return WsSmem(q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem,
-                      kv_bar, ready, empty, ds_ready, ds_free, dq_full, dq_empty, done)
+                      kv_bar, ready, empty, ds_ready, ds_free, dq_full, dq_empty, done, q_hi,
+                      k_hi)
 
     @gluon.jit
     def kv_buffer(kv_smem, tile, KV_BUFS: gl.constexpr):

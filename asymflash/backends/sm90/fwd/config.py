@@ -71,11 +71,25 @@ class FwdConfig:
 #   d=256: BN=64 keeps S at 32 registers next to a 128-register O; 2 stages + Q = 192 KB;
 #          the conditional rescale (threshold 8) on, a loss at d=64 and d=128.
 #   A second Q buffer per warpgroup on the persistent grid (d <= 128): a gain.
+#   d=192 (q·k; V <= 128 wide, DeepSeek-V3's MLA prefill), not yet timed on the GPU: Q and K
+#          as a 128- and a 64-wide piece (`FwdConsts.PIECES`). With V at 128, S and O take
+#          the registers of the d=128 build (64 + 64 fp32 per thread at 128-key blocks), so
+#          its tile: BN=128, 2 stages. Shared memory: Q 48 KB + K 96 KB + V 64 KB = 208 KB,
+#          no room for two 16 KB O tiles: O is staged in Q's 128-wide piece on the plain
+#          grid, in one turn-shared 16 KB tile on the persistent one (224 KB;
+#          `epilogue.o_staging`), so one Q buffer per warpgroup. 64-key blocks would leave
+#          S half the wgmma N and twice the steps.
 _DEFAULT_CONFIGS = {
     64: FwdConfig(block_n=128, stages=4, q_buffers=2),
     128: FwdConfig(block_n=128, stages=2, q_buffers=2),
+    192: FwdConfig(block_n=128, stages=2),
     256: FwdConfig(block_n=64, stages=2, rescale_threshold=8.0),
 }
+
+# Softcap calls take these fields. d=192: tanh's registers beside S of 128-key blocks spill
+# (sm_90a: 4 local-memory instructions around the key loops; 10 inside them with a window,
+# sink and varlen too); 64-key blocks (S at 32 registers per thread), 3 stages, spill none.
+SOFTCAP_FIELDS = {192: {"block_n": 64, "stages": 3}}
 
 
 def select_config(head_dim: int, head_dim_v: int, params: AttnParams,
@@ -83,12 +97,15 @@ def select_config(head_dim: int, head_dim_v: int, params: AttnParams,
     """Heuristic config; `override` wins when given."""
     if override is not None:
         return override
-    return _default_config(head_dim, params.mask.is_local)
+    return _default_config(head_dim, params.mask.is_local, params.softcap > 0)
 
 
 @functools.lru_cache(maxsize=None)
-def _default_config(head_dim: int, local: bool) -> FwdConfig:
-    return replace(_DEFAULT_CONFIGS[head_dim], lpt=local)
+def _default_config(head_dim: int, local: bool, softcap: bool = False) -> FwdConfig:
+    cfg = replace(_DEFAULT_CONFIGS[head_dim], lpt=local)
+    if softcap and head_dim in SOFTCAP_FIELDS:
+        cfg = replace(cfg, **SOFTCAP_FIELDS[head_dim])
+    return cfg
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,7 +131,8 @@ def use_persistent(head_dim: int, lpt: bool, max_seqlen_q: int, uniform: bool,
 
     Measured per head dim, mask and length (see docs/tuning.md). Not measured, so on the
     plain grid: varlen / seqused_k, softcap, sink, sliding windows (those persistent builds
-    also keep a few values in local memory around the tile loop).
+    also keep a few values in local memory around the tile loop). d=192 (not yet timed)
+    takes d=256's rules: the 256/128 build it replaces ran them.
     """
     if not (uniform and plain):
         return False
@@ -122,7 +140,7 @@ def use_persistent(head_dim: int, lpt: bool, max_seqlen_q: int, uniform: bool,
         return not (head_dim == 128 and max_seqlen_q >= 16384)
     if head_dim == 64:
         return True
-    if head_dim == 256:
+    if head_dim in (192, 256):
         return max_seqlen_q >= 16384
     return head_dim == 128 and max_seqlen_q <= 1024
 
@@ -142,31 +160,35 @@ def use_three_warpgroups(head_dim: int, masked: bool, max_seqlen_q: int, uniform
 
 # Short masked calls (dense, no softcap, sink or left window) up to this many query rows
 # take these fields (FwdConfig.tail_skip has the measurements): a warpgroup stops at its own
-# last key block, and d=128 takes 64-key blocks so that it can.
+# last key block, and d=128 takes 64-key blocks so that it can. d=192 (not yet timed) as
+# d=256, whose 256/128 build it replaces (up to 1k rows), on 64-key blocks with d=128's 3
+# stages (168 KB with Q).
 SHORT_MASKED = {64: (512, {"block_n": 64, "tail_skip": True}),
                 128: (512, {"block_n": 64, "stages": 3, "tail_skip": True}),
+                192: (1024, {"block_n": 64, "stages": 3, "tail_skip": True}),
                 256: (1024, {"tail_skip": True})}
 
 
 def default_for_call(d: int, local: bool, masked: bool, max_seqlen_q: int, dense: bool,
-                     plain: bool, packed: bool = False) -> FwdConfig:
-    """The default config of one call (`persistent` still open): head dim and mask first,
-    then the shape-dependent choices where the H200 measured a gain. packed: sequences of
-    different lengths (cu_seqlens)."""
+                     plain: bool, packed: bool = False, softcap: bool = False) -> FwdConfig:
+    """The default config of one call (`persistent` still open): head dim, mask and softcap
+    (`SOFTCAP_FIELDS`) first, then the shape-dependent choices where the H200 measured a
+    gain. packed: sequences of different lengths (cu_seqlens); plain: no softcap, sink or
+    left window."""
     if packed:
         # Packed documents: neighbouring CTAs on one head, K/V hot in L2, beat the
         # longest-first order there (docs/tuning.md, scripts/varlen-probe.py)
-        return _in_order(d, local)
+        return _in_order(d, local, softcap)
     if use_three_warpgroups(d, masked, max_seqlen_q, dense, plain):
         return _three_warpgroups(_default_config(d, local))
     if masked and dense and plain and max_seqlen_q <= SHORT_MASKED.get(d, (0,))[0]:
         return _short_masked(d, local)
-    return _default_config(d, local)
+    return _default_config(d, local, softcap)
 
 
 @functools.lru_cache(maxsize=None)
-def _in_order(d: int, local: bool) -> FwdConfig:
-    return replace(_default_config(d, local), lpt=False)
+def _in_order(d: int, local: bool, softcap: bool) -> FwdConfig:
+    return replace(_default_config(d, local, softcap), lpt=False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -202,9 +224,21 @@ def persistent_launch(cfg: FwdConfig, max_seqlen_q: int, max_seqlen_k: int, unif
     return cfg, grid, hb_chunk
 
 
-def check_config(cfg: FwdConfig, head_dim: int) -> None:
+# Head dims of the fp8 build (`host.forward_fp8`). d=256 stages O in a tile of its own
+# (`epilogue.o_staging`: a bf16 tile does not fit the e4m3 Q buffer; sm_90a compile: 164 KB
+# of shared memory, no local memory).
+FP8_HEAD_DIMS = (64, 128, 256)
+
+
+def check_config(cfg: FwdConfig, head_dim: int, fp8: bool = False) -> None:
     """Refuse configs the kernel cannot build (before anything is launched); `persistent`
-    decided (the plain grid ignores q_buffers)."""
+    decided (the plain grid ignores q_buffers). fp8: the e4m3 build."""
+    if fp8 and head_dim not in FP8_HEAD_DIMS:
+        raise ValueError(f"the fp8 forward is built for head dims {FP8_HEAD_DIMS}, "
+                         f"got {head_dim}")
+    if fp8 and cfg.rescale_threshold:
+        raise ValueError("the fp8 forward needs FwdConfig.rescale_threshold=0 (P is scaled "
+                         "to e4m3's range against the exact running max)")
     if cfg.q_buffers not in (1, 2):
         raise ValueError(f"FwdConfig.q_buffers must be 1 or 2, got {cfg.q_buffers}")
     # (d=256 with one K/V stage fits two Q buffers but was slower: see docs/tuning.md)
@@ -215,3 +249,8 @@ def check_config(cfg: FwdConfig, head_dim: int) -> None:
         raise ValueError(f"FwdConfig.consumer_wgs must be 2 or 3, got {cfg.consumer_wgs}")
     if cfg.consumer_wgs == 3 and (cfg.persistent is False or head_dim != 64):
         raise ValueError("FwdConfig.consumer_wgs=3 needs head_dim 64 and the persistent grid")
+    # d=192: 128-key blocks fill 208 KB with 2 stages (`_DEFAULT_CONFIGS`); a third does not
+    # fit (the compile would fail only at launch)
+    if head_dim == 192 and cfg.block_n * cfg.stages > 256:
+        raise ValueError(f"FwdConfig block_n={cfg.block_n}, stages={cfg.stages} at head_dim "
+                         "192: the K/V rings fit 256 keys (128 x 2, 64 x 4)")

@@ -6,28 +6,96 @@ from __future__ import annotations
 
 from ..common import GLUON_ERROR
 
+# fp8: P is quantised to e4m3 as 2^P_SHIFT * exp2(s - m), in [0, 256] (e4m3's largest
+# value is 448). Unscaled, as FA3 keeps it, probabilities below 2^-6 of the row's max would
+# be e4m3 subnormals (fewer than 3 mantissa bits) and those below 2^-10 would round to 0;
+# scaled, that floor falls to 2^-18, so the many small weights of long rows still count in
+# P·V, as they do in the fp32 row sum. A power of two: it costs nothing (it is subtracted
+# from each row's max, `online_softmax`), cancels exactly in O / l and comes out of lse
+# exactly. Needs the exact running max (no stale-max rescale: P would reach 2^(8 + t)).
+P_SHIFT = 8
+
 if GLUON_ERROR is None:
-    from ..common import fence_async_shared, gl, gluon, mbarrier, thread_barrier, tma, tma_store
+    from ..common import (
+        PIECE_HI,
+        fence_async_shared,
+        gl,
+        gluon,
+        mbarrier,
+        thread_barrier,
+        tma,
+        tma_store,
+        to_16bit,
+    )
+    from .state import descale_index
+
+    P_SHIFT_FP8 = gl.constexpr(float(P_SHIFT))
 
     # Layouts of a consumer warpgroup's 64-row tile: S (64 x BLOCK_N), O (64 x HEAD_DIM_V),
     # P as the register operand of P·V, and one value per row of S.
+    # fp8: the wgmma instruction's K is 32 (e4m3 operands) instead of 16; the registers of
+    # the accumulator are laid out the same.
     @gluon.constexpr_function
-    def make_s_layout(block_n):
+    def make_s_layout(block_n, fp8=False):
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                         instr_shape=[16, int(block_n), 16])
+                                         instr_shape=[16, int(block_n), 32 if fp8 else 16])
 
     @gluon.constexpr_function
-    def make_o_layout(head_dim_v):
+    def make_o_layout(head_dim_v, fp8=False):
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                         instr_shape=[16, int(head_dim_v), 16])
+                                         instr_shape=[16, int(head_dim_v), 32 if fp8 else 16])
 
     @gluon.constexpr_function
     def make_p_layout(head_dim_v):
         return gl.DotOperandLayout(operand_index=0, parent=make_o_layout(head_dim_v), k_width=2)
 
     @gluon.constexpr_function
-    def make_row_layout(block_n):
-        return gl.SliceLayout(1, make_s_layout(block_n))
+    def make_p_layout_fp8(head_dim_v):
+        # 8-bit A operand: four consecutive k (keys) per 32-bit register
+        return gl.DotOperandLayout(operand_index=0, parent=make_o_layout(head_dim_v, True),
+                                   k_width=4)
+
+    # fp8 P·V: wgmma takes an 8-bit A operand as four consecutive k per register, columns
+    # 4t..4t+3 and 16+4t..16+4t+3 of each 32-column slice (t = lane % 4), while the S
+    # accumulator gives a thread the column pairs 2t, 2t+1 of each 8-column slice. Rather
+    # than move P between threads (shuffles), the key order inside each 32-key group is
+    # redefined: A column 16h + 4t + 2a + b holds S column 8(2h + a) + 2t + b, i.e. column
+    # bits (b, t, a, h) of S become (b, a, t, h) of A, which keeps every value in the
+    # thread that has it (`fp8_key_order` on the host stores V's keys in the same order,
+    # so P·V sums the same products).
+    #
+    # P crosses the key loop as fp16 pairs (cvt.rn.f16x2.f32, 32 registers) and becomes e4m3
+    # at the wgmma's issue (`kernel._step`: cvt.rn.satfinite.e4m3x2.f16x2, merged into the
+    # operand register). Made at the end of the step, the e4m3 bytes were loop-carried one
+    # by one (Triton keeps 8-bit elements apart) and cost ~110 byte permutes (PRMT) per key
+    # block to unpack and repack, against none this way (sm_90a SASS, d=128). The double
+    # rounding (fp32 -> fp16 -> e4m3) differs from a single one only where the fp16 value
+    # falls exactly on an e4m3 midpoint, by one e4m3 step there.
+
+    @gluon.jit
+    def p_operand_fp8(p, HEAD_DIM_V: gl.constexpr):
+        """P (fp32, S's layout) as fp16 in the layout of the e4m3 A operand of P·V, in the
+        key order above; the P·V's issue casts it to e4m3."""
+        BLOCK_N: gl.constexpr = p.shape[1]
+        x = gl.reshape(p, [64, BLOCK_N // 32, 2, 2, 4, 2])  # (.., h, a, t, b)
+        x = gl.permute(x, [0, 1, 2, 4, 3, 5])  # (.., h, t, a, b)
+        x = gl.reshape(x, [64, BLOCK_N])
+        # a renaming of registers only: the compile fails if it would move data
+        x = gl.convert_layout(x, make_p_layout_fp8(HEAD_DIM_V), assert_trivial=True)
+        return to_16bit(x, gl.float16)
+
+    @gluon.jit
+    def p_operand(p, dtype: gl.constexpr, HEAD_DIM_V: gl.constexpr, FP8: gl.constexpr):
+        """P (fp32, S's layout) as the P·V MMA's A operand: `p_operand_fp8`'s for fp8
+        builds, else in q's 16-bit type."""
+        if FP8:
+            return p_operand_fp8(p, HEAD_DIM_V)
+        else:
+            return gl.convert_layout(to_16bit(p, dtype), make_p_layout(HEAD_DIM_V))
+
+    @gluon.constexpr_function
+    def make_row_layout(block_n, fp8=False):
+        return gl.SliceLayout(1, make_s_layout(block_n, fp8))
 
     @gluon.jit
     def tile_store(acc, m_i, l_i, rows, bufs, call, cfg, tile, WG: gl.constexpr):
@@ -41,8 +109,8 @@ if GLUON_ERROR is None:
         m0 = tile.m0
         seqlen_q = tile.seqlen_q
         head = tile.head
-        o_layout: gl.constexpr = make_o_layout(HEAD_DIM_V)
-        row_layout: gl.constexpr = make_row_layout(cfg.BLOCK_N)
+        o_layout: gl.constexpr = make_o_layout(HEAD_DIM_V, cfg.FP8)
+        row_layout: gl.constexpr = make_row_layout(cfg.BLOCK_N, cfg.FP8)
         if cfg.HAS_SINK:
             sink = gl.load(call.sink_ptr + head) * 1.4426950408889634
             m_fin = gl.maximum(m_i, sink)
@@ -53,9 +121,18 @@ if GLUON_ERROR is None:
         else:
             o_scale = gl.full([64], 1.0, gl.float32, row_layout)
         has_mass = l_i > 0.0
-        inv_l = gl.where(has_mass, o_scale / gl.where(has_mass, l_i, 1.0), 0.0)
-        lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))) * 0.6931471805599453,
-                       -float("inf"))
+        if cfg.FP8:
+            # P (and so l_i and O) carry the factor 2^P_SHIFT_FP8 (`online_softmax`): it
+            # cancels in O / l, and leaves lse exactly; v's descale scales O (P (v vd) =
+            # vd (P v)), one multiply per row here instead of one per element of V.
+            o_scale = o_scale * gl.load(call.v_descale_ptr + descale_index(call, tile))
+            inv_l = gl.where(has_mass, o_scale / gl.where(has_mass, l_i, 1.0), 0.0)
+            lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))
+                                      - P_SHIFT_FP8) * 0.6931471805599453, -float("inf"))
+        else:
+            inv_l = gl.where(has_mass, o_scale / gl.where(has_mass, l_i, 1.0), 0.0)
+            lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0)))
+                           * 0.6931471805599453, -float("inf"))
         valid = rows < seqlen_q
         lse_off = head.to(gl.int64) * call.total_q + q_start + rows
         gl.store(call.lse_ptr + lse_off, lse, mask=valid)
@@ -70,7 +147,8 @@ if GLUON_ERROR is None:
             # sequence (192-row tiles) stores nothing.
             # Wide rows on the persistent grid: one staging tile, the warpgroups take turns
             # (`o_staging`); the turn barrier sits after the Q (and ping-pong) barriers.
-            SHARED: gl.constexpr = o_staging(o_desc.block_shape, HEAD_DIM_V, cfg.PERSISTENT) == 2
+            SHARED: gl.constexpr = o_staging(o_desc.block_shape, cfg.HEAD_DIM, HEAD_DIM_V,
+                                             cfg.PERSISTENT, cfg.FP8) == 2
             o_tile = bufs.o.index(0 if SHARED else WG)
             if SHARED:
                 # Warpgroup w's k-th turn follows 2k + w arrivals: parity 1 - w every time.
@@ -117,16 +195,18 @@ if GLUON_ERROR is None:
         return block_shape[1] == width
 
     @gluon.constexpr_function
-    def o_staging(block_shape, width, persistent):
+    def o_staging(block_shape, head_dim, width, persistent, fp8=False):
         """Where the TMA-store epilogue stages O: 0, one tile per warpgroup of its own
         (dv <= 128, or no TMA store at all); wide rows (d = dv = 256: a tile each does not
         fit next to the 192 KB of Q and the K/V rings; the host gives such a box only where
-        dv = d, `output_box_width`) 1: in the warpgroup's Q buffer on the plain grid, where
-        Q is dead after the last S; 2: on the persistent grid, in one 32 KB tile the
-        warpgroups take turns at (there the next tile's Q lands during the epilogue; staged
-        in the Q buffer it had to wait for the store, at half the speed for short causal
-        calls)."""
-        if block_shape[1] != width or width <= 128:
+        dv = d, `output_box_width`), and q·k 192 wide (two 16 KB tiles do not fit next to
+        the 208 KB of Q and the 128-key rings) 1: in the warpgroup's Q buffer on the plain
+        grid, where Q is dead after the last S (at 192 its 128-wide piece, O's shape); 2: on
+        the persistent grid, in one tile the warpgroups take turns at (there the next tile's
+        Q lands during the epilogue; staged in the Q buffer it had to wait for the store, at
+        half the speed for short causal calls at d = 256). fp8 (e4m3 Q, half the bytes: a bf16
+        O tile does not fit its buffer, and a tile of its own does fit) 0."""
+        if block_shape[1] != width or fp8 or (width <= 128 and head_dim != 128 + PIECE_HI):
             return 0
         return 2 if persistent else 1
 

@@ -113,7 +113,7 @@ if GLUON_ERROR is None:
         BLOCK_N: gl.constexpr = cfg.BLOCK_N
         HAS_LEFT: gl.constexpr = cfg.HAS_LEFT
         HAS_RIGHT: gl.constexpr = cfg.HAS_RIGHT
-        s_layout: gl.constexpr = make_s_layout(BLOCK_N)
+        s_layout: gl.constexpr = make_s_layout(BLOCK_N, cfg.FP8)
         window_left = call.window_left
         window_right = call.window_right
         if cfg.SOFTCAP:
@@ -131,12 +131,51 @@ if GLUON_ERROR is None:
         return s
 
     @gluon.jit
+    def block_scores(s, n, rows, shift, call, cfg, tile, MASKED: gl.constexpr, mods=None):
+        """`scores` of key block n, or a flex call's (`flex_scores`) where mods is given."""
+        if mods is None:
+            out = scores(s, n, rows, shift, tile.seqlen_k, call, cfg, MASKED)
+        else:
+            out = flex_scores(s, n, rows, tile, cfg, mods, MASKED)
+        return out
+
+    @gluon.jit
+    def flex_scores(s, n, rows, tile, cfg, mods, MASKED: gl.constexpr):
+        """A flex call's logits of key block n (`fwd/flex.py`): score_mod of the scaled
+        scores (natural units out: the call's qk_scale is then log2(e) alone), and where the
+        block is a partial one of the BlockMask (MASKED) mask_mod and the sequence bounds,
+        or for a full block the key bound alone where the last block is ragged. Disallowed
+        scores become -inf. mods = (FlexMods, the captured tensors' (ptr, sizes, strides)
+        tuple)."""
+        fl, captured = mods
+        BLOCK_N: gl.constexpr = cfg.BLOCK_N
+        s_layout: gl.constexpr = make_s_layout(BLOCK_N)
+        cols = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        q_idx = gl.expand_dims(rows, 1)
+        kv_idx = gl.expand_dims(cols, 0)
+        inb = (q_idx < tile.seqlen_q) & (kv_idx < tile.seqlen_k)
+        if fl.HAS_SCORE:
+            s = fl.SCORE_MOD(s * fl.scale, fl.b, fl.h, q_idx, kv_idx, inb, captured)
+        if MASKED:
+            ok = inb
+            if fl.HAS_MASK:
+                # skip_mask: the peeled first block is a full one (no partial blocks listed)
+                ok = ok & (fl.MASK_MOD(fl.b, fl.h, q_idx, kv_idx, inb, captured)
+                           | fl.skip_mask)
+            s = gl.where(ok, s, -float("inf"))
+        elif not fl.EVEN_K:
+            s = gl.where(inb, s, -float("inf"))
+        return s
+
+    @gluon.jit
     def online_softmax(s, m_i, l_i, qk_scale, EMU_EVERY: gl.constexpr,
-                        RESCALE_THRESHOLD: gl.constexpr):
+                        RESCALE_THRESHOLD: gl.constexpr, P_SHIFT: gl.constexpr = 0.0):
         """One block of the online softmax in log2 units.
 
         Returns P (fp32, unnormalised), the new running max/sum and the factor O must be
         multiplied by. m_i is in scaled log2 units; -inf while a row has seen no key.
+        P_SHIFT > 0 (fp8, `epilogue.P_SHIFT`): P and the row sum carry a factor 2^P_SHIFT,
+        taken off the max that each row subtracts (one add per row, none per element).
         """
         m_blk = gl.max(s, 1) * qk_scale
         m_cand = gl.maximum(m_i, m_blk)
@@ -150,6 +189,9 @@ if GLUON_ERROR is None:
         m_sub = gl.where(m_new == -float("inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_sub)
         # s * qk_scale - m folds into one FFMA per element before the exponential.
-        p = exp2(s * qk_scale - gl.expand_dims(m_sub, 1), EMU_EVERY)
+        if P_SHIFT != 0:
+            p = exp2(s * qk_scale - gl.expand_dims(m_sub - P_SHIFT, 1), EMU_EVERY)
+        else:
+            p = exp2(s * qk_scale - gl.expand_dims(m_sub, 1), EMU_EVERY)
         l_i = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_i, alpha

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..common import GLUON_ERROR
 
 if GLUON_ERROR is None:
-    from ..common import aggregate, gl, gluon, tma
+    from ..common import PIECE_HI, aggregate, gl, gluon, tma
 
     # Every role gets the CTA's state as three aggregates, (bufs, call, cfg): an argument
     # tuple held in a variable would turn its constexpr entries into runtime values, so
@@ -20,8 +20,8 @@ if GLUON_ERROR is None:
     class FwdSmem:
         """The CTA's shared memory and mbarriers (allocated by `attn_fwd_kernel`)."""
 
-        q: gl.shared_memory_descriptor  # [Q_BUFS * NUM_WG, 64, HEAD_DIM]
-        k: gl.shared_memory_descriptor  # K ring [STAGES, BLOCK_N, HEAD_DIM]
+        q: gl.shared_memory_descriptor  # [Q_BUFS * NUM_WG, 64, HEAD_DIM] (192: 128, `q_hi`)
+        k: gl.shared_memory_descriptor  # K ring [STAGES, BLOCK_N, HEAD_DIM] (192: 128)
         v: gl.shared_memory_descriptor  # V ring [STAGES, BLOCK_N, HEAD_DIM_V]
         # Q landed, per Q buffer; then the ping-pong turn barriers and the staging tile's
         # turn barrier (`q_bar_count`)
@@ -33,6 +33,10 @@ if GLUON_ERROR is None:
         v_empty: gl.shared_memory_descriptor
         sched: gl.shared_memory_descriptor  # the persistent loader's tiles (`publish_tile`)
         o: gl.shared_memory_descriptor  # O staging (`o_staging`)
+        # Head dim 192 (FwdConsts.PIECES): Q's and K's 64-wide pieces (columns 128-191; q and
+        # k above hold columns 0-127). Other widths: q and k again, never read.
+        q_hi: gl.shared_memory_descriptor  # [Q_BUFS * NUM_WG, 64, 64]
+        k_hi: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, 64]
 
     @aggregate
     class FwdCall:
@@ -61,6 +65,13 @@ if GLUON_ERROR is None:
         window_right: gl.tensor
         num_tiles: gl.tensor
         hb_chunk: gl.tensor
+        # fp8 only (FP8; unused placeholders otherwise): the descales, fp32 (batch, nheads_kv),
+        # and the key columns of one sequence in the transposed V (`fwd/host.py`,
+        # `transpose_v_fp8`)
+        q_descale_ptr: gl.tensor
+        k_descale_ptr: gl.tensor
+        v_descale_ptr: gl.tensor
+        v_cols: gl.tensor
 
     @aggregate
     class FwdConsts:
@@ -87,12 +98,18 @@ if GLUON_ERROR is None:
         NUM_WG: gl.constexpr
         Q_BUFS: gl.constexpr
         TAIL_SKIP: gl.constexpr
+        # e4m3 q, k and a transposed e4m3 V (`fwd/host.py`, `forward_fp8`): fp8 wgmmas, P
+        # quantised to e4m3 in registers, the descales folded in per tile
+        FP8: gl.constexpr
         BLOCK_M: gl.constexpr  # 64 * NUM_WG
+        # HEAD_DIM 192: Q and K held as a 128- and a 64-wide piece (Gluon's tensors are
+        # powers of two), S = Q_lo·K_loᵀ + Q_hi·K_hiᵀ (two wgmmas into one accumulator)
+        PIECES: gl.constexpr
 
         @gluon.constexpr_function
         def __init__(self, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, UNIFORM, HAS_SEQUSED,
                      HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_SINK, LPT, EMU_EVERY, RESCALE_THRESHOLD,
-                     PERSISTENT, PINGPONG, NUM_WG, Q_BUFS, TAIL_SKIP):
+                     PERSISTENT, PINGPONG, NUM_WG, Q_BUFS, TAIL_SKIP, FP8):
             self.HEAD_DIM = gl.constexpr(HEAD_DIM)
             self.HEAD_DIM_V = gl.constexpr(HEAD_DIM_V)
             self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -111,7 +128,9 @@ if GLUON_ERROR is None:
             self.NUM_WG = gl.constexpr(NUM_WG)
             self.Q_BUFS = gl.constexpr(Q_BUFS)
             self.TAIL_SKIP = gl.constexpr(TAIL_SKIP)
+            self.FP8 = gl.constexpr(FP8)
             self.BLOCK_M = gl.constexpr(64 * NUM_WG)
+            self.PIECES = gl.constexpr(HEAD_DIM == 128 + PIECE_HI)
 
     @aggregate
     class QTile:
@@ -125,3 +144,21 @@ if GLUON_ERROR is None:
         seqlen_q: gl.tensor
         seqlen_k: gl.tensor
         head: gl.tensor
+
+    @gluon.jit
+    def with_qk_scale(call, qk_scale):
+        """`call` with another softmax scale (the fp8 kernel's, with one tile's descales)."""
+        return FwdCall(call.q_desc, call.k_desc, call.v_desc, call.o_desc, call.out_ptr,
+                       call.lse_ptr, call.cu_q_ptr, call.cu_k_ptr, call.used_k_ptr,
+                       call.sink_ptr, call.seqlen_q, call.seqlen_k, call.total_q,
+                       call.n_heads, call.n_batch, call.num_m_blocks, call.group, qk_scale,
+                       call.softcap_pre, call.window_left, call.window_right, call.num_tiles,
+                       call.hb_chunk, call.q_descale_ptr, call.k_descale_ptr,
+                       call.v_descale_ptr, call.v_cols)
+
+    @gluon.jit
+    def descale_index(call, tile):
+        """Index of a tile's (sequence, kv head) in the fp8 descales, fp32 (batch, nheads_kv):
+        dense sequences only (q_start = batch * seqlen_q)."""
+        return ((tile.q_start // tile.seqlen_q) * (call.n_heads // call.group)
+                + tile.head // call.group)
