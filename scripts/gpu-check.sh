@@ -17,8 +17,10 @@
 #                                        picks cases, as --case). All of it takes longer than one
 #                                        10-minute device call (2026-12-05: two cases and part of
 #                                        the 128k one in 400 s): run it in groups, e.g.
-#                                        MODELS_CASE=varlen,mla / long / vit,train,swa /
-#                                        softcap,hybrid / decode, then `bench --merge` the outs
+#                                        MODELS_CASE=varlen,mla (2 min on an H100) / long
+#                                        (alone: 16 of its 20 cells took 327 s) /
+#                                        vit,train,swa,softcap,hybrid,decode (4.5 min),
+#                                        then `bench --merge` the outs
 #   bash scripts/gpu-check.sh fp8        the fp8 forward grid (d 64/128) beside bf16 and cuDNN fp8
 #   bash scripts/gpu-check.sh full       tests, sanitize, bench, first-call
 #
