@@ -80,6 +80,16 @@ def test_same_copies_and_verdict_as_the_torch_ops(batch, cols, appending, parts)
             assert o is None or torch.equal(t, o)
 
 
+def test_an_empty_batch_launches_nothing():
+    geom = CacheGeometry(extra=0, capacity=64, num_rows=6, page_size=16, batch_cache=4,
+                         appending=False)
+    empty = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+    lens, table, rows, pad = OneLaunchChecks(geom, MESSAGE)(
+        empty, page_table=torch.zeros(0, 4, dtype=torch.int32, device=DEVICE),
+        batch_idx=empty, leftpad=empty)
+    assert lens.shape == (0,) and table.shape == (0, 4) and rows.shape == pad.shape == (0,)
+
+
 def test_each_kind_of_wrong_value_fails():
     geom = CacheGeometry(extra=2, capacity=64, num_rows=6, page_size=16, batch_cache=4,
                          appending=True)

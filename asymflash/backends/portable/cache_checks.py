@@ -101,6 +101,8 @@ class OneLaunchChecks:
                 max(geom.num_rows - 1, 0), geom.page_size, geom.extra,
                 max(geom.batch_cache - 1, 0))
         grid = (lens.shape[0],)
+        if grid[0] == 0:  # no sequence: nothing to judge
+            return lens_out, pages_out, rows_out, pad_out
         bound = self.bound
         if not (bound and bound(grid, args)):
             kwargs = dict(HAS_PAGES=page_table is not None, HAS_ROWS=batch_idx is not None,
