@@ -12,6 +12,8 @@
    backward and torch SDPA cuDNN (autograd.grad of its output). Every timed cell first checks
    ours against the portable gradients (max error relative to the largest gradient).
 
+--heads Q:KV (e.g. 64:8, Llama-3-70B's GQA) and --tokens N (batch · seqlen) set the timed
+shape's heads and size in place of model dim 2048 over 16k tokens.
 --dims / --seqlens / --causal narrow the timed grid (a dims token D/DV times a head dim of V
 apart, e.g. --dims 192/128: DeepSeek-V3's MLA shape); --set FIELD=VALUE times a BwdConfig variant.
 --variant NAME:FIELD=VALUE,... adds a column timing ours with those BwdConfig fields (and
@@ -111,18 +113,28 @@ def _widths(token):
     return int(d), int(dv or d)
 
 
+def _heads(d):
+    """(q heads, kv heads): --heads Q:KV (ASYMFLASH_PROBE_HEADS for the workers), else model
+    dim 2048 without GQA (2048 / d each)."""
+    given = os.environ.get("ASYMFLASH_PROBE_HEADS")
+    if given:
+        hq, hkv = (int(x) for x in given.split(":"))
+        return hq, hkv
+    return 2048 // d, 2048 // d
+
+
 def _bench_inputs(token, causal, seqlen):
     import torch
 
     from asymflash.core.params import AttnParams, MaskSpec, SeqInfo
 
     d, dv = _widths(token)
-    hq = 2048 // d
-    batch = 16384 // seqlen
+    hq, hkv = _heads(d)
+    batch = max(1, int(os.environ.get("ASYMFLASH_PROBE_TOKENS", 16384)) // seqlen)
     total = batch * seqlen
     dev = "cuda"
-    q, k, v, dout = (torch.randn(total, hq, width, device=dev, dtype=torch.bfloat16)
-                     for width in (d, d, dv, dv))
+    q, k, v, dout = (torch.randn(total, h, width, device=dev, dtype=torch.bfloat16)
+                     for h, width in ((hq, d), (hkv, d), (hkv, dv), (hq, dv)))
     seq = SeqInfo.dense(batch, seqlen, seqlen, dev)
     params = AttnParams(d ** -0.5, MaskSpec(-1, 0 if causal else -1))
     return q, k, v, dout, seq, params, batch, hq
@@ -135,7 +147,9 @@ def _forward(q, k, v, seq, params, batch, seqlen):
 
     try:
         hq, dv = q.shape[1], v.shape[2]
-        qb, kb, vb = (t.view(batch, seqlen, -1, t.shape[2]).transpose(1, 2) for t in (q, k, v))
+        group = hq // k.shape[1]  # torch's flash forward takes no GQA: the kv heads repeated
+        qb, kb, vb = (t.view(batch, seqlen, -1, t.shape[2]).transpose(1, 2)
+                      .repeat_interleave(r, dim=1) for t, r in ((q, 1), (k, group), (v, group)))
         res = torch.ops.aten._scaled_dot_product_flash_attention(
             qb, kb, vb, 0.0, params.mask.causal, False, scale=params.softmax_scale)
         out = res[0].transpose(1, 2).reshape(batch * seqlen, hq, dv).contiguous()
@@ -228,7 +242,7 @@ def _bench_cell(d, causal, seqlen, warm_only):
                           .requires_grad_(True) for x in (q, k, v))
             dob = dout.view(batch, seqlen, hq, width_v).transpose(1, 2)
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                o = sdpa(qb, kb, vb, is_causal=bool(causal))
+                o = sdpa(qb, kb, vb, is_causal=bool(causal), enable_gqa=kb.shape[1] != hq)
             res["cudnn"] = tflops(
                 lambda: torch.autograd.grad(o, (qb, kb, vb), dob, retain_graph=True))
         except Exception as exc:  # noqa: BLE001 - report, go on
@@ -350,6 +364,8 @@ def main():
                     help="head dims, e.g. 256 or 192/128 (q·k / V)")
     ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)), help="e.g. 2048,16384")
     ap.add_argument("--causal", default="0,1", help="0, 1 or 0,1")
+    ap.add_argument("--heads", help="q:kv heads, e.g. 64:8 (default 2048/d each, no GQA)")
+    ap.add_argument("--tokens", type=int, help="batch * seqlen (default 16384)")
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.set:  # the children read it
@@ -362,6 +378,10 @@ def main():
              for name, rest in (spec.split(":", 1) for spec in args.variant)})
     if args.no_peers:
         os.environ["ASYMFLASH_PROBE_NO_PEERS"] = "1"
+    if args.heads:
+        os.environ["ASYMFLASH_PROBE_HEADS"] = args.heads
+    if args.tokens:
+        os.environ["ASYMFLASH_PROBE_TOKENS"] = str(args.tokens)
     if args.worker:
         kind, rest = args.worker[0], args.worker[1:]
         if kind == "case":
@@ -451,7 +471,8 @@ def main():
     for name in names:
         rec = results["cases"].get(name, {"status": "?"})
         print(f"  {name:26s} {rec.get('status')}  {rec.get('err/bound', '')}")
-    print("\nbackward TFLOP/s, bf16, nheads = 2048/d, batch*seqlen = 16k")
+    print(f"\nbackward TFLOP/s, bf16, heads {args.heads or '2048/d'}, batch*seqlen = "
+          f"{args.tokens or 16384}")
     print(f"{'d':>7} {'causal':>6} {'seqlen':>6} {'ours':>16} {'portable':>10} {'cudnn':>10} "
           f"{'ours/cudnn':>10} {'rel_err':>9}")
     for r in sorted(results["cells"], key=lambda r: (_widths(r["d"]), r["causal"], r["seqlen"])):
