@@ -102,6 +102,21 @@ def _cudnn_fp8(inputs: Fp8Inputs, causal: bool):
     raise NotImplementedError("cuDNN fp8 SDPA graph (per-tensor descales) not written yet")
 
 
+def _exp2_emulated(every: int) -> Provider:
+    """asymflash-fp8 with one exponential in `every` on the FMA pipe (FA4's trick, the
+    forward's ASYMFLASH_SM90_EXP2_EMU switch): fp8 halves the MMA time per tile, so the
+    exponentials weigh twice what they do in bf16, where the trick lost. Asked for by name:
+    --providers asymflash-fp8,asymflash-fp8-exp2emu8."""
+    from ..backends.sm90.fwd.host import EXP2_EMU_SWITCH
+    from .providers import switch_set
+
+    return Provider(f"asymflash-fp8-exp2emu{every}", _asymflash_fp8, is_asymflash=True,
+                    modes=("fwd",), opt_in=True,
+                    context=lambda: switch_set(EXP2_EMU_SWITCH, str(every)),
+                    description=f"asymflash-fp8 with {EXP2_EMU_SWITCH}={every}: one "
+                                f"exponential in {every} on the FMA pipe")
+
+
 def fp8_providers() -> list:
     return [
         Provider("cuDNN-fp8", _cudnn_fp8, available=_cudnn_reason, modes=("fwd",),
@@ -111,4 +126,5 @@ def fp8_providers() -> list:
         Provider("asymflash-fp8", _asymflash_fp8, is_asymflash=True, modes=("fwd",),
                  headline=True, description="flash_attn_func on e4m3 q/k/v with per-head "
                                             "descales"),
+        *(_exp2_emulated(every) for every in (2, 4, 8)),
     ]

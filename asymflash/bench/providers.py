@@ -78,7 +78,8 @@ def asymflash_providers(device: str) -> list:
 
 
 @contextlib.contextmanager
-def _switch_set(name: str, value: str):
+def switch_set(name: str, value: str):
+    """The environment switch `name` set to `value` inside the block, as it was after."""
     old = os.environ.get(name)
     os.environ[name] = value
     try:
@@ -98,7 +99,7 @@ def _sm90_switched(label: str, switch: str, value: str, what: str,
 
     @contextlib.contextmanager
     def context():
-        with base.context(), _switch_set(switch, value):
+        with base.context(), switch_set(switch, value):
             yield
 
     return Provider(f"asymflash-sm90-{label}", base.make_fwd, base.available, context,

@@ -75,3 +75,20 @@ def test_cli_fp8_refuses_backward_and_models(argv, tmp_path):
     with pytest.raises(SystemExit) as exc:
         bench.main(["--dtype", "fp8", "--out", str(tmp_path), *argv])
     assert exc.value.code == 2
+
+
+def test_exp2_emulation_columns_set_the_switch_and_are_checked():
+    """The fp8 exp2-emulation columns are asked for by name, run with the forward's switch
+    set (and unset after), and are checked like the rest."""
+    import os
+
+    from asymflash.backends.sm90.fwd.host import EXP2_EMU_SWITCH
+
+    named = {p.name: p for p in fp8_providers()}
+    emu = [named[f"asymflash-fp8-exp2emu{k}"] for k in (2, 4, 8)]
+    assert all(p.opt_in for p in emu)
+    with emu[2].context():
+        assert os.environ[EXP2_EMU_SWITCH] == "8"
+    assert EXP2_EMU_SWITCH not in os.environ
+    r = _run([emu[2]])["asymflash-fp8-exp2emu8"]
+    assert r.status == OK, r.reason
