@@ -22,6 +22,10 @@
 #                                        vit,train,swa,softcap,hybrid,decode (4.5 min),
 #                                        then `bench --merge` the outs
 #   bash scripts/gpu-check.sh fp8        the fp8 forward grid (d 64/128) beside bf16 and cuDNN fp8
+#                                        (cuDNN's column needs nvidia-cudnn-frontend, not on the
+#                                        machine: carry `.whl` holding its 1.16.0 cp312 wheel,
+#                                        which needs no other package, and begin the command with
+#                                        the device README's pip install of .whl)
 #   bash scripts/gpu-check.sh full       tests, sanitize, bench, first-call
 #
 # Knobs: TEST_FILES, TEST_TIMEOUT (s per file, default 300), TEST_JOBS (files at a time:

@@ -92,3 +92,19 @@ def test_exp2_emulation_columns_set_the_switch_and_are_checked():
     assert EXP2_EMU_SWITCH not in os.environ
     r = _run([emu[2]])["asymflash-fp8-exp2emu8"]
     assert r.status == OK, r.reason
+
+
+def test_the_grid_quantises_per_tensor_for_cudnn():
+    """The fp8 grid's inputs carry one scale per tensor (in FA3's (batch, kv head) form), its
+    amax at e4m3's largest value; per-head inputs are refused by the cuDNN column, by name,
+    before it needs cuDNN."""
+    from asymflash.bench.fp8 import _cudnn_fp8
+
+    inputs = make_fp8_inputs(CASE, "cpu", seed=3, per_tensor=True)
+    for deq, t8, d in zip((inputs.q, inputs.k, inputs.v), (inputs.q8, inputs.k8, inputs.v8),
+                          inputs.descales):
+        assert d.shape == (2, 2) and torch.unique(d).numel() == 1
+        assert t8.float().abs().max().item() == 448.0
+        assert torch.equal(deq, dequantize(t8, d))
+    with pytest.raises(NotImplementedError, match="one descale per tensor"):
+        _cudnn_fp8(make_fp8_inputs(CASE, "cpu", seed=3), causal=False)
