@@ -85,7 +85,8 @@ fp8 = len(sys.argv) > 3 and sys.argv[3] == "fp8"  # an e4m3 cache beside bf16 q
 ARCH = int(sys.argv[4]) if len(sys.argv) > 4 else 90
 # the H200 decode shape: bf16, d 128, GQA 8:1 packed, 128-key tiles, 4 warps, 3 stages
 cons = dict(D=128, DV=128, BLOCK_D=128, BLOCK_DV=128, BLOCK_M=16, BLOCK_N=128,
-            VARLEN_Q=False, PAGED=paged, HAS_BATCH_IDX=False, HAS_LEFTPAD=leftpad,
+            VARLEN_Q=False, PAGED=paged, PAGE_SIZE=64 if paged else 0, HAS_BATCH_IDX=False,
+            HAS_LEFTPAD=leftpad,
             HAS_NEW=True, SPLIT=True, SOFTCAP=False, HAS_SINK=False, WRITE_LSE=True,
             LEFT=False, RIGHT=True)
 sig = signature(fn, cons, ("CU_Q", "SEQLENS_K", "PAGE_TABLE", "BATCH_IDX", "LEFTPAD", "COUNTERS"),

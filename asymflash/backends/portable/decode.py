@@ -159,7 +159,31 @@ def widen(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _copy_new_rows(SRC, DST, table_row, page_size, dst_row, cache_len, n_new,
+def key_pages(table_row, start_n, cols, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+              mask):
+    """(page, row in the page) of keys `cols` = start_n + 0..BLOCK_N-1, as int64 (start_n a
+    multiple of BLOCK_N). Where pages hold whole tiles, the tile's page is one scalar read
+    and its rows follow each other; where tiles hold whole pages, a key's row in its page
+    is fixed by its slot in the tile; else each key works out both (mask: which keys may
+    read the table)."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        page = tl.load(table_row + start_n // PAGE_SIZE).to(tl.int64)
+        in_page = (start_n % PAGE_SIZE + cols - start_n).to(tl.int64)
+    elif BLOCK_N % PAGE_SIZE == 0 and mask is None:  # whole pages: rows fixed per tile slot
+        offs = cols - start_n
+        page = tl.load(table_row + start_n // PAGE_SIZE + offs // PAGE_SIZE).to(tl.int64)
+        in_page = (offs % PAGE_SIZE).to(tl.int64)
+    elif mask is None:
+        page = tl.load(table_row + cols // PAGE_SIZE).to(tl.int64)
+        in_page = (cols % PAGE_SIZE).to(tl.int64)
+    else:
+        page = tl.load(table_row + cols // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
+        in_page = (cols % PAGE_SIZE).to(tl.int64)
+    return page, in_page
+
+
+@triton.jit
+def _copy_new_rows(SRC, DST, table_row, PAGE_SIZE: tl.constexpr, dst_row, cache_len, n_new,
                    stride_st, stride_db, stride_dt,
                    W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
                    PAGED: tl.constexpr):
@@ -171,8 +195,8 @@ def _copy_new_rows(SRC, DST, table_row, page_size, dst_row, cache_len, n_new,
         ok = j < n_new
         pos = cache_len + j
         if PAGED:
-            page = tl.load(table_row + pos // page_size, mask=ok, other=0).to(tl.int64)
-            dst = page * stride_db + (pos % page_size).to(tl.int64) * stride_dt
+            page = tl.load(table_row + pos // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+            dst = page * stride_db + (pos % PAGE_SIZE).to(tl.int64) * stride_dt
         else:
             dst = dst_row * stride_db + pos.to(tl.int64) * stride_dt
         m = ok[:, None] & (offs_w[None, :] < W)
@@ -187,11 +211,12 @@ def decode_kernel(
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
     stride_vh, stride_nkb, stride_nkt, stride_nkh, stride_nvb, stride_nvt, stride_nvh,
     stride_ob, stride_ot, stride_oh, stride_lse_h, stride_table,
-    seqlen_q_uniform, k_extra, page_size, head_tiles, heads_per_tile, group, num_m_blocks,
+    seqlen_q_uniform, k_extra, head_tiles, heads_per_tile, group, num_m_blocks,
     work_lse_offset, softmax_scale, softcap, window_left, window_right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    VARLEN_Q: tl.constexpr, PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    VARLEN_Q: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr,
     HAS_NEW: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr, LEFT: tl.constexpr,
@@ -232,11 +257,11 @@ def decode_kernel(
     if HAS_NEW:  # the append: once per (sequence, kv head), by a program that never exits
         if (tl.program_id(1) == 0) & (split == 0) & (head0 % group == 0):
             _copy_new_rows(K_NEW + b64 * stride_nkb + kv_head * stride_nkh,
-                           K + kv_head * stride_kh, table_row, page_size, row, cache_len,
+                           K + kv_head * stride_kh, table_row, PAGE_SIZE, row, cache_len,
                            k_extra, stride_nkt, stride_kb, stride_kt, D, BLOCK_D, BLOCK_N,
                            PAGED)
             _copy_new_rows(V_NEW + b64 * stride_nvb + kv_head * stride_nvh,
-                           V + kv_head * stride_vh, table_row, page_size, row, cache_len,
+                           V + kv_head * stride_vh, table_row, PAGE_SIZE, row, cache_len,
                            k_extra, stride_nvt, stride_vb, stride_vt, DV, BLOCK_DV, BLOCK_N,
                            PAGED)
 
@@ -298,8 +323,7 @@ def decode_kernel(
     for start_n in range(start, full_end, BLOCK_N):
         cols = start_n + offs_n
         if PAGED:
-            page = tl.load(table_row + cols // page_size).to(tl.int64)
-            in_page = (cols % page_size).to(tl.int64)
+            page, in_page = key_pages(table_row, start_n, cols, PAGE_SIZE, BLOCK_N, None)
             k_off = page * stride_kb + in_page * stride_kt
             v_off = page * stride_vb + in_page * stride_vt
         else:
@@ -330,8 +354,7 @@ def decode_kernel(
         cols = start_n + offs_n
         in_cache = cols < cache_len
         if PAGED:
-            page = tl.load(table_row + cols // page_size, mask=in_cache, other=0).to(tl.int64)
-            in_page = (cols % page_size).to(tl.int64)
+            page, in_page = key_pages(table_row, start_n, cols, PAGE_SIZE, BLOCK_N, in_cache)
             k_off = page * stride_kb + in_page * stride_kt
             v_off = page * stride_vb + in_page * stride_vt
         else:
@@ -534,12 +557,15 @@ class DecodeRunner:
         self.ints = (
             *q_strides, *kc.stride()[:3], *vc.stride()[:3], *new_strides, *o_strides,
             lse_stride, cache.page_table.stride(0) if paged else 0,
-            cache.max_seqlen_q, cache.k_extra, kc.shape[1], hq // heads_per_tile,
+            cache.max_seqlen_q, cache.k_extra, hq // heads_per_tile,
             heads_per_tile, hq // hkv, num_m, n_rows * block_dv, params.softmax_scale,
             params.softcap, mask.window_left, mask.window_right)
         self.constexprs = dict(
             D=d, DV=dv, BLOCK_D=pow2_block(d), BLOCK_DV=block_dv, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, VARLEN_Q=varlen, PAGED=paged,
+            # the page size a compile-time constant: the page and row of each key by shifts
+            # (a runtime divisor cost ~170 instructions per 128-key tile, sm_90a)
+            PAGE_SIZE=kc.shape[1] if paged else 0,
             HAS_BATCH_IDX=cache.batch_idx is not None, HAS_LEFTPAD=cache.leftpad is not None,
             HAS_NEW=has_new, SPLIT=splits > 1,
             SOFTCAP=params.softcap > 0, HAS_SINK=sink is not None, WRITE_LSE=need_lse,
