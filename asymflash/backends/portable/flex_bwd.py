@@ -29,13 +29,16 @@ from .flex_emit import captured_args, jit_grad_function, tuple_ints
 # dQ d=64 64x32/4 warps: 0 (128x64/8: 8); d=128 128x32/8: 6 (64x64/8: 233). dK/dV (BLOCK_N
 # keys accumulate dK and dV) d=64 32x64/4: 29 (128x64/8: 56); d=128 32x64/8: 230 (128x32/8:
 # 405); wrapping negative indices into captured tensors (as torch does) added some: dQ d=128
-# 31, dK/dV d=64 73. Not yet timed on a GPU; d=256 untested.
-_DQ_TILES = {64: Config(64, 32, 4, 2), 128: Config(128, 32, 8, 2), 256: Config(32, 32, 8, 2)}
+# 31, dK/dV d=64 73. The d=128 dQ tiles are single-buffered (stages 1): built as the launcher
+# specialises aligned tensors, double-buffered K and V took 262144 bytes of shared memory
+# (266240 with a captured gradient), more than Hopper's 232448, and the H100 refused the
+# launch; single-buffered 86016 (77824), with no local-memory instruction. Not yet timed.
+_DQ_TILES = {64: Config(64, 32, 4, 2), 128: Config(128, 32, 8, 1), 256: Config(32, 32, 8, 2)}
 _DKDV_TILES = {64: Config(32, 64, 4, 2), 128: Config(32, 64, 8, 2), 256: Config(32, 32, 8, 2)}
 # dQ scattering a captured tensor's gradient (the compile test's bias table[h, q - kv + c]):
 # the position and slope tiles cost registers; same sweep, d=64 32x32/4 warps: 18 local
 # instructions (64x32/4: 54, 64x32/8: 21); d=128 128x16/8: 75 (128x32/8: 147, 64x32/8: 287).
-_DQ_GRAD_TILES = {64: Config(32, 32, 4, 2), 128: Config(128, 16, 8, 2),
+_DQ_GRAD_TILES = {64: Config(32, 32, 4, 2), 128: Config(128, 16, 8, 1),
                   256: Config(32, 32, 8, 2)}
 
 
