@@ -58,12 +58,24 @@ class Indices:
         return i
 
 
+GLUON_MISSING = "triton's Gluon (the kernels' source) is not importable here"
+
+
+def gluon_module(name: str, needs: str):
+    """Kernel module `name`, for a test module that runs its Gluon functions' Python bodies;
+    skips that test module where Gluon is not importable (the module then lacks `needs`)."""
+    mod = pytest.importorskip(name)
+    if not hasattr(mod, needs):
+        pytest.skip(GLUON_MISSING, allow_module_level=True)
+    return mod
+
+
 def python_body(jit_fn, mbarrier=None, gl=None):
     """`jit_fn`'s Python function, its Gluon names replaced by the integer stand-ins (`gl`:
     another stand-in class) and the jitted functions it calls by their own Python bodies."""
     fn = getattr(jit_fn, "fn", None)
     if fn is None:
-        pytest.skip("triton's Gluon (the kernels' source) is not importable here")
+        pytest.skip(GLUON_MISSING)
     env = dict(fn.__globals__, gl=gl or _Gl)
     if mbarrier is not None:
         env["mbarrier"] = mbarrier

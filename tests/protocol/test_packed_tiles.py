@@ -14,11 +14,9 @@ import types
 
 import numpy as np
 import pytest
+from kernel_code import gluon_module
 
-sched = pytest.importorskip("asymflash.backends.sm90.sched")
-if not hasattr(sched, "packed_tile"):
-    pytest.skip("triton's Gluon (the kernels' source) is not importable here",
-                allow_module_level=True)
+sched = gluon_module("asymflash.backends.sm90.sched", "packed_tile")
 
 SPAN = int(getattr(sched.SEARCH_SPAN, "value", sched.SEARCH_SPAN))
 BLOCK_M = 128

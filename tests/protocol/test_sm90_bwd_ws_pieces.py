@@ -15,12 +15,10 @@ import types
 
 import pytest
 import torch
+from kernel_code import gluon_module
 
 parts = pytest.importorskip("asymflash.backends.sm90.bwd.parts")
-ws_roles = pytest.importorskip("asymflash.backends.sm90.bwd.ws_roles")
-if not hasattr(ws_roles, "_dq_pieces"):
-    pytest.skip("triton's Gluon (the kernels' source) is not importable here",
-                allow_module_level=True)
+ws_roles = gluon_module("asymflash.backends.sm90.bwd.ws_roles", "_dq_pieces")
 
 PIECE = int(getattr(parts.PIECE, "value", parts.PIECE))
 WIDTH = 192

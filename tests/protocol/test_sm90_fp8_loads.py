@@ -12,11 +12,9 @@ from __future__ import annotations
 import types
 
 import pytest
+from kernel_code import gluon_module
 
-kernel = pytest.importorskip("asymflash.backends.sm90.fwd.kernel")
-if not hasattr(kernel, "_load_kv"):
-    pytest.skip("triton's Gluon (the kernels' source) is not importable here",
-                allow_module_level=True)
+kernel = gluon_module("asymflash.backends.sm90.fwd.kernel", "_load_kv")
 
 
 class _Bars:
