@@ -1,11 +1,10 @@
 """flash_attn_with_kvcache's device-side index checks (api/cache_checks.py) in one launch.
 
 `api.cache_checks.clamped` states the checks as torch ops. With a page table they are about
-thirteen launches, and a launch is host time: on the H100 models suite (2026-12-05) a paged
-batch-8 decode step took 170-198 us of Python per call against 70-79 us for the same step
-on a contiguous cache, and the step measured the host, not the kernel (0.42x FA4). This
-kernel computes the same clamped copies and the same verdict in one launch (plus the
-verdict's fill and its assert): program b judges sequence b.
+thirteen launches, and a launch is host time: a paged batch-8 decode step spent more than
+twice the contiguous step's Python and measured the host, not the kernel (docs/tuning.md,
+models suite). This kernel computes the same clamped copies and the same verdict in one
+launch (plus the verdict's fill and its assert): program b judges sequence b.
 """
 
 from __future__ import annotations
