@@ -9,21 +9,13 @@ import pytest
 from sass_report import sass_report, within_budget
 
 # Shared by the build scripts below (each runs in a worker interpreter): the signature of a
-# flex kernel with its constexprs, tuple arguments ("C", "G") typed as given, pointers as
-# named (others bf16 tensors), scalars i32 (scale fp32); and its sm_90a compile.
+# flex kernel (tuple arguments "C", "G" typed as given, `scale` fp32) and its sm_90a compile.
 _SIGNATURE = r"""
+from kernel_signature import kernel_signature
+
+
 def signature(fn, cons, tuples, pointers):
-    sig = {}
-    for arg in fn.arg_names:
-        if arg in cons:
-            sig[arg] = "constexpr"
-        elif arg in tuples:
-            sig[arg] = tuples[arg]
-        elif arg in pointers or arg[0].isupper():
-            sig[arg] = pointers.get(arg, "*bf16")
-        else:
-            sig[arg] = "fp32" if arg == "scale" else "i32"
-    return sig
+    return kernel_signature(fn, cons, pointers, ("scale",), tuples)
 
 
 def compile_sm90(fn, sig, cons, tiles):

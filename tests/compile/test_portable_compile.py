@@ -17,20 +17,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 
+from kernel_signature import kernel_signature
+
+
 def signature(fn, cons, i32_pointers, fp32_pointers):
-    sig = {}
-    for arg in fn.arg_names:
-        if arg in cons:
-            sig[arg] = "constexpr"
-        elif arg in i32_pointers:
-            sig[arg] = "*i32"
-        elif arg in fp32_pointers:
-            sig[arg] = "*fp32"
-        elif arg[0].isupper():
-            sig[arg] = "*bf16"
-        else:
-            sig[arg] = "fp32" if arg in ("softmax_scale", "softcap") else "i32"
-    return sig
+    pointers = {**dict.fromkeys(i32_pointers, "*i32"), **dict.fromkeys(fp32_pointers, "*fp32")}
+    return kernel_signature(fn, cons, pointers, ("softmax_scale", "softcap"))
 """
 
 _BUILD = _PRELUDE + r"""
@@ -163,8 +155,8 @@ from asymflash.backends.portable.cache_checks import BLOCK, _check_kernel as fn
 
 pages, rows, pad, repeats = (a == "1" for a in sys.argv[1:5])
 cons = dict(HAS_PAGES=pages, HAS_ROWS=rows, HAS_PAD=pad, NO_REPEATS=repeats, BLOCK=BLOCK)
-sig = {arg: ("constexpr" if arg in cons else "*i32" if arg[0].isupper() or arg.endswith(
-    ("_in", "_out")) or arg == "ok" else "i32") for arg in fn.arg_names}
+sig = signature(fn, cons, [a for a in fn.arg_names if a.endswith(("_in", "_out")) or a == "ok"],
+                ())
 kernel = triton.compile(ASTSource(fn, sig, cons), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 2})
 """
