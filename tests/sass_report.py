@@ -70,6 +70,7 @@ print(_json.dumps(dict(
         _re.findall(r"HGMMA\.(\d+x\d+x\d+)", _sass)).items()},
     local=len(_re.findall(r"\b(LDL|STL)\b", _sass)), mufu_ex2=_sass.count("MUFU.EX2"),
     f2f=len(_re.findall(r"\bF2F\.", _sass)),  # conversion-pipe conversions
+    lds_u8=len(_re.findall(r"\bLDS\.U8\b", _sass)),  # shared memory read byte by byte
     # local-memory instructions between the first and the last HGMMA: the main loop's body
     # (spills around the loop, in the prologue or the epilogue, cost once per CTA)
     local_in_loop=len(_re.findall(r"\b(LDL|STL)\b", _sass[_sass.find("HGMMA"):

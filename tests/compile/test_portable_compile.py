@@ -107,15 +107,18 @@ def test_decode_kernel_builds_for_sm90(paged, leftpad):
 
 @pytest.mark.parametrize("paged", [True, False])
 def test_decode_kernel_builds_for_sm90_over_an_e4m3_cache(paged):
-    """The same kernel reading an fp8 cache (tiles widened to bf16 in registers,
-    `decode.widen`) builds with tensor-core instructions (sm_90a, triton 3.6, paged: 104
-    local-memory instructions, 4 of them in the key loop, the rest in the masked tail's
-    loop over the new keys, against the bf16 build's ~150); the bound is the bf16 build's,
-    and no instruction is left on the conversion pipe (`F2F`). An sm_80
-    build fails (no e4m3 type before Ada): api/fp8.reads_e4m3 keeps such GPUs off it."""
+    """The same kernel reading an e4m3 cache: q's rows scaled into fp16, key tiles cast to
+    fp16 where the MMA reads them, value tiles converted before their trip to the MMA layout
+    (`decode.value_operand`), fp16 MMAs. It builds with tensor-core instructions, no
+    conversion-pipe instruction (`F2F`) and no byte-by-byte shared-memory read (`LDS.U8`:
+    128 a thread per key tile when the values were cast after the trip; sm_90a, triton 3.6,
+    the paged split-KV key loop 947 instructions against the bf16 cache's 1145, 2063
+    before). Local memory: the bf16 build's bound. An sm_80 build fails (no e4m3 type
+    before Ada): api/fp8.reads_e4m3 keeps such GPUs off it."""
     report = sass_report(_DECODE_BUILD, str(int(paged)), "0", "fp8")
     assert report["mma"] > 0, "no tensor-core instructions"
     assert report["f2f"] == 0, report["f2f"]
+    assert report["lds_u8"] == 0, report["lds_u8"]
     within_budget(report, report["local"], 199)
 
 

@@ -112,50 +112,65 @@ def num_splits_heuristic(tiles: int, key_blocks: int, sms: int,
     return max(1, min(want, most, MAX_SPLITS))
 
 
-# e4m3 -> bf16, four bytes of $2 to two bf16 pairs $0, $1 (`widen`): bytes 0, 1 (then 2,
-# 3) go to the high bytes of two 16-bit lanes (prmt); shifted right by 4, with the sign
-# that lands on bit 11 cleared, their exponent and mantissa bits sit where bf16's do; each
-# lane's top bit, the sign, comes from before the shift (lop3 0xE4: w where c, else t);
-# then times 2^120 (0x7B80 in bf16).
-WIDEN_E4M3_PTX = tl.constexpr("""{
-    .reg .b32 w, t, c, k;
-    mov.b32 c, 0x80008000;
-    mov.b32 k, 0x7B807B80;
-    prmt.b32 w, $2, 0, 0x1404;
-    shr.b32 t, w, 4;
-    and.b32 t, t, 0x07FF07FF;
-    lop3.b32 $0, w, t, c, 0xE4;
-    mul.rn.bf16x2 $0, $0, k;
-    prmt.b32 w, $2, 0, 0x3424;
-    shr.b32 t, w, 4;
-    and.b32 t, t, 0x07FF07FF;
-    lop3.b32 $1, w, t, c, 0xE4;
-    mul.rn.bf16x2 $1, $1, k;
+# The interpreter runs no PTX: there `e4m3_to_fp16_here` is a plain cast.
+_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
+E4M3_TO_FP16_PTX = tl.constexpr("""{
+    .reg .b16 lo, hi;
+    mov.b32 {lo, hi}, $2;
+    cvt.rn.f16x2.e4m3x2 $0, lo;
+    cvt.rn.f16x2.e4m3x2 $1, hi;
 }""")
-# The interpreter runs no PTX: there `widen` takes the same bit steps as tensor ops.
-_WIDEN_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 @triton.jit
-def widen(x, dtype: tl.constexpr):
-    """A cache tile in q's dtype. e4m3 to bf16 without the conversion pipe, where `.to`
-    takes two conversions per value (e4m3 -> f16 -> bf16; 384 per thread per 128-key block
-    of the sm_90a decode): a byte's sign at bf16's sign bit and its exponent and mantissa
-    bits 4 places up are the value times 2^-120, subnormals included, so one multiply by
-    2^120 finishes it. The NaN bytes (0x7f, 0xff) read as +-480. Compiled:
-    `WIDEN_E4M3_PTX`, five instructions per two values (tests/unit/test_fp8_widen.py runs
-    it on every byte; the same steps as tensor ops, the interpreter's form below, took 40 %
-    more instructions in the key loop). Not yet timed: see docs/tuning.md for why it may
-    not pay (the loop may be bound by issue, not by the conversion pipe)."""
-    if x.dtype == tl.float8e4nv and dtype == tl.bfloat16:
-        if _WIDEN_PTX:
-            return tl.inline_asm_elementwise(WIDEN_E4M3_PTX, "=r,=r,r", [x],
-                                             dtype=tl.bfloat16, is_pure=True, pack=4)
-        b = x.to(tl.uint8, bitcast=True).to(tl.uint16)
-        bits = ((b & 0x80) << 8) | ((b & 0x7F) << 4)
-        scaled = bits.to(tl.bfloat16, bitcast=True).to(tl.float32) * 1.329227995784916e36
-        return scaled.to(tl.bfloat16)  # (times 2^120: exact)
-    return x.to(dtype)
+def e4m3_to_fp16_here(x):
+    """x (e4m3) in fp16, converted in the layout x was loaded in. As a plain cast, Triton
+    moves the cast behind the tile's trip through shared memory to the MMA operand layout
+    (moving 8-bit values is cheaper), and V, whose keys run down the MMA's K axis, is then
+    read byte by byte (128 LDS.U8 a thread per 128-key tile at d=128, sm_90a); declared
+    impure, the conversion stays here and the fp16 tile takes the transposing ldmatrix."""
+    if _PTX:
+        out = tl.inline_asm_elementwise(E4M3_TO_FP16_PTX, "=r,=r,r", [x], dtype=tl.float16,
+                                        is_pure=False, pack=4)
+    else:
+        out = x.to(tl.float16)
+    return out
+
+
+@triton.jit
+def key_operand(k, dtype: tl.constexpr):
+    """A key tile as Q·Kᵀ's operand: a 16-bit cache's in q's dtype, an e4m3 cache's in
+    fp16 (exact: e4m3 has 4 significant bits and exponents 2^-9 .. 2^8), cast where the
+    MMA reads it (one unpack per two values)."""
+    if k.dtype == tl.float8e4nv:
+        out = k.to(tl.float16)
+    else:
+        out = k.to(dtype)
+    return out
+
+
+@triton.jit
+def value_operand(v, dtype: tl.constexpr):
+    """A value tile as P·V's operand, as `key_operand`; an e4m3 tile converted before its
+    trip to the MMA layout (`e4m3_to_fp16_here`)."""
+    if v.dtype == tl.float8e4nv:
+        out = e4m3_to_fp16_here(v)
+    else:
+        out = v.to(dtype)
+    return out
+
+
+@triton.jit
+def to_fp16_rows(q):
+    """q (16-bit rows) in fp16 scaled per row by a power of two u^-1 that puts its largest
+    value at 2^14 at most (bf16's 8 significant bits fit fp16's 11; the scale keeps them in
+    fp16's range): q = q16 · u, exact for every element within 2^-27 of its row's largest."""
+    qf = q.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30)
+    e = tl.floor(tl.log2(16384.0 / amax))
+    return (qf * tl.exp2(e)[:, None]).to(tl.float16), tl.exp2(-e)
 
 
 @triton.jit
@@ -320,6 +335,13 @@ def decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # An e4m3 cache (descales folded into q and out by api/fp8.py) meets q in fp16: q's rows
+    # scaled into fp16's range, the scores scaled back.
+    if K.dtype.element_ty == tl.float8e4nv:
+        q_op, q_unscale = to_fp16_rows(q)
+        q_unscale = q_unscale[:, None]
+    else:
+        q_op, q_unscale = q, 1.0
     for start_n in range(start, full_end, BLOCK_N):
         cols = start_n + offs_n
         if PAGED:
@@ -333,10 +355,8 @@ def decode_kernel(
             k = tl.load(k_base + k_off[:, None] + offs_d[None, :])
         else:
             k = tl.load(k_base + k_off[:, None] + offs_d[None, :], mask=d_ok, other=0.0)
-        # An e4m3 cache widens exactly to q's dtype here (descales are folded into q and
-        # out by api/fp8.py); a no-op for a 16-bit cache.
-        k = widen(k, q.dtype)
-        s, _ = log2_scores(dot(q, tl.trans(k), None), softmax_scale, softcap, SOFTCAP)
+        s, _ = log2_scores(dot(q_op, tl.trans(key_operand(k, q.dtype)), None) * q_unscale,
+                           softmax_scale, softcap, SOFTCAP)
         if LEFT or RIGHT:
             ok = tile_valid(pos, cols, seqlen_q, seqlen_k, window_left, window_right, LEFT,
                             RIGHT)
@@ -346,7 +366,7 @@ def decode_kernel(
             v = tl.load(v_base + v_off[:, None] + offs_dv[None, :])
         else:
             v = tl.load(v_base + v_off[:, None] + offs_dv[None, :], mask=dv_ok, other=0.0)
-        v = widen(v, q.dtype)
+        v = value_operand(v, q.dtype)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
 
     # The last partial block of the cache and the new keys: masked, from either source.
@@ -364,7 +384,7 @@ def decode_kernel(
                     mask=in_cache[:, None] & d_ok, other=0.0)
         v = tl.load(v_base + v_off[:, None] + offs_dv[None, :],
                     mask=in_cache[:, None] & dv_ok, other=0.0)
-        k, v = widen(k, q.dtype), widen(v, q.dtype)
+        k, v = key_operand(k, q.dtype), value_operand(v, q.dtype)
         if HAS_NEW:
             is_new = (cols >= cache_len) & (cols < seqlen_k)
             j = tl.maximum(cols - cache_len, 0).to(tl.int64)
@@ -374,9 +394,10 @@ def decode_kernel(
             v_new = tl.load(V_NEW + b64 * stride_nvb + kv_head * stride_nvh
                             + j[:, None] * stride_nvt + offs_dv[None, :],
                             mask=is_new[:, None] & dv_ok, other=0.0)
-            k = tl.where(is_new[:, None], widen(k_new, q.dtype), k)
-            v = tl.where(is_new[:, None], widen(v_new, q.dtype), v)
-        s, _ = log2_scores(dot(q, tl.trans(k), None), softmax_scale, softcap, SOFTCAP)
+            k = tl.where(is_new[:, None], key_operand(k_new, q.dtype), k)
+            v = tl.where(is_new[:, None], value_operand(v_new, q.dtype), v)
+        s, _ = log2_scores(dot(q_op, tl.trans(k), None) * q_unscale, softmax_scale, softcap,
+                           SOFTCAP)
         ok = tile_valid(pos, cols, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT)
         s = tl.where(ok, s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
