@@ -11,7 +11,9 @@ are folded where they are linear: q_descale * k_descale into q (scores are (q qd
 (P (v vd) = vd (P v)). The only rounding added is q's (one bf16 rounding) and the output's
 before its scale. flash_attn_with_kvcache and paged prefill run on the decode kernels
 (portable Triton, CPU), which read the e4m3 cache in place and widen its tiles in registers
-(api/kvcache_fp8.py; the Triton decode kernel to fp16, q's rows scaled into its range). Dense e4m3 q, k, v on Hopper run the sm90 fp8 kernel
+(api/kvcache_fp8.py; the Triton decode kernel to fp16, q's rows scaled into its range);
+flash_attn_with_kvcache hands them k_descale and v_descale to apply themselves. Dense e4m3
+q, k, v on Hopper run the sm90 fp8 kernel
 (`kernel_forward`: e4m3 tiles, fp8 wgmmas, the descales folded in the kernel,
 backends/sm90/fwd/host.py `forward_fp8`); the other forward calls (varlen, softcap, sink,
 other head dims, other GPUs) cast k and v on the host first (a copy) and run the 16-bit

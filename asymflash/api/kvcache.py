@@ -198,7 +198,7 @@ class _KvPlan:
         self.max_k, self.batch = spec.max_seqlen_k, spec.batch
 
     def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
-                 learnable_sink, cache_leftpad):
+                 learnable_sink, cache_leftpad, descales):
         lens = cache_seqlens if self.lens is None else \
             _uniform_lengths(self.batch, self.lens, q.device)
         if self.checks is not None and not torch.compiler.is_compiling() and not (
@@ -206,7 +206,8 @@ class _KvPlan:
             lens, page_table, cache_batch_idx, cache_leftpad = self.checks(
                 lens, page_table=page_table, batch_idx=cache_batch_idx, leftpad=cache_leftpad)
         spec = CacheSpec(k_cache, v_cache, lens, self.k_extra, page_table, cache_batch_idx,
-                         None, self.seqlen_q, self.max_k, self.batch, k, v, cache_leftpad)
+                         None, self.seqlen_q, self.max_k, self.batch, k, v, cache_leftpad,
+                         *descales)
         sink = None if learnable_sink is None else \
             learnable_sink.detach().float().contiguous()
         out, lse = self.runner(q, spec, sink)
@@ -336,16 +337,17 @@ def flash_attn_with_kvcache(
 def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                   softmax_scale, causal, window_size, softcap, learnable_sink, num_splits,
                   return_lse, check_values, cache_leftpad, rotary_cos, rotary_sin,
-                  rotary_interleaved):
+                  rotary_interleaved, descales=(None, None)):
     """flash_attn_with_kvcache after its argument aliases and the fp8 entry: a cache in e4m3
-    arrives here only from kvcache_fp8, which checked it, with q in 16 bits."""
+    arrives here only from kvcache_fp8, which checked it, with q in 16 bits and descales
+    (k_descale, v_descale) for the decode kernels to apply, or (None, None)."""
     kv_dtype = k_cache.dtype if is_fp8(k_cache) else None
     if torch.compiler.is_compiling():
         if k is None and v is None and rotary_cos is None and rotary_sin is None and \
                 not return_lse:
             return _traced_attend(q, k_cache, v_cache, cache_seqlens, cache_batch_idx,
                                   page_table, softmax_scale, causal, window_size, softcap,
-                                  learnable_sink, num_splits, cache_leftpad)
+                                  learnable_sink, num_splits, cache_leftpad, descales)
         # What follows runs as Python (a graph break; under fullgraph=True, this error).
         torch._dynamo.graph_break(
             msg="asymflash: flash_attn_with_kvcache with new k/v (an in-place append), "
@@ -356,11 +358,11 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, pag
         key = plans.kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                                 page_table, softmax_scale, causal, window_size, softcap,
                                 learnable_sink, num_splits, return_lse, check_values,
-                                cache_leftpad)
+                                cache_leftpad, descales)
         plan = plans.find(key)
         if plan is not None:
             return plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
-                        learnable_sink, cache_leftpad)
+                        learnable_sink, cache_leftpad, descales)
     check.check_tensors(q, k_cache, v_cache, 4, "(batch, seqlen, nheads, headdim)",
                         names=("q", "k_cache", "v_cache"), kv_dtype=kv_dtype)
     batch, seqlen_q, nheads_q, _ = q.shape
@@ -426,7 +428,8 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, pag
         if done is not None:
             return _returned(*done, return_lse)
     spec = CacheSpec(k_cache, v_cache, seqlens, seqlen_new, page_table, cache_batch_idx, None,
-                     seqlen_q, max_k, batch, leftpad=cache_leftpad)
+                     seqlen_q, max_k, batch, leftpad=cache_leftpad, k_descale=descales[0],
+                     v_descale=descales[1])
     # Backends look only at q's device and dtype here. Picked before the write: a refusal
     # changes nothing.
     backend = _pick(q, spec, params, sink)
@@ -458,7 +461,7 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, pag
 # traced call reads no values on the host).
 def _traced_attend(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, page_table,
                    softmax_scale, causal, window_size, softcap, learnable_sink, num_splits,
-                   cache_leftpad):
+                   cache_leftpad, descales):
     check.check_scalars(softmax_scale, window_size, softcap)  # the rest: in the op, at run time
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     lens_int = -1
@@ -470,7 +473,7 @@ def _traced_attend(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, page_tab
     return torch.ops.asymflash.kvcache_attend(
         q.detach(), k_cache.detach(), v_cache.detach(), cache_seqlens, lens_int,
         cache_batch_idx, page_table, cache_leftpad, sink, scale, bool(causal), int(left),
-        int(right), float(softcap), int(num_splits))
+        int(right), float(softcap), int(num_splits), *descales)
 
 
 @torch.library.custom_op("asymflash::kvcache_attend", mutates_args=())
@@ -479,15 +482,17 @@ def _attend_op(
     seqlens_int: int, cache_batch_idx: Optional[Tensor], page_table: Optional[Tensor],
     cache_leftpad: Optional[Tensor], learnable_sink: Optional[Tensor], softmax_scale: float,
     causal: bool, window_left: int, window_right: int, softcap: float, num_splits: int,
+    k_descale: Optional[Tensor], v_descale: Optional[Tensor],
 ) -> Tensor:
     """flash_attn_with_kvcache without new keys; seqlens_int >= 0 stands for an int
-    cache_seqlens (-1: the tensor, or None when that is None too)."""
+    cache_seqlens (-1: the tensor, or None when that is None too). k/v_descale: an e4m3
+    cache's, with q in 16 bits."""
     return flash_attn_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens if seqlens_int < 0 else seqlens_int,
         cache_batch_idx=cache_batch_idx, page_table=page_table, softmax_scale=softmax_scale,
         causal=causal, window_size=(window_left, window_right), softcap=softcap,
         learnable_sink=learnable_sink, num_splits=num_splits, check_values=False,
-        cache_leftpad=cache_leftpad)
+        cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale)
 
 
 @_attend_op.register_fake

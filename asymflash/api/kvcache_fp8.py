@@ -3,8 +3,9 @@
 The caller quantises: new k/v arrive in e4m3 already, in the scale of the cache's
 k_descale/v_descale for their sequence (FA3 leaves the quantisation to the caller too, e.g.
 vLLM writes its fp8 cache itself), and are written as given. The decode kernels then read
-the e4m3 cache in place, widening each tile exactly to 16 bits in registers, with the
-descales folded into q and the output (api/fp8.py): no copy of the cache.
+the e4m3 cache in place, widening each tile exactly to 16 bits in registers, and apply the
+descales themselves (k_descale to the scores, v_descale to the output): no copy of the cache
+and no tensor op around the call.
 """
 
 from __future__ import annotations
@@ -34,15 +35,20 @@ def kvcache_fp8(body, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
             raise NotImplementedError(
                 "asymflash: rotary_cos/sin with new k on an fp8 cache; rotate k before "
                 "quantising it and pass the rotated fp8 k (q may still be rotated here)")
-    q16, work = fp8.fold_q(q, descales)
     if fp8.reads_e4m3(q.device):
         # The decode kernels read the e4m3 cache (and new rows) as they are, widened exactly
-        # in registers; the new rows are appended in e4m3, as given.
+        # in registers, and apply k_descale to the scores and v_descale to the output (as
+        # tensor ops around the call they cost a decode step ~8 launches); the new rows are
+        # appended in e4m3, as given. Only an fp8 q is dequantised here.
+        q16, work = fp8.fold_q(q, (descales[0], None, None))
+        kernel_descales = tuple(None if d is None else d.contiguous() for d in descales[1:])
         result = body(q16, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-                      page_table, **kw)
-    else:
-        result = _on_a_cast_cache(body, q16, k_cache, v_cache, k, v, cache_seqlens,
-                                  cache_batch_idx, page_table, work, kw)
+                      page_table, **kw, descales=kernel_descales)
+        return fp8.finish(result, None, None, out_dtype or work)
+    # A GPU without e4m3 loads: the descales folded into q and the output.
+    q16, work = fp8.fold_q(q, descales)
+    result = _on_a_cast_cache(body, q16, k_cache, v_cache, k, v, cache_seqlens,
+                              cache_batch_idx, page_table, work, kw)
     return fp8.finish(result, descales[2], None, out_dtype or work)
 
 

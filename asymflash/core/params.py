@@ -124,6 +124,10 @@ class CacheSpec:
     # Contiguous caches: sequence b's cache starts at position leftpad[b] (int32 (batch,)):
     # its key j is position leftpad[b] + j, and it has seqlens_k[b] - leftpad[b] + k_extra.
     leftpad: Tensor | None = None
+    # An e4m3 cache's descales, fp32 (batch, nheads_kv) contiguous, per sequence of q (FA3's
+    # k_descale / v_descale; None: 1): the keys and values stand for cache * descale.
+    k_descale: Tensor | None = None
+    v_descale: Tensor | None = None
 
 
 def split_unused_queries(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_q: Tensor,

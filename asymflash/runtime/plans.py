@@ -112,9 +112,10 @@ def tensor_class(t):
 
 def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                 softmax_scale, causal, window_size, softcap, learnable_sink, num_splits,
-                return_lse, check_values, cache_leftpad):
+                return_lse, check_values, cache_leftpad, descales=(None, None)):
     """flash_attn_with_kvcache's call signature as a dict key, or None (not planned: calls
-    that read values on the host, whose checks cannot be skipped)."""
+    that read values on the host, whose checks cannot be skipped). descales: an e4m3 cache's
+    (k_descale, v_descale) as the decode kernels take them."""
     if not ENABLED or type(q) is not _Tensor or type(k_cache) is not _Tensor or \
             type(v_cache) is not _Tensor:
         return None
@@ -135,7 +136,7 @@ def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_
     else:
         return None
     extra = []
-    for t in (k, v, learnable_sink, *tables):
+    for t in (k, v, learnable_sink, *tables, *descales):
         if t is None:
             extra.append(None)
         elif type(t) is _Tensor or (t is learnable_sink and isinstance(t, _Tensor)):

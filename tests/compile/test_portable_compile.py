@@ -80,9 +80,9 @@ cons = dict(D=128, DV=128, BLOCK_D=128, BLOCK_DV=128, BLOCK_M=16, BLOCK_N=128,
             VARLEN_Q=False, PAGED=paged, PAGE_SIZE=64 if paged else 0, HAS_BATCH_IDX=False,
             HAS_LEFTPAD=leftpad,
             HAS_NEW=True, SPLIT=True, SOFTCAP=False, HAS_SINK=False, WRITE_LSE=True,
-            LEFT=False, RIGHT=True)
+            LEFT=False, RIGHT=True, DESCALE_K=fp8, DESCALE_V=fp8)
 sig = signature(fn, cons, ("CU_Q", "SEQLENS_K", "PAGE_TABLE", "BATCH_IDX", "LEFTPAD", "COUNTERS"),
-                ("LSE", "SINK", "WORK"))
+                ("LSE", "SINK", "WORK", "K_DESCALE", "V_DESCALE"))
 if fp8:
     sig.update({arg: "*fp8e4nv" for arg in ("K", "V", "K_NEW", "V_NEW")})
 # what the JIT specialises in a real call: 16-byte aligned pointers, strides multiples of 16
@@ -107,9 +107,9 @@ def test_decode_kernel_builds_for_sm90(paged, leftpad):
 
 @pytest.mark.parametrize("paged", [True, False])
 def test_decode_kernel_builds_for_sm90_over_an_e4m3_cache(paged):
-    """The same kernel reading an e4m3 cache: q's rows scaled into fp16, key tiles cast to
-    fp16 where the MMA reads them, value tiles converted before their trip to the MMA layout
-    (`decode.value_operand`), fp16 MMAs. It builds with tensor-core instructions, no
+    """The same kernel reading an e4m3 cache, with its descales: q's rows scaled into fp16,
+    key tiles cast to fp16 where the MMA reads them, value tiles converted before their trip
+    to the MMA layout (`decode.value_operand`), fp16 MMAs. It builds with tensor-core instructions, no
     conversion-pipe instruction (`F2F`) and no byte-by-byte shared-memory read (`LDS.U8`:
     128 a thread per key tile when the values were cast after the trip; sm_90a, triton 3.6,
     the paged split-KV key loop 947 instructions against the bf16 cache's 1145, 2063

@@ -222,7 +222,7 @@ def _copy_new_rows(SRC, DST, table_row, PAGE_SIZE: tl.constexpr, dst_row, cache_
 @triton.jit
 def decode_kernel(
     Q, K, V, K_NEW, V_NEW, OUT, LSE, WORK, COUNTERS, SINK, CU_Q, SEQLENS_K, PAGE_TABLE,
-    BATCH_IDX, LEFTPAD,
+    BATCH_IDX, LEFTPAD, K_DESCALE, V_DESCALE,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
     stride_vh, stride_nkb, stride_nkt, stride_nkh, stride_nvb, stride_nvt, stride_nvh,
     stride_ob, stride_ot, stride_oh, stride_lse_h, stride_table,
@@ -235,7 +235,7 @@ def decode_kernel(
     HAS_LEFTPAD: tl.constexpr,
     HAS_NEW: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr, LEFT: tl.constexpr,
-    RIGHT: tl.constexpr,
+    RIGHT: tl.constexpr, DESCALE_K: tl.constexpr, DESCALE_V: tl.constexpr,
 ):
     """One program: BLOCK_M (query position, q head) rows of sequence b, one key split.
 
@@ -248,6 +248,9 @@ def decode_kernel(
     (sequence, kv head) also writes into the cache. HAS_LEFTPAD (contiguous caches): the
     sequence's cache starts at position LEFTPAD[b]; key j is position LEFTPAD[b] + j, and
     cache_len, seqlen_k count from there (the append still writes at SEQLENS_K[b]).
+    DESCALE_K / DESCALE_V (an e4m3 cache): K_DESCALE / V_DESCALE, fp32 (batch, nheads_kv)
+    contiguous, scale the scores and the output of sequence b (FA3's descales, applied here
+    instead of as tensor ops around the call).
     """
     pid_bh = tl.program_id(0)
     m_block = num_m_blocks - 1 - tl.program_id(1)  # latest positions see the most keys
@@ -335,13 +338,20 @@ def decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    # An e4m3 cache (descales folded into q and out by api/fp8.py) meets q in fp16: q's rows
-    # scaled into fp16's range, the scores scaled back.
+    # An e4m3 cache meets q in fp16: q's rows scaled into fp16's range, the scores scaled
+    # back (times the sequence's k descale).
     if K.dtype.element_ty == tl.float8e4nv:
         q_op, q_unscale = to_fp16_rows(q)
         q_unscale = q_unscale[:, None]
     else:
         q_op, q_unscale = q, 1.0
+    nheads_kv = head_tiles * heads_per_tile // group
+    if DESCALE_K:
+        q_unscale = q_unscale * tl.load(K_DESCALE + b * nheads_kv + kv_head)
+    if DESCALE_V:
+        v_scale = tl.load(V_DESCALE + b * nheads_kv + kv_head)
+    else:
+        v_scale = 1.0
     for start_n in range(start, full_end, BLOCK_N):
         cols = start_n + offs_n
         if PAGED:
@@ -437,13 +447,15 @@ def decode_kernel(
                 l_i = l_i * alpha + w
                 m_i = m_new
             acc, lse = finish_rows(acc, m_i, l_i, SINK, head, HAS_SINK)
-            tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
+            tl.store(o_ptrs, (acc * v_scale).to(OUT.dtype.element_ty),
+                     mask=row_ok[:, None] & dv_ok)
             if WRITE_LSE:
                 tl.store(LSE + head.to(tl.int64) * stride_lse_h + q_rows, lse, mask=row_ok)
             tl.atomic_xchg(COUNTERS + tile, 0)  # ready for the next call
     else:
         acc, lse = finish_rows(acc, m_i, l_i, SINK, head, HAS_SINK)
-        tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
+        tl.store(o_ptrs, (acc * v_scale).to(OUT.dtype.element_ty),
+                 mask=row_ok[:, None] & dv_ok)
         if WRITE_LSE:
             tl.store(LSE + head.to(tl.int64) * stride_lse_h + q_rows, lse, mask=row_ok)
 
@@ -591,6 +603,7 @@ class DecodeRunner:
             HAS_NEW=has_new, SPLIT=splits > 1,
             SOFTCAP=params.softcap > 0, HAS_SINK=sink is not None, WRITE_LSE=need_lse,
             LEFT=mask.window_left >= 0, RIGHT=mask.window_right >= 0,
+            DESCALE_K=cache.k_descale is not None, DESCALE_V=cache.v_descale is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         self.bound = None
         self.binds = binds  # kept by a call plan: bind the binary after the first launch
@@ -623,7 +636,9 @@ class DecodeRunner:
                 cache.cu_seqlens_q if self.varlen else seqlens, seqlens,
                 cache.page_table if self.paged else seqlens,
                 cache.batch_idx if cache.batch_idx is not None else seqlens,
-                cache.leftpad if cache.leftpad is not None else seqlens, *self.ints)
+                cache.leftpad if cache.leftpad is not None else seqlens,
+                cache.k_descale if cache.k_descale is not None else seqlens,
+                cache.v_descale if cache.v_descale is not None else seqlens, *self.ints)
         bound = self.bound
         if bound is not None and bound(self.grid, args):
             return out, lse
