@@ -213,11 +213,8 @@ def providers(case, smoke, caches=None):
         return out[0] if isinstance(out, tuple) else out
 
     # SDPA first: it is the yardstick the others' outputs are compared with.
-    out = {"SDPA": sdpa, "asymflash": asym(0), "asymflash-nosplit": asym(1), "Flex": flex,
-           "FA4": fa4}
-    if caches is None:  # the step graph reads caches of its own: bf16 ones only
-        out["asymflash-fp8"] = fp8_cache(case)
-    return out
+    return {"SDPA": sdpa, "asymflash": asym(0), "asymflash-nosplit": asym(1), "Flex": flex,
+            "FA4": fa4, "asymflash-fp8": fp8_cache(case, caches)}
 
 
 # One descale for every (sequence, KV head): the bf16 randn cache stays inside +-6, which
@@ -226,11 +223,12 @@ def providers(case, smoke, caches=None):
 FP8_SCALE = 6.0 / 384
 
 
-def fp8_cache(case):
-    """asymflash over an e4m3 copy of the case's cache (half the bytes per token)."""
+def fp8_cache(case, caches=None):
+    """asymflash over an e4m3 copy of the case's cache, or of `caches` (half the bytes per
+    token)."""
     q, table = case["q"], case["page_table"]
     k8, v8 = ((t.float() / FP8_SCALE).clamp(-448, 448).to(torch.float8_e4m3fn)
-              for t in (case["k_cache"], case["v_cache"]))
+              for t in (caches or (case["k_cache"], case["v_cache"])))
     descale = torch.full((q.shape[0], HKV), FP8_SCALE, device=q.device)
 
     def run():
@@ -461,7 +459,7 @@ def table_rows(args, device, bench, graph, batches, lengths, copy_gbs, t_start):
                                 calls = [providers(case, args.smoke, c)[name]
                                          for c in step_caches(case)]
                                 cell["step_pct_copy"] = pct(
-                                    step_graph_ms(case, graph, calls=calls), kv_bytes,
+                                    step_graph_ms(case, graph, calls=calls), nbytes,
                                     copy_gbs)[1]
                             except Exception as e:  # noqa: BLE001 - listed, never fatal
                                 cell["step"] = f"failed: {short(e, 40)}"
