@@ -223,18 +223,29 @@ def providers(case, smoke, caches=None):
 FP8_SCALE = 6.0 / 384
 
 
+def fp8_cache_args(case, caches=None):
+    """k_cache, v_cache (an e4m3 copy of the case's cache, or of `caches`) and their
+    descales, as flash_attn_with_kvcache keywords (the case's own kept in `case`)."""
+    if caches is None and "fp8" in case:
+        return case["fp8"]
+    k8, v8 = ((t.float() / FP8_SCALE).clamp(-448, 448).to(torch.float8_e4m3fn)
+              for t in (caches or (case["k_cache"], case["v_cache"])))
+    descale = torch.full((case["q"].shape[0], HKV), FP8_SCALE, device=case["q"].device)
+    kw = dict(k_cache=k8, v_cache=v8, k_descale=descale, v_descale=descale)
+    if caches is None:
+        case["fp8"] = kw
+    return kw
+
+
 def fp8_cache(case, caches=None):
     """asymflash over an e4m3 copy of the case's cache, or of `caches` (half the bytes per
     token)."""
     q, table = case["q"], case["page_table"]
-    k8, v8 = ((t.float() / FP8_SCALE).clamp(-448, 448).to(torch.float8_e4m3fn)
-              for t in (caches or (case["k_cache"], case["v_cache"])))
-    descale = torch.full((q.shape[0], HKV), FP8_SCALE, device=q.device)
+    kw = fp8_cache_args(case, caches)
 
     def run():
-        return flash_attn_with_kvcache(q, k8, v8, cache_seqlens=case["seqlens"],
-                                       page_table=table, check_values=False,
-                                       k_descale=descale, v_descale=descale)
+        return flash_attn_with_kvcache(q, cache_seqlens=case["seqlens"], page_table=table,
+                                       check_values=False, **kw)
     return run
 
 
@@ -286,9 +297,11 @@ def host_report(bench, graph, copy_gbs, profile=False):
 SWEEP_CONFIGS = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 4)]
 
 
-def sweep(graph, copy_gbs, budget_s, t_start, cases=None, configs=None, splits_list=None):
+def sweep(graph, copy_gbs, budget_s, t_start, cases=None, configs=None, splits_list=None,
+          fp8=False):
     """Graph-replay time of the portable kernel per (tile config, split count), and per call
-    in an 8-call step graph where the caches are small enough for the step column."""
+    in an 8-call step graph where the caches are small enough for the step column. fp8: over
+    the e4m3 copy of each cache (its bytes; no step column)."""
     from asymflash.backends.portable import decode as dec
 
     results = []
@@ -296,7 +309,7 @@ def sweep(graph, copy_gbs, budget_s, t_start, cases=None, configs=None, splits_l
     for paged in (True, False):
         for batch, seqlen in cases:
             case = make_case(batch, seqlen, paged, "cuda")
-            kv_bytes = batch * seqlen * HKV * 2 * D * DTYPE.itemsize
+            kv_bytes = batch * seqlen * HKV * 2 * D * (1 if fp8 else DTYPE.itemsize)
             auto = splits_chosen(case)
             for block_n, warps, stages in configs or SWEEP_CONFIGS:
                 cfg = dec.DecodeConfig(16, block_n, True, warps, stages)
@@ -309,11 +322,13 @@ def sweep(graph, copy_gbs, budget_s, t_start, cases=None, configs=None, splits_l
                                    v_cache=case["v_cache"], page_table=case["page_table"],
                                    cache_seqlens=case["seqlens"], num_splits=splits,
                                    check_values=False)
+                    if fp8:
+                        spec_kw.update(fp8_cache_args(case))
                     try:
                         with forced_decode_config(cfg):
                             ms = graph(lambda kw=spec_kw: flash_attn_with_kvcache(**kw))
                             step = (step_graph_ms(case, graph, splits)
-                                    if kv_bytes <= STEP_MAX_BYTES else None)
+                                    if kv_bytes <= STEP_MAX_BYTES and not fp8 else None)
                         pct = 100 * kv_bytes / (ms * 1e-3) / 1e9 / copy_gbs
                         step_pct = (100 * kv_bytes / (step * 1e-3) / 1e9 / copy_gbs
                                     if step else None)
@@ -325,7 +340,8 @@ def sweep(graph, copy_gbs, budget_s, t_start, cases=None, configs=None, splits_l
                                             us=ms * 1e3, pct_copy=pct, step_pct=step_pct))
                     except Exception as e:  # noqa: BLE001 - a config that fails is listed
                         line.append(f"s{splits}:{short(e, 60)}")
-                print(f"sweep {'paged' if paged else 'contig'} b{batch} {seqlen} "
+                print(f"sweep {'fp8 ' if fp8 else ''}{'paged' if paged else 'contig'} "
+                      f"b{batch} {seqlen} "
                       f"(auto={auto}) n{block_n} w{warps} st{stages}: " + " ".join(line),
                       flush=True)
             del case
@@ -344,6 +360,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-configs", default=None,
                     help="block_n:warps:stages,... for --sweep")
     ap.add_argument("--sweep-splits", default=None, help="comma-separated split counts")
+    ap.add_argument("--sweep-fp8", action="store_true", help="--sweep over e4m3 caches")
     ap.add_argument("--profile", action="store_true", help="with --host: cProfile a call")
     ap.add_argument("--no-table", action="store_true", help="skip the main table")
     ap.add_argument("--lengths", default=None, help="comma-separated seqlen_k (default 4k,16k,64k)")
@@ -385,7 +402,7 @@ def main(argv=None) -> int:
         splits_list = ([int(x) for x in args.sweep_splits.split(",")]
                        if args.sweep_splits else None)
         result["sweep"] = sweep(graph, copy_gbs, args.budget_s, t_start, cases, configs,
-                                splits_list)
+                                splits_list, args.sweep_fp8)
     rows = [] if args.no_table else table_rows(args, device, bench, graph, batches, lengths,
                                                copy_gbs, t_start)
     result["rows"] = rows

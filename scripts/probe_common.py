@@ -133,16 +133,16 @@ def forced_decode_config(cfg):
     Both caches that would hide it are emptied on the way in and out: the kernel's plans per
     size and flash_attn_with_kvcache's call plans, which keep one bound runner per call
     signature (a sweep that only replaced `select_config` timed the first config it saw)."""
-    from asymflash.api import kvcache
     from asymflash.backends.portable import decode as dec
+    from asymflash.runtime import plans
 
     chosen = dec.select_config
     dec.select_config = lambda *a, **k: cfg
     dec._plan.cache_clear()
-    kvcache._KV_PLANS.clear()
+    plans.clear()
     try:
         yield
     finally:
         dec.select_config = chosen
         dec._plan.cache_clear()
-        kvcache._KV_PLANS.clear()
+        plans.clear()
