@@ -294,6 +294,48 @@ class _CachedMapLaunch:
         self.c_launch(gx, gy, gz, stream, *self.head, *args)
 
 
+# (kernel, device, launch keywords) -> the pipeline stages that fit that GPU's shared memory
+_STAGES_THAT_FIT: dict = {}
+
+
+def launch_fitting(launcher, grid, args, kwargs: dict) -> dict:
+    """`launcher[grid](*args, **kwargs)`, with fewer pipeline stages (`num_stages`) where the
+    GPU's shared memory cannot hold the ones asked for; returns the keywords that launched
+    (a caller binding the binary afterwards binds those).
+
+    The portable kernels' tiles were chosen on Hopper's 227 KB per block; Ampere's 163 KB
+    and Ada's or consumer Ampere's 99 KB refuse some (the contiguous decode at d=128 takes
+    136 KB at its 3 stages on sm_86). Triton raises OutOfResources when it loads the binary,
+    before the kernel runs, so the call is repeated with one stage fewer (same tiles, same
+    grid: only the prefetch depth changes), down to one; the count that fits is remembered.
+    """
+    key = None
+    if _STAGES_THAT_FIT:  # (empty on a GPU where everything fits: no key per call)
+        key = _fitting_key(launcher, kwargs)
+        fits = _STAGES_THAT_FIT.get(key)
+        if fits is not None:
+            kwargs = dict(kwargs, num_stages=fits)
+    while True:
+        try:
+            launcher[grid](*args, **kwargs)
+            return kwargs
+        except Exception as e:
+            from triton.runtime.errors import OutOfResources
+
+            stages = kwargs.get("num_stages", 1)
+            if not isinstance(e, OutOfResources) or "shared memory" not in str(e) or \
+                    stages <= 1:
+                raise
+            key = key or _fitting_key(launcher, kwargs)
+            kwargs = dict(kwargs, num_stages=stages - 1)
+            _STAGES_THAT_FIT[key] = stages - 1
+
+
+def _fitting_key(launcher, kwargs: dict) -> tuple:
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    return (id(launcher), device, tuple(kwargs.items()))
+
+
 class BoundLaunch:
     """One compiled binary's launcher with its constexpr tail fixed (`DirectLaunch.bind`):
     `bound(grid, args)` launches on the current stream of the device it was bound on. A

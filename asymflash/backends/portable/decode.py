@@ -38,7 +38,7 @@ import triton.language as tl
 
 from ...core.params import cdiv
 from ...runtime.dispatch import interpreting
-from ...runtime.launch import DirectLaunch, sm_count
+from ...runtime.launch import DirectLaunch, launch_fitting, sm_count
 from . import pow2_block, unsupported_input
 from .common import dot, finish_rows, key_block_range, log2_scores, online_softmax_step, tile_valid
 
@@ -642,7 +642,7 @@ class DecodeRunner:
         bound = self.bound
         if bound is not None and bound(self.grid, args):
             return out, lse
-        _DECODE[self.grid](*args, **self.constexprs)
+        self.constexprs = launch_fitting(_DECODE, self.grid, args, self.constexprs)
         if self.binds:
             self.bound = _DECODE.bind(args, self.constexprs)
         return out, lse

@@ -17,6 +17,7 @@ import triton.language as tl
 from ...core.flex import FULL, PARTIAL, memo_by_identity
 from ...core.flex_ir import shift_slots
 from ...runtime.dispatch import interpreting
+from ...runtime.launch import launch_fitting
 from . import Config, head_blocks, unsupported_input
 from .common import dot, finish_rows, load_rows, online_softmax_step, store_rows
 from .flex_emit import captured_args, jit_function
@@ -246,12 +247,12 @@ def flex_forward(q, k, v, problem):
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
     block_d, block_dv = head_blocks(d, dv)
     grid = (triton.cdiv(seqlen_q, bm), batch * heads)
-    flex_fwd_kernel[grid](
-        q, k, v, out, lse, pnum, pidx, fnum, fidx, captured_args(captured),
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        *pnum.stride(), *pidx.stride()[:3], *fnum.stride(), *fidx.stride()[:3],
-        heads, problem.group, seqlen_q, seqlen_k, problem.scale,
+    args = (q, k, v, out, lse, pnum, pidx, fnum, fidx, captured_args(captured),
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            *pnum.stride(), *pidx.stride()[:3], *fnum.stride(), *fidx.stride()[:3],
+            heads, problem.group, seqlen_q, seqlen_k, problem.scale)
+    launch_fitting(flex_fwd_kernel, grid, args, dict(
         SCORE_MOD=score_fn, MASK_MOD=mask_fn, HAS_SCORE=score is not None,
         HAS_MASK=mask is not None, D=d, DV=dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        BLOCK_M=bm, BLOCK_N=bn, BQ=bq, BK=bk, num_warps=warps, num_stages=stages)
+        BLOCK_M=bm, BLOCK_N=bn, BQ=bq, BK=bk, num_warps=warps, num_stages=stages))
     return out, lse

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ...core.flex import memo_by_identity
+from ...runtime.launch import launch_fitting
 from . import Config, head_blocks
 from .common import dot, load_rows, store_rows
 from .flex import block_lists, mod_functions, tiles
@@ -220,19 +221,22 @@ def flex_backward(dout, dlse, q, k, v, out, lse, problem, captured_need_grad):
     buffers = [torch.zeros(captured[i].shape, dtype=torch.float32, device=q.device)
                for i in slots]
     grads = [(g, tuple_ints(g.stride())) for g in buffers]
-    flex_bwd_dq_kernel[(triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * heads)](
-        q, k, v, dout, lse, delta, dq, num, idx, cap, (*(x for g in grads for x in g), 0),
-        *strides, *num.stride(), *idx.stride()[:4], heads, problem.group, seqlen_q,
-        seqlen_k, problem.scale, GRAD_MOD=grad_function(score, slots) if slots else _no_grads,
-        HAS_GRAD=bool(slots), **meta)
+    launch_fitting(
+        flex_bwd_dq_kernel, (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * heads),
+        (q, k, v, dout, lse, delta, dq, num, idx, cap, (*(x for g in grads for x in g), 0),
+         *strides, *num.stride(), *idx.stride()[:4], heads, problem.group, seqlen_q,
+         seqlen_k, problem.scale),
+        dict(GRAD_MOD=grad_function(score, slots) if slots else _no_grads,
+             HAS_GRAD=bool(slots), **meta))
     meta, blocks = plan(_DKDV_TILES)
     num, idx = block_lists(problem.layout, *where, *blocks, batch, heads, True)
     dk = torch.empty(batch, heads_kv, seqlen_k, d, dtype=k.dtype, device=q.device)
     dvt = torch.empty(batch, heads_kv, seqlen_k, dv, dtype=v.dtype, device=q.device)
-    flex_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * heads_kv)](
-        q, k, v, dout, lse, delta, dk, dvt, num, idx, cap, *strides, *num.stride(),
-        *idx.stride()[:4], heads, heads_kv, problem.group, seqlen_q, seqlen_k, problem.scale,
-        **meta)
+    launch_fitting(
+        flex_bwd_dkdv_kernel, (triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * heads_kv),
+        (q, k, v, dout, lse, delta, dk, dvt, num, idx, cap, *strides, *num.stride(),
+         *idx.stride()[:4], heads, heads_kv, problem.group, seqlen_q, seqlen_k,
+         problem.scale), meta)
     dcap = [None] * len(problem.captured_values()[0])
     for i, g in zip(slots, buffers):
         dcap[i] = g.to(captured[i].dtype)
