@@ -20,7 +20,15 @@ class _CheckOnly(ModelRunner):
         return None
 
 
-@pytest.mark.parametrize("case", models_suite(), ids=lambda c: c.name)
+def _cases():
+    for case in models_suite():
+        # The 128k case's fp32 reference takes ~57 GB: beside other test files on an 80 GB
+        # card it ran out of memory, and so did they.
+        marks = [pytest.mark.alone] if case.name.startswith("long") else []
+        yield pytest.param(case, id=case.name, marks=marks)
+
+
+@pytest.mark.parametrize("case", _cases())
 def test_models_suite_case_passes_the_check(case):
     headline = [p for p in asymflash_providers("cuda") if p.headline]
     runner = _CheckOnly(headline, ("fwd", "bwd"), lambda fn, grads: 1.0, "cuda", attention_ref)
