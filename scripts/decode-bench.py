@@ -146,7 +146,10 @@ def step_graph_ms(case, graph, num_splits: int = 0, calls=None) -> float:
     return graph(step) / STEP_CALLS
 
 
-def make_case(batch, seqlen, paged, device, seed=0):
+def make_case(batch, seqlen, paged, device, seed=0, ragged=False):
+    """A decode case: q, the cache (paged or not, `seqlen` slots per sequence) and its
+    lengths: all `seqlen`, or with `ragged` as a serving batch holds them (the models
+    suite's decode cases): the first `seqlen`, the rest uniform in [seqlen / 4, seqlen]."""
     g = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape):
@@ -154,6 +157,9 @@ def make_case(batch, seqlen, paged, device, seed=0):
 
     q = randn(batch, 1, HQ, D)
     seqlens = torch.full((batch,), seqlen, dtype=torch.int32, device=device)
+    if ragged and batch > 1:
+        seqlens[1:] = torch.randint(seqlen // 4, seqlen + 1, (batch - 1,), generator=g,
+                                    device=device, dtype=torch.int32)
     if paged:
         pages = batch * seqlen // PAGE
         k_cache, v_cache = randn(pages, PAGE, HKV, D), randn(pages, PAGE, HKV, D)
@@ -298,18 +304,20 @@ SWEEP_CONFIGS = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (
 
 
 def sweep(graph, copy_gbs, budget_s, t_start, cases=None, configs=None, splits_list=None,
-          fp8=False):
+          fp8=False, ragged=False):
     """Graph-replay time of the portable kernel per (tile config, split count), and per call
     in an 8-call step graph where the caches are small enough for the step column. fp8: over
-    the e4m3 copy of each cache (its bytes; no step column)."""
+    the e4m3 copy of each cache (its bytes; no step column). ragged: lengths as a serving
+    batch holds them (`make_case`; % of copy counts the keys held)."""
     from asymflash.backends.portable import decode as dec
 
     results = []
     cases = cases or [(8, 4096), (8, 16384), (32, 4096), (32, 16384), (8, 65536)]
     for paged in (True, False):
         for batch, seqlen in cases:
-            case = make_case(batch, seqlen, paged, "cuda")
-            kv_bytes = batch * seqlen * HKV * 2 * D * (1 if fp8 else DTYPE.itemsize)
+            case = make_case(batch, seqlen, paged, "cuda", ragged=ragged)
+            keys = int(case["seqlens"].sum())
+            kv_bytes = keys * HKV * 2 * D * (1 if fp8 else DTYPE.itemsize)
             auto = splits_chosen(case)
             for block_n, warps, stages in configs or SWEEP_CONFIGS:
                 cfg = dec.DecodeConfig(16, block_n, True, warps, stages)
@@ -361,6 +369,9 @@ def main(argv=None) -> int:
                     help="block_n:warps:stages,... for --sweep")
     ap.add_argument("--sweep-splits", default=None, help="comma-separated split counts")
     ap.add_argument("--sweep-fp8", action="store_true", help="--sweep over e4m3 caches")
+    ap.add_argument("--ragged", action="store_true",
+                    help="--sweep with lengths uniform in [n/4, n] (the table's peers read "
+                         "whole caches, so it applies to the sweep)")
     ap.add_argument("--profile", action="store_true", help="with --host: cProfile a call")
     ap.add_argument("--no-table", action="store_true", help="skip the main table")
     ap.add_argument("--lengths", default=None, help="comma-separated seqlen_k (default 4k,16k,64k)")
@@ -402,7 +413,7 @@ def main(argv=None) -> int:
         splits_list = ([int(x) for x in args.sweep_splits.split(",")]
                        if args.sweep_splits else None)
         result["sweep"] = sweep(graph, copy_gbs, args.budget_s, t_start, cases, configs,
-                                splits_list, args.sweep_fp8)
+                                splits_list, args.sweep_fp8, args.ragged)
     rows = [] if args.no_table else table_rows(args, device, bench, graph, batches, lengths,
                                                copy_gbs, t_start)
     result["rows"] = rows
