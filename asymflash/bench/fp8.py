@@ -108,6 +108,16 @@ def _cudnn_reason() -> str | None:
         return "needs CUDA"
     if importlib.util.find_spec("cudnn") is None:
         return "nvidia-cudnn-frontend is not installed (pip install nvidia-cudnn-frontend)"
+    import cudnn
+
+    # The frontend loads a cuDNN of its own finding: beside torch's nvidia-cudnn package when
+    # installed into the same site-packages, else the first libcudnn.so on the loader's path
+    # (an H100 machine's was older than torch's 9.19 and refused fp8 SDPA, which needs 9.13).
+    loaded = getattr(cudnn, "backend_version", lambda: None)()
+    if loaded is not None and loaded < 91300:
+        return (f"nvidia-cudnn-frontend loaded cuDNN {loaded} (fp8 SDPA needs 9.13+; torch has "
+                f"{torch.backends.cudnn.version()}): install the frontend into the "
+                "site-packages holding torch's nvidia-cudnn package")
     return None
 
 
