@@ -99,3 +99,26 @@ def test_paged_varlen_prefill_reads_e4m3():
         ref = expected(q8[b:b + 1], cont_k[b:b + 1, :n], cont_v[b:b + 1, :n],
                        [s[b:b + 1] for s in (qd, kd, vd)], causal=True)
         assert_fp8_close(out[b:b + 1], None, ref)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_planned_decode_takes_each_calls_descales(paged):
+    """A repeated signature runs as a call plan (check_values=False): the kernel must read
+    the descales of this call, not the first call's (they are tensors of the signature, not
+    part of it). Three calls with other descales each."""
+    lens, hq, hkv, d, capacity = [9, 64], 4, 2, 32, 64
+    batch = len(lens)
+    kc, vc, kd, vd, kw, contiguous = _cache(batch, hkv, d, capacity, paged)
+    cont_k, cont_v = contiguous if paged else (kc, vc)
+    q = torch.randn(batch, 1, hq, d, device=DEVICE).to(torch.bfloat16)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    for scale in (1.0, 0.25, 3.0):
+        kd_i, vd_i = kd * scale, vd * (2.0 - scale / 2)
+        with forced("portable"):
+            out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
+                                               check_values=False, return_lse=True,
+                                               k_descale=kd_i, v_descale=vd_i, **kw)
+        for b, n in enumerate(lens):
+            ref = expected(q[b:b + 1], cont_k[b:b + 1, :n], cont_v[b:b + 1, :n],
+                           (None, kd_i[b:b + 1], vd_i[b:b + 1]))
+            assert_fp8_close(out[b:b + 1], lse[b:b + 1], ref)
