@@ -14,7 +14,7 @@ import triton
 
 from ...core.params import AttnParams, SeqInfo, cdiv
 from ...runtime.dispatch import interpreting
-from ...runtime.launch import DirectLaunch
+from ...runtime.launch import DirectLaunch, launch_fitting
 from .bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
 from .fwd import attn_fwd_kernel
 
@@ -73,9 +73,11 @@ def launch(kernel, name: str, grid, args, meta: dict, deterministic: bool):
     configs = candidates(name, meta["D"], meta["DV"])
     if interpreting() or deterministic or len(configs) == 1:
         c = _INTERPRETER_CONFIG if interpreting() else configs[0]
-        kernel[grid(c.block_m, c.block_n)](*args, **meta, BLOCK_M=c.block_m,
-                                           BLOCK_N=c.block_n, num_warps=c.num_warps,
-                                           num_stages=c.num_stages)
+        # (the autotuner below drops a candidate the GPU's shared memory refuses; a fixed
+        # tile gets fewer stages instead)
+        launch_fitting(kernel, grid(c.block_m, c.block_n), args,
+                       dict(meta, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps,
+                            num_stages=c.num_stages))
         return
     tuned = _autotuned(kernel, tuple(configs))
     tuned[lambda m: grid(m["BLOCK_M"], m["BLOCK_N"])](*args, **meta)
