@@ -153,12 +153,10 @@ def unsupported_decode(q, cache, params, sink):
     return None if q.device.type == "cpu" else f"tensors are on {q.device}, not the CPU"
 
 
-def _descaled(x, descale, cu_k, dtype):
+def _descaled(x, descale, seq_of_key, dtype):
     """Packed keys or values x (total_k, nheads_kv, d) times their sequence's descale."""
     if descale is None:
         return x.to(dtype)
-    seq_of_key = torch.repeat_interleave(torch.arange(len(cu_k) - 1, device=x.device),
-                                         cu_k.diff().long())
     return x.float() * descale.float()[seq_of_key][:, :, None]
 
 
@@ -195,8 +193,12 @@ def decode(q, cache: CacheSpec, params: AttnParams, sink, num_splits: int = 0):
     k, v, cu_k, max_k = gather(cache)
     # An e4m3 cache (api/kvcache_fp8.py) widens exactly to q's 16 bits; a no-op otherwise.
     # With descales, the values the cache stands for, in fp32 (forward computes in fp32).
-    k, v = _descaled(k, cache.k_descale, cu_k, q.dtype), _descaled(v, cache.v_descale, cu_k,
-                                                                  q.dtype)
+    seq_of_key = None
+    if cache.k_descale is not None or cache.v_descale is not None:
+        seq_of_key = torch.repeat_interleave(torch.arange(cache.batch, device=k.device),
+                                             cu_k.diff().long())
+    k = _descaled(k, cache.k_descale, seq_of_key, q.dtype)
+    v = _descaled(v, cache.v_descale, seq_of_key, q.dtype)
     if cache.cu_seqlens_q is not None:
         cu_q = cache.cu_seqlens_q
     else:
